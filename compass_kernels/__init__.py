@@ -1,0 +1,13 @@
+"""compass_kernels: kernels for reinforcement learning on large Mixture-of-Experts models.
+
+Capabilities are subpackages (``ck.advantages`` ...); ``ck.info()`` says what
+was built and what can run here.
+"""
+
+from __future__ import annotations
+
+from compass_kernels import advantages
+from compass_kernels._info import info
+
+__version__ = "0.1.0"
+__all__ = ["advantages", "info", "__version__"]

@@ -1,0 +1,75 @@
+"""Argument checks shared by every public op. Each error names the argument and
+what was expected (dtype, shape, device, range)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+def _dtype_names(dtypes: Sequence[torch.dtype]) -> str:
+    return " | ".join(str(d).removeprefix("torch.") for d in dtypes)
+
+
+def describe(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)} on {t.device}"
+
+
+def check_tensor(
+    name: str,
+    t: object,
+    *,
+    ndim: int | None = None,
+    dtypes: Sequence[torch.dtype] | None = None,
+    size: int | None = None,
+    size_what: str = "",
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """Check one tensor argument; returns it. ``size`` is the expected length of dim 0."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-d tensor, got {describe(t)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise ValueError(f"{name}: expected dtype {_dtype_names(dtypes)}, got {describe(t)}")
+    if size is not None and t.shape[0] != size:
+        what = f" ({size_what})" if size_what else ""
+        raise ValueError(f"{name}: expected {size} elements in dim 0{what}, got {describe(t)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device}, got {describe(t)}")
+    return t
+
+
+def check_finite(name: str, t: torch.Tensor) -> None:
+    """Raise if ``t`` holds NaN or Inf, naming the first bad index (one host sync)."""
+    bad = ~torch.isfinite(t)
+    if bool(bad.any()):
+        idx = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"{name}: expected finite values, got {t[idx].item()} at index {idx} "
+            f"({int(bad.sum())} non-finite of {t.numel()})"
+        )
+
+
+def check_offsets(name: str, offsets: torch.Tensor, total: int, *, exact: bool) -> None:
+    """Check a cu_seqlens-style int64 vector on its own device with one host sync:
+    offsets[0] == 0, non-decreasing, offsets[-1] == total (exact) or <= total."""
+    first, last = offsets[0], offsets[-1]
+    decreasing = (offsets[1:] < offsets[:-1]).any() if offsets.numel() > 1 else first != first
+    end_bad = (last != total) if exact else (last > total)
+    flags = torch.stack([first != 0, decreasing, end_bad]).tolist()
+    if flags[0]:
+        raise ValueError(f"{name}: expected {name}[0] == 0, got {int(first)}")
+    if flags[1]:
+        i = int((offsets[1:] < offsets[:-1]).nonzero()[0, 0])
+        raise ValueError(
+            f"{name}: expected non-decreasing values, got {name}[{i}] = {int(offsets[i])} > "
+            f"{name}[{i + 1}] = {int(offsets[i + 1])}"
+        )
+    if flags[2]:
+        rel = "==" if exact else "<="
+        raise ValueError(f"{name}: expected {name}[-1] {rel} {total}, got {int(last)}")

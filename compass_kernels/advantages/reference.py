@@ -1,0 +1,113 @@
+"""Executable spec of ck.advantages: plain torch, float64, written for clarity.
+
+Never imported by a fast path; tests and benches compare every backend to it.
+Math: ../shared/DESIGN.md, "Group advantages and zero-variance elimination".
+"""
+
+from __future__ import annotations
+
+import torch
+
+MODES = ("grpo", "dr_grpo", "rloo")
+
+
+def group_advantages_reference(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    *,
+    mode: str = "grpo",
+    eps: float = 1e-6,
+    zero_var_tol: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-sample advantages within groups of samples of the same prompt.
+
+    Parameters
+    ----------
+    rewards : [n] float tensor.
+    group_ids : [n] integer tensor; samples with equal ids form a group.
+    mode : "grpo" (A = (R - mean) / (std + eps), std unbiased), "dr_grpo"
+        (A = R - mean) or "rloo" (A = R - mean of the other samples).
+    eps, zero_var_tol : a group is zero-variance when it has one sample or its
+        unbiased std (float64) is <= zero_var_tol; its advantages are 0.
+
+    Returns
+    -------
+    adv : [n] float64.  zero_var : [n] bool.
+    group_mean, group_std : [G] float64, groups in increasing id order (std of a
+        group of one is 0).
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+    r = rewards.detach().to(torch.float64).cpu()
+    ids = group_ids.cpu()
+    adv = torch.zeros_like(r)
+    zero_var = torch.zeros(r.shape, dtype=torch.bool)
+    means, stds = [], []
+    for gid in torch.unique(ids).tolist():
+        members = (ids == gid).nonzero().flatten()
+        x = r[members]
+        c = x.numel()
+        mean = x.sum() / c
+        std = torch.sqrt(((x - mean) ** 2).sum() / (c - 1)) if c >= 2 else torch.zeros((), dtype=torch.float64)
+        zero = c < 2 or bool(std <= zero_var_tol)
+        means.append(mean)
+        stds.append(std)
+        zero_var[members] = zero
+        if zero:
+            continue
+        if mode == "grpo":
+            adv[members] = (x - mean) / (std + eps)
+        elif mode == "dr_grpo":
+            adv[members] = x - mean
+        else:
+            adv[members] = torch.stack([x[k] - (x.sum() - x[k]) / (c - 1) for k in range(c)])
+    as_vec = lambda v: torch.stack(v) if v else torch.zeros(0, dtype=torch.float64)
+    return adv, zero_var, as_vec(means), as_vec(stds)
+
+
+def rl_zvp_reference(
+    entropy: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    rewards: torch.Tensor,
+    zero_var: torch.Tensor,
+    *,
+    alpha: float = 0.1,
+    advantages: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """RL-ZVP (arXiv 2509.21880) token advantages for zero-variance groups.
+
+    For sequence i (tokens cu_seqlens[i]:cu_seqlens[i+1]) in a zero-variance
+    group: A_t = alpha * H_t if rewards[i] > 0, else -alpha * (max_k H_k - H_t),
+    with H the (detached) entropy. Other sequences get ``advantages[i]`` on every
+    token (0 when ``advantages`` is None); tokens past cu_seqlens[-1] get 0.
+    Returns [T] float64.
+    """
+    h = entropy.detach().to(torch.float64).cpu()
+    out = torch.zeros_like(h)
+    cu = cu_seqlens.cpu().tolist()
+    for i in range(len(cu) - 1):
+        seg = slice(cu[i], cu[i + 1])
+        if bool(zero_var[i]):
+            if cu[i + 1] == cu[i]:
+                continue
+            if float(rewards[i]) > 0:
+                out[seg] = alpha * h[seg]
+            else:
+                out[seg] = -alpha * (h[seg].max() - h[seg])
+        elif advantages is not None:
+            out[seg] = float(advantages[i])
+    return out
+
+
+def overlong_penalty_reference(lengths: torch.Tensor, *, max_len: int, cache_len: int) -> torch.Tensor:
+    """DAPO overlong penalty per response: 0 if L <= max_len - cache_len,
+    ((max_len - cache_len) - L) / cache_len in between, -1 past max_len. [n] float64."""
+    out = []
+    for length in lengths.cpu().tolist():
+        if length <= max_len - cache_len:
+            out.append(0.0)
+        elif length <= max_len:
+            out.append(((max_len - cache_len) - length) / cache_len)
+        else:
+            out.append(-1.0)
+    return torch.tensor(out, dtype=torch.float64)

@@ -1,0 +1,112 @@
+"""Build compass_kernels._C with CMake.
+
+Knobs (environment variables):
+  COMPASS_CUDA        AUTO (default: CUDA when nvcc is found) | ON | OFF
+  COMPASS_CUDA_ARCHS  CUDA architectures for the generic kernels (default "90a")
+  COMPASS_BUILD_TYPE  Release (default) | RelWithDebInfo | Debug
+  CUDACXX / CUDA_HOME where nvcc lives (otherwise PATH, then /usr/local/cuda)
+  MAX_JOBS            parallel compile jobs (default: number of CPUs)
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+
+
+def _find_nvcc() -> str | None:
+    for cand in (os.environ.get("CUDACXX"),
+                 os.path.join(os.environ.get("CUDA_HOME", ""), "bin", "nvcc"),
+                 shutil.which("nvcc"),
+                 "/usr/local/cuda/bin/nvcc"):
+        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+class CMakeExtension(Extension):
+    def __init__(self, name: str) -> None:
+        super().__init__(name, sources=[])
+
+
+class CMakeBuild(build_ext):
+    def build_extension(self, ext: CMakeExtension) -> None:
+        import pybind11
+
+        t0 = time.perf_counter()
+        out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
+        build_temp = Path(self.build_temp).resolve() / ext.name
+        build_temp.mkdir(parents=True, exist_ok=True)
+
+        cuda_mode = os.environ.get("COMPASS_CUDA", "AUTO").upper()
+        if cuda_mode not in ("AUTO", "ON", "OFF"):
+            raise RuntimeError(f"COMPASS_CUDA must be AUTO, ON or OFF, got {cuda_mode!r}")
+        nvcc = _find_nvcc() if cuda_mode != "OFF" else None
+        if cuda_mode == "ON" and nvcc is None:
+            raise RuntimeError("COMPASS_CUDA=ON but no nvcc was found (set CUDACXX or CUDA_HOME)")
+
+        args = [
+            f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={out_dir}",
+            f"-DPython_EXECUTABLE={sys.executable}",
+            f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
+            f"-DCMAKE_BUILD_TYPE={os.environ.get('COMPASS_BUILD_TYPE', 'Release')}",
+            f"-DCOMPASS_CUDA={'ON' if nvcc else 'OFF'}",
+            f"-DCOMPASS_CUDA_ARCHS={os.environ.get('COMPASS_CUDA_ARCHS', '90a')}",
+            f"-DCOMPASS_VERSION={self.distribution.get_version()}",
+        ]
+        if nvcc:
+            args.append(f"-DCMAKE_CUDA_COMPILER={nvcc}")
+        cutlass = _cutlass_include()
+        if cutlass:
+            args.append(f"-DCOMPASS_CUTLASS_INCLUDE={cutlass}")
+        if shutil.which("ninja") or _py_ninja():
+            args += ["-G", "Ninja"]
+            if not shutil.which("ninja"):
+                args.append(f"-DCMAKE_MAKE_PROGRAM={_py_ninja()}")
+        jobs = os.environ.get("MAX_JOBS") or str(os.cpu_count() or 1)
+
+        subprocess.check_call(["cmake", str(ROOT), *args], cwd=build_temp)
+        subprocess.check_call(["cmake", "--build", ".", "--parallel", jobs], cwd=build_temp)
+        print(f"[compass_kernels] built {ext.name} in {time.perf_counter() - t0:.1f} s "
+              f"(CUDA: {'nvcc ' + nvcc if nvcc else 'off'}, MAX_JOBS={jobs})", flush=True)
+
+
+def _py_ninja() -> str | None:
+    try:
+        import ninja
+
+        path = os.path.join(ninja.BIN_DIR, "ninja")
+        return path if os.path.exists(path) else None
+    except ImportError:
+        return None
+
+
+def _cutlass_include() -> str | None:
+    """CUTLASS headers ship in the nvidia-cutlass wheel; no network fetch at build time."""
+    if os.environ.get("COMPASS_CUTLASS_INCLUDE"):
+        return os.environ["COMPASS_CUTLASS_INCLUDE"]
+    try:
+        import importlib.util
+
+        spec = importlib.util.find_spec("cutlass_library")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    inc = Path(list(spec.submodule_search_locations)[0]) / "source" / "include"
+    return str(inc) if (inc / "cutlass" / "cutlass.h").exists() else None
+
+
+setup(
+    ext_modules=[CMakeExtension("compass_kernels._C")],
+    cmdclass={"build_ext": CMakeBuild},
+)
