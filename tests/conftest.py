@@ -1,0 +1,46 @@
+"""Test tiers and global setup.
+
+- TRITON_INTERPRET=1 is set here, before anything imports triton, when no CUDA
+  device is present: Triton kernels then run on CPU tensors in the interpreter,
+  and the test-only fix of the interpreter's dot/cast builders is applied.
+- Markers (pyproject.toml): gpu (auto-skipped without a device), triton, sm90,
+  integration, slow. Select tiers with -m, e.g. `-m "not integration"`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+HAS_GPU = torch.cuda.is_available()
+if not HAS_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import importlib.util  # noqa: E402
+
+import pytest  # noqa: E402
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+pytest_plugins = ["tests.fixtures.engines"]
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device (none here)")
+    skip_triton = pytest.mark.skip(reason="triton is not installed: pip install -e '.[triton]'")
+    for item in items:
+        if "gpu" in item.keywords and not HAS_GPU:
+            item.add_marker(skip_gpu)
+        if "triton" in item.keywords and not HAS_TRITON:
+            item.add_marker(skip_triton)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _triton_interpreter_fixed():
+    """Apply the interpreter fix for the whole session when interpreting."""
+    if HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1":
+        from compass_kernels import triton_interpreter
+
+        triton_interpreter.apply()
+    yield

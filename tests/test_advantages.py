@@ -1,0 +1,350 @@
+"""ck.advantages: every backend against the float64 reference, bad inputs, op registration.
+
+Triton-backend tests live in test_advantages_triton.py; the GPU tests here run
+wherever a CUDA device is (marker gpu).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import compass_kernels as ck
+from compass_kernels import _dispatch
+from compass_kernels._ext import BackendUnavailableError, dl, load
+from compass_kernels.advantages import MODES, _group_kernel, _groups_from_ids, _zvp_kernel
+from compass_kernels.advantages.reference import (
+    group_advantages_reference,
+    overlong_penalty_reference,
+    rl_zvp_reference,
+)
+from compass_kernels.testing import assert_verbose_allclose, empty_poisoned, make_generator
+
+# -------------------------------------------------------------- inputs
+
+
+def make_groups(num_groups: int, seed: int, *, max_size: int = 9, device="cpu"):
+    """Rewards with shuffled, sparse group ids and a mix of group kinds: binary
+    (often zero-variance), continuous, constant 0.1 (exactly zero-variance in
+    float64 only if computed carefully), and groups of one."""
+    g = make_generator(seed)
+    sizes = torch.randint(1, max_size + 1, (num_groups,), generator=g)
+    ids = torch.randperm(10 * num_groups + 7, generator=g)[:num_groups] * 3 - 5
+    rewards, group_ids = [], []
+    for k in range(num_groups):
+        size = int(sizes[k])
+        kind = k % 4
+        if kind == 0:
+            r = torch.randint(0, 2, (size,), generator=g).float()
+        elif kind == 1:
+            r = torch.randn(size, generator=g) * 3
+        elif kind == 2:
+            r = torch.full((size,), 0.1)
+        else:
+            r = torch.rand(size, generator=g).round(decimals=1)
+        rewards.append(r)
+        group_ids.append(torch.full((size,), int(ids[k]), dtype=torch.int64))
+    perm = torch.randperm(int(sizes.sum()), generator=g)
+    return torch.cat(rewards)[perm].to(device), torch.cat(group_ids)[perm].to(device)
+
+
+def make_sequences(n: int, seed: int, *, max_len: int = 40, pad: int = 3, device="cpu"):
+    g = make_generator(seed)
+    lengths = torch.randint(0, max_len + 1, (n,), generator=g)
+    cu = torch.zeros(n + 1, dtype=torch.int64)
+    cu[1:] = lengths.cumsum(0)
+    total = int(cu[-1]) + pad
+    entropy = torch.rand(total, generator=g) * 5
+    rewards = torch.randint(0, 2, (n,), generator=g).float() - 0.5 * (torch.arange(n) % 3 == 0)
+    zero_var = torch.rand(n, generator=g) < 0.6
+    adv = torch.randn(n, generator=g)
+    to = lambda *ts: [t.to(device) for t in ts]
+    return to(entropy, cu, rewards, zero_var, adv)
+
+
+def cpu_backends():
+    return ["cpp"]
+
+
+# -------------------------------------------------------- group advantages
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("num_groups", [1, 7, 37, 131])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_group_advantages_matches_reference(mode, num_groups, dtype):
+    rewards, ids = make_groups(num_groups, seed=num_groups)
+    rewards = rewards.to(dtype)
+    adv, zero_var, stats = ck.advantages.group_advantages(rewards, ids, mode=mode)
+    ref_adv, ref_zv, ref_mean, ref_std = group_advantages_reference(rewards, ids, mode=mode)
+    assert adv.dtype == dtype and zero_var.dtype == torch.bool
+    assert torch.equal(zero_var, ref_zv)
+    assert_verbose_allclose(adv, ref_adv.to(dtype), name="adv")
+    assert_verbose_allclose(stats.group_mean, ref_mean, atol=1e-12, rtol=1e-12, name="mean")
+    assert_verbose_allclose(stats.group_std, ref_std, atol=1e-12, rtol=1e-12, name="std")
+    assert torch.equal(stats.group_ids, torch.unique(ids))
+    assert stats.num_groups == num_groups
+    assert int(stats.num_zero_var) == int(stats.group_zero_var.sum())
+
+
+@pytest.mark.parametrize("backend", cpu_backends())
+@pytest.mark.parametrize("mode", list(MODES))
+def test_group_kernel_writes_every_output(backend, mode):
+    """Outputs are poisoned before the kernel: any element it skips shows up."""
+    rewards, ids = make_groups(53, seed=3)
+    order, offsets, _, _ = _groups_from_ids(ids)
+    n, groups = rewards.numel(), offsets.numel() - 1
+    out = (empty_poisoned(n, torch.float32), empty_poisoned(n, torch.bool),
+           empty_poisoned(groups, torch.float64), empty_poisoned(groups, torch.float64))  # fmt: skip
+    _group_kernel(backend, rewards, order, offsets, MODES[mode], 1e-6, 1e-6, out=out)
+    ref_adv, ref_zv, ref_mean, ref_std = group_advantages_reference(rewards, ids, mode=mode)
+    assert torch.equal(out[1], ref_zv)
+    assert_verbose_allclose(out[0], ref_adv.float(), name="adv")
+    assert_verbose_allclose(out[2], ref_mean, atol=1e-12, rtol=1e-12)
+    assert_verbose_allclose(out[3], ref_std, atol=1e-12, rtol=1e-12)
+
+
+def test_group_size_layout_equals_group_ids():
+    g = make_generator(11)
+    rewards = torch.randint(0, 3, (19 * 8,), generator=g).float()
+    a1, z1, s1 = ck.advantages.group_advantages(rewards, group_size=8)
+    a2, z2, s2 = ck.advantages.group_advantages(rewards, torch.arange(19).repeat_interleave(8))
+    assert torch.equal(a1, a2) and torch.equal(z1, z2)
+    assert torch.equal(s1.group_mean, s2.group_mean) and s1.group_ids is None
+
+
+def test_zero_variance_is_exact_and_uses_tolerance():
+    # 0.1 is not representable: a naive float32 mean/std can give std ~1e-9 > 0.
+    rewards = torch.tensor([0.1] * 7 + [1.0, 1.0 + 1e-7, 1.0] + [2.0, 2.0 + 1e-3])
+    ids = torch.tensor([0] * 7 + [1] * 3 + [2] * 2)
+    adv, zero_var, stats = ck.advantages.group_advantages(rewards, ids)
+    assert stats.group_zero_var.tolist() == [True, True, False]
+    assert torch.all(adv[:10] == 0)  # exactly 0, not 1e-7 / 1e-6 noise amplified
+    _, zv_strict, _ = ck.advantages.group_advantages(rewards, ids, zero_var_tol=0.0)
+    assert zv_strict[:10].tolist() == [True] * 7 + [False] * 3
+
+
+def test_groups_of_one_and_empty_batch():
+    adv, zero_var, stats = ck.advantages.group_advantages(torch.tensor([3.0, 5.0]), torch.tensor([1, 2]))
+    assert adv.tolist() == [0.0, 0.0] and zero_var.all()
+    assert stats.group_std.tolist() == [0.0, 0.0]
+    adv, zero_var, stats = ck.advantages.group_advantages(
+        torch.zeros(0), torch.zeros(0, dtype=torch.int64))  # fmt: skip
+    assert adv.shape == (0,) and zero_var.shape == (0,) and stats.num_groups == 0
+
+
+def test_half_precision_rewards_are_computed_in_float32():
+    rewards, ids = make_groups(17, seed=5)
+    adv, _, _ = ck.advantages.group_advantages(rewards.bfloat16(), ids)
+    ref, _, _, _ = group_advantages_reference(rewards.bfloat16(), ids)
+    assert adv.dtype == torch.float32
+    assert_verbose_allclose(adv, ref.float(), name="adv")
+
+
+def test_outputs_never_require_grad():
+    rewards = torch.tensor([1.0, 0.0, 1.0], requires_grad=True)
+    adv, _, _ = ck.advantages.group_advantages(rewards, group_size=3)
+    assert not adv.requires_grad
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(rewards=torch.ones(4), group_ids=torch.zeros(3, dtype=torch.int64)), "group_ids: expected 4"),
+        (dict(rewards=torch.tensor([1.0, float("nan")]), group_size=2), "rewards: expected finite.*index 1"),
+        (dict(rewards=torch.tensor([1.0, float("inf")]), group_size=2), "rewards: expected finite"),
+        (dict(rewards=torch.ones(4, dtype=torch.int64), group_size=2), "rewards: expected dtype"),
+        (dict(rewards=torch.ones(2, 2), group_size=2), "rewards: expected a 1-d"),
+        (dict(rewards=torch.ones(4), group_ids=torch.zeros(4)), "group_ids: expected dtype"),
+        (dict(rewards=torch.ones(5), group_size=2), "does not divide"),
+        (dict(rewards=torch.ones(4), group_size=0), "group_size: expected a positive int"),
+        (dict(rewards=torch.ones(4)), "exactly one of group_ids"),
+        (dict(rewards=torch.ones(4), group_size=2, mode="ppo"), "mode: expected one of"),
+        (dict(rewards=torch.ones(4), group_size=2, eps=-1.0), "eps and zero_var_tol"),
+    ],
+)
+def test_group_advantages_bad_input(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ck.advantages.group_advantages(**kwargs)
+
+
+def test_cpp_boundary_rejects_bad_plans():
+    """The C++ entry checks its own arguments: a bad plan is an error, not a crash."""
+    C = load()
+    r = torch.ones(4)
+    outs_for = lambda groups: [torch.empty(4), torch.empty(4, dtype=torch.bool),
+                               torch.empty(groups, dtype=torch.float64),
+                               torch.empty(groups, dtype=torch.float64)]  # fmt: skip
+    outs = outs_for(2)
+    good_order, good_off = torch.arange(4), torch.tensor([0, 2, 4])
+    with pytest.raises(ValueError, match="offsets: expected non-decreasing.*offsets\\[1\\] = 3"):
+        C.advantages.group_advantages_cpu(dl(r), dl(good_order), dl(torch.tensor([0, 3, 1, 4])),
+                                          0, 1e-6, 1e-6, *[dl(o) for o in outs_for(3)])  # fmt: skip
+    cases = [
+        (good_order, torch.tensor([0, 2, 5]), "offsets: expected offsets\\[0\\] == 0"),
+        (torch.tensor([0, 1, 2, 9]), good_off, "order: expected indices in \\[0, 4\\)"),
+        (good_order.int(), good_off, "order: expected dtype int64"),
+    ]
+    for order, off, match in cases:
+        with pytest.raises(ValueError, match=match):
+            C.advantages.group_advantages_cpu(dl(r), dl(order), dl(off), 0, 1e-6, 1e-6,
+                                              *[dl(o) for o in outs])  # fmt: skip
+    with pytest.raises(ValueError, match="adv: expected dtype float32"):
+        bad = [torch.empty(4, dtype=torch.float64)] + outs[1:]
+        C.advantages.group_advantages_cpu(dl(r), dl(good_order), dl(good_off), 0, 1e-6, 1e-6,
+                                          *[dl(o) for o in bad])  # fmt: skip
+
+
+# ----------------------------------------------------------------- RL-ZVP
+
+
+@pytest.mark.parametrize("n", [1, 7, 37, 131])
+@pytest.mark.parametrize("with_adv", [False, True])
+def test_rl_zvp_matches_reference(n, with_adv):
+    entropy, cu, rewards, zero_var, adv = make_sequences(n, seed=n)
+    adv = adv if with_adv else None
+    out = ck.advantages.rl_zvp(entropy, cu, rewards, zero_var, alpha=0.1, advantages=adv)
+    ref = rl_zvp_reference(entropy, cu, rewards, zero_var, alpha=0.1, advantages=adv)
+    assert out.dtype == torch.float32
+    assert_verbose_allclose(out, ref.float(), name="token_adv")
+
+
+@pytest.mark.parametrize("backend", cpu_backends())
+def test_rl_zvp_kernel_writes_every_output(backend):
+    entropy, cu, rewards, zero_var, adv = make_sequences(29, seed=2, pad=17)
+    out = empty_poisoned(entropy.numel(), torch.float32)
+    _zvp_kernel(backend, entropy, cu, rewards, zero_var, adv.double(), 0.25, out=out)
+    ref = rl_zvp_reference(entropy, cu, rewards, zero_var, alpha=0.25, advantages=adv.double())
+    assert_verbose_allclose(out, ref.float())
+
+
+def test_rl_zvp_accepts_int32_offsets_and_half_entropy():
+    entropy, cu, rewards, zero_var, _ = make_sequences(9, seed=4)
+    out = ck.advantages.rl_zvp(entropy.bfloat16(), cu.int(), rewards, zero_var)
+    ref = rl_zvp_reference(entropy.bfloat16(), cu, rewards, zero_var)
+    assert_verbose_allclose(out, ref.float())
+
+
+def test_rl_zvp_chains_with_group_advantages():
+    """The intended pipeline: advantages + zero-variance flag -> token advantages."""
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0])
+    adv, zero_var, _ = ck.advantages.group_advantages(rewards, group_size=2)
+    cu = torch.tensor([0, 2, 5, 6, 8, 9, 12])
+    entropy = torch.arange(12, dtype=torch.float32)
+    out = ck.advantages.rl_zvp(entropy, cu, rewards, zero_var, advantages=adv)
+    assert zero_var.tolist() == [True, True, False, False, True, True]
+    # group 0 all correct: alpha * H; group 2 all wrong: -alpha * (max H - H)
+    expected = [0.0, 0.1, 0.2, 0.3, 0.4, adv[2], adv[3], adv[3], 0.0, -0.2, -0.1, 0.0]
+    assert_verbose_allclose(out, torch.tensor(expected, dtype=torch.float32))
+
+
+@pytest.mark.parametrize(
+    ("cu", "match"),
+    [
+        (torch.tensor([1, 3, 5]), "cu_seqlens: expected cu_seqlens\\[0\\] == 0"),
+        (torch.tensor([0, 3, 2]), "cu_seqlens: expected non-decreasing.*cu_seqlens\\[1\\] = 3"),
+        (torch.tensor([0, 3, 11]), "cu_seqlens: expected cu_seqlens\\[-1\\] <= 10"),
+        (torch.tensor([0.0, 3.0, 5.0]), "cu_seqlens: expected dtype"),
+        (torch.tensor([0, 3, 5, 7]), "rewards: expected 3 elements"),
+    ],
+)
+def test_rl_zvp_bad_offsets(cu, match):
+    with pytest.raises(ValueError, match=match):
+        ck.advantages.rl_zvp(torch.rand(10), cu, torch.ones(2), torch.ones(2, dtype=torch.bool))
+
+
+def test_rl_zvp_bad_input():
+    cu = torch.tensor([0, 3, 5])
+    with pytest.raises(ValueError, match="zero_var: expected dtype bool"):
+        ck.advantages.rl_zvp(torch.rand(5), cu, torch.ones(2), torch.ones(2))
+    with pytest.raises(ValueError, match="alpha: expected >= 0"):
+        ck.advantages.rl_zvp(torch.rand(5), cu, torch.ones(2), torch.ones(2, dtype=torch.bool),
+                             alpha=float("nan"))  # fmt: skip
+    with pytest.raises(ValueError, match="advantages: expected 2 elements"):
+        ck.advantages.rl_zvp(torch.rand(5), cu, torch.ones(2), torch.ones(2, dtype=torch.bool),
+                             advantages=torch.ones(3))  # fmt: skip
+
+
+def test_cpp_boundary_rejects_bad_offsets_without_python_checks():
+    C = load()
+    h, r, zv, out = torch.rand(5), torch.ones(2), torch.ones(2, dtype=torch.bool), torch.empty(5)
+    with pytest.raises(ValueError, match="cu_seqlens: last value 9 exceeds"):
+        C.advantages.rl_zvp_cpu(dl(h), dl(torch.tensor([0, 2, 9])), dl(r), dl(zv), None, 0.1, dl(out))
+
+
+# ------------------------------------------------------- overlong penalty
+
+
+def test_overlong_penalty_matches_reference_at_boundaries():
+    max_len, cache_len = 100, 20
+    lengths = torch.tensor([0, 79, 80, 81, 90, 99, 100, 101, 5000])
+    out = ck.advantages.overlong_penalty(lengths, max_len=max_len, cache_len=cache_len)
+    ref = overlong_penalty_reference(lengths, max_len=max_len, cache_len=cache_len)
+    assert_verbose_allclose(out, ref.float())
+    assert out.tolist()[:3] == [0.0, 0.0, 0.0] and out[-2:].tolist() == [-1.0, -1.0]
+
+
+def test_overlong_penalty_bad_input():
+    with pytest.raises(ValueError, match="cache_len: expected an int in"):
+        ck.advantages.overlong_penalty(torch.tensor([3]), max_len=10, cache_len=11)
+    with pytest.raises(ValueError, match="lengths: expected dtype"):
+        ck.advantages.overlong_penalty(torch.tensor([3.0]), max_len=10, cache_len=2)
+
+
+# ------------------------------------------------ dispatch and registration
+
+
+def test_dispatch_never_falls_back():
+    with pytest.raises(ValueError, match="backend='cuda' needs CUDA tensors"):
+        ck.advantages.group_advantages(torch.ones(2), group_size=2, backend="cuda")
+    with pytest.raises(ValueError, match="backend: expected one of"):
+        ck.advantages.group_advantages(torch.ones(2), group_size=2, backend="numpy")
+
+
+def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(BackendUnavailableError, match="TRITON_INTERPRET=1"):
+        _dispatch.resolve(torch.device("cpu"), "triton")
+
+
+def test_opcheck_registered_ops():
+    rewards, ids = make_groups(13, seed=8)
+    order, offsets, _, _ = _groups_from_ids(ids)
+    torch.library.opcheck(torch.ops.compass.group_advantages.default,
+                          (rewards, order, offsets, 0, 1e-6, 1e-6))  # fmt: skip
+    entropy, cu, r, zv, adv = make_sequences(11, seed=8)
+    torch.library.opcheck(torch.ops.compass.rl_zvp.default, (entropy, cu, r, zv, adv, 0.1))
+    torch.library.opcheck(torch.ops.compass.rl_zvp.default, (entropy, cu, r, zv, None, 0.1))
+
+
+def test_registered_op_traces_under_torch_compile():
+    entropy, cu, r, zv, adv = make_sequences(11, seed=9)
+    fn = torch.compile(lambda *a: torch.ops.compass.rl_zvp(*a, 0.1) * 2.0, backend="eager",
+                       fullgraph=True)  # fmt: skip
+    ref = rl_zvp_reference(entropy, cu, r, zv, advantages=adv) * 2.0
+    assert_verbose_allclose(fn(entropy, cu, r, zv, adv), ref.float())
+
+
+# ------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_gpu_group_advantages(backend, mode):
+    rewards, ids = make_groups(301, seed=21, max_size=70, device="cuda")
+    adv, zero_var, stats = ck.advantages.group_advantages(rewards, ids, mode=mode, backend=backend)
+    ref_adv, ref_zv, ref_mean, _ = group_advantages_reference(rewards, ids, mode=mode)
+    assert torch.equal(zero_var.cpu(), ref_zv)
+    assert_verbose_allclose(adv.cpu(), ref_adv.float(), name="adv")
+    assert_verbose_allclose(stats.group_mean.cpu(), ref_mean, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_gpu_rl_zvp(backend):
+    entropy, cu, rewards, zero_var, adv = make_sequences(257, seed=22, max_len=3000, device="cuda")
+    out = empty_poisoned(entropy.numel(), torch.float32, "cuda")
+    _zvp_kernel(backend, entropy, cu, rewards, zero_var, adv, 0.1, out=out)
+    ref = rl_zvp_reference(entropy, cu, rewards, zero_var, alpha=0.1, advantages=adv)
+    assert_verbose_allclose(out.cpu(), ref.float())
