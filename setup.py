@@ -24,10 +24,12 @@ ROOT = Path(__file__).resolve().parent
 
 
 def _find_nvcc() -> str | None:
-    for cand in (os.environ.get("CUDACXX"),
-                 os.path.join(os.environ.get("CUDA_HOME", ""), "bin", "nvcc"),
-                 shutil.which("nvcc"),
-                 "/usr/local/cuda/bin/nvcc"):
+    for cand in (
+        os.environ.get("CUDACXX"),
+        os.path.join(os.environ.get("CUDA_HOME", ""), "bin", "nvcc"),
+        shutil.which("nvcc"),
+        "/usr/local/cuda/bin/nvcc",
+    ):
         if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
             return cand
     return None
@@ -76,8 +78,11 @@ class CMakeBuild(build_ext):
 
         subprocess.check_call(["cmake", str(ROOT), *args], cwd=build_temp)
         subprocess.check_call(["cmake", "--build", ".", "--parallel", jobs], cwd=build_temp)
-        print(f"[compass_kernels] built {ext.name} in {time.perf_counter() - t0:.1f} s "
-              f"(CUDA: {'nvcc ' + nvcc if nvcc else 'off'}, MAX_JOBS={jobs})", flush=True)
+        print(
+            f"[compass_kernels] built {ext.name} in {time.perf_counter() - t0:.1f} s "
+            f"(CUDA: {'nvcc ' + nvcc if nvcc else 'off'}, MAX_JOBS={jobs})",
+            flush=True,
+        )
 
 
 def _py_ninja() -> str | None:

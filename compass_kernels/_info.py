@@ -41,11 +41,12 @@ def info() -> dict[str, Any]:
         build, count, reason = {"cuda": False}, 0, "compiled module not loaded"
         out["compiled"] = {"loaded": False, "error": str(err)}
     torch_cuda = torch.cuda.is_available()
+    capability = torch.cuda.get_device_capability(0) if torch_cuda else None
     out["cuda_device"] = {
         "usable": bool(torch_cuda and count > 0),
         "count": count,
         "name": torch.cuda.get_device_name(0) if torch_cuda else None,
-        "capability": "sm_%d%d" % torch.cuda.get_device_capability(0) if torch_cuda else None,
+        "capability": "sm_{}{}".format(*capability) if capability else None,
         "reason": reason or (None if torch_cuda else "torch sees no CUDA device"),
     }
     triton = _triton()

@@ -94,8 +94,12 @@ def test_group_kernel_writes_every_output(backend, mode):
     rewards, ids = make_groups(53, seed=3)
     order, offsets, _, _ = _groups_from_ids(ids)
     n, groups = rewards.numel(), offsets.numel() - 1
-    out = (empty_poisoned(n, torch.float32), empty_poisoned(n, torch.bool),
-           empty_poisoned(groups, torch.float64), empty_poisoned(groups, torch.float64))  # fmt: skip
+    out = (
+        empty_poisoned(n, torch.float32),
+        empty_poisoned(n, torch.bool),
+        empty_poisoned(groups, torch.float64),
+        empty_poisoned(groups, torch.float64),
+    )
     _group_kernel(backend, rewards, order, offsets, MODES[mode], 1e-6, 1e-6, out=out)
     ref_adv, ref_zv, ref_mean, ref_std = group_advantages_reference(rewards, ids, mode=mode)
     assert torch.equal(out[1], ref_zv)
@@ -125,7 +129,9 @@ def test_zero_variance_is_exact_and_uses_tolerance():
 
 
 def test_groups_of_one_and_empty_batch():
-    adv, zero_var, stats = ck.advantages.group_advantages(torch.tensor([3.0, 5.0]), torch.tensor([1, 2]))
+    adv, zero_var, stats = ck.advantages.group_advantages(
+        torch.tensor([3.0, 5.0]), torch.tensor([1, 2])
+    )
     assert adv.tolist() == [0.0, 0.0] and zero_var.all()
     assert stats.group_std.tolist() == [0.0, 0.0]
     adv, zero_var, stats = ck.advantages.group_advantages(
@@ -150,8 +156,14 @@ def test_outputs_never_require_grad():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        (dict(rewards=torch.ones(4), group_ids=torch.zeros(3, dtype=torch.int64)), "group_ids: expected 4"),
-        (dict(rewards=torch.tensor([1.0, float("nan")]), group_size=2), "rewards: expected finite.*index 1"),
+        (
+            dict(rewards=torch.ones(4), group_ids=torch.zeros(3, dtype=torch.int64)),
+            "group_ids: expected 4",
+        ),
+        (
+            dict(rewards=torch.tensor([1.0, float("nan")]), group_size=2),
+            "rewards: expected finite.*index 1",
+        ),
         (dict(rewards=torch.tensor([1.0, float("inf")]), group_size=2), "rewards: expected finite"),
         (dict(rewards=torch.ones(4, dtype=torch.int64), group_size=2), "rewards: expected dtype"),
         (dict(rewards=torch.ones(2, 2), group_size=2), "rewards: expected a 1-d"),
@@ -269,7 +281,9 @@ def test_cpp_boundary_rejects_bad_offsets_without_python_checks():
     C = load()
     h, r, zv, out = torch.rand(5), torch.ones(2), torch.ones(2, dtype=torch.bool), torch.empty(5)
     with pytest.raises(ValueError, match="cu_seqlens: last value 9 exceeds"):
-        C.advantages.rl_zvp_cpu(dl(h), dl(torch.tensor([0, 2, 9])), dl(r), dl(zv), None, 0.1, dl(out))
+        C.advantages.rl_zvp_cpu(
+            dl(h), dl(torch.tensor([0, 2, 9])), dl(r), dl(zv), None, 0.1, dl(out)
+        )
 
 
 # ------------------------------------------------------- overlong penalty

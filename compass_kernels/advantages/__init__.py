@@ -261,10 +261,14 @@ def rl_zvp(
     dev = entropy.device
     check_tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=(torch.int32, torch.int64), device=dev)
     if cu_seqlens.numel() < 1:
-        raise ValueError(f"cu_seqlens: expected at least 1 element (n+1), got {describe(cu_seqlens)}")
+        raise ValueError(
+            f"cu_seqlens: expected at least 1 element (n+1), got {describe(cu_seqlens)}"
+        )
     n = cu_seqlens.numel() - 1
     what = "one per sequence = len(cu_seqlens) - 1"
-    check_tensor("rewards", rewards, ndim=1, dtypes=FLOAT_DTYPES, size=n, size_what=what, device=dev)
+    check_tensor(
+        "rewards", rewards, ndim=1, dtypes=FLOAT_DTYPES, size=n, size_what=what, device=dev
+    )
     check_tensor("zero_var", zero_var, ndim=1, dtypes=(torch.bool,), size=n, size_what=what,
                  device=dev)  # fmt: skip
     if advantages is not None:

@@ -48,7 +48,11 @@ def group_advantages_reference(
         x = r[members]
         c = x.numel()
         mean = x.sum() / c
-        std = torch.sqrt(((x - mean) ** 2).sum() / (c - 1)) if c >= 2 else torch.zeros((), dtype=torch.float64)
+        std = (
+            torch.sqrt(((x - mean) ** 2).sum() / (c - 1))
+            if c >= 2
+            else torch.zeros((), dtype=torch.float64)
+        )
         zero = c < 2 or bool(std <= zero_var_tol)
         means.append(mean)
         stds.append(std)
@@ -99,7 +103,9 @@ def rl_zvp_reference(
     return out
 
 
-def overlong_penalty_reference(lengths: torch.Tensor, *, max_len: int, cache_len: int) -> torch.Tensor:
+def overlong_penalty_reference(
+    lengths: torch.Tensor, *, max_len: int, cache_len: int
+) -> torch.Tensor:
     """DAPO overlong penalty per response: 0 if L <= max_len - cache_len,
     ((max_len - cache_len) - L) / cache_len in between, -1 past max_len. [n] float64."""
     out = []

@@ -1,0 +1,35 @@
+# The two commands: `make bench` (the main job) and `make test`.
+# The first run of either creates .venv with everything (scripts/setup_env.sh).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: env build test test-fast bench wheel info lint
+
+$(PY):
+	bash scripts/setup_env.sh
+
+env:
+	bash scripts/setup_env.sh
+
+# incremental rebuild of compass_kernels._C after csrc changes (ninja, build/)
+build: $(PY)
+	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+
+test: build
+	$(PY) -m pytest tests
+
+# unit + triton-interpreter + sm90 compile checks, no engines
+test-fast: build
+	$(PY) -m pytest tests -m "not integration and not slow"
+
+bench: build
+	$(PY) -m bench
+
+wheel:
+	bash scripts/check_wheel.sh
+
+info: build
+	$(PY) -m compass_kernels info
+
+lint: $(PY)
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
