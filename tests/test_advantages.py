@@ -332,6 +332,9 @@ def test_opcheck_registered_ops():
 
 
 def test_registered_op_traces_under_torch_compile():
+    import torch._dynamo
+
+    assert not torch._dynamo.config.disable, "dynamo is off here (a live vLLM engine?)"
     entropy, cu, r, zv, adv = make_sequences(11, seed=9)
     fn = torch.compile(lambda *a: torch.ops.compass.rl_zvp(*a, 0.1) * 2.0, backend="eager",
                        fullgraph=True)  # fmt: skip

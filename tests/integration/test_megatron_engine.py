@@ -1,0 +1,257 @@
+"""megatron-core on CPU: the shim, the HF <-> Megatron converter, logits vs transformers,
+forward + backward, and the two-process gloo launcher."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+pytest.importorskip("transformers")
+
+from integration import megatron_cpu as shim  # noqa: E402
+from integration.megatron_convert import (  # noqa: E402
+    build_megatron_model,
+    hf_to_megatron,
+    load_hf_state_dict,
+    megatron_to_hf,
+)
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def hf_parts(tiny_moe_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(tiny_moe_path)
+    model = AutoModelForCausalLM.from_pretrained(tiny_moe_path, dtype=torch.float32).eval()
+    return cfg, model, load_hf_state_dict(tiny_moe_path)
+
+
+@pytest.fixture(scope="module")
+def mcore_model(megatron_cpu, hf_parts):
+    cfg, _, sd = hf_parts
+    return build_megatron_model(cfg, sd)
+
+
+def _random_batch(vocab, batch=2, seq=40, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seq), generator=gen)
+    pos = torch.arange(seq).unsqueeze(0).expand(batch, seq)
+    return ids, pos
+
+
+def _targets():
+    """(owner, attr, original) of every patch target, read without going through the shim."""
+    import importlib
+
+    out = {}
+    for p in shim.PATCHES:
+        owner = importlib.import_module(p.module)
+        if p.owner:
+            owner = getattr(owner, p.owner)
+        out[p.name] = (owner, p.attr)
+    return out
+
+
+def _current(owner, attr):
+    return (
+        owner.__dict__.get(attr, "<missing>")
+        if isinstance(owner, type)
+        else getattr(owner, attr, "<missing>")
+    )
+
+
+def test_shim_apply_and_revert_are_idempotent(monkeypatch):
+    names = [p.name for p in shim.PATCHES]
+    was_applied = shim.applied()
+    targets = _targets()
+    try:
+        shim.revert()
+        assert shim.applied() == []
+        assert shim.revert() == []
+        originals = {n: _current(*targets[n]) for n in names}
+        # Upstream as shipped: te_general_gemm undefined without TE, CUDA calls in place.
+        assert originals["te_general_gemm"] == "<missing>"
+        assert "torch.cuda.current_device()" in __import__("inspect").getsource(
+            originals["router_gating"]
+        )
+
+        assert shim.apply() == names
+        assert shim.apply() == []
+        assert shim.applied() == names
+        for n in names:
+            if n in ("alltoall_stream", "te_general_gemm"):
+                continue  # values, not functions
+            assert _current(*targets[n]) is not originals[n], n
+        from megatron.core.transformer.moe import moe_utils
+
+        assert moe_utils.te_general_gemm is None
+
+        assert shim.revert() == list(reversed(names))
+        assert shim.revert() == []
+        for n in names:
+            assert _current(*targets[n]) is originals[n], n
+        assert not hasattr(moe_utils, "te_general_gemm")
+
+        with shim.patched():
+            assert shim.applied() == names
+        assert shim.applied() == []
+
+        # A changed upstream function fails loudly and leaves everything untouched.
+        changed = dataclasses.replace(shim.PATCHES[1], fingerprint=("a line upstream lacks",))
+        monkeypatch.setattr(shim, "PATCHES", (shim.PATCHES[0], changed, *shim.PATCHES[2:]))
+        with pytest.raises(shim.ShimError, match="rope_get_emb.*changed"):
+            shim.apply()
+        assert shim.applied() == []
+        assert _current(*targets["router_gating"]) is originals["router_gating"]
+        monkeypatch.undo()
+
+        import megatron.core
+
+        monkeypatch.setattr(megatron.core, "__version__", "0.17.0")
+        with pytest.raises(shim.ShimError, match="0.17.0"):
+            shim.apply()
+        monkeypatch.undo()
+    finally:
+        shim.revert()
+        if was_applied:
+            shim.apply()
+
+
+def test_single_process_init_is_idempotent(megatron_cpu):
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    state = tensor_parallel.get_cuda_rng_tracker().get_states()
+    megatron_cpu.init_single_process_gloo(seed=123)  # already initialized: a no-op
+    assert dist.is_initialized() and dist.get_world_size() == 1
+    assert parallel_state.model_parallel_is_initialized()
+    assert parallel_state.get_tensor_model_parallel_world_size() == 1
+    assert parallel_state.get_expert_model_parallel_world_size() == 1
+    after = tensor_parallel.get_cuda_rng_tracker().get_states()
+    assert state.keys() == after.keys()
+    assert all(torch.equal(state[k], after[k]) for k in state)  # not re-seeded
+    assert "router_gating" in megatron_cpu.applied()
+
+
+def test_converter_round_trip_is_exact(hf_parts, mcore_model):
+    cfg, hf_model, sd = hf_parts
+    mc = hf_to_megatron(sd, cfg)
+    back = megatron_to_hf(mc, cfg)
+    assert set(back) == set(sd)
+    for key in sd:
+        assert back[key].dtype == sd[key].dtype and torch.equal(back[key], sd[key]), key
+
+    # The model's own state dict (with _extra_state entries) converts back exactly too.
+    model_sd = mcore_model.state_dict()
+    params = {k for k in model_sd if not k.endswith("_extra_state")}
+    assert params == set(mc)
+    from_model = megatron_to_hf(model_sd, cfg)
+    assert all(torch.equal(from_model[k], sd[k]) for k in sd)
+
+    # transformers' fused expert layout: same Megatron weights, and back.
+    fused = {k: v for k, v in hf_model.state_dict().items() if "rotary" not in k}
+    mc_fused = hf_to_megatron(fused, cfg)
+    assert set(mc_fused) == set(mc) and all(torch.equal(mc_fused[k], mc[k]) for k in mc)
+    back_fused = megatron_to_hf(mc_fused, cfg, fused_experts=True)
+    assert set(back_fused) == set(fused)
+    assert all(torch.equal(back_fused[k], fused[k]) for k in fused)
+
+
+def test_converter_rejects_bad_weights(hf_parts):
+    cfg, _, sd = hf_parts
+    missing = dict(sd)
+    del missing["model.layers.1.self_attn.k_norm.weight"]
+    with pytest.raises(KeyError, match="hf_state_dict.*layers.1.self_attn.k_norm"):
+        hf_to_megatron(missing, cfg)
+    wrong = dict(sd)
+    wrong["model.layers.0.mlp.gate.weight"] = torch.zeros(7, 128)
+    with pytest.raises(ValueError, match=r"mlp.gate.weight.*\(7, 128\)"):
+        hf_to_megatron(wrong, cfg)
+    extra = dict(sd, **{"model.layers.0.surprise": torch.zeros(1)})
+    with pytest.raises(ValueError, match="unexpected keys"):
+        hf_to_megatron(extra, cfg)
+
+
+def test_logits_match_transformers(hf_parts, mcore_model):
+    cfg, hf_model, _ = hf_parts
+    ids, pos = _random_batch(cfg.vocab_size)
+    with torch.no_grad():
+        ours = mcore_model(ids, pos, attention_mask=None)
+        ref = hf_model(ids).logits
+    assert ours.shape == ref.shape == (2, 40, cfg.vocab_size)
+    assert ours.dtype == torch.float32
+    diff = (ours - ref).abs().max()
+    assert diff <= 1e-5, float(diff)
+
+
+def test_forward_backward_on_cpu(hf_parts, mcore_model):
+    cfg, _, _ = hf_parts
+    ids, pos = _random_batch(cfg.vocab_size, seq=64, seed=1)
+    mcore_model.train()
+    mcore_model.zero_grad(set_to_none=True)
+    try:
+        logits = mcore_model(ids, pos, attention_mask=None)
+        loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, cfg.vocab_size), ids[:, 1:].reshape(-1)
+        )
+        loss.backward()
+        assert torch.isfinite(loss)
+        grads = {n: p.grad for n, p in mcore_model.named_parameters()}
+        assert all(g is not None and torch.isfinite(g).all() for g in grads.values())
+        for layer in range(cfg.num_hidden_layers):
+            prefix = f"decoder.layers.{layer}.mlp."
+            assert grads[prefix + "router.weight"].abs().sum() > 0, layer
+            for e in range(cfg.num_experts):
+                for fc in ("linear_fc1", "linear_fc2"):
+                    g = grads[f"{prefix}experts.local_experts.{e}.{fc}.weight"]
+                    assert g.abs().sum() > 0, (layer, e, fc)
+    finally:
+        mcore_model.zero_grad(set_to_none=True)
+        mcore_model.eval()
+
+
+def _all_reduce_worker(rank, world_size, base):
+    """Runs in each spawned process: a world all-reduce and a tensor-parallel one."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    t = torch.tensor([float(base + rank)])
+    dist.all_reduce(t)
+    tp = torch.tensor([float(rank + 1)])
+    dist.all_reduce(tp, group=parallel_state.get_tensor_model_parallel_group())
+    return {
+        "rank": dist.get_rank(),
+        "world": float(t.item()),
+        "tp_size": parallel_state.get_tensor_model_parallel_world_size(),
+        "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+        "tp_sum": float(tp.item()),
+    }
+
+
+def test_two_process_launcher_all_reduce():
+    results = shim.run_distributed(
+        _all_reduce_worker,
+        world_size=2,
+        args=(10,),
+        megatron={"tensor_model_parallel_size": 2},
+        timeout=150,
+    )
+    assert [r["rank"] for r in results] == [0, 1]
+    assert [r["world"] for r in results] == [21.0, 21.0]  # 10 + 11
+    assert [r["tp_size"] for r in results] == [2, 2]
+    assert [r["tp_rank"] for r in results] == [0, 1]
+    assert [r["tp_sum"] for r in results] == [3.0, 3.0]
+
+
+def test_launcher_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="world_size"):
+        shim.run_distributed(_all_reduce_worker, world_size=0)
+    with pytest.raises(TypeError, match="args"):
+        shim.run_distributed(_all_reduce_worker, args=[1])
+    with pytest.raises(TypeError, match="fn"):
+        shim.run_distributed("not callable")
