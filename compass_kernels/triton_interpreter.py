@@ -1,0 +1,377 @@
+"""Test-only numerical fix of the Triton interpreter (``TRITON_INTERPRET=1`` on CPU).
+
+The Triton 3.x interpreter runs kernels on NumPy arrays. Types NumPy lacks are
+stored as raw bits (bfloat16 as ``uint16``, float8 as ``uint8``), and several
+builders get them wrong (measured on triton 3.9, tests/test_triton_interpreter.py):
+
+- ``tl.dot`` on bfloat16 operands multiplies the raw ``uint16`` bit patterns
+  (``InterpreterBuilder.create_dot`` calls ``np.matmul`` on them): garbage.
+- fp32 -> bf16 (``cast_impl`` via ``_convert_float`` with no rounding mode)
+  truncates instead of rounding to nearest even; bf16 -> fp32 of subnormals
+  is wrong.
+- fp32 -> float8 (``create_fp_to_fp`` via ``_convert_float``) rounds half up,
+  lets the rounding carry corrupt the exponent (some values come out halved)
+  and does not saturate; e5m2 inf -> fp32 gives 65536.
+- integer -> bf16 (``cast_impl``) stores the integer value as the bit pattern.
+- A ``@triton.jit`` helper called from a kernel (``tl.sum``, ``tl.max``,
+  ``tl.cdiv`` are such helpers) patches ``triton.language.core`` with the
+  interpreter's semantics and never undoes it: ``InterpretedFunction.__call__``
+  drops the ``_LangPatchScope`` that ``_patch_lang`` returns. Interpreted runs
+  do not mind, but a later compile in the same process
+  (``compass_kernels.aot``) then fails deep inside code generation.
+
+:func:`apply` replaces ``InterpreterBuilder.create_dot``, ``cast_impl`` and
+``create_fp_to_fp`` with wrappers that convert through torch, and wraps
+``InterpretedFunction.__call__`` and ``_patch_lang`` so that each helper call
+restores the patches it made, as a kernel launch already does. Casts use
+``torch.Tensor.to`` (round to nearest even, or toward zero when the kernel asks
+for ``fp_downcast_rounding="rtz"``; saturation / overflow exactly as torch:
+float8_e4m3fn saturates to +-448, float8_e5m2 overflows to inf), dots upcast
+the operands exactly and call ``torch.matmul`` in float32 (float64 for
+float64 accumulators). Anything the wrappers do not cover (integer dots,
+float8e4b15, integer <-> integer casts, casts between integers and NumPy-native
+floats, which NumPy does right) goes to the original builder unchanged.
+
+What the fixed interpreter still does not model (compare against the GPU, not
+this, when these matter): TF32 operand rounding (``input_precision="tf32"``
+dots are computed in full fp32), per-MMA-step rounding of fp16 accumulators,
+GPU accumulation order, and fp8 overflow: Triton on sm_90 converts fp32 ->
+e4m3 and -> e5m2 with ``cvt.rn.satfinite`` (tests/test_aot.py), so on the GPU
+e5m2 saturates to +-57344 where torch (and so the fixed interpreter) gives inf.
+
+This module patches process-global state of the installed Triton. It is meant
+for tests (``tests/conftest.py`` calls :func:`apply` in a session fixture); it
+is never imported by a production path.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["apply", "revert", "is_applied", "PATCHED_ATTRIBUTES"]
+
+#: What :func:`apply` replaces in ``triton.runtime.interpreter`` (``Class.method``
+#: or a module-level function), with the parameter names the wrappers expect
+#: (checked, so an upstream signature change fails loudly instead of misbehaving).
+PATCHED_ATTRIBUTES: dict[str, tuple[str, ...]] = {
+    "InterpreterBuilder.create_dot": (
+        "self",
+        "a",
+        "b",
+        "d",
+        "input_precision",
+        "max_num_imprecise_acc",
+    ),  # fmt: skip
+    "InterpreterBuilder.cast_impl": ("self", "src", "dst_type"),
+    "InterpreterBuilder.create_fp_to_fp": ("self", "src", "dst_type", "rounding_mode"),
+    "InterpretedFunction.__call__": ("self", "args", "kwargs"),
+    "_patch_lang": ("fn",),
+}
+
+_MARK = "__compass_interpreter_fix__"
+
+
+def _triton_version() -> str:
+    try:
+        import triton
+    except ImportError as exc:  # pragma: no cover - triton is a test dependency
+        raise RuntimeError("compass_kernels.triton_interpreter needs triton installed") from exc
+    return getattr(triton, "__version__", "unknown")
+
+
+def _owner(interp: Any, key: str) -> tuple[Any, str]:
+    """(object holding the attribute, attribute name) for a PATCHED_ATTRIBUTES key."""
+    if "." in key:
+        cls_name, name = key.split(".")
+        return getattr(interp, cls_name, None), name
+    return interp, key
+
+
+def _interpreter_module() -> Any:
+    """``triton.runtime.interpreter``, checked to hold everything the fix wraps.
+
+    Raises
+    ------
+    RuntimeError
+        Naming the Triton version and what is missing or changed.
+    """
+    version = _triton_version()
+    stale = (
+        "the interpreter internals this fix wraps have changed: update "
+        "compass_kernels/triton_interpreter.py"
+    )
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter as interp
+    except ImportError as exc:
+        raise RuntimeError(
+            f"triton {version}: cannot import triton.runtime.interpreter ({exc}); "
+            "compass_kernels.triton_interpreter supports the Triton 3.x interpreter"
+        ) from exc
+    missing = [
+        f"triton.runtime.interpreter.{n}"
+        for n in ("InterpreterBuilder", "InterpretedFunction", "TensorHandle", "_LangPatchScope")
+        if not hasattr(interp, n)
+    ]
+    if not missing and not callable(getattr(interp._LangPatchScope, "restore", None)):
+        missing.append("triton.runtime.interpreter._LangPatchScope.restore")
+    missing += [
+        f"triton.language.{n}"
+        for n in ("bfloat16", "float8e4nv", "float8e5", "float8e4b8", "float8e5b16")
+        if not hasattr(tl, n)
+    ]
+    if missing:
+        raise RuntimeError(f"triton {version}: {', '.join(missing)} not found; {stale}")
+    for key, params in PATCHED_ATTRIBUTES.items():
+        owner, name = _owner(interp, key)
+        fn = vars(owner).get(name)
+        if fn is None or not callable(fn):
+            raise RuntimeError(
+                f"triton {version}: triton.runtime.interpreter.{key} not found; {stale}"
+            )
+        got = tuple(inspect.signature(getattr(fn, _MARK, fn)).parameters)
+        if got != params:
+            raise RuntimeError(
+                f"triton {version}: {key} has parameters {got}, expected {params}; {stale}"
+            )
+    return interp
+
+
+# --------------------------------------------------------------------------------------
+# Triton scalar type <-> torch dtype. Storage: the NumPy dtype the interpreter keeps.
+
+
+def _float_table() -> dict[Any, torch.dtype]:
+    import triton.language as tl
+
+    table = {
+        tl.float16: torch.float16,
+        tl.bfloat16: torch.bfloat16,
+        tl.float32: torch.float32,
+        tl.float64: torch.float64,
+        tl.float8e4nv: torch.float8_e4m3fn,
+        tl.float8e5: torch.float8_e5m2,
+    }
+    # FNUZ formats (AMD); present in every torch this package supports, checked anyway.
+    for tl_name, torch_name in (
+        ("float8e4b8", "float8_e4m3fnuz"),
+        ("float8e5b16", "float8_e5m2fnuz"),
+    ):
+        if hasattr(torch, torch_name):
+            table[getattr(tl, tl_name)] = getattr(torch, torch_name)
+    return table
+
+
+# Same-width signed integer dtypes used to move raw bits between NumPy and torch.
+_BITS_TORCH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_BITS_NUMPY = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+
+def _is_numpy_native_float(tt) -> bool:
+    import triton.language as tl
+
+    return tt in (tl.float16, tl.float32, tl.float64)
+
+
+def _to_torch(data: np.ndarray, tt, table: dict) -> torch.Tensor:
+    """View interpreter storage ``data`` of Triton scalar type ``tt`` as a torch tensor."""
+    arr = np.ascontiguousarray(data)
+    if not arr.flags.writeable:  # torch.from_numpy warns on read-only arrays
+        arr = arr.copy()
+    if tt in table:
+        width = arr.dtype.itemsize
+        bits = torch.from_numpy(arr.view(_BITS_NUMPY[width]))
+        return bits.view(table[tt])
+    if arr.dtype == np.bool_:
+        return torch.from_numpy(arr)
+    if arr.dtype == np.uint64:
+        # torch lacks general uint64 arithmetic; float64 is exact below 2**53.
+        return torch.from_numpy(arr.astype(np.float64))
+    return torch.from_numpy(arr.astype(np.int64, copy=False))
+
+
+def _to_storage(t: torch.Tensor, np_dtype: np.dtype) -> np.ndarray:
+    """Raw bits of ``t`` as the NumPy storage dtype the interpreter expects."""
+    width = t.element_size()
+    bits = t.contiguous().view(_BITS_TORCH[width]).numpy()
+    return bits.view(np_dtype)
+
+
+def _round_toward_zero(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Turn ``y = x.to(fmt)`` (nearest even) into round-toward-zero.
+
+    Where rounding increased the magnitude (including a finite value rounded to
+    inf), step one code down in magnitude: these formats are sign-magnitude, so
+    decrementing the integer bit pattern of a nonzero value does exactly that.
+    """
+    x64, y64 = x.to(torch.float64), y.to(torch.float64)
+    bigger = (y64.abs() > x64.abs()) & ~torch.isnan(x64)
+    if not bool(bigger.any()):
+        return y
+    bits = y.view(_BITS_TORCH[y.element_size()])
+    return torch.where(bigger, bits - 1, bits).view(y.dtype)
+
+
+def _storage_dtype(tt) -> np.dtype:
+    """NumPy dtype the interpreter stores values of float type ``tt`` in."""
+    if _is_numpy_native_float(tt):
+        return np.dtype({16: np.float16, 32: np.float32, 64: np.float64}[tt.primitive_bitwidth])
+    return np.dtype({8: np.uint8, 16: np.uint16}[tt.primitive_bitwidth])
+
+
+def _torch_cast(src, dst_tt, rounding_mode, table: dict, handle_cls) -> Any:
+    """Cast interpreter TensorHandle ``src`` to ``dst_tt`` through torch.
+
+    Covers float -> float (any pair torch has) and integer -> bf16 / float8.
+    Returns ``None`` for every other pair (the caller uses the original builder).
+    """
+    from triton._C.libtriton import ir
+
+    src_tt, dst_tt = src.dtype.scalar, dst_tt.scalar
+    float_to_float = src_tt in table and dst_tt in table
+    int_to_special = src_tt.is_int() and dst_tt in table and not _is_numpy_native_float(dst_tt)
+    if not (float_to_float or int_to_special):
+        return None
+    x = _to_torch(src.data, src_tt, table)
+    y = x.to(table[dst_tt])
+    if rounding_mode == ir.ROUNDING_MODE.RTZ and float_to_float:
+        y = _round_toward_zero(x, y)
+    return handle_cls(_to_storage(y, _storage_dtype(dst_tt)), dst_tt)
+
+
+def _make_cast_impl(original: Callable, table: dict, handle_cls) -> Callable:
+    def cast_impl(self, src, dst_type):
+        out = _torch_cast(src, dst_type, None, table, handle_cls)
+        return original(self, src, dst_type) if out is None else out
+
+    return cast_impl
+
+
+def _make_fp_to_fp(original: Callable, table: dict, handle_cls) -> Callable:
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        out = _torch_cast(src, dst_type, rounding_mode, table, handle_cls)
+        return original(self, src, dst_type, rounding_mode) if out is None else out
+
+    return create_fp_to_fp
+
+
+def _make_dot(original: Callable, table: dict, handle_cls) -> Callable:
+    import triton.language as tl
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        a_tt, b_tt, d_tt = a.dtype.scalar, b.dtype.scalar, d.dtype.scalar
+        if a_tt not in table or b_tt not in table or d_tt not in table:
+            return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+        compute = torch.float64 if d_tt == tl.float64 else torch.float32
+        # Upcasts of the operands are exact, and products of 8- and 16-bit floats
+        # (<= 11-bit significands) are exact in fp32: for those only the
+        # accumulation order can differ from a GPU.
+        at = _to_torch(a.data, a_tt, table).to(compute)
+        bt = _to_torch(b.data, b_tt, table).to(compute)
+        acc = _to_torch(d.data, d_tt, table).to(compute)
+        res = (torch.matmul(at, bt) + acc).to(table[d_tt])
+        return handle_cls(_to_storage(res, _storage_dtype(d_tt)), d_tt)
+
+    return create_dot
+
+
+# Innermost-first slots for the patch scope of each helper call in flight (one
+# list per thread; the interpreter itself runs programs sequentially).
+_CALLS = threading.local()
+
+
+def _make_patch_lang(original: Callable, table: dict, handle_cls) -> Callable:
+    def _patch_lang(fn):
+        scope = original(fn)
+        slots = getattr(_CALLS, "slots", None)
+        if slots and slots[-1] is None:  # the first _patch_lang of the innermost call
+            slots[-1] = scope
+        return scope
+
+    return _patch_lang
+
+
+def _make_call(original: Callable, table: dict, handle_cls) -> Callable:
+    def __call__(self, *args, **kwargs):
+        slots = _CALLS.__dict__.setdefault("slots", [])
+        slots.append(None)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            scope = slots.pop()
+            if scope is not None:
+                scope.restore()
+
+    return __call__
+
+
+_FACTORIES = {
+    "InterpreterBuilder.create_dot": _make_dot,
+    "InterpreterBuilder.cast_impl": _make_cast_impl,
+    "InterpreterBuilder.create_fp_to_fp": _make_fp_to_fp,
+    "InterpretedFunction.__call__": _make_call,
+    "_patch_lang": _make_patch_lang,
+}
+
+
+def is_applied() -> bool:
+    """Whether the fix is currently installed in ``triton.runtime.interpreter``.
+
+    Returns
+    -------
+    bool
+        True when every attribute in :data:`PATCHED_ATTRIBUTES` is the patched one.
+    """
+    interp = _interpreter_module()
+    return all(hasattr(getattr(*_owner(interp, key)), _MARK) for key in PATCHED_ATTRIBUTES)
+
+
+def apply() -> None:
+    """Install the fix. Idempotent: a second call is a no-op.
+
+    Works whether or not ``TRITON_INTERPRET=1`` was set before Triton was
+    imported: the patches are on the interpreter's classes and module, which
+    every interpreted launch uses.
+
+    Raises
+    ------
+    RuntimeError
+        If the interpreter internals it wraps (:data:`PATCHED_ATTRIBUTES`,
+        ``TensorHandle``, ``_LangPatchScope.restore``, their signatures) are not
+        found in the installed Triton; the message names the Triton version.
+    """
+    interp = _interpreter_module()
+    table = _float_table()
+    for key, factory in _FACTORIES.items():
+        owner, name = _owner(interp, key)
+        current = vars(owner)[name]
+        if hasattr(current, _MARK):
+            continue
+        wrapper = factory(current, table, interp.TensorHandle)
+        setattr(wrapper, _MARK, current)
+        wrapper.__name__ = name
+        wrapper.__qualname__ = key
+        wrapper.__doc__ = f"{key}, fixed by compass_kernels.triton_interpreter."
+        setattr(owner, name, wrapper)
+
+
+def revert() -> None:
+    """Restore the original interpreter attributes. Idempotent.
+
+    Raises
+    ------
+    RuntimeError
+        As :func:`apply`, if the interpreter internals are not found.
+    """
+    interp = _interpreter_module()
+    for key in PATCHED_ATTRIBUTES:
+        owner, name = _owner(interp, key)
+        original = getattr(vars(owner)[name], _MARK, None)
+        if original is not None:
+            setattr(owner, name, original)
