@@ -30,9 +30,11 @@ py::dict build_info() {
   d["cuda_archs"] = COMPASS_CUDA_ARCHS_STR;
   d["nvcc_version"] = COMPASS_NVCC_VERSION;
   d["cudart_version"] = CUDART_VERSION;
+  d["cutlass_include"] = COMPASS_CUTLASS_INCLUDE_STR;  // "" when CUTLASS was not found
 #else
   d["cuda"] = false;
   d["cuda_archs"] = "";
+  d["cutlass_include"] = "";
 #endif
   return d;
 }

@@ -18,6 +18,17 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 python -c "import torch, sys; sys.exit(torch.__version__ != '2.13.0+cpu')" 2>/dev/null ||
   pip install -q torch==2.13.0
 
+# CUTLASS headers (for the sm_90a kernels) ship in the nvidia-cutlass wheel;
+# --no-deps: only the headers are needed, not its Python DSL's dependencies.
+# pip's isolated build env cannot import it, so hand its path to the build.
+cutlass_dir() {
+  python -c "import importlib.util as u; s = u.find_spec('cutlass_library'); \
+print(s.submodule_search_locations[0] if s else '')"
+}
+[ -n "$(cutlass_dir)" ] || pip install -q --no-deps nvidia-cutlass
+COMPASS_CUTLASS_INCLUDE="$(cutlass_dir)/source/include"
+export COMPASS_CUTLASS_INCLUDE
+
 # Everything else in one resolve; the build runs in pip's isolated build env
 # (csrc needs no torch headers, only pybind11 + cmake + ninja).
 pip install -q -e ".[$EXTRAS]"

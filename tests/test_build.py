@@ -4,7 +4,9 @@ is what we think it is (compile-level checks, no GPU needed)."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -75,3 +77,39 @@ def test_sm90a_sass_has_the_expected_math():
     aot.assert_sass_contains(sass, r"\bDADD\b", kernel=group)
     aot.assert_sass_contains(sass, r"SHFL\.BFLY", kernel=group)
     assert "__assertfail" not in sass, "device assert in a hot kernel: build with -DNDEBUG"
+
+
+def _nvcc() -> str | None:
+    for cand in (shutil.which("nvcc"), os.path.join(os.environ.get("CUDA_HOME", ""), "bin/nvcc"),
+                 "/usr/local/cuda/bin/nvcc"):  # fmt: skip
+        if cand and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+@pytest.mark.sm90
+@needs_cuda_build
+def test_cutlass_headers_from_the_wheel_compile_for_sm90a(tmp_path):
+    """The build found CUTLASS (nvidia-cutlass wheel), and its headers compile
+    for sm_90a with this nvcc into Hopper's fp8 convert instruction."""
+    include = _C.build_info()["cutlass_include"]
+    if not include:
+        if os.environ.get("COMPASS_REQUIRE_ALL_TIERS") == "1":
+            pytest.fail("the build did not find CUTLASS (scripts/setup_env.sh installs it)")
+        pytest.skip("built without CUTLASS headers (pip install --no-deps nvidia-cutlass)")
+    nvcc = _nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found")
+    src = tmp_path / "probe.cu"
+    src.write_text(
+        "#include <cutlass/numeric_types.h>\n"
+        "__global__ void to_e4m3(const float* x, cutlass::float_e4m3_t* y, int n) {\n"
+        "  int i = blockIdx.x * blockDim.x + threadIdx.x;\n"
+        "  if (i < n) y[i] = cutlass::float_e4m3_t(x[i]);\n"
+        "}\n"
+    )
+    cubin = tmp_path / "probe.cubin"
+    cmd = [nvcc, "-std=c++17", "-DNDEBUG", "-arch=sm_90a", "-cubin", f"-I{include}",
+           "-o", str(cubin), str(src)]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    aot.assert_sass_contains(aot.sass_of(cubin), r"F2FP\.SATFINITE\.E4M3", kernel="to_e4m3")
