@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from bench.harness import Case
+from bench.roofline import Model
 
 OP = "advantages"
 
@@ -212,6 +213,11 @@ def group_advantages_case(prompts: int, samples: int, mode: str, device: str) ->
         device=device,
         atol=ATOL,
         rtol=RTOL,
+        # The kernel's own traffic: per sample read reward (4 B) + its index in
+        # `order` (8 B), write adv (4 B) + zero_var (1 B); per group offsets and
+        # mean/std. The second and third passes over a group hit L1/L2. The
+        # Python-side sort / unique of the group_ids path is not in the model.
+        model=Model(bytes=17 * rewards.numel() + 24 * prompts, precision="fp64"),
     )
 
 
@@ -244,6 +250,9 @@ def rl_zvp_case(sequences: int, max_len: int, device: str) -> Case:
         device=device,
         atol=ATOL,
         rtol=RTOL,
+        # read entropy + write token advantages (the max pass re-reads a
+        # sequence of <= 64 KiB from L2), plus per-sequence scalars.
+        model=Model(bytes=8 * total + 25 * sequences),
     )
 
 

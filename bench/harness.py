@@ -55,6 +55,7 @@ from typing import Any
 
 import torch
 
+from bench.roofline import Model
 from compass_kernels.profiling import nvtx_range
 from compass_kernels.testing import assert_verbose_allclose, tolerance
 
@@ -86,6 +87,7 @@ CSV_COLUMNS = (
     "iqr_s",
     "ratio_vs_baseline",
     "peak_mem_bytes",
+    "h100_model_s",
 )
 
 _REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -113,6 +115,9 @@ class Case:
     atol, rtol : float, optional
         Tolerances for ``--check``; default `compass_kernels.testing.tolerance`
         of each baseline tensor's dtype.
+    model : bench.roofline.Model, optional
+        Bytes / FLOPs the op must move at this shape; reported as the H100
+        roofline time (a model, never a measurement) beside the timings.
     """
 
     name: str
@@ -122,6 +127,7 @@ class Case:
     device: str = "cpu"
     atol: float | None = None
     rtol: float | None = None
+    model: Model | None = None
 
     def __post_init__(self) -> None:
         if self.baseline not in self.providers:
@@ -148,6 +154,7 @@ class Row:
     ratio_vs_baseline: float
     peak_mem_bytes: int
     is_baseline: bool = False
+    model_s: float = math.nan  # H100 roofline model of the op at this shape (not measured)
     error: str = ""
     samples: list[float] = field(default_factory=list, repr=False)
 
@@ -505,6 +512,7 @@ def run_case(
                 ratio_vs_baseline=base_median / med if med > 0 else math.nan,
                 peak_mem_bytes=measure(case.providers[p]),
                 is_baseline=p == case.baseline,
+                model_s=case.model.seconds() if case.model else math.nan,
                 samples=samples[p],
             )
         )
@@ -565,11 +573,11 @@ def format_table(rows: Sequence[Row]) -> str:
     """Return an aligned text table of `rows` (one line per provider)."""
     devices = {r.device.split(":")[0] for r in rows}
     mem_head = "peak mem" if devices == {"cuda"} else "peak mem (cpu: rss delta (approx))"
-    head = ("op", "shape", "provider", "median", "IQR", "speedup", mem_head)
+    head = ("op", "shape", "provider", "median", "IQR", "speedup", mem_head, "H100 model")
     body = []
     for r in rows:
         if r.error:
-            body.append((r.op, r.shape, r.provider, "ERROR", r.error[:60], "-", "-"))
+            body.append((r.op, r.shape, r.provider, "ERROR", r.error[:60], "-", "-", "-"))
             continue
         speed = "baseline" if r.is_baseline else f"{r.ratio_vs_baseline:.2f}x"
         body.append(
@@ -581,10 +589,11 @@ def format_table(rows: Sequence[Row]) -> str:
                 _fmt_time(r.iqr_s),
                 speed,
                 _fmt_bytes(r.peak_mem_bytes),
+                _fmt_time(r.model_s),
             )
         )
     widths = [max(len(str(x[i])) for x in [head, *body]) for i in range(len(head))]
-    right = {3, 4, 5, 6}
+    right = {3, 4, 5, 6, 7}
 
     def line(cells: Sequence[str]) -> str:
         return "  ".join(
@@ -593,7 +602,13 @@ def format_table(rows: Sequence[Row]) -> str:
         ).rstrip()
 
     sep = "  ".join("-" * w for w in widths)
-    return "\n".join([line(head), sep, *(line(b) for b in body)])
+    out = [line(head), sep, *(line(b) for b in body)]
+    if any(not math.isnan(r.model_s) for r in rows):
+        out.append(
+            "H100 model: roofline lower bound of the op (bench/roofline.py: HBM bytes and FLOPs "
+            "over H100 SXM ceilings + launch floor), a model, not a measurement"
+        )
+    return "\n".join(out)
 
 
 def append_csv(rows: Sequence[Row], path: str | os.PathLike[str]) -> Path:
@@ -630,6 +645,7 @@ def append_csv(rows: Sequence[Row], path: str | os.PathLike[str]) -> Path:
                     f"{r.iqr_s:.6e}",
                     f"{r.ratio_vs_baseline:.4f}",
                     r.peak_mem_bytes,
+                    "" if math.isnan(r.model_s) else f"{r.model_s:.6e}",
                 )
             )
     return path

@@ -152,6 +152,29 @@ def test_csv_rows_columns_and_append(tmp_path):
     assert int(recs[1]["peak_mem_bytes"]) >= 0
 
 
+def test_roofline_model_in_rows_table_and_csv(tmp_path):
+    from bench.roofline import H100_SXM, Model
+
+    # 3.35 GB over 3.35 TB/s = 1 ms, plus one launch floor
+    model = Model(bytes=3.35e9)
+    assert model.seconds() == pytest.approx(1e-3 + H100_SXM.launch_s)
+    assert model.bound() == "memory"
+    assert Model(bytes=1.0, flops=1979e12 * 1e-3, precision="fp8").bound() == "compute"
+    assert Model(bytes=1e3).bound() == "launch"
+    with pytest.raises(ValueError, match="precision: expected one of"):
+        Model(bytes=1.0, precision="fp4").seconds()
+    case = _sleep_case(0.0, 0.0)
+    case.model = model
+    rows = run_case(case, reps=2, warmup=1, target_sample_s=0.0)
+    assert all(r.model_s == pytest.approx(model.seconds()) for r in rows)
+    table = harness.format_table(rows)
+    assert "1 ms" in table.splitlines()[2] and "a model, not a measurement" in table
+    path = harness.append_csv(rows, tmp_path / "results.csv")
+    with path.open(newline="") as f:
+        rec = next(csv.DictReader(f))
+    assert float(rec["h100_model_s"]) == pytest.approx(model.seconds())
+
+
 def test_csv_refuses_foreign_header(tmp_path):
     path = tmp_path / "results.csv"
     path.write_text("a,b\n1,2\n")
@@ -180,7 +203,8 @@ def test_format_table_aligned():
     lines = harness.format_table(rows).splitlines()
     assert lines[0].split()[:3] == ["op", "shape", "provider"]
     assert "rss delta (approx)" in lines[0]
-    assert "baseline" in lines[2] and lines[3].split()[-3].endswith("x")
+    assert "baseline" in lines[2] and lines[3].split()[-4].endswith("x")
+    assert lines[0].endswith("H100 model") and lines[3].split()[-1] == "-"  # no model given
     assert len({line.index("sleepy") for line in lines[2:]}) == 1
 
 
