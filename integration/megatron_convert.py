@@ -277,23 +277,35 @@ def load_hf_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     return out
 
 
-def _take(
-    sd: Mapping[str, torch.Tensor], key: str, shape: tuple[int, ...], arg: str
-) -> torch.Tensor:
-    if key not in sd:
-        raise KeyError(f"{arg} is missing {key!r}")
-    t = sd[key]
-    if tuple(t.shape) != shape:
-        raise ValueError(f"{arg}[{key!r}] has shape {tuple(t.shape)}, expected {shape}")
-    return t
+class _Reader:
+    """Reads one source state dict by key with a shape check, remembering what
+    was read so that leftover (unknown) keys can be reported."""
 
+    def __init__(self, sd: Mapping[str, torch.Tensor], arg: str) -> None:
+        if not isinstance(sd, Mapping):
+            raise TypeError(f"{arg} must be a mapping, got {type(sd).__name__}")
+        self.sd, self.arg, self.used = sd, arg, set()
 
-def _check_consumed(sd: Mapping[str, torch.Tensor], used: set[str], arg: str) -> None:
-    extra = sorted(
-        k for k in sd if k not in used and not k.endswith("_extra_state") and "rotary_emb" not in k
-    )
-    if extra:
-        raise ValueError(f"{arg} has unexpected keys (first 5): {extra[:5]}")
+    def __contains__(self, key: str) -> bool:
+        return key in self.sd
+
+    def __call__(self, key: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if key not in self.sd:
+            raise KeyError(f"{self.arg} is missing {key!r}")
+        t = self.sd[key]
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{self.arg}[{key!r}] has shape {tuple(t.shape)}, expected {shape}")
+        self.used.add(key)
+        return t
+
+    def check_consumed(self) -> None:
+        extra = sorted(
+            k
+            for k in self.sd
+            if k not in self.used and not k.endswith("_extra_state") and "rotary_emb" not in k
+        )
+        if extra:
+            raise ValueError(f"{self.arg} has unexpected keys (first 5): {extra[:5]}")
 
 
 def hf_to_megatron(
@@ -321,19 +333,11 @@ def hf_to_megatron(
     ValueError
         If a weight has the wrong shape or an unknown key is present.
     """
-    if not isinstance(hf_state_dict, Mapping):
-        raise TypeError(f"hf_state_dict must be a mapping, got {type(hf_state_dict).__name__}")
+    take = _Reader(hf_state_dict, "hf_state_dict")
     d = _dims(hf_config)
     h, hd, ng, nh, ne, ffn = (d[k] for k in _DIM_NAMES)
     vocab = int(hf_config.vocab_size)
-    arg = "hf_state_dict"
-    sd = hf_state_dict
-    used: set[str] = set()
     out: dict[str, torch.Tensor] = {}
-
-    def take(key: str, shape: tuple[int, ...]) -> torch.Tensor:
-        used.add(key)
-        return _take(sd, key, shape, arg)
 
     out["embedding.word_embeddings.weight"] = take("model.embed_tokens.weight", (vocab, h))
     per_group = nh // ng
@@ -355,7 +359,7 @@ def hf_to_megatron(
         )
         out[dst + "pre_mlp_layernorm.weight"] = take(src + "post_attention_layernorm.weight", (h,))
         out[dst + "mlp.router.weight"] = take(src + "mlp.gate.weight", (ne, h))
-        fused = src + "mlp.experts.gate_up_proj" in sd
+        fused = src + "mlp.experts.gate_up_proj" in take
         if fused:
             gate_up = take(src + "mlp.experts.gate_up_proj", (ne, 2 * ffn, h))
             down = take(src + "mlp.experts.down_proj", (ne, h, ffn))
@@ -374,9 +378,9 @@ def hf_to_megatron(
     out["decoder.final_layernorm.weight"] = take("model.norm.weight", (h,))
     if not d["tied"]:
         out["output_layer.weight"] = take("lm_head.weight", (vocab, h))
-    elif "lm_head.weight" in sd:
-        used.add("lm_head.weight")  # tied copy some checkpoints store; the embedding wins
-    _check_consumed(sd, used, arg)
+    elif "lm_head.weight" in take:
+        take.used.add("lm_head.weight")  # tied copy some checkpoints store; the embedding wins
+    take.check_consumed()
     return out
 
 
@@ -405,21 +409,11 @@ def megatron_to_hf(
     dict of str to Tensor
         HF names to tensors (views of the inputs where possible).
     """
-    if not isinstance(mcore_state_dict, Mapping):
-        raise TypeError(
-            f"mcore_state_dict must be a mapping, got {type(mcore_state_dict).__name__}"
-        )
+    take = _Reader(mcore_state_dict, "mcore_state_dict")
     d = _dims(hf_config)
     h, hd, ng, nh, ne, ffn = (d[k] for k in _DIM_NAMES)
     vocab = int(hf_config.vocab_size)
-    arg = "mcore_state_dict"
-    sd = mcore_state_dict
-    used: set[str] = set()
     out: dict[str, torch.Tensor] = {}
-
-    def take(key: str, shape: tuple[int, ...]) -> torch.Tensor:
-        used.add(key)
-        return _take(sd, key, shape, arg)
 
     out["model.embed_tokens.weight"] = take("embedding.word_embeddings.weight", (vocab, h))
     per_group = nh // ng
@@ -463,5 +457,5 @@ def megatron_to_hf(
     out["model.norm.weight"] = take("decoder.final_layernorm.weight", (h,))
     if not d["tied"]:
         out["lm_head.weight"] = take("output_layer.weight", (vocab, h))
-    _check_consumed(sd, used, arg)
+    take.check_consumed()
     return out
