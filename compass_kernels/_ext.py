@@ -45,7 +45,9 @@ def cuda_stream(t: torch.Tensor) -> int:
     return torch.cuda.current_stream(t.device).cuda_stream
 
 
+@functools.cache
 def has_cuda_kernels() -> bool:
+    """Whether _C holds the CUDA kernels (fixed per process; cached: it is on every dispatch)."""
     try:
         return bool(load().build_info()["cuda"])
     except BackendUnavailableError:
