@@ -277,6 +277,20 @@ def load_hf_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     return out
 
 
+def _layer_renames(d: dict[str, int]) -> list[tuple[str, str, tuple[int, ...]]]:
+    """Per-layer weights that only change name: (HF suffix, Megatron suffix, shape).
+    Both directions read this one table."""
+    h, hd, nh, ne = d["hidden"], d["head_dim"], d["heads"], d["experts"]
+    return [
+        ("input_layernorm.weight", "input_layernorm.weight", (h,)),
+        ("self_attn.q_norm.weight", "self_attention.q_layernorm.weight", (hd,)),
+        ("self_attn.k_norm.weight", "self_attention.k_layernorm.weight", (hd,)),
+        ("self_attn.o_proj.weight", "self_attention.linear_proj.weight", (h, nh * hd)),
+        ("post_attention_layernorm.weight", "pre_mlp_layernorm.weight", (h,)),
+        ("mlp.gate.weight", "mlp.router.weight", (ne, h)),
+    ]
+
+
 class _Reader:
     """Reads one source state dict by key with a shape check, remembering what
     was read so that leftover (unknown) keys can be reported."""
@@ -343,22 +357,12 @@ def hf_to_megatron(
     per_group = nh // ng
     for i in range(d["layers"]):
         src, dst = _HF_LAYER.format(i=i), _MC_LAYER.format(i=i)
-        out[dst + "input_layernorm.weight"] = take(src + "input_layernorm.weight", (h,))
+        for hf_name, mc_name, shape in _layer_renames(d):
+            out[dst + mc_name] = take(src + hf_name, shape)
         q = take(src + "self_attn.q_proj.weight", (nh * hd, h)).reshape(ng, per_group * hd, h)
         k = take(src + "self_attn.k_proj.weight", (ng * hd, h)).reshape(ng, hd, h)
         v = take(src + "self_attn.v_proj.weight", (ng * hd, h)).reshape(ng, hd, h)
         out[dst + "self_attention.linear_qkv.weight"] = torch.cat([q, k, v], dim=1).reshape(-1, h)
-        out[dst + "self_attention.q_layernorm.weight"] = take(
-            src + "self_attn.q_norm.weight", (hd,)
-        )
-        out[dst + "self_attention.k_layernorm.weight"] = take(
-            src + "self_attn.k_norm.weight", (hd,)
-        )
-        out[dst + "self_attention.linear_proj.weight"] = take(
-            src + "self_attn.o_proj.weight", (h, nh * hd)
-        )
-        out[dst + "pre_mlp_layernorm.weight"] = take(src + "post_attention_layernorm.weight", (h,))
-        out[dst + "mlp.router.weight"] = take(src + "mlp.gate.weight", (ne, h))
         fused = src + "mlp.experts.gate_up_proj" in take
         if fused:
             gate_up = take(src + "mlp.experts.gate_up_proj", (ne, 2 * ffn, h))
@@ -420,7 +424,8 @@ def megatron_to_hf(
     qkv_rows = (per_group + 2) * hd
     for i in range(d["layers"]):
         src, dst = _MC_LAYER.format(i=i), _HF_LAYER.format(i=i)
-        out[dst + "input_layernorm.weight"] = take(src + "input_layernorm.weight", (h,))
+        for hf_name, mc_name, shape in _layer_renames(d):
+            out[dst + hf_name] = take(src + mc_name, shape)
         qkv = take(src + "self_attention.linear_qkv.weight", (ng * qkv_rows, h)).reshape(
             ng, qkv_rows, h
         )
@@ -428,17 +433,6 @@ def megatron_to_hf(
         out[dst + "self_attn.q_proj.weight"] = q.reshape(nh * hd, h).contiguous()
         out[dst + "self_attn.k_proj.weight"] = k.reshape(ng * hd, h).contiguous()
         out[dst + "self_attn.v_proj.weight"] = v.reshape(ng * hd, h).contiguous()
-        out[dst + "self_attn.q_norm.weight"] = take(
-            src + "self_attention.q_layernorm.weight", (hd,)
-        )
-        out[dst + "self_attn.k_norm.weight"] = take(
-            src + "self_attention.k_layernorm.weight", (hd,)
-        )
-        out[dst + "self_attn.o_proj.weight"] = take(
-            src + "self_attention.linear_proj.weight", (h, nh * hd)
-        )
-        out[dst + "post_attention_layernorm.weight"] = take(src + "pre_mlp_layernorm.weight", (h,))
-        out[dst + "mlp.gate.weight"] = take(src + "mlp.router.weight", (ne, h))
         fc1s, fc2s = [], []
         for e in range(ne):
             exp_src = src + f"mlp.experts.local_experts.{e}."
