@@ -70,10 +70,9 @@ class CMakeBuild(build_ext):
         cutlass = _cutlass_include()
         if cutlass:
             args.append(f"-DCOMPASS_CUTLASS_INCLUDE={cutlass}")
-        if shutil.which("ninja") or _py_ninja():
-            args += ["-G", "Ninja"]
-            if not shutil.which("ninja"):
-                args.append(f"-DCMAKE_MAKE_PROGRAM={_py_ninja()}")
+        ninja = shutil.which("ninja") or _py_ninja()
+        if ninja:
+            args += ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}"]
         jobs = os.environ.get("MAX_JOBS") or str(os.cpu_count() or 1)
 
         subprocess.check_call(["cmake", str(ROOT), *args], cwd=build_temp)

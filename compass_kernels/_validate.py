@@ -67,7 +67,7 @@ def check_offsets(name: str, offsets: torch.Tensor, total: int, *, exact: bool) 
     """Check a cu_seqlens-style int64 vector on its own device with one host sync:
     offsets[0] == 0, non-decreasing, offsets[-1] == total (exact) or <= total."""
     first, last = offsets[0], offsets[-1]
-    decreasing = (offsets[1:] < offsets[:-1]).any() if offsets.numel() > 1 else first != first
+    decreasing = (offsets[1:] < offsets[:-1]).any()  # False for a single element
     end_bad = (last != total) if exact else (last > total)
     flags = torch.stack([first != 0, decreasing, end_bad]).tolist()
     if flags[0]:
