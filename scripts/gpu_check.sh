@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# GPU runbook: on a machine with a CUDA device, in one command,
+#   1. build compass_kernels._C in place (no build isolation, no downloads),
+#   2. run every test tier that is not an engine (gpu and triton tiers on the GPU),
+#   3. run the benches (CUDA events, L2 flush, interleaved),
+#   4. write a report (report.md + report.json) to REPORT_DIR.
+# Usage: scripts/gpu_check.sh [REPORT_DIR]   (default docs/gpu_runs/<date>-<gpu>)
+# Without a GPU it fails at step 0 with the reason; it never passes on a CPU.
+# Knobs: PYTHON (default python3), GPU_CHECK_BENCH=quick|full|off (default full),
+#        GPU_CHECK_PYTEST_ARGS (extra pytest args).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+
+if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  echo "gpu_check: FAIL: torch ($("$PY" -c 'import torch; print(torch.__version__)' 2>&1)) sees no CUDA device" >&2
+  command -v nvidia-smi >/dev/null && nvidia-smi -L >&2
+  exit 2
+fi
+NAME=$("$PY" -c "import torch; print(torch.cuda.get_device_name().replace(' ', '_'))")
+DIR=${1:-docs/gpu_runs/$(date -u +%Y-%m-%d)-$NAME}
+mkdir -p "$DIR"
+LOG="$DIR/log.txt"
+: >"$LOG"
+step() {  # step NAME CMD...: run, tee into the log, record rc and seconds
+  local name=$1; shift
+  local t0; t0=$(date +%s)
+  echo "::: $name" | tee -a "$LOG"
+  "$@" 2>&1 | tee -a "$LOG"
+  local rc=${PIPESTATUS[0]}
+  echo "$name $rc $(( $(date +%s) - t0 ))" >>"$DIR/steps.txt"
+  echo "::: $name rc=$rc in $(( $(date +%s) - t0 )) s" | tee -a "$LOG"
+  return "$rc"
+}
+: >"$DIR/steps.txt"
+
+export COMPASS_CUDA=ON MAX_JOBS=${MAX_JOBS:-$(nproc)}
+command -v nvcc >/dev/null || export PATH="$PATH:/usr/local/cuda/bin"
+step build "$PY" setup.py -q build_ext --inplace || { "$PY" scripts/gpu_report.py "$DIR"; exit 1; }
+step info "$PY" -m compass_kernels info --json
+# xdist when present: a test that crashes its worker is reported as a failure
+# (and the junit report is still written) instead of ending the run.
+XDIST=""
+"$PY" -c "import xdist" 2>/dev/null && XDIST="-n 4"
+# shellcheck disable=SC2086
+step tests "$PY" -m pytest tests -m "not integration" -q -rfE --tb=short -p no:cacheprovider \
+  $XDIST --junitxml="$DIR/junit.xml" ${GPU_CHECK_PYTEST_ARGS:-}
+case ${GPU_CHECK_BENCH:-full} in
+  quick) step bench "$PY" -m bench --quick --no-progress --no-plot --out "$DIR/bench" ;;
+  full) step bench "$PY" -m bench --no-progress --no-plot --out "$DIR/bench" ;;
+  off) ;;
+esac
+"$PY" scripts/gpu_report.py "$DIR"

@@ -1,0 +1,116 @@
+"""Write report.md and report.json for a GPU run (scripts/gpu_check.sh).
+
+Reads, from the run's folder: steps.txt (step, rc, seconds), junit.xml (each
+test's outcome), bench/results.csv (each bench row) and the device facts
+queried here (torch, CUDA, driver, GPU). The report is the only source of GPU
+numbers the project states (docs/gpu_runs/).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from datetime import datetime, timezone
+from pathlib import Path
+
+
+def _device() -> dict:
+    info: dict = {"date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["torch_cuda"] = torch.version.cuda
+        if torch.cuda.is_available():
+            p = torch.cuda.get_device_properties(0)
+            info.update(gpu=p.name, sm=f"{p.major}.{p.minor}", sms=p.multi_processor_count,
+                        memory_gib=round(p.total_memory / 2**30, 1))  # fmt: skip
+    except Exception as e:  # the report must still be written
+        info["torch_error"] = repr(e)
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    try:
+        q = "driver_version,clocks.max.sm,clocks.max.mem,power.limit"
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30).stdout.strip()  # fmt: skip
+        info["nvidia_smi"] = dict(zip(q.split(","), (s.strip() for s in out.split(","))))
+    except (OSError, subprocess.SubprocessError) as e:
+        info["nvidia_smi"] = repr(e)
+    try:
+        out = subprocess.run(["nvcc", "--version"], capture_output=True, text=True).stdout
+        info["nvcc"] = out.strip().splitlines()[-1] if out else None
+    except OSError:
+        info["nvcc"] = None
+    return info
+
+
+def _tests(junit: Path) -> list[dict]:
+    if not junit.exists():
+        return []
+    rows = []
+    for case in ET.parse(junit).iter("testcase"):
+        outcome, message = "passed", ""
+        for tag in ("failure", "error", "skipped"):
+            el = case.find(tag)
+            if el is not None:
+                outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
+                message = (el.get("message") or "").splitlines()[0][:300] if el.get("message") else ""
+                break
+        rows.append({"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
+                     "seconds": float(case.get("time") or 0), "message": message})  # fmt: skip
+    return rows
+
+
+def main(folder: str) -> int:
+    d = Path(folder)
+    steps = []
+    if (d / "steps.txt").exists():
+        for line in (d / "steps.txt").read_text().splitlines():
+            name, rc, secs = line.split()
+            steps.append({"step": name, "rc": int(rc), "seconds": int(secs)})
+    tests = _tests(d / "junit.xml")
+    bench_csv = d / "bench" / "results.csv"
+    bench = list(csv.DictReader(bench_csv.open())) if bench_csv.exists() else []
+    device = _device()
+    counts: dict[str, int] = {}
+    for t in tests:
+        counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1
+    report = {"device": device, "steps": steps, "test_counts": counts, "tests": tests,
+              "bench": bench}  # fmt: skip
+    (d / "report.json").write_text(json.dumps(report, indent=1))
+
+    md = [f"# GPU run {device['date_utc']} on {device.get('gpu', '?')}", ""]
+    md += ["| fact | value |", "|---|---|"]
+    md += [f"| {k} | {v} |" for k, v in device.items()]
+    md += ["", "## Steps", "", "| step | rc | seconds |", "|---|---|---|"]
+    md += [f"| {s['step']} | {s['rc']} | {s['seconds']} |" for s in steps]
+    md += ["", "## Tests", "", ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())), ""]
+    bad = [t for t in tests if t["outcome"] in ("failed", "error")]
+    gpu_tests = [t for t in tests if "gpu" in t["test"] and t["outcome"] != "skipped"]
+    if bad:
+        md += ["Failures:", ""] + [f"- `{t['test']}`: {t['message']}" for t in bad] + [""]
+    md += ["GPU tests:", ""] + [f"- `{t['test']}`: {t['outcome']}" for t in gpu_tests] + [""]
+    skipped = [t for t in tests if t["outcome"] == "skipped"]
+    if skipped:
+        md += ["Skipped:", ""] + [f"- `{t['test']}`: {t['message']}" for t in skipped] + [""]
+    if bench:
+        cols = ["op", "provider", "shape", "median_s", "iqr_s", "ratio_vs_baseline",
+                "peak_mem_bytes", "h100_model_s"]  # fmt: skip
+        md += ["## Bench (measured on this GPU, CUDA events)", "", "| " + " | ".join(cols) + " |",
+               "|" + "---|" * len(cols)]  # fmt: skip
+        md += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in bench]
+    (d / "report.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+    failed = any(s["rc"] != 0 for s in steps) or bool(bad)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "."))
