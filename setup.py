@@ -6,6 +6,8 @@ Knobs (environment variables):
   COMPASS_BUILD_TYPE  Release (default) | RelWithDebInfo | Debug
   CUDACXX / CUDA_HOME where nvcc lives (otherwise PATH, then /usr/local/cuda)
   MAX_JOBS            parallel compile jobs (default: number of CPUs)
+  COMPASS_EMU         ON (default) | OFF: compass_kernels._C_emu, the CUDA kernels
+                      emulated on the CPU for the tests (docs/emulation.md; needs GCC)
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ class CMakeExtension(Extension):
 
 class CMakeBuild(build_ext):
     def build_extension(self, ext: CMakeExtension) -> None:
+        if ext.name == "compass_kernels._C_emu":
+            return  # a target of the same CMake project, built with _C into the same folder
         import pybind11
 
         t0 = time.perf_counter()
@@ -64,6 +68,7 @@ class CMakeBuild(build_ext):
             f"-DCOMPASS_CUDA={'ON' if nvcc else 'OFF'}",
             f"-DCOMPASS_CUDA_ARCHS={os.environ.get('COMPASS_CUDA_ARCHS', '90a')}",
             f"-DCOMPASS_VERSION={self.distribution.get_version()}",
+            f"-DCOMPASS_EMU={'ON' if _with_emu() else 'OFF'}",
         ]
         if nvcc:
             args.append(f"-DCMAKE_CUDA_COMPILER={nvcc}")
@@ -110,7 +115,15 @@ def _cutlass_include() -> str | None:
     return str(inc) if (inc / "cutlass" / "cutlass.h").exists() else None
 
 
+def _with_emu() -> bool:
+    value = os.environ.get("COMPASS_EMU", "ON").upper()
+    if value not in ("ON", "OFF"):
+        raise RuntimeError(f"COMPASS_EMU must be ON or OFF, got {value!r}")
+    return value == "ON"
+
+
 setup(
-    ext_modules=[CMakeExtension("compass_kernels._C")],
+    ext_modules=[CMakeExtension("compass_kernels._C")]
+    + ([CMakeExtension("compass_kernels._C_emu")] if _with_emu() else []),
     cmdclass={"build_ext": CMakeBuild},
 )

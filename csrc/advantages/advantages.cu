@@ -1,5 +1,6 @@
 // Group advantages and RL-ZVP on CUDA. Generic code (no Hopper-only
-// instructions); built for COMPASS_CUDA_ARCHS (sm_90a by default).
+// instructions); built for COMPASS_CUDA_ARCHS (sm_90a by default), and for the
+// CPU by the emulator (docs/emulation.md), which runs it in the tests.
 #include <cuda_runtime.h>
 
 #include <cfloat>
@@ -7,6 +8,7 @@
 #include "advantages/advantages_api.h"
 #include "compass/advantages.h"
 #include "compass/cuda_utils.cuh"
+#include "compass/launch.cuh"
 
 namespace compass {
 namespace advantages {
@@ -82,7 +84,7 @@ __global__ void zvp_kernel(const float* __restrict__ h, const int64_t* __restric
 template <typename R, typename A>
 void launch_zvp(const ZvpArgs& a, cudaStream_t stream) {
   const int64_t n = a.cu_seqlens.numel() - 1;
-  zvp_kernel<R, A><<<static_cast<unsigned>(n + 1), kZvpThreads, 0, stream>>>(
+  launch<zvp_kernel<R, A>>(static_cast<unsigned>(n + 1), kZvpThreads, 0, stream,
       a.entropy.ptr<float>(), a.cu_seqlens.ptr<int64_t>(), a.rewards.ptr<R>(),
       a.zero_var.ptr<bool>(), a.advantages.data ? a.advantages.ptr<A>() : nullptr, n,
       a.entropy.numel(), a.alpha, a.out.ptr<float>());
@@ -109,12 +111,12 @@ void group_advantages_cuda(const GroupArgs& a, uintptr_t stream_handle) {
   auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
   const unsigned blocks = static_cast<unsigned>((groups + kWarpsPerBlock - 1) / kWarpsPerBlock);
   if (a.rewards.dtype == DType::kFloat64) {
-    group_kernel<double><<<blocks, 32 * kWarpsPerBlock, 0, stream>>>(
+    launch<group_kernel<double>>(blocks, 32 * kWarpsPerBlock, 0, stream,
         a.rewards.ptr<double>(), a.order.ptr<int64_t>(), a.offsets.ptr<int64_t>(), groups, a.mode,
         a.eps, a.zero_var_tol, a.adv.ptr<double>(), a.zero_var.ptr<bool>(),
         a.group_mean.ptr<double>(), a.group_std.ptr<double>());
   } else {
-    group_kernel<float><<<blocks, 32 * kWarpsPerBlock, 0, stream>>>(
+    launch<group_kernel<float>>(blocks, 32 * kWarpsPerBlock, 0, stream,
         a.rewards.ptr<float>(), a.order.ptr<int64_t>(), a.offsets.ptr<int64_t>(), groups, a.mode,
         a.eps, a.zero_var_tol, a.adv.ptr<float>(), a.zero_var.ptr<bool>(),
         a.group_mean.ptr<double>(), a.group_std.ptr<double>());

@@ -39,7 +39,7 @@ void check_zvp_args(const ZvpArgs& a);
 
 void group_advantages_cpu(const GroupArgs& a);
 void rl_zvp_cpu(const ZvpArgs& a);
-#ifdef COMPASS_WITH_CUDA
+#if defined(COMPASS_WITH_CUDA) || defined(COMPASS_EMULATION)  // emulated: csrc/emu
 void group_advantages_cuda(const GroupArgs& a, uintptr_t stream);
 void rl_zvp_cuda(const ZvpArgs& a, uintptr_t stream);
 #endif
