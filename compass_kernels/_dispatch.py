@@ -6,6 +6,8 @@
 - "triton" on CPU tensors runs only under the Triton interpreter
   (TRITON_INTERPRET=1 set before triton is imported): that is how the Triton
   kernels are tested without a GPU.
+- "cuda-emulated" (CPU tensors, explicit only; tests): the CUDA kernels run by
+  the SIMT emulator (compass_kernels._emu, docs/emulation.md).
 
 A backend that is missing raises BackendUnavailableError naming the build flag;
 it never falls back to a slower path.
@@ -20,7 +22,7 @@ import torch
 
 from compass_kernels._ext import BackendUnavailableError, has_cuda_kernels, triton_interpreting
 
-BACKENDS = ("cpp", "cuda", "triton")
+BACKENDS = ("cpp", "cuda", "triton", "cuda-emulated")
 
 
 def default_cuda_backend() -> str:
@@ -38,6 +40,10 @@ def resolve(device: torch.device, backend: str | None) -> str:
         backend = backend or "cpp"
         if backend == "cuda":
             raise ValueError("backend='cuda' needs CUDA tensors, got tensors on cpu")
+        if backend == "cuda-emulated":
+            from compass_kernels import _emu
+
+            _emu.load()  # BackendUnavailableError says how to build it
         if backend == "triton" and not triton_interpreting():
             raise BackendUnavailableError(
                 "backend='triton' on CPU tensors runs only in the Triton interpreter: set "
@@ -45,8 +51,8 @@ def resolve(device: torch.device, backend: str | None) -> str:
             )
     elif device.type == "cuda":
         backend = backend or default_cuda_backend()
-        if backend == "cpp":
-            raise ValueError("backend='cpp' needs CPU tensors, got tensors on cuda")
+        if backend in ("cpp", "cuda-emulated"):
+            raise ValueError(f"backend={backend!r} needs CPU tensors, got tensors on cuda")
         if backend == "cuda" and not has_cuda_kernels():
             raise BackendUnavailableError(
                 "the CUDA kernels were not compiled into compass_kernels._C: rebuild with nvcc "

@@ -1,7 +1,8 @@
 """ck.advantages: every backend against the float64 reference, bad inputs, op registration.
 
 Triton-backend tests live in test_advantages_triton.py; the GPU tests here run
-wherever a CUDA device is (marker gpu).
+wherever a CUDA device is (marker gpu). The CUDA kernels also run here without
+a GPU, under the SIMT emulator (backend "cuda-emulated", marker emulated).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 import compass_kernels as ck
-from compass_kernels import _dispatch
+from compass_kernels import _dispatch, _emu
 from compass_kernels._ext import BackendUnavailableError, dl, load
 from compass_kernels.advantages import MODES, _group_kernel, _groups_from_ids, _zvp_kernel
 from compass_kernels.advantages.reference import (
@@ -62,21 +63,26 @@ def make_sequences(n: int, seed: int, *, max_len: int = 40, pad: int = 3, device
     return to(entropy, cu, rewards, zero_var, adv)
 
 
+EMULATED = pytest.param("cuda-emulated", marks=pytest.mark.emulated)
+
+
 def cpu_backends():
-    """Backends that run on CPU tensors here: C++, and Triton in the interpreter."""
-    return ["cpp", pytest.param("triton", marks=pytest.mark.triton)]
+    """Backends that run on CPU tensors here: C++, Triton in the interpreter, and
+    the CUDA kernels under the emulator."""
+    return ["cpp", pytest.param("triton", marks=pytest.mark.triton), EMULATED]
 
 
 # -------------------------------------------------------- group advantages
 
 
+@pytest.mark.parametrize("backend", [None, EMULATED])
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("num_groups", [1, 7, 37, 131])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_group_advantages_matches_reference(mode, num_groups, dtype):
+def test_group_advantages_matches_reference(mode, num_groups, dtype, backend):
     rewards, ids = make_groups(num_groups, seed=num_groups)
     rewards = rewards.to(dtype)
-    adv, zero_var, stats = ck.advantages.group_advantages(rewards, ids, mode=mode)
+    adv, zero_var, stats = ck.advantages.group_advantages(rewards, ids, mode=mode, backend=backend)
     ref_adv, ref_zv, ref_mean, ref_std = group_advantages_reference(rewards, ids, mode=mode)
     assert adv.dtype == dtype and zero_var.dtype == torch.bool
     assert torch.equal(zero_var, ref_zv)
@@ -91,8 +97,9 @@ def test_group_advantages_matches_reference(mode, num_groups, dtype):
 @pytest.mark.parametrize("backend", cpu_backends())
 @pytest.mark.parametrize("mode", list(MODES))
 def test_group_kernel_writes_every_output(backend, mode):
-    """Outputs are poisoned before the kernel: any element it skips shows up."""
-    rewards, ids = make_groups(53, seed=3)
+    """Outputs are poisoned before the kernel: any element it skips shows up.
+    Groups of 1..70: fewer samples than a warp's lanes, and more than two passes."""
+    rewards, ids = make_groups(53, seed=3, max_size=70)
     order, offsets, _, _ = _groups_from_ids(ids)
     n, groups = rewards.numel(), offsets.numel() - 1
     out = (
@@ -227,12 +234,15 @@ def test_cpp_boundary_rejects_bad_plans():
 # ----------------------------------------------------------------- RL-ZVP
 
 
+@pytest.mark.parametrize("backend", [None, EMULATED])
 @pytest.mark.parametrize("n", [1, 7, 37, 131])
 @pytest.mark.parametrize("with_adv", [False, True])
-def test_rl_zvp_matches_reference(n, with_adv):
+def test_rl_zvp_matches_reference(n, with_adv, backend):
     entropy, cu, rewards, zero_var, adv = make_sequences(n, seed=n)
     adv = adv if with_adv else None
-    out = ck.advantages.rl_zvp(entropy, cu, rewards, zero_var, alpha=0.1, advantages=adv)
+    out = ck.advantages.rl_zvp(
+        entropy, cu, rewards, zero_var, alpha=0.1, advantages=adv, backend=backend
+    )
     ref = rl_zvp_reference(entropy, cu, rewards, zero_var, alpha=0.1, advantages=adv)
     assert out.dtype == torch.float32
     assert_verbose_allclose(out, ref.float(), name="token_adv")
@@ -301,6 +311,66 @@ def test_cpp_boundary_rejects_bad_offsets_without_python_checks():
         C.advantages.rl_zvp_cpu(
             dl(h), dl(torch.tensor([0, 2, 9])), dl(r), dl(zv), None, 0.1, dl(out)
         )
+
+
+@pytest.mark.emulated
+def test_cuda_boundary_checks_arguments_under_emulation():
+    """The CUDA entry points run the same argument checks as the C++ ones."""
+    r, order, off = torch.ones(4), torch.arange(4), torch.tensor([0, 2, 4])
+    outs = [torch.empty(4, dtype=torch.float64), torch.empty(4, dtype=torch.bool),
+            torch.empty(2, dtype=torch.float64), torch.empty(2, dtype=torch.float64)]  # fmt: skip
+    with pytest.raises(ValueError, match="adv: expected dtype float32"):
+        _emu.call("advantages.group_advantages_cuda", dl(r), dl(order), dl(off), 0, 1e-6, 1e-6,
+                  *[dl(o) for o in outs], 0)  # fmt: skip
+    with pytest.raises(ValueError, match="entropy: expected dtype float32"):
+        _emu.call("advantages.rl_zvp_cuda", dl(torch.ones(5, dtype=torch.float64)),
+                  dl(torch.tensor([0, 2, 5])), dl(torch.ones(2)),
+                  dl(torch.ones(2, dtype=torch.bool)), None, 0.1, dl(torch.empty(5)), 0)  # fmt: skip
+
+
+@pytest.mark.emulated
+def test_cuda_boundary_bad_plan_is_an_out_of_bounds_access_under_emulation():
+    """The CUDA entries do not read index data on the host (that would sync): a bad
+    plan is a silent wild access on a GPU, and the emulator names it."""
+    r = torch.ones(4)
+    outs = [torch.empty(4), torch.empty(4, dtype=torch.bool),
+            torch.empty(2, dtype=torch.float64), torch.empty(2, dtype=torch.float64)]  # fmt: skip
+    with pytest.raises(
+        _emu.OutOfBoundsError,
+        match=r"global read of 4 bytes .*::group_kernel<float>, block \(0,0,0\), thread "
+        r"\(\d+,0,0\): byte offset 36 of 'rewards' \(float32\[4\]\), 16 bytes .*past its end at csrc/advantages/advantages.cu:\d+",
+    ):
+        _emu.call("advantages.group_advantages_cuda", dl(r), dl(torch.tensor([0, 1, 2, 9])),
+                  dl(torch.tensor([0, 2, 4])), 0, 1e-6, 1e-6, *[dl(o) for o in outs], 0)  # fmt: skip
+    h, zv, out = torch.rand(5), torch.ones(2, dtype=torch.bool), torch.empty(5)
+    with pytest.raises(_emu.OutOfBoundsError, match=r"read .*::zvp_kernel<float, float>.*'entropy'"):
+        _emu.call("advantages.rl_zvp_cuda", dl(h), dl(torch.tensor([0, 2, 9])),
+                  dl(torch.ones(2)), dl(zv), None, 0.1, dl(out), 0)  # fmt: skip
+
+
+# Planted bugs (cmake/emu.cmake builds each into _C_emu.mutants): every one must
+# fail one of the tests above under the emulated CUDA backend. The first two
+# passed every test (the sm_90a compile checks included) before the emulator.
+MUTANTS = {
+    "stride16": ("group", "AssertionError", None),
+    "tail_not_cleared": ("zvp", "AssertionError", None),
+    "group_guard_off_by_one": ("group", "OutOfBoundsError", "read of 8 bytes .*'offsets'"),
+    "idle_lanes_exit": ("group", "InactiveLaneError", "__shfl_xor_sync .* which has exited"),
+    "idle_threads_exit": ("zvp", "InactiveLaneError", "__shfl_xor_sync .* which has exited"),
+    "block_max_no_barrier": ("zvp", "UninitializedSharedMemoryError", "static shared memory"),
+}
+
+
+@pytest.mark.emulated
+@pytest.mark.parametrize("mutant", list(MUTANTS))
+def test_emulated_backend_catches_planted_bugs(mutant):
+    test, error, match = MUTANTS[mutant]
+    expected = AssertionError if error == "AssertionError" else getattr(_emu, error)
+    with _emu.mutant(mutant), pytest.raises(expected, match=match):
+        if test == "group":
+            test_group_kernel_writes_every_output("cuda-emulated", "grpo")
+        else:
+            test_rl_zvp_kernel_writes_every_output("cuda-emulated")
 
 
 # ------------------------------------------------------- overlong penalty

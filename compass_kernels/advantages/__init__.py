@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from compass_kernels import _dispatch
+from compass_kernels import _dispatch, _emu
 from compass_kernels._ext import cuda_stream, dl, dl_opt, load
 from compass_kernels._validate import (
     FLOAT_DTYPES,
@@ -82,6 +82,8 @@ def _group_kernel(backend, rewards, order, offsets, mode, eps, tol, out=None):
             dl(adv), dl(zero_var), dl(mean), dl(std)]  # fmt: skip
     if backend == "cpp":
         load().advantages.group_advantages_cpu(*args)
+    elif backend == _emu.BACKEND:
+        _emu.call("advantages.group_advantages_cuda", *args, 0)
     else:
         load().advantages.group_advantages_cuda(*args, cuda_stream(rewards))
     return out
@@ -99,6 +101,8 @@ def _zvp_kernel(backend, entropy, cu_seqlens, rewards, zero_var, advantages, alp
             alpha, dl(out)]  # fmt: skip
     if backend == "cpp":
         load().advantages.rl_zvp_cpu(*args)
+    elif backend == _emu.BACKEND:
+        _emu.call("advantages.rl_zvp_cuda", *args, 0)
     else:
         load().advantages.rl_zvp_cuda(*args, cuda_stream(entropy))
     return out
@@ -184,7 +188,8 @@ def group_advantages(
     zero_var_tol : a group is zero-variance when it has one sample or its
         unbiased std, computed in float64, is <= this; its advantages are exactly 0.
     validate : check rewards are finite (one host sync).
-    backend : None (default dispatch), "cpp", "cuda" or "triton".
+    backend : None (default dispatch), "cpp", "cuda" or "triton" ("cuda-emulated":
+        the CUDA kernels emulated on CPU tensors, for tests).
 
     Returns
     -------
@@ -251,6 +256,7 @@ def rl_zvp(
     advantages : optional [n] float per-sequence advantages broadcast to the
         tokens of the other sequences (0 when None).
     validate : check cu_seqlens on device (one host sync).
+    backend : as for :func:`group_advantages`.
 
     Returns
     -------

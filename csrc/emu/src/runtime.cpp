@@ -24,6 +24,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <utility>
 #include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
@@ -37,11 +38,6 @@
 #include "stats.h"
 #include "fiber.h"
 
-// Static __shared__ variables live in this section (device.h); the linker
-// defines its bounds. Weak: a module whose kernels use no static shared memory.
-extern "C" char __start_compass_emu_shared[] __attribute__((weak, visibility("hidden")));
-extern "C" char __stop_compass_emu_shared[] __attribute__((weak, visibility("hidden")));
-
 namespace compass {
 namespace emu {
 
@@ -49,7 +45,7 @@ namespace {
 
 constexpr int kMaxThreadsPerBlock = 1024;
 constexpr std::size_t kMaxSharedBytes = 227 * 1024;  // H100 per-block opt-in maximum
-constexpr std::uint8_t kSharedPoison = 0xff;         // NaN for floats, -1 for integers
+constexpr std::uint8_t kSharedPoison = 0xff;         // dynamic shared memory: NaN, -1
 
 enum class State { kRunnable, kWarp, kBarrier, kExited, kFailed };
 
@@ -141,24 +137,47 @@ void ensure_stacks(int count) {
 }
 char* stack_of(int i) { return g_stacks + i * (g_stack_size + page_size()) + page_size(); }
 
+std::size_t g_tls_size = 0;  // this module's TLS block: the static __shared__ variables
+void* g_self = nullptr;       // dlopen handle of this module
+
 int image_phdr(dl_phdr_info* info, size_t, void* data) {
   auto self = reinterpret_cast<std::uintptr_t>(data);
   std::vector<Range> segs;
   bool mine = false;
+  std::size_t tls = 0;
   for (int i = 0; i < info->dlpi_phnum; ++i) {
     const auto& ph = info->dlpi_phdr[i];
+    if (ph.p_type == PT_TLS) tls = ph.p_memsz;
     if (ph.p_type != PT_LOAD) continue;
     const std::uintptr_t lo = info->dlpi_addr + ph.p_vaddr, hi = lo + ph.p_memsz;
     segs.push_back({lo, hi, "module image"});
     mine = mine || (self >= lo && self < hi);
   }
-  if (mine) g_image = segs;
+  if (mine) {
+    g_image = segs;
+    g_tls_size = tls;
+  }
   return mine ? 1 : 0;
 }
 void find_image() {
-  if (g_image.empty()) {
-    dl_iterate_phdr(image_phdr, reinterpret_cast<void*>(&find_image));
+  if (!g_image.empty()) return;
+  dl_iterate_phdr(image_phdr, reinterpret_cast<void*>(&find_image));
+  Dl_info info;
+  if (dladdr(reinterpret_cast<void*>(&find_image), &info) && info.dli_fname) {
+    g_self = dlopen(info.dli_fname, RTLD_NOW | RTLD_NOLOAD);
   }
+}
+
+// [lo, hi) of this module's TLS block for the calling OS thread.
+std::pair<std::uintptr_t, std::uintptr_t> static_shared_range() {
+  t_current = nullptr;  // touching a thread_local allocates the block for this thread
+  void* block = nullptr;
+  if (g_self == nullptr || g_tls_size == 0 || dlinfo(g_self, RTLD_DI_TLS_DATA, &block) != 0 ||
+      block == nullptr) {
+    return {0, 0};
+  }
+  const auto lo = reinterpret_cast<std::uintptr_t>(block);
+  return {lo, lo + g_tls_size};
 }
 
 std::string short_file(const char* file) {
@@ -438,9 +457,8 @@ void run_block(Launch& L) {
     fiber_init(&t.fiber, stack_of(i), g_stack_size, &fiber_entry, &t);
   }
   L.block_epoch = ++g_epoch;
-  if (L.static_hi > L.static_lo) {
-    std::memset(reinterpret_cast<void*>(L.static_lo), kSharedPoison, L.static_hi - L.static_lo);
-  }
+  // Static shared memory keeps the previous block's bytes (the TLS block also
+  // holds other thread_local data); reading them is reported as uninitialized.
   if (!L.dyn.empty()) std::memset(L.dyn.data(), kSharedPoison, L.dyn.size());
   ++g_stats.blocks;
   g_stats.threads += static_cast<std::uint64_t>(L.nthreads);
@@ -630,8 +648,9 @@ bool launch(const char* kernel, dim3 grid, dim3 block, std::size_t dynamic_smem,
             KernelThunk thunk, const void* params, std::size_t params_size) {
   if (t_current != nullptr) raise(ErrorKind::kLaunch, "a kernel launched a kernel (unsupported)");
   const std::uint64_t nthreads = std::uint64_t{block.x} * block.y * block.z;
-  const std::size_t static_bytes =
-      static_cast<std::size_t>(__stop_compass_emu_shared - __start_compass_emu_shared);
+  find_image();
+  const auto [static_lo, static_hi] = static_shared_range();
+  const std::size_t static_bytes = static_hi - static_lo;
   if (nthreads == 0 || nthreads > kMaxThreadsPerBlock || block.z > 64 || grid.x == 0 ||
       grid.y == 0 || grid.z == 0 || grid.x > 0x7fffffffu || grid.y > 65535 || grid.z > 65535) {
     g_last_error = 9;  // cudaErrorInvalidConfiguration
@@ -642,7 +661,6 @@ bool launch(const char* kernel, dim3 grid, dim3 block, std::size_t dynamic_smem,
     return false;
   }
   std::lock_guard<std::mutex> lock(g_launch_mutex);
-  find_image();
   ensure_stacks(static_cast<int>(nthreads));
   Launch L;
   L.kernel = kernel;
@@ -653,8 +671,8 @@ bool launch(const char* kernel, dim3 grid, dim3 block, std::size_t dynamic_smem,
   L.params_hi = L.params_lo + params_size;
   L.nthreads = static_cast<int>(nthreads);
   L.threads.resize(nthreads);
-  L.static_lo = reinterpret_cast<std::uintptr_t>(__start_compass_emu_shared);
-  L.static_hi = L.static_lo + static_bytes;
+  L.static_lo = static_lo;
+  L.static_hi = static_hi;
   L.dyn.resize(dynamic_smem);
   L.dyn_lo = reinterpret_cast<std::uintptr_t>(L.dyn.data());
   L.dyn_hi = L.dyn_lo + dynamic_smem;

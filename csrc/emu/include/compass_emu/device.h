@@ -2,9 +2,8 @@
 //
 // Keywords become plain C++ (a kernel is an ordinary function the emulator
 // calls once per CUDA thread, each on its own fiber); `__shared__` variables
-// become static storage in one linker section the emulator owns (per-block
-// contents: it poisons the section before every block and race-checks every
-// access to it); indices and collectives call into the emulator.
+// become static thread_local storage, which the emulator race-checks and
+// checks for reads of bytes no thread of the block wrote; indices and collectives call into the emulator.
 //
 // Calls pass their source location (__builtin_FILE/LINE as default
 // arguments) so that a report names the line of the barrier or shuffle.
@@ -32,7 +31,11 @@
 #define __host__
 #define __forceinline__ inline
 #define __noinline__ __attribute__((noinline))
-#define __shared__ static __attribute__((section("compass_emu_shared")))
+// Thread-local to the launching OS thread: the emulator classifies every
+// access inside this module's TLS block as shared memory (kernel code has no
+// other thread_local data). A linker section would be simpler, but GCC drops
+// section attributes on static locals of templates.
+#define __shared__ static thread_local
 #define __constant__
 #define __grid_constant__
 #define __launch_bounds__(...)
