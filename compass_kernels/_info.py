@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from compass_kernels import _emu
 from compass_kernels._ext import BackendUnavailableError, load, triton_interpreting
 
 
@@ -20,7 +21,8 @@ def _triton() -> dict[str, Any]:
 
 
 def info() -> dict[str, Any]:
-    """Version, compiled backends and archs, CUDA device usability, Triton state.
+    """Version, compiled backends and archs, CUDA device usability, Triton state, and
+    which CUDA kernels run under the emulator ("emulated" evidence, tests only).
 
     Returns a dict; ``python -m compass_kernels info`` prints it.
     """
@@ -56,7 +58,9 @@ def info() -> dict[str, Any]:
         "cpp": out["compiled"]["loaded"],
         "cuda": bool(build.get("cuda")) and gpu,
         "triton": triton["installed"] and (gpu or triton["interpreting"]),
+        "cuda-emulated": _emu.available(),
     }
+    out["emulated"] = _emu.evidence()
     return out
 
 
