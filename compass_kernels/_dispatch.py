@@ -71,6 +71,10 @@ def _resolve(dev_type, dev_index, backend, op, available) -> str:
     known = BACKENDS + TEST_BACKENDS
     if backend is not None and backend not in known:
         raise ValueError(f"backend: expected one of {known} or None, got {backend!r}")
+    if backend is not None and backend not in available:
+        raise BackendUnavailableError(
+            f"{op} has no {backend!r} backend (it has {', '.join(available)})"
+        )
     if dev_type == "cpu":
         backend = backend or "cpp"
         if backend == "cuda":
@@ -88,10 +92,10 @@ def _resolve(dev_type, dev_index, backend, op, available) -> str:
             raise ValueError(f"backend={backend!r} runs on CPU tensors (tests only)")
     else:
         raise ValueError(f"unsupported device {dev_type}: expected cpu or cuda tensors")
-    if backend not in available:
+    if backend not in available:  # the default for this device
         raise BackendUnavailableError(
-            f"{op} has no {backend!r} backend (it has {', '.join(available)})"
-            + ("; pass backend=... or set COMPASS_CUDA_BACKEND" if dev_type == "cuda" else "")
+            f"{op} has no {backend!r} backend (it has {', '.join(available)}): pass backend=..."
+            + (" or set COMPASS_CUDA_BACKEND" if dev_type == "cuda" else "")
         )
     if backend == "cuda":
         if not has_cuda_kernels():

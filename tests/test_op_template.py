@@ -177,3 +177,28 @@ def test_numpy_dtype_roundtrip_of_views():
                               torch.empty(3, dtype=torch.int64))  # fmt: skip
     assert load().advantages.group_plan_cpu(ids, order, offsets, unique) == 2
     assert unique[:2].tolist() == [3, 5] and np.array_equal(order.numpy(), [1, 0, 2])
+
+
+# -------------------------------------------------------------- evidence
+
+
+def test_gpu_evidence_is_in_sync_with_the_committed_runs():
+    """compass_kernels/gpu_evidence.json is generated from docs/gpu_runs: a new
+    report without `python scripts/update_evidence.py` fails here."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("upd", root / "scripts" / "update_evidence.py")
+    upd = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(upd)
+    committed = json.loads((root / "compass_kernels" / "gpu_evidence.json").read_text())
+    assert upd.collect(root / "docs" / "gpu_runs") == committed
+
+
+def test_info_reports_evidence_per_op_and_backend():
+    ev = ck.info()["evidence"]
+    assert set(ev) >= {"group_advantages", "rl_zvp"}
+    assert ev["group_advantages"]["cpp"] == ["reference-tested on CPU"]
+    assert any(lv.startswith("interpreter-run") for lv in ev["rl_zvp"]["triton"])
