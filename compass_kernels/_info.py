@@ -53,8 +53,10 @@ def evidence() -> dict[str, dict[str, list[str]]]:
             if backend == "cuda" and "cuda-emulated" in op.backends:
                 levels += _STATIC_EVIDENCE["cuda-emulated"]
             for run in gpu.get(name, {}).get(backend, []):
-                levels.append(f"run on a GPU: {run['device']}, {run['date']}, "
-                              f"{run['passed']} passed / {run['failed']} failed ({run['run']})")  # fmt: skip
+                tests = f"{run['passed']} passed / {run['failed']} failed"
+                levels.append(
+                    f"run on a GPU: {run['device']}, {run['date']}, {tests} ({run['run']})"
+                )
             per[backend] = levels
     return out
 

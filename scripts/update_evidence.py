@@ -22,8 +22,8 @@ def collect(runs_dir: Path) -> dict:
     for report in sorted(runs_dir.glob("*/report.json")):
         data = json.loads(report.read_text())
         dev = data["device"]
-        run = {"run": report.parent.name, "date": dev.get("date_utc", "")[:10],
-               "device": dev.get("gpu"), "torch": dev.get("torch"), "triton": dev.get("triton")}  # fmt: skip
+        run = {"run": report.parent.name, "date": dev.get("date_utc", "")[:10]}
+        run |= {k: dev.get(k) for k in ("torch", "triton")} | {"device": dev.get("gpu")}
         for t in data["tests"]:
             m = re.search(r"::test_gpu_(\w+?)(?:\[(.*)\])?$", t["test"])
             if not m or t["outcome"] == "skipped":
