@@ -92,7 +92,8 @@ namespace {
 // then its outputs. The mode is a template argument: no branch per sample.
 template <typename R, int32_t kMode, bool kContiguous>
 void group_range(const GroupArgs& a, int64_t g0, int64_t g1) {
-  constexpr int64_t kBlock = 128;
+  // Gathered rewards (order path) must still be in L1 when the block is written.
+  constexpr int64_t kBlock = kContiguous ? 128 : 4;
   const R* r = a.rewards.ptr<R>();
   const int64_t* order = a.order.ptr<int64_t>();
   const int64_t* off = a.offsets.ptr<int64_t>();
