@@ -15,6 +15,11 @@ namespace {
 // OpenMP team costs more than the work (measured: 32x8 went from 0.13 ms to
 // 6-8 ms on a loaded 2-core host).
 constexpr int64_t kParallelMinElements = int64_t{1} << 15;
+// Group advantages run at ~2 ns per sample on one thread (8192 x 16 in
+// ~0.25 ms), so a team pays off only on larger batches; on a loaded host a
+// team that waits for a descheduled thread costs milliseconds (measured:
+// 1024 x 32 went from 0.1 ms to 8 ms on a shared 2-core host).
+constexpr int64_t kGroupParallelMinElements = int64_t{1} << 18;
 using Real = Types<float, double>;
 }  // namespace
 
@@ -63,42 +68,130 @@ void check_rl_zvp_args(COMPASS_RL_ZVP_ARGS) {
 
 namespace {
 
+// The group kernel's raw arguments (the checked views' pointers).
+struct GroupPtrs {
+  const void* rewards;
+  const int64_t* order;
+  const int64_t* offsets;
+  void* adv;
+  bool* zero_var;
+  double* group_mean;
+  double* group_std;
+  int64_t n, groups;
+  int32_t mode;
+  double eps, tol;
+};
+
+// Groups [g0, g1). Contiguous: group g is r[off[g]:off[g+1]] (order is the
+// identity, e.g. the group_size layout or ids already grouped), else
+// r[order[off[g]:off[g+1]]].
+//
+// Per group, one pass for the statistics in float64: deviations from the
+// group's first reward k (a shifted one-pass variance), m2 = S2 - S1^2 / c
+// with S1 = sum(x - k), S2 = sum((x - k)^2). Since k is a member,
+// S1^2 / c <= (c - 1) * m2, so the cancellation costs at most a factor c in
+// relative error (~1e-14 at c = 64; the GPU's two-pass formula agrees to
+// that), and a group of equal rewards has S1 = S2 = 0 exactly: zero variance
+// stays exact. The sums are SIMD reductions (a fixed order per build:
+// deterministic). Then one pass writes A = (r - mean) * scale + 0.0, with
+// scale = 0 for a zero-variance group (+ 0.0 turns -0 into +0), 1 / (std +
+// eps) in GRPO (within 1 ulp of float64 of the division), 1 in Dr.GRPO and
+// c / (c - 1) in RLOO: advantages.h's formulas.
+//
+// Groups go in blocks: the statistics of a block first (independent
+// per-group sqrt/divide chains the CPU overlaps, no data-dependent branch),
+// then its outputs. The mode is a template argument: no branch per sample.
+template <typename R, int32_t kMode, bool kContiguous>
+void group_range(const GroupPtrs& a, int64_t g0, int64_t g1) {
+  // Gathered rewards (order path) must still be in L1 when the block is written.
+  constexpr int64_t kBlock = kContiguous ? 128 : 4;
+  const R* r = static_cast<const R*>(a.rewards);
+  const int64_t* order = a.order;
+  const int64_t* off = a.offsets;
+  R* __restrict__ adv = static_cast<R*>(a.adv);
+  bool* __restrict__ zv = a.zero_var;
+  double* gmean = a.group_mean;
+  double* gstd = a.group_std;
+  const double eps = a.eps, tol = a.tol;
+  double bmean[kBlock], bscale[kBlock];
+  bool bzero[kBlock];
+  auto load = [r, order](int64_t j) {
+    return static_cast<double>(kContiguous ? r[j] : r[order[j]]);
+  };
+  for (int64_t gb = g0; gb < g1; gb += kBlock) {
+    const int64_t ge = std::min(gb + kBlock, g1);
+    for (int64_t g = gb; g < ge; ++g) {
+      const int64_t begin = off[g], end = off[g + 1], count = end - begin;
+      const double k = count > 0 ? load(begin) : 0.0;
+      double s1 = 0.0, s2 = 0.0;
+#pragma omp simd reduction(+ : s1, s2)
+      for (int64_t j = begin; j < end; ++j) {
+        const double d = load(j) - k;
+        s1 += d;
+        s2 += d * d;
+      }
+      const double c = static_cast<double>(count);
+      const double mean = count > 0 ? k + s1 / c : 0.0;
+      const double m2 = count > 0 ? std::max(0.0, s2 - s1 * s1 / c) : 0.0;
+      const double std = group_std(m2, count);
+      const bool zero = is_zero_variance(std, count, tol);
+      double scale = 1.0;  // kDrGRPO
+      if (kMode == kGRPO) scale = 1.0 / (std + eps);
+      if (kMode == kRLOO) scale = c / (c - 1.0);
+      gmean[g] = mean;
+      gstd[g] = std;
+      bmean[g - gb] = mean;
+      bscale[g - gb] = zero ? 0.0 : scale;
+      bzero[g - gb] = zero;
+    }
+    for (int64_t g = gb; g < ge; ++g) {
+      const int64_t begin = off[g], end = off[g + 1];
+      const double mean = bmean[g - gb], scale = bscale[g - gb];
+      const bool zero = bzero[g - gb];
+      if (kContiguous) {
+#pragma omp simd
+        for (int64_t j = begin; j < end; ++j) {
+          adv[j] = static_cast<R>((static_cast<double>(r[j]) - mean) * scale + 0.0);
+          zv[j] = zero;
+        }
+      } else {
+        for (int64_t j = begin; j < end; ++j) {
+          const int64_t i = order[j];
+          adv[i] = static_cast<R>((static_cast<double>(r[i]) - mean) * scale + 0.0);
+          zv[i] = zero;
+        }
+      }
+    }
+  }
+}
+
+template <typename R, int32_t kMode>
+void group_impl_mode(const GroupPtrs& a, bool contiguous) {
+  const int64_t groups = a.groups;
+  // Threads only pay off on large batches: below the threshold, waking the
+  // OpenMP team costs more than the work (measured: 32x8 went from 0.13 ms to
+  // 6-8 ms on a loaded 2-core host), so small batches stay on the calling
+  // thread. Static chunks of whole groups: every group costs about the same.
+  if (a.n < kGroupParallelMinElements || omp_get_max_threads() == 1) {
+    contiguous ? group_range<R, kMode, true>(a, 0, groups)
+               : group_range<R, kMode, false>(a, 0, groups);
+    return;
+  }
+#pragma omp parallel
+  {
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t g0 = groups * t / nt, g1 = groups * (t + 1) / nt;
+    contiguous ? group_range<R, kMode, true>(a, g0, g1)
+               : group_range<R, kMode, false>(a, g0, g1);
+  }
+}
+
 template <typename R>
-void group_impl(const TensorView& rewards, const TensorView& order, const TensorView& offsets,
-                int32_t mode, double eps, double tol, const TensorView& adv_v,
-                const TensorView& zv_v, const TensorView& mean_v, const TensorView& std_v) {
-  const R* r = rewards.ptr<R>();
-  const int64_t* ord = order.ptr<int64_t>();
-  const int64_t* off = offsets.ptr<int64_t>();
-  R* adv = adv_v.ptr<R>();
-  bool* zv = zv_v.ptr<bool>();
-  double* gmean = mean_v.ptr<double>();
-  double* gstd = std_v.ptr<double>();
-  const int64_t groups = offsets.numel() - 1;
-  // Groups are small (4..64 samples) and many: one group per iteration,
-  // two-pass float64 (deterministic, no catastrophic cancellation).
-  const bool parallel = rewards.numel() >= kParallelMinElements;
-#pragma omp parallel for schedule(dynamic, 64) if (parallel)
-  for (int64_t g = 0; g < groups; ++g) {
-    const int64_t begin = off[g], end = off[g + 1], count = end - begin;
-    double sum = 0.0;
-    for (int64_t j = begin; j < end; ++j) sum += static_cast<double>(r[ord[j]]);
-    const double mean = count > 0 ? sum / static_cast<double>(count) : 0.0;
-    double m2 = 0.0;
-    for (int64_t j = begin; j < end; ++j) {
-      const double d = static_cast<double>(r[ord[j]]) - mean;
-      m2 += d * d;
-    }
-    const double sd = group_std(m2, count);
-    const bool zero = is_zero_variance(sd, count, tol);
-    gmean[g] = mean;
-    gstd[g] = sd;
-    for (int64_t j = begin; j < end; ++j) {
-      const int64_t i = ord[j];
-      zv[i] = zero;
-      adv[i] = static_cast<R>(advantage(static_cast<double>(r[i]), mean, sd, count, mode, eps,
-                                        zero));
-    }
+void group_impl(const GroupPtrs& a, bool contiguous) {
+  switch (a.mode) {
+    case kGRPO: group_impl_mode<R, kGRPO>(a, contiguous); break;
+    case kDrGRPO: group_impl_mode<R, kDrGRPO>(a, contiguous); break;
+    default: group_impl_mode<R, kRLOO>(a, contiguous); break;
   }
 }
 
@@ -146,10 +239,18 @@ void group_advantages_cpu(COMPASS_GROUP_ADVANTAGES_ARGS) {
     COMPASS_CHECK(off[g] <= off[g + 1], "offsets: expected non-decreasing values, offsets[", g,
                   "] = ", off[g], " > offsets[", g + 1, "] = ", off[g + 1]);
   }
+  // One branch-free pass over order: bounds, and whether it is the identity
+  // (then groups are contiguous runs and the kernel never reads order).
   const int64_t* ord = order.ptr<int64_t>();
-  for (int64_t j = 0; j < n; ++j) {
-    COMPASS_CHECK(ord[j] >= 0 && ord[j] < n, "order: expected indices in [0, ", n,
-                  "), got order[", j, "] = ", ord[j]);
+  int64_t moved = 0;
+  for (int64_t j = 0; j < n; ++j) moved |= ord[j] ^ j;  // vectorizes
+  if (moved) {  // the kernel will index with order: bounds-check it
+    uint64_t out_of_range = 0;
+    for (int64_t j = 0; j < n; ++j) out_of_range |= static_cast<uint64_t>(ord[j]) >= uint64_t(n);
+    for (int64_t j = 0; out_of_range && j < n; ++j) {
+      COMPASS_CHECK(ord[j] >= 0 && ord[j] < n, "order: expected indices in [0, ", n,
+                    "), got order[", j, "] = ", ord[j]);
+    }
   }
   dispatch(rewards, Real{}, [&](auto tag) {
     using R = decltype(tag);
@@ -158,8 +259,10 @@ void group_advantages_cpu(COMPASS_GROUP_ADVANTAGES_ARGS) {
       COMPASS_CHECK(std::isfinite(r[i]), "rewards: expected finite values, got ", r[i],
                     " at index ", i);
     }
-    group_impl<R>(rewards, order, offsets, static_cast<int32_t>(mode), eps,
-                              zero_var_tol, adv, zero_var, group_mean, group_std);
+    const GroupPtrs p{rewards.data, ord, off, adv.data, zero_var.ptr<bool>(),
+                      group_mean.ptr<double>(), group_std.ptr<double>(), n, groups,
+                      static_cast<int32_t>(mode), eps, zero_var_tol};
+    group_impl<R>(p, moved == 0);
   });
 }
 
