@@ -45,11 +45,13 @@ def default_cuda_backend() -> str:
 # (COMPASS_CUDA_BACKEND, TRITON_INTERPRET) is read on the first dispatch of a
 # key: both are process-level settings. reset() forgets (tests).
 _CACHE: dict[tuple, str] = {}
+_CACHE_EPOCH = [0]  # ops keep their own cache of resolve(); reset() invalidates it
 
 
 def reset() -> None:
     """Forget cached decisions, e.g. after changing COMPASS_CUDA_BACKEND."""
     _CACHE.clear()
+    _CACHE_EPOCH[0] += 1
 
 
 def resolve(

@@ -59,6 +59,8 @@ class Op:
         self.outputs = outputs
         self._specs = dict(kernels)
         self._kernels: dict[str, Callable[..., Any]] = {}
+        self._chosen: dict[tuple, str] = {}  # (device, backend) -> resolved backend
+        self._epoch = -1  # _dispatch.reset() bumps the epoch: forget self._chosen
         args, _, rets = schema.partition(") ->")
         sep = ", " if args.strip() != "(" else ""
         _lib.define(f"{name}{args}{sep}str? backend=None) ->{rets}")
@@ -74,6 +76,7 @@ class Op:
         """Register one more backend (e.g. the test-only "cuda-emulated")."""
         self._specs[backend] = kernel
         self._kernels.pop(backend, None)
+        self._chosen.clear()
         self.backends = tuple(self._specs)
 
     def kernel(self, backend: str) -> Callable[..., Any]:
@@ -108,7 +111,11 @@ class Op:
     def run(self, args: tuple, backend: str | None = None, out=None):
         """Resolve, allocate (unless ``out``), launch; returns the outputs."""
         dev = _first_tensor(args).device
-        chosen = _dispatch.resolve(dev, backend, op=self.qualname, available=self.backends)
+        chosen = self._chosen.get((dev, backend))
+        if chosen is None or _dispatch._CACHE_EPOCH[0] != self._epoch:
+            chosen = _dispatch.resolve(dev, backend, op=self.qualname, available=self.backends)
+            self._chosen[(dev, backend)] = chosen
+            self._epoch = _dispatch._CACHE_EPOCH[0]
         outs = self.outputs(*args) if out is None else out
         kernel = self.kernel(chosen)
         if chosen == "cuda":
