@@ -3,7 +3,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: env build test test-fast bench wheel info lint
+.PHONY: env build test test-fast bench wheel info lint gpu-check
 
 $(PY):
 	bash scripts/setup_env.sh
@@ -34,3 +34,7 @@ info: build
 
 lint: $(PY)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+# on a GPU host: build in place, gpu + triton tiers, benches, report (docs/gpu_runs/)
+gpu-check:
+	bash scripts/gpu_check.sh $(REPORT_DIR)

@@ -2,7 +2,8 @@
 
 Knobs (environment variables):
   COMPASS_CUDA        AUTO (default: CUDA when nvcc is found) | ON | OFF
-  COMPASS_CUDA_ARCHS  CUDA architectures for the generic kernels (default "90a")
+  COMPASS_CUDA_ARCHS  CUDA architectures for the generic kernels (default "80;90a": A100/L40/H100
+                      get the generic kernels; Hopper-only kernels are always sm_90a)
   COMPASS_BUILD_TYPE  Release (default) | RelWithDebInfo | Debug
   CUDACXX / CUDA_HOME where nvcc lives (otherwise PATH, then /usr/local/cuda)
   MAX_JOBS            parallel compile jobs (default: number of CPUs)
@@ -66,7 +67,7 @@ class CMakeBuild(build_ext):
             f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
             f"-DCMAKE_BUILD_TYPE={os.environ.get('COMPASS_BUILD_TYPE', 'Release')}",
             f"-DCOMPASS_CUDA={'ON' if nvcc else 'OFF'}",
-            f"-DCOMPASS_CUDA_ARCHS={os.environ.get('COMPASS_CUDA_ARCHS', '90a')}",
+            f"-DCOMPASS_CUDA_ARCHS={os.environ.get('COMPASS_CUDA_ARCHS', '80;90a')}",
             f"-DCOMPASS_VERSION={self.distribution.get_version()}",
             f"-DCOMPASS_EMU={'ON' if _with_emu() else 'OFF'}",
         ]
@@ -82,10 +83,32 @@ class CMakeBuild(build_ext):
 
         subprocess.check_call(["cmake", str(ROOT), *args], cwd=build_temp)
         subprocess.check_call(["cmake", "--build", ".", "--parallel", jobs], cwd=build_temp)
+        _check_shared_libstdcxx(Path(self.get_ext_fullpath(ext.name)))
         print(
             f"[compass_kernels] built {ext.name} in {time.perf_counter() - t0:.1f} s "
             f"(CUDA: {'nvcc ' + nvcc if nvcc else 'off'}, MAX_JOBS={jobs})",
             flush=True,
+        )
+
+
+def _check_shared_libstdcxx(so: Path) -> None:
+    """Refuse a module that links libstdc++ statically.
+
+    Some toolchains (seen: a wrapper g++ in /opt/gcc on a GPU image, picked up
+    through CXX / CUDAHOSTCXX) link libstdc++ into the module. In a process that
+    also loads torch's shared libstdc++, a C++ exception thrown by our argument
+    checks then crashes the interpreter (SIGSEGV) instead of raising ValueError.
+    """
+    readelf = shutil.which("readelf")
+    if readelf is None:
+        raise RuntimeError("readelf (binutils) not found: needed to check how _C links libstdc++")
+    dyn = subprocess.run([readelf, "-d", str(so)], capture_output=True, text=True, check=True)
+    if "libstdc++.so" not in dyn.stdout:
+        raise RuntimeError(
+            f"{so.name} links libstdc++ statically (compiler: CXX={os.environ.get('CXX', 'c++')}, "
+            f"CUDAHOSTCXX={os.environ.get('CUDAHOSTCXX', '-')}): C++ errors would crash Python "
+            "instead of raising. Build with a compiler that links the shared libstdc++, e.g. "
+            "CXX=/usr/bin/g++ CC=/usr/bin/gcc CUDAHOSTCXX=/usr/bin/g++."
         )
 
 

@@ -573,13 +573,20 @@ def format_table(rows: Sequence[Row]) -> str:
     """Return an aligned text table of `rows` (one line per provider)."""
     devices = {r.device.split(":")[0] for r in rows}
     mem_head = "peak mem" if devices == {"cuda"} else "peak mem (cpu: rss delta (approx))"
-    head = ("op", "shape", "provider", "median", "IQR", "speedup", mem_head, "H100 model")
+    head = ("op", "shape", "provider", "median", "IQR", "vs base", "speedup", mem_head,
+            "H100 model")  # fmt: skip
     body = []
     for r in rows:
         if r.error:
-            body.append((r.op, r.shape, r.provider, "ERROR", r.error[:60], "-", "-", "-"))
+            body.append((r.op, r.shape, r.provider, "ERROR", r.error[:60], "-", "-", "-", "-"))
             continue
         speed = "baseline" if r.is_baseline else f"{r.ratio_vs_baseline:.2f}x"
+        # median minus the baseline's: e.g. the host overhead above a raw kernel
+        delta = "-"
+        if not r.is_baseline and r.ratio_vs_baseline > 0:
+            base_s = r.median_s * r.ratio_vs_baseline
+            diff = r.median_s - base_s
+            delta = ("+" if diff >= 0 else "-") + _fmt_time(abs(diff))
         body.append(
             (
                 r.op,
@@ -587,13 +594,14 @@ def format_table(rows: Sequence[Row]) -> str:
                 r.provider,
                 _fmt_time(r.median_s),
                 _fmt_time(r.iqr_s),
+                delta,
                 speed,
                 _fmt_bytes(r.peak_mem_bytes),
                 _fmt_time(r.model_s),
             )
         )
     widths = [max(len(str(x[i])) for x in [head, *body]) for i in range(len(head))]
-    right = {3, 4, 5, 6, 7}
+    right = {3, 4, 5, 6, 7, 8}
 
     def line(cells: Sequence[str]) -> str:
         return "  ".join(
@@ -603,6 +611,7 @@ def format_table(rows: Sequence[Row]) -> str:
 
     sep = "  ".join("-" * w for w in widths)
     out = [line(head), sep, *(line(b) for b in body)]
+    out.append("vs base: median minus the baseline's median (same case); speedup: their ratio")
     if any(not math.isnan(r.model_s) for r in rows):
         out.append(
             "H100 model: roofline lower bound of the op (bench/roofline.py: HBM bytes and FLOPs "

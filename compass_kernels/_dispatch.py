@@ -6,11 +6,13 @@
 - "triton" on CPU tensors runs only under the Triton interpreter
   (TRITON_INTERPRET=1 set before triton is imported): that is how the Triton
   kernels are tested without a GPU.
-- "cuda-emulated" (CPU tensors, explicit only; tests): the CUDA kernels run by
-  the SIMT emulator (compass_kernels._emu, docs/emulation.md).
+- Test-only backends (e.g. "cuda-emulated": the CUDA kernels' source run on the
+  CPU by the SIMT emulator) are chosen only by name, never by default.
 
-A backend that is missing raises BackendUnavailableError naming the build flag;
-it never falls back to a slower path.
+Each op declares which backends it has (compass_kernels._op.Op); a backend the
+op lacks, or one that was not built or cannot run here, raises
+BackendUnavailableError naming the op, the backend and how to get it. Results
+are cached per (op, device, backend): this runs on every call.
 """
 
 from __future__ import annotations
@@ -20,9 +22,16 @@ import os
 
 import torch
 
-from compass_kernels._ext import BackendUnavailableError, has_cuda_kernels, triton_interpreting
+from compass_kernels._ext import (
+    BackendUnavailableError,
+    compiled_cuda_archs,
+    has_cuda_kernels,
+    triton_interpreting,
+)
 
-BACKENDS = ("cpp", "cuda", "triton", "cuda-emulated")
+BACKENDS = ("cpp", "cuda", "triton")
+# Backends that run on CPU tensors and are only ever chosen by name (tests).
+TEST_BACKENDS = ("cuda-emulated",)
 
 
 def default_cuda_backend() -> str:
@@ -32,37 +41,106 @@ def default_cuda_backend() -> str:
     return value
 
 
-def resolve(device: torch.device, backend: str | None) -> str:
-    """The backend that will run an op on ``device``; raises if it cannot run there."""
-    if backend is not None and backend not in BACKENDS:
-        raise ValueError(f"backend: expected one of {BACKENDS} or None, got {backend!r}")
-    if device.type == "cpu":
+# (device type, index, backend, op, available) -> backend. The environment
+# (COMPASS_CUDA_BACKEND, TRITON_INTERPRET) is read on the first dispatch of a
+# key: both are process-level settings. reset() forgets (tests).
+_CACHE: dict[tuple, str] = {}
+_CACHE_EPOCH = [0]  # ops keep their own cache of resolve(); reset() invalidates it
+
+
+def reset() -> None:
+    """Forget cached decisions, e.g. after changing COMPASS_CUDA_BACKEND."""
+    _CACHE.clear()
+    _CACHE_EPOCH[0] += 1
+
+
+def resolve(
+    device: torch.device,
+    backend: str | None,
+    *,
+    op: str = "this op",
+    available: tuple[str, ...] = BACKENDS,
+) -> str:
+    """The backend that will run ``op`` on ``device``; raises if it cannot run there."""
+    key = (device.type, device.index, backend, op, available)
+    chosen = _CACHE.get(key)
+    if chosen is None:
+        chosen = _CACHE[key] = _resolve(*key)
+    return chosen
+
+
+def _resolve(dev_type, dev_index, backend, op, available) -> str:
+    known = BACKENDS + TEST_BACKENDS
+    if backend is not None and backend not in known:
+        raise ValueError(f"backend: expected one of {known} or None, got {backend!r}")
+    if backend is not None and backend not in available:
+        raise BackendUnavailableError(
+            f"{op} has no {backend!r} backend (it has {', '.join(available)})"
+        )
+    if dev_type == "cpu":
         backend = backend or "cpp"
         if backend == "cuda":
             raise ValueError("backend='cuda' needs CUDA tensors, got tensors on cpu")
-        if backend == "cuda-emulated":
-            from compass_kernels import _emu
-
-            _emu.load()  # BackendUnavailableError says how to build it
         if backend == "triton" and not triton_interpreting():
             raise BackendUnavailableError(
-                "backend='triton' on CPU tensors runs only in the Triton interpreter: set "
+                f"{op}: backend='triton' on CPU tensors runs only in the Triton interpreter: set "
                 "TRITON_INTERPRET=1 before importing triton (tests do this in conftest.py)"
             )
-    elif device.type == "cuda":
+    elif dev_type == "cuda":
         backend = backend or default_cuda_backend()
-        if backend in ("cpp", "cuda-emulated"):
-            raise ValueError(f"backend={backend!r} needs CPU tensors, got tensors on cuda")
-        if backend == "cuda" and not has_cuda_kernels():
+        if backend == "cpp":
+            raise ValueError("backend='cpp' needs CPU tensors, got tensors on cuda")
+        if backend in TEST_BACKENDS:
+            raise ValueError(f"backend={backend!r} runs on CPU tensors (tests only)")
+    else:
+        raise ValueError(f"unsupported device {dev_type}: expected cpu or cuda tensors")
+    if backend not in available:  # the default for this device
+        raise BackendUnavailableError(
+            f"{op} has no {backend!r} backend (it has {', '.join(available)}): pass backend=..."
+            + (" or set COMPASS_CUDA_BACKEND" if dev_type == "cuda" else "")
+        )
+    if backend == "cuda":
+        if not has_cuda_kernels():
             raise BackendUnavailableError(
-                "the CUDA kernels were not compiled into compass_kernels._C: rebuild with nvcc "
-                "on PATH (COMPASS_CUDA=ON), or pass backend='triton' / set "
+                f"{op}: the CUDA kernels were not compiled into compass_kernels._C: rebuild with "
+                "nvcc on PATH (COMPASS_CUDA=ON), or pass backend='triton' / set "
                 "COMPASS_CUDA_BACKEND=triton"
             )
-    else:
-        raise ValueError(f"unsupported device {device}: expected cpu or cuda tensors")
+        _check_arch(op, dev_index)
     if backend == "triton" and importlib.util.find_spec("triton") is None:
         raise BackendUnavailableError(
-            "backend='triton' needs the triton package: pip install 'compass_kernels[triton]'"
+            f"{op}: backend='triton' needs the triton package: "
+            "pip install 'compass_kernels[triton]'"
         )
     return backend
+
+
+def can_run_arch(capability: tuple[int, int], archs: tuple[str, ...]) -> bool:
+    """Whether a build for ``archs`` (CMake style: "80", "90a", "86-real", "90-virtual")
+    has code a device of ``capability`` runs: SASS of the same major and a minor
+    <= the device's ('a' variants only on their exact SM), or PTX of an SM <= the
+    device's (JIT-compiled by the driver)."""
+    dev = capability[0] * 10 + capability[1]
+    for a in archs:
+        base, _, kind = a.partition("-")
+        specific = base.endswith("a")
+        sm = int(base.rstrip("af"))
+        sass = kind in ("", "real")
+        ptx = kind in ("", "virtual") and not specific
+        if sass and (sm == dev if specific else (sm // 10 == dev // 10 and sm <= dev)):
+            return True
+        if ptx and sm <= dev:
+            return True
+    return False
+
+
+def _check_arch(op: str, dev_index: int | None) -> None:
+    index = torch.cuda.current_device() if dev_index is None else dev_index
+    cap = torch.cuda.get_device_capability(index)
+    archs = compiled_cuda_archs()
+    if not can_run_arch(cap, archs):
+        raise BackendUnavailableError(
+            f"{op}: compass_kernels._C was built for CUDA archs {', '.join(archs)}, which cannot "
+            f"run on cuda:{index} (sm_{cap[0]}{cap[1]}); rebuild with "
+            f"COMPASS_CUDA_ARCHS='{cap[0]}{cap[1]}' (or pass backend='triton')"
+        )

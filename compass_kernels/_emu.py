@@ -9,9 +9,11 @@ shuffles of inactive lanes, shared-memory races). It exposes the same host
 entry points as the CUDA backend of ``_C`` (the stream argument is ignored),
 taking CPU tensors as the emulated device memory.
 
-Tests only: dispatch never chooses it; ``backend="cuda-emulated"`` on CPU
-tensors asks for it explicitly. What an op's layer calls:
+Tests only: dispatch never chooses it (compass_kernels._dispatch.TEST_BACKENDS);
+``backend="cuda-emulated"`` on CPU tensors asks for it by name.
 
+- :func:`install`: adds the "cuda-emulated" backend to every registered op
+  whose CUDA entry point _C_emu has (tests/conftest.py and ck.info() call it).
 - :func:`call` (``"advantages.group_advantages_cuda"``, args...): run an
   emulated entry point; a failed check raises an :class:`EmulationError`
   subclass whose message names kernel, block, thread, address and, when
@@ -84,6 +86,42 @@ def entry_point(qualified: str) -> Callable[..., Any]:
     if _mutant is not None:
         sub = getattr(getattr(mod.mutants, capability), _mutant)
     return getattr(sub, name)
+
+
+class EmulatedKernel:
+    """An op backend: ``kernel(*args, *outputs[, stream])`` runs the emulated
+    CUDA entry point ``qualified`` (the op layer's calling convention)."""
+
+    def __init__(self, qualified: str) -> None:
+        self.qualified = qualified
+
+    def __call__(self, *args: Any) -> Any:
+        return call(self.qualified, *args)
+
+    def __repr__(self) -> str:
+        return f"EmulatedKernel({self.qualified!r})"
+
+
+def install() -> list[str]:
+    """Register "cuda-emulated" on every op whose "cuda" kernel _C_emu also has.
+
+    Idempotent; returns the ops that have it. Nothing is registered when _C_emu
+    is not built (dispatch then says the op has no such backend)."""
+    from compass_kernels._op import OPS
+
+    if not available():
+        return []
+    mod, names = load(), []
+    for name, op in OPS.items():
+        spec = op._specs.get("cuda")
+        if not isinstance(spec, str) or ":" in spec:
+            continue
+        capability, _, entry = spec.partition(".")
+        if hasattr(getattr(mod, capability, None), entry):
+            if BACKEND not in op.backends:
+                op.add_backend(BACKEND, EmulatedKernel(spec))
+            names.append(name)
+    return names
 
 
 def call(qualified: str, *args: Any) -> Any:

@@ -32,17 +32,14 @@ def load() -> ModuleType:
 
 
 def dl(t: torch.Tensor):
-    """A borrowed DLPack capsule of ``t``; the caller keeps ``t`` alive across the call."""
+    """A borrowed DLPack capsule of ``t`` (entry points also take tensors directly)."""
     return to_dlpack(t)
 
 
-def dl_opt(t: torch.Tensor | None):
-    return None if t is None else to_dlpack(t)
-
-
 def cuda_stream(t: torch.Tensor) -> int:
-    """The raw handle of the current stream on ``t``'s device (CUDA entry points take it)."""
-    return torch.cuda.current_stream(t.device).cuda_stream
+    """The raw handle of the current stream on ``t``'s device (CUDA entry points take it).
+    torch's C-level getter: no Stream object is built (this runs once per launch)."""
+    return torch._C._cuda_getCurrentRawStream(t.device.index)
 
 
 @functools.cache
@@ -52,6 +49,13 @@ def has_cuda_kernels() -> bool:
         return bool(load().build_info()["cuda"])
     except BackendUnavailableError:
         return False
+
+
+@functools.cache
+def compiled_cuda_archs() -> tuple[str, ...]:
+    """The CUDA archs the generic kernels were built for, e.g. ("80", "90a")."""
+    archs = load().build_info().get("cuda_archs", "")
+    return tuple(a for a in archs.replace(";", ",").split(",") if a)
 
 
 def triton_interpreting() -> bool:

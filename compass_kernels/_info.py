@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import platform
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,6 +20,47 @@ def _triton() -> dict[str, Any]:
     except importlib.metadata.PackageNotFoundError:
         return {"installed": False, "version": None, "interpreting": False}
     return {"installed": True, "version": version, "interpreting": triton_interpreting()}
+
+
+# What each kind of backend is verified by, without a GPU (see docs/design.md,
+# "Verification levels"); GPU runs come from the committed reports.
+_STATIC_EVIDENCE = {
+    "cpp": ["reference-tested on CPU"],
+    "triton": ["interpreter-run on CPU", "AOT-compiled for sm_90 (ptxas spills checked)"],
+    "cuda": ["compiled for {archs} (SASS and ptxas resources checked)"],
+    "cuda-emulated": ["emulated on CPU (SIMT emulation of the .cu source)"],
+}
+
+
+def evidence() -> dict[str, dict[str, list[str]]]:
+    """Per registered op and backend, the evidence that it computes the right thing:
+    reference-tested on CPU, interpreter-run, emulated, compiled for an arch, or
+    run on a GPU (date, device, tests passed: from docs/gpu_runs via
+    compass_kernels/gpu_evidence.json)."""
+    from compass_kernels._ext import compiled_cuda_archs, has_cuda_kernels
+    from compass_kernels._op import OPS
+
+    _emu.install()  # registers "cuda-emulated" where _C_emu has the op's CUDA entry point
+    gpu = json.loads((Path(__file__).parent / "gpu_evidence.json").read_text())
+    archs = "sm_" + ", sm_".join(compiled_cuda_archs()) if has_cuda_kernels() else None
+    out: dict[str, dict[str, list[str]]] = {}
+    for name, op in OPS.items():
+        if name.startswith("test_only_"):
+            continue
+        per = out[name] = {}
+        for backend in op.backends:
+            levels = [lv.format(archs=archs) for lv in _STATIC_EVIDENCE.get(backend, [])]
+            if backend == "cuda" and archs is None:
+                levels = ["not built (COMPASS_CUDA=OFF or no nvcc)"]
+            if backend == "cuda" and "cuda-emulated" in op.backends:
+                levels += _STATIC_EVIDENCE["cuda-emulated"]
+            for run in gpu.get(name, {}).get(backend, []):
+                tests = f"{run['passed']} passed / {run['failed']} failed"
+                levels.append(
+                    f"run on a GPU: {run['device']}, {run['date']}, {tests} ({run['run']})"
+                )
+            per[backend] = levels
+    return out
 
 
 def info() -> dict[str, Any]:
@@ -60,6 +103,7 @@ def info() -> dict[str, Any]:
         "triton": triton["installed"] and (gpu or triton["interpreting"]),
         "cuda-emulated": _emu.available(),
     }
+    out["evidence"] = evidence()
     out["emulated"] = _emu.evidence()
     return out
 
@@ -68,7 +112,13 @@ def format_info(d: dict[str, Any] | None = None) -> str:
     d = d or info()
     lines = []
     for key, value in d.items():
-        if isinstance(value, dict):
+        if key == "evidence":
+            lines.append("evidence:")
+            for op, backends in value.items():
+                for backend, levels in backends.items():
+                    lines.append(f"  {op} [{backend}]:")
+                    lines.extend(f"    - {lv}" for lv in levels)
+        elif isinstance(value, dict):
             lines.append(f"{key}:")
             lines.extend(f"  {k}: {v}" for k, v in value.items())
         else:

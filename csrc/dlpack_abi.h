@@ -28,3 +28,15 @@ typedef struct DLManagedTensor {
   void (*deleter)(struct DLManagedTensor* self);
 } DLManagedTensor;
 }
+
+// DLPack >= 1.0 versioned capsule ("dltensor_versioned").
+extern "C" {
+typedef struct { uint32_t major; uint32_t minor; } DLPackVersion;
+typedef struct DLManagedTensorVersioned {
+  DLPackVersion version;
+  void* manager_ctx;
+  void (*deleter)(struct DLManagedTensorVersioned* self);
+  uint64_t flags;
+  DLTensor dl_tensor;
+} DLManagedTensorVersioned;
+}

@@ -1,8 +1,8 @@
-#include "dlpack_view.h"
-
+// DLPack capsule -> compass::TensorView, and the TensorView checks.
 #include <cstring>
 #include <sstream>
 
+#include "compass_pybind.h"
 #include "dlpack_abi.h"
 
 namespace compass {
@@ -65,6 +65,11 @@ const TensorView& TensorView::expect_size(int dim, int64_t n, const char* what) 
                 ", got ", describe());
   return *this;
 }
+const TensorView& TensorView::expect_device(DeviceType d) const {
+  COMPASS_CHECK(device == d, name, ": expected a ", d == DeviceType::kCUDA ? "CUDA" : "CPU",
+                " tensor, got ", describe());
+  return *this;
+}
 const TensorView& TensorView::expect_same_device(const TensorView& o) const {
   COMPASS_CHECK(device == o.device && device_id == o.device_id, name, " (", describe(), ") and ",
                 o.name, " (", o.describe(), ") must be on the same device");
@@ -100,32 +105,85 @@ static DType map_dtype(const DLDataType& t, const char* name) {
   fail(name, ": unsupported DLPack dtype (code ", int(t.code), ", bits ", int(t.bits), ")");
 }
 
-TensorView view_from_dlpack(const pybind11::capsule& cap, const char* name) {
-  const char* cap_name = cap.name();
-  COMPASS_CHECK(cap_name && std::strcmp(cap_name, "dltensor") == 0, name,
-                ": expected an unconsumed DLPack capsule named 'dltensor', got '",
-                cap_name ? cap_name : "(null)", "'");
-  auto* managed = cap.get_pointer<DLManagedTensor>();
-  COMPASS_CHECK(managed != nullptr, name, ": DLPack capsule holds a null pointer");
-  const DLTensor& t = managed->dl_tensor;
-  COMPASS_CHECK(t.ndim >= 0 && t.ndim <= kMaxDims, name, ": at most ", kMaxDims,
-                " dims are supported, got ", t.ndim);
+namespace {
+PyObject* g_torch_tensor_type = nullptr;  // torch.Tensor, once torch is imported
+PyObject* g_to_dlpack = nullptr;          // torch.utils.dlpack.to_dlpack (C-level)
+
+// Looked up lazily and only when torch is already imported: csrc never
+// imports torch itself.
+bool torch_ready() {
+  if (g_to_dlpack != nullptr) return true;
+  PyObject* modules = PyImport_GetModuleDict();
+  PyObject* torch = PyDict_GetItemString(modules, "torch");  // borrowed
+  PyObject* dlpack = PyDict_GetItemString(modules, "torch.utils.dlpack");
+  if (torch == nullptr || dlpack == nullptr) return false;
+  PyObject* type = PyObject_GetAttrString(torch, "Tensor");
+  PyObject* fn = PyObject_GetAttrString(dlpack, "to_dlpack");
+  if (type == nullptr || fn == nullptr || !PyType_Check(type)) {
+    Py_XDECREF(type);
+    Py_XDECREF(fn);
+    PyErr_Clear();
+    return false;
+  }
+  g_torch_tensor_type = type;  // kept for the process's lifetime
+  g_to_dlpack = fn;
+  return true;
+}
+}  // namespace
+
+PyObject* dlpack_capsule_of(PyObject* obj) {
+  if (PyCapsule_CheckExact(obj)) {
+    Py_INCREF(obj);
+    return obj;
+  }
+  if (torch_ready() && PyObject_TypeCheck(obj, reinterpret_cast<PyTypeObject*>(g_torch_tensor_type))) {
+    PyObject* cap = PyObject_CallOneArg(g_to_dlpack, obj);
+    if (cap == nullptr) throw pybind11::error_already_set();
+    return cap;
+  }
+  if (!PyObject_HasAttrString(obj, "__dlpack__")) return nullptr;
+  PyObject* method = PyObject_GetAttrString(obj, "__dlpack__");
+  PyObject* cap = method ? PyObject_CallNoArgs(method) : nullptr;
+  Py_XDECREF(method);
+  if (cap == nullptr) throw pybind11::error_already_set();
+  return cap;
+}
+
+TensorView view_from_capsule(PyObject* cap) {
+  const char* cap_name = PyCapsule_GetName(cap);
+  const DLTensor* t = nullptr;
+  if (cap_name && std::strcmp(cap_name, "dltensor") == 0) {
+    auto* m = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(cap, "dltensor"));
+    if (m) t = &m->dl_tensor;
+  } else if (cap_name && std::strcmp(cap_name, "dltensor_versioned") == 0) {
+    auto* m = static_cast<DLManagedTensorVersioned*>(
+        PyCapsule_GetPointer(cap, "dltensor_versioned"));
+    COMPASS_CHECK(m == nullptr || m->version.major == 1,
+                  "DLPack: unsupported major version ", m ? m->version.major : 0);
+    if (m) t = &m->dl_tensor;
+  } else {
+    fail("expected a tensor or an unconsumed DLPack capsule ('dltensor'), got a capsule named '",
+         cap_name ? cap_name : "(null)", "'");
+  }
+  COMPASS_CHECK(t != nullptr, "DLPack capsule holds a null pointer");
+  const char* name = "tensor";
+  COMPASS_CHECK(t->ndim >= 0 && t->ndim <= kMaxDims, "at most ", kMaxDims,
+                " dims are supported, got ", t->ndim);
   TensorView v;
-  v.name = name;
-  v.ndim = t.ndim;
-  v.dtype = map_dtype(t.dtype, name);
-  switch (t.device.device_type) {
+  v.ndim = t->ndim;
+  v.dtype = map_dtype(t->dtype, name);
+  switch (t->device.device_type) {
     case kDLCPU: case kDLCUDAHost: v.device = DeviceType::kCPU; break;
     case kDLCUDA: case kDLCUDAManaged: v.device = DeviceType::kCUDA; break;
-    default: fail(name, ": unsupported device type ", int(t.device.device_type));
+    default: fail("unsupported DLPack device type ", int(t->device.device_type));
   }
-  v.device_id = t.device.device_id;
-  v.data = static_cast<char*>(t.data) + t.byte_offset;
+  v.device_id = t->device.device_id;
+  v.data = static_cast<char*>(t->data) + t->byte_offset;
   int64_t expected = 1;
-  for (int i = t.ndim - 1; i >= 0; --i) {
-    v.shape[i] = t.shape[i];
-    v.strides[i] = t.strides ? t.strides[i] : expected;
-    expected *= t.shape[i];
+  for (int i = t->ndim - 1; i >= 0; --i) {
+    v.shape[i] = t->shape[i];
+    v.strides[i] = t->strides ? t->strides[i] : expected;
+    expected *= t->shape[i];
   }
   return v;
 }

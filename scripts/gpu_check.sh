@@ -36,6 +36,12 @@ step() {  # step NAME CMD...: run, tee into the log, record rc and seconds
 : >"$DIR/steps.txt"
 
 export COMPASS_CUDA=ON MAX_JOBS=${MAX_JOBS:-$(nproc)}
+# The GPU image's CXX/CUDAHOSTCXX (/opt/gcc wrapper) links libstdc++ statically,
+# which makes C++ errors crash Python (setup.py refuses such a module): build
+# with the system compiler when there is one.
+if [ -x /usr/bin/g++ ] && [ -x /usr/bin/gcc ]; then
+  export CXX=/usr/bin/g++ CC=/usr/bin/gcc CUDAHOSTCXX=/usr/bin/g++
+fi
 command -v nvcc >/dev/null || export PATH="$PATH:/usr/local/cuda/bin"
 step build "$PY" setup.py -q build_ext --inplace || { "$PY" scripts/gpu_report.py "$DIR"; exit 1; }
 step info "$PY" -m compass_kernels info --json

@@ -36,6 +36,7 @@ def pytest_collection_modifyitems(config, items):
     skip_triton = pytest.mark.skip(reason="triton is not installed: pip install -e '.[triton]'")
     from compass_kernels import _emu
 
+    _emu.install()  # the "cuda-emulated" backend of every op whose CUDA kernels it has
     if REQUIRE_ALL_TIERS and not _emu.available():
         raise pytest.UsageError("COMPASS_REQUIRE_ALL_TIERS=1 but compass_kernels._C_emu is not built")
     skip_emulated = pytest.mark.skip(reason="compass_kernels._C_emu is not built (COMPASS_EMU=OFF)")

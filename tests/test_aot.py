@@ -189,24 +189,9 @@ def test_compile_refuses_leftover_interpreter_patches(monkeypatch):
 def test_advantages_kernels_compile_without_spills():
     from compass_kernels.advantages import triton as kt
 
-    group_sig = {
-        "r_ptr": "*fp32", "order_ptr": "*i64", "offsets_ptr": "*i64", "adv_ptr": "*fp32",
-        "zero_var_ptr": "*i1", "mean_ptr": "*fp64", "std_ptr": "*fp64", "eps_bits": "i64",
-        "tol_bits": "i64", "MODE": "constexpr", "BLOCK": "constexpr",
-    }  # fmt: skip
-    zvp_sig = {
-        "h_ptr": "*fp32", "cu_ptr": "*i64", "r_ptr": "*fp32", "zero_var_ptr": "*i1",
-        "adv_ptr": "*fp64", "out_ptr": "*fp32", "alpha": "fp32", "n": "i32", "T": "i64",
-        "HAS_ADV": "constexpr", "BLOCK": "constexpr",
-    }  # fmt: skip
-    group, zvp = kt._group_advantages_kernel, kt._rl_zvp_kernel
-    fp64_io = group_sig | {"r_ptr": "*fp64", "adv_ptr": "*fp64"}
-    arts = [
-        aot.compile_triton(group, group_sig, {"MODE": 0, "BLOCK": kt.GROUP_BLOCK}),
-        aot.compile_triton(group, fp64_io, {"MODE": 2, "BLOCK": kt.GROUP_BLOCK}),
-        aot.compile_triton(zvp, zvp_sig, {"HAS_ADV": True, "BLOCK": kt.ZVP_BLOCK}),
-        aot.compile_triton(zvp, zvp_sig, {"HAS_ADV": False, "BLOCK": kt.ZVP_BLOCK}),
-    ]
+    # The signatures come from the Triton module: every variant its wrappers launch.
+    arts = [aot.compile_triton(k, sig, const) for k, sig, const in kt.aot_variants()]
+    assert len(arts) == 10
     for art in arts:
         aot.assert_no_spills(art.resource_usage)
         aot.assert_registers_at_most(art.resource_usage, 128)

@@ -205,7 +205,8 @@ def test_format_table_aligned():
     assert "rss delta (approx)" in lines[0]
     assert "baseline" in lines[2] and lines[3].split()[-4].endswith("x")
     assert lines[0].endswith("H100 model") and lines[3].split()[-1] == "-"  # no model given
-    assert len({line.index("sleepy") for line in lines[2:]}) == 1
+    assert len({line.index("sleepy") for line in lines[2:4]}) == 1
+    assert lines[4].startswith("vs base: median minus the baseline")
 
 
 def _fake_bench(wrong: bool) -> types.ModuleType:
@@ -245,7 +246,7 @@ def test_discover_and_only_filter():
 
 
 def test_advantages_baselines_match_the_reference():
-    """The bench's Python-loop baselines implement the spec (so speedups compare like with like)."""
+    """The bench's baselines implement the spec (so speedups compare like with like)."""
     reference = pytest.importorskip("compass_kernels.advantages.reference")
     from bench import bench_advantages as ba
 
@@ -253,33 +254,69 @@ def test_advantages_baselines_match_the_reference():
     rewards = ba.binary_rewards(13, 7, g)
     rewards[:7] += torch.rand(7, generator=g)  # one group with non-binary rewards
     ids = torch.arange(13).repeat_interleave(7)
-    ids = torch.cat([ids, torch.tensor([99])])  # a group of one
-    rewards = torch.cat([rewards, torch.tensor([1.0])])
-    for mode in ("grpo", "dr_grpo", "rloo"):
-        adv, zv = ba.group_advantages_loop(rewards, ids, mode=mode)
-        ref_adv, ref_zv, _, _ = reference.group_advantages_reference(rewards, ids, mode=mode)
+    perm = torch.randperm(ids.numel(), generator=g)
+
+    def check(adv, zv, ref_adv, ref_zv):
         torch.testing.assert_close(adv, ref_adv.to(torch.float32), atol=1e-5, rtol=1e-5)
         assert torch.equal(zv, ref_zv)
-    assert bool(zv.any()) and not bool(zv.all())
+
+    for mode in ("grpo", "dr_grpo", "rloo"):
+        ref_adv, ref_zv, _, _ = reference.group_advantages_reference(rewards, ids, mode=mode)
+        assert bool(ref_zv.any()) and not bool(ref_zv.all())
+        check(*ba.group_advantages_torch(rewards, 7, mode=mode), ref_adv, ref_zv)
+        # verl's semantics equal the spec here (no group of one, std 0 or > tol)
+        check(*ba.group_advantages_verl(rewards, ids, mode=mode), ref_adv, ref_zv)
+        # shuffled ids, then with a group of one and ids that are not 0..G-1
+        r_s, ids_s = rewards[perm], ids[perm] * 3 + 5
+        for any_ids in (False, True):
+            out = ba.group_advantages_torch_ids(r_s, ids_s, mode=mode, any_ids=any_ids)
+            check(*out, ref_adv[perm], ref_zv[perm])
+        r_1, ids_1 = torch.cat([r_s, torch.tensor([1.0])]), torch.cat([ids_s, torch.tensor([99])])
+        ref1_adv, ref1_zv, _, _ = reference.group_advantages_reference(r_1, ids_1, mode=mode)
+        for any_ids in (False, True):
+            out = ba.group_advantages_torch_ids(r_1, ids_1, mode=mode, any_ids=any_ids)
+            check(*out, ref1_adv, ref1_zv)
+        check(*ba.group_advantages_loop(r_1, ids_1, mode=mode), ref1_adv, ref1_zv)
+    ones = torch.ones(5)  # groups of one: zero-variance
+    adv, zv = ba.group_advantages_torch(ones, 1)
+    assert adv.tolist() == [0.0] * 5 and bool(zv.all())
 
     lengths = ba.lognormal_lengths(40, 64, g)
     lengths[3] = 0
     cu = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
-    h = torch.rand(int(cu[-1]), generator=g)
+    h = torch.rand(int(cu[-1]) + 5, generator=g)  # 5 padding tokens after the last sequence
     r, z = torch.randint(0, 2, (40,), generator=g).float(), torch.rand(40, generator=g) < 0.5
     a = torch.randn(40, generator=g)
     for adv_in in (a, None):
-        out = ba.rl_zvp_loop(h, cu, r, z, alpha=0.1, advantages=adv_in)
         ref = reference.rl_zvp_reference(h, cu, r, z, alpha=0.1, advantages=adv_in)
-        torch.testing.assert_close(out, ref.to(torch.float32), atol=1e-6, rtol=1e-6)
+        for fn in (ba.rl_zvp_torch, ba.rl_zvp_loop):
+            out = fn(h, cu, r, z, alpha=0.1, advantages=adv_in)
+            torch.testing.assert_close(out, ref.to(torch.float32), atol=1e-6, rtol=1e-6)
 
 
 def test_advantages_bench_quick_cases_are_well_formed():
     from bench import bench_advantages as ba
 
     cases = ba.cases(quick=True)
-    assert {c.name for c in cases} >= {"group_advantages_grpo", "rl_zvp"}
+    names = {c.name for c in cases}
+    assert names >= {"overhead", "group_advantages_grpo", "rl_zvp"}
+    assert names >= {"group_advantages_grpo_ids_grouped", "group_advantages_grpo_ids_shuffled"}
     for c in cases:
-        assert c.baseline == "python_loop" and len(c.providers) >= 2
+        assert len(c.providers) >= 2
+        assert c.baseline == ("kernel (raw binding)" if c.name == "overhead" else "torch")
+    full = {(c.name, c.shape_str) for c in ba.cases(quick=False)}
+    for name in ("group_advantages_grpo", "group_advantages_grpo_ids_shuffled"):
+        assert (name, "prompts=8192,samples=16") in full
     lengths = ba.lognormal_lengths(4096, ba.MAX_LEN, torch.Generator().manual_seed(1))
     assert int(lengths.min()) >= 1 and int(lengths.max()) == ba.MAX_LEN
+
+
+def test_overhead_raw_kernel_row_fails_loudly_when_the_binding_moves(monkeypatch):
+    from bench import bench_advantages as ba
+    from compass_kernels.advantages import group_advantages_op
+
+    monkeypatch.setitem(group_advantages_op._specs, "cpp", "advantages.moved_away_cpu")
+    monkeypatch.setattr(group_advantages_op, "_kernels", {})
+    call = ba._raw_group_kernel(torch.ones(8), 4)
+    with pytest.raises(RuntimeError, match="_raw_group_kernel"):
+        call()

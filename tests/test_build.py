@@ -53,6 +53,14 @@ def test_cuda_runtime_is_static():
     assert "libcudart" not in ldd and "libcuda.so" not in ldd, ldd
 
 
+def test_libstdcxx_is_shared():
+    """A statically linked libstdc++ makes every C++ argument error crash Python in a
+    process that also loads torch's (seen on a GPU image; setup.py refuses such a build)."""
+    dyn = subprocess.run(["readelf", "-d", _C.__file__], capture_output=True, text=True,
+                         check=True).stdout  # fmt: skip
+    assert "libstdc++.so" in dyn, dyn
+
+
 @pytest.mark.sm90
 @needs_cuda_build
 def test_sm90a_kernels_are_built_without_spills():

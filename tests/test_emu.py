@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from compass_kernels import _emu
-from compass_kernels._ext import dl
 
 pytestmark = pytest.mark.emulated
 
@@ -28,7 +27,7 @@ def st():
 def run(fn, *args):
     """Call a self-test entry point the way an op does (errors symbolized)."""
     try:
-        return fn(*[dl(a) if isinstance(a, torch.Tensor) else a for a in args])
+        return fn(*args)
     except _emu.EmulationError as err:
         raise type(err)(_emu.symbolize(str(err))) from None
 
@@ -261,7 +260,7 @@ def test_symbolize_rewrites_the_code_address():
         pytest.skip("addr2line (binutils) is not installed")
     x, out = torch.zeros(8), torch.empty(8)
     try:
-        _emu.load().selftest.index_fill(dl(x), dl(out), 9, 0)
+        _emu.load().selftest.index_fill(x, out, 9, 0)
     except _emu.OutOfBoundsError as err:
         raw = str(err)
     assert re.search(r"\[code: \S+\+0x[0-9a-f]+\]", raw)

@@ -10,12 +10,12 @@ the detached entropy, so outputs never require grad.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from compass_kernels import _dispatch, _emu
-from compass_kernels._ext import cuda_stream, dl, dl_opt, load
+from compass_kernels._ext import load
+from compass_kernels._op import register_op
 from compass_kernels._validate import (
     FLOAT_DTYPES,
     INT_DTYPES,
@@ -30,7 +30,7 @@ __all__ = ["GroupStats", "group_advantages", "rl_zvp", "overlong_penalty", "MODE
 MODES = {"grpo": 0, "dr_grpo": 1, "rloo": 2}
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class GroupStats:
     """Per-group statistics from :func:`group_advantages` (all on the rewards' device).
 
@@ -38,13 +38,26 @@ class GroupStats:
     counts : [G] int64 samples per group.
     group_mean, group_std : [G] float64 (unbiased std; 0 for a group of one).
     group_zero_var : [G] bool.
+    counts and group_zero_var are computed when read: the call never pays for them.
     """
 
     group_ids: torch.Tensor | None
-    counts: torch.Tensor
     group_mean: torch.Tensor
     group_std: torch.Tensor
-    group_zero_var: torch.Tensor
+    _offsets: torch.Tensor = field(repr=False)  # [G+1] group boundaries in the sorted order
+    _zero_var: torch.Tensor = field(repr=False)
+    _order: torch.Tensor | None = field(repr=False)  # None: the group_size layout
+    _group_size: int = field(repr=False)
+
+    @property
+    def counts(self) -> torch.Tensor:
+        return self._offsets.diff()
+
+    @property
+    def group_zero_var(self) -> torch.Tensor:
+        if self._order is None:
+            return self._zero_var[:: self._group_size]
+        return self._zero_var[self._order[self._offsets[:-1]]]
 
     @property
     def num_groups(self) -> int:
@@ -59,110 +72,98 @@ class GroupStats:
         return self.group_zero_var.to(torch.float64).mean()
 
 
-# ------------------------------------------------------------------ kernels
+# ---------------------------------------------------------------------- ops
+# One declaration per op (compass_kernels/_op.py): torch.ops.compass.<name>,
+# its fake (the output allocator), the backend table and the dispatch.
 
 
-def _group_kernel(backend, rewards, order, offsets, mode, eps, tol, out=None):
-    """Run one backend; ``out`` = (adv, zero_var, mean, std) to write into (tests poison it)."""
-    n, groups = rewards.numel(), offsets.numel() - 1
-    if out is None:
-        out = (
-            torch.empty_like(rewards),
-            torch.empty(n, dtype=torch.bool, device=rewards.device),
-            torch.empty(groups, dtype=torch.float64, device=rewards.device),
-            torch.empty(groups, dtype=torch.float64, device=rewards.device),
-        )
-    adv, zero_var, mean, std = out
-    if backend == "triton":
-        from compass_kernels.advantages.triton import group_advantages_triton
-
-        group_advantages_triton(rewards, order, offsets, mode, eps, tol, *out)
-        return out
-    args = [dl(rewards), dl(order), dl(offsets), mode, eps, tol,
-            dl(adv), dl(zero_var), dl(mean), dl(std)]  # fmt: skip
-    if backend == "cpp":
-        load().advantages.group_advantages_cpu(*args)
-    elif backend == _emu.BACKEND:
-        _emu.call("advantages.group_advantages_cuda", *args, 0)
-    else:
-        load().advantages.group_advantages_cuda(*args, cuda_stream(rewards))
-    return out
-
-
-def _zvp_kernel(backend, entropy, cu_seqlens, rewards, zero_var, advantages, alpha, out=None):
-    if out is None:
-        out = torch.empty_like(entropy)
-    if backend == "triton":
-        from compass_kernels.advantages.triton import rl_zvp_triton
-
-        rl_zvp_triton(entropy, cu_seqlens, rewards, zero_var, advantages, alpha, out)
-        return out
-    args = [dl(entropy), dl(cu_seqlens), dl(rewards), dl(zero_var), dl_opt(advantages),
-            alpha, dl(out)]  # fmt: skip
-    if backend == "cpp":
-        load().advantages.rl_zvp_cpu(*args)
-    elif backend == _emu.BACKEND:
-        _emu.call("advantages.rl_zvp_cuda", *args, 0)
-    else:
-        load().advantages.rl_zvp_cuda(*args, cuda_stream(entropy))
-    return out
-
-
-# ------------------------------------------------------- torch.library ops
-
-_lib = torch.library.Library("compass", "FRAGMENT")
-_lib.define(
-    "group_advantages(Tensor rewards, Tensor order, Tensor offsets, int mode, float eps, "
-    "float zero_var_tol) -> (Tensor, Tensor, Tensor, Tensor)"
-)
-_lib.define(
-    "rl_zvp(Tensor entropy, Tensor cu_seqlens, Tensor rewards, Tensor zero_var, "
-    "Tensor? advantages, float alpha) -> Tensor"
-)
-
-
-def _group_op(rewards, order, offsets, mode, eps, tol):
-    backend = _dispatch.resolve(rewards.device, None)
-    return _group_kernel(backend, rewards, order, offsets, mode, eps, tol)
-
-
-def _zvp_op(entropy, cu_seqlens, rewards, zero_var, advantages, alpha):
-    backend = _dispatch.resolve(entropy.device, None)
-    return _zvp_kernel(backend, entropy, cu_seqlens, rewards, zero_var, advantages, alpha)
-
-
-for _key in ("CPU", "CUDA"):
-    _lib.impl("group_advantages", _group_op, _key)
-    _lib.impl("rl_zvp", _zvp_op, _key)
-
-
-@torch.library.register_fake("compass::group_advantages")
-def _group_fake(rewards, order, offsets, mode, eps, tol):
-    groups = offsets.shape[0] - 1
+def _group_outputs(rewards, order, offsets, mode, eps, zero_var_tol):
+    # torch.empty with explicit dtype/device: ~2x cheaper than new_empty per call.
+    groups, dev = offsets.shape[0] - 1, rewards.device
     return (
         torch.empty_like(rewards),
-        rewards.new_empty(rewards.shape, dtype=torch.bool),
-        rewards.new_empty((groups,), dtype=torch.float64),
-        rewards.new_empty((groups,), dtype=torch.float64),
+        torch.empty(rewards.shape, dtype=torch.bool, device=dev),
+        torch.empty(groups, dtype=torch.float64, device=dev),
+        torch.empty(groups, dtype=torch.float64, device=dev),
     )
 
 
-@torch.library.register_fake("compass::rl_zvp")
-def _zvp_fake(entropy, cu_seqlens, rewards, zero_var, advantages, alpha):
-    return torch.empty_like(entropy)
+group_advantages_op = register_op(
+    "group_advantages",
+    "(Tensor rewards, Tensor order, Tensor offsets, int mode, float eps, float zero_var_tol)"
+    " -> (Tensor, Tensor, Tensor, Tensor)",
+    outputs=_group_outputs,
+    kernels={
+        "cpp": "advantages.group_advantages_cpu",
+        "cuda": "advantages.group_advantages_cuda",
+        "triton": "compass_kernels.advantages.triton:group_advantages_triton",
+    },
+)
+
+rl_zvp_op = register_op(
+    "rl_zvp",
+    "(Tensor entropy, Tensor cu_seqlens, Tensor rewards, Tensor zero_var, Tensor? advantages,"
+    " float alpha) -> Tensor",
+    outputs=lambda entropy, *_: (torch.empty_like(entropy),),
+    kernels={
+        "cpp": "advantages.rl_zvp_cpu",
+        "cuda": "advantages.rl_zvp_cuda",
+        "triton": "compass_kernels.advantages.triton:rl_zvp_triton",
+    },
+)
 
 
 # ------------------------------------------------------------- public API
 
 
 def _groups_from_ids(group_ids: torch.Tensor):
-    """(order, offsets, unique ids, counts): members of each group made contiguous
-    by a stable sort. One host sync (the number of groups)."""
+    """(order, offsets, unique ids): members of each group made contiguous, stably.
+
+    CPU: one C++ pass (a counting sort for ids in a compact range). CUDA: a
+    stable sort, with one host sync for the number of groups."""
+    n = group_ids.shape[0]
+    if group_ids.device.type == "cpu":
+        ids = group_ids if group_ids.is_contiguous() else group_ids.contiguous()
+        order = torch.empty(n, dtype=torch.int64)
+        offsets = torch.empty(n + 1, dtype=torch.int64)
+        unique = torch.empty(n, dtype=torch.int64)
+        groups = load().advantages.group_plan_cpu(ids, order, offsets, unique)
+        return order, offsets[: groups + 1], unique[:groups]
     sorted_ids, order = torch.sort(group_ids.to(torch.int64), stable=True)
     unique, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
     offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=group_ids.device)
     torch.cumsum(counts, 0, out=offsets[1:])
-    return order, offsets, unique, counts
+    return order, offsets, unique
+
+
+# (n, group_size, device) -> (order, offsets): the identity plan of the
+# group_size layout, built once per shape (internal, never handed to users).
+_PLANS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _size_plan(n: int, group_size: int, device: torch.device):
+    key = (n, group_size, device)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) > 64:
+            _PLANS.clear()
+        plan = _PLANS[key] = (
+            torch.arange(n, device=device),
+            torch.arange(0, n + 1, group_size, device=device),
+        )
+    return plan
+
+
+def _python_checks(validate: bool | None, device: torch.device, backend: str | None) -> bool:
+    """Whether to run the checks that read the data (finite values, offsets) in Python.
+
+    The cpp backend's entry points check the data themselves at no extra cost.
+    On CUDA they need a host sync: opt-in (validate=True), so the GPU path never
+    syncs by default. CPU tensors on another backend (the Triton interpreter,
+    the CUDA emulation) are checked unless validate=False."""
+    if validate is not None:
+        return bool(validate) and not (device.type == "cpu" and backend in (None, "cpp"))
+    return device.type == "cpu" and backend not in (None, "cpp")
 
 
 def group_advantages(
@@ -173,7 +174,7 @@ def group_advantages(
     mode: str = "grpo",
     eps: float = 1e-6,
     zero_var_tol: float = 1e-6,
-    validate: bool = True,
+    validate: bool | None = None,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, GroupStats]:
     """Group-relative advantages and the zero-variance flag, per sample.
@@ -182,14 +183,18 @@ def group_advantages(
     ----------
     rewards : [n] float16 | bfloat16 | float32 | float64 (half types computed as float32).
     group_ids : [n] integer ids (any order); samples with equal ids form a group.
+        Grouping by ids needs one host sync (the number of groups); the
+        ``group_size`` layout needs none.
     group_size : instead of ``group_ids``: groups are consecutive runs of this size.
     mode : "grpo" | "dr_grpo" | "rloo" (see ``reference.group_advantages_reference``).
     eps : added to the std in "grpo".
     zero_var_tol : a group is zero-variance when it has one sample or its
         unbiased std, computed in float64, is <= this; its advantages are exactly 0.
-    validate : check rewards are finite (one host sync).
-    backend : None (default dispatch), "cpp", "cuda" or "triton" ("cuda-emulated":
-        the CUDA kernels emulated on CPU tensors, for tests).
+    validate : check that rewards are finite. The C++ (CPU) kernel always checks,
+        at no cost. On CUDA the check needs a host sync: off by default, on with
+        validate=True; unchecked non-finite rewards give NaN advantages for their
+        group.
+    backend : None (default dispatch), "cpp", "cuda" or "triton".
 
     Returns
     -------
@@ -198,38 +203,34 @@ def group_advantages(
     stats : :class:`GroupStats`.
     """
     check_tensor("rewards", rewards, ndim=1, dtypes=FLOAT_DTYPES)
-    if mode not in MODES:
+    code = MODES.get(mode)
+    if code is None:
         raise ValueError(f"mode: expected one of {tuple(MODES)}, got {mode!r}")
     if not (eps >= 0 and zero_var_tol >= 0):
         raise ValueError(f"eps and zero_var_tol: expected >= 0, got {eps} and {zero_var_tol}")
     n = rewards.shape[0]
+    dev = rewards.device
     if (group_ids is None) == (group_size is None):
         raise ValueError("pass exactly one of group_ids (a tensor) or group_size (an int)")
     if group_ids is not None:
         check_tensor("group_ids", group_ids, ndim=1, dtypes=INT_DTYPES, size=n,
-                     size_what="one id per reward", device=rewards.device)  # fmt: skip
-        order, offsets, unique, counts = _groups_from_ids(group_ids)
+                     size_what="one id per reward", device=dev)  # fmt: skip
+        order, offsets, unique = _groups_from_ids(group_ids)
     else:
         if not isinstance(group_size, int) or group_size <= 0:
             raise ValueError(f"group_size: expected a positive int, got {group_size!r}")
         if n % group_size:
             raise ValueError(f"group_size: {group_size} does not divide len(rewards) = {n}")
-        order = torch.arange(n, device=rewards.device)
-        offsets = torch.arange(0, n + 1, group_size, device=rewards.device)
-        unique, counts = None, torch.full((n // group_size,), group_size, device=rewards.device)
-    if validate:
+        order, offsets = _size_plan(n, group_size, dev)
+        unique = None
+    if _python_checks(validate, dev, backend):
         check_finite("rewards", rewards)
-    r = rewards.detach()
-    r = (r if r.dtype == torch.float64 else r.to(torch.float32)).contiguous()
-    chosen = _dispatch.resolve(r.device, backend)
-    if backend is None:
-        adv, zero_var, mean, std = torch.ops.compass.group_advantages(
-            r, order, offsets, MODES[mode], eps, zero_var_tol)  # fmt: skip
-    else:
-        adv, zero_var, mean, std = _group_kernel(
-            chosen, r, order, offsets, MODES[mode], eps, zero_var_tol)  # fmt: skip
-    group_zero_var = zero_var[order[offsets[:-1]]]
-    return adv, zero_var, GroupStats(unique, counts, mean, std, group_zero_var)
+    r = _real(rewards)
+    adv, zero_var, mean, std = group_advantages_op(
+        r, order, offsets, code, float(eps), float(zero_var_tol), backend=backend
+    )
+    layout = (None, group_size) if group_ids is None else (order, 0)
+    return adv, zero_var, GroupStats(unique, mean, std, offsets, zero_var, *layout)
 
 
 def rl_zvp(
@@ -240,7 +241,7 @@ def rl_zvp(
     *,
     alpha: float = 0.1,
     advantages: torch.Tensor | None = None,
-    validate: bool = True,
+    validate: bool | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
     """RL-ZVP token advantages (arXiv 2509.21880) for groups still zero-variance.
@@ -255,8 +256,10 @@ def rl_zvp(
     alpha : scale, 0.1 in the paper.
     advantages : optional [n] float per-sequence advantages broadcast to the
         tokens of the other sequences (0 when None).
-    validate : check cu_seqlens on device (one host sync).
-    backend : as for :func:`group_advantages`.
+    validate : check cu_seqlens. The C++ (CPU) kernel always checks them before
+        reading. On CUDA the check needs a host sync: off by default, on with
+        validate=True; malformed cu_seqlens on an unchecked CUDA call are
+        undefined behaviour, as for any varlen kernel.
 
     Returns
     -------
@@ -282,21 +285,24 @@ def rl_zvp(
                      size_what=what, device=dev)  # fmt: skip
     if not alpha >= 0:
         raise ValueError(f"alpha: expected >= 0, got {alpha}")
-    cu = cu_seqlens.to(torch.int64).contiguous()
-    if validate:
+    cu = cu_seqlens if cu_seqlens.dtype == torch.int64 else cu_seqlens.to(torch.int64)
+    cu = cu.contiguous()
+    if _python_checks(validate, dev, backend):
         check_offsets("cu_seqlens", cu, entropy.shape[0], exact=False)
-    h = entropy.detach().to(torch.float32).contiguous()
-    r = rewards.detach()
-    r = (r if r.dtype == torch.float64 else r.to(torch.float32)).contiguous()
-    a = None
-    if advantages is not None:
-        a = advantages.detach()
-        a = (a if a.dtype == torch.float64 else a.to(torch.float32)).contiguous()
-    zv = zero_var.contiguous()
-    chosen = _dispatch.resolve(dev, backend)
-    if backend is None:
-        return torch.ops.compass.rl_zvp(h, cu, r, zv, a, float(alpha))
-    return _zvp_kernel(chosen, h, cu, r, zv, a, float(alpha))
+    h = _real(entropy, torch.float32)
+    r = _real(rewards)
+    a = None if advantages is None else _real(advantages)
+    return rl_zvp_op(h, cu, r, zero_var.contiguous(), a, float(alpha), backend=backend)
+
+
+def _real(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Detached, contiguous, float32 (or float64 kept) without copying when already so."""
+    if t.requires_grad:
+        t = t.detach()
+    want = dtype or (torch.float64 if t.dtype == torch.float64 else torch.float32)
+    if t.dtype != want:
+        t = t.to(want)
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def overlong_penalty(lengths: torch.Tensor, *, max_len: int, cache_len: int) -> torch.Tensor:

@@ -294,3 +294,29 @@ def rl_zvp_triton(
         out, float(alpha), n, tokens,
         HAS_ADV=advantages is not None, BLOCK=block, num_warps=4,
     )  # fmt: skip
+
+
+def aot_variants() -> list[tuple[object, dict[str, str], dict[str, object]]]:
+    """(kernel, signature, constexprs) of each variant the wrappers above launch,
+    for ahead-of-time compilation (tests/test_aot.py compiles exactly these)."""
+    group_sig = {
+        "r_ptr": "*fp32", "order_ptr": "*i64", "offsets_ptr": "*i64", "adv_ptr": "*fp32",
+        "zero_var_ptr": "*i1", "mean_ptr": "*fp64", "std_ptr": "*fp64", "eps_bits": "i64",
+        "tol_bits": "i64", "MODE": "constexpr", "BLOCK": "constexpr",
+    }  # fmt: skip
+    zvp_sig = {
+        "h_ptr": "*fp32", "cu_ptr": "*i64", "r_ptr": "*fp32", "zero_var_ptr": "*i1",
+        "adv_ptr": "*fp32", "out_ptr": "*fp32", "alpha": "fp32", "n": "i32", "T": "i64",
+        "HAS_ADV": "constexpr", "BLOCK": "constexpr",
+    }  # fmt: skip
+    fp64 = {"r_ptr": "*fp64", "adv_ptr": "*fp64"}
+    out = []
+    for mode in (0, 1, 2):
+        for io in ({}, fp64):
+            out.append(
+                (_group_advantages_kernel, group_sig | io, {"MODE": mode, "BLOCK": GROUP_BLOCK})
+            )
+    for has_adv in (True, False):
+        for io in ({}, fp64):
+            out.append((_rl_zvp_kernel, zvp_sig | io, {"HAS_ADV": has_adv, "BLOCK": ZVP_BLOCK}))
+    return out

@@ -1,6 +1,6 @@
 // Group advantages and RL-ZVP on CUDA. Generic code (no Hopper-only
-// instructions); built for COMPASS_CUDA_ARCHS (sm_90a by default), and for the
-// CPU by the emulator (docs/emulation.md), which runs it in the tests.
+// instructions); built for COMPASS_CUDA_ARCHS, and for the CPU by the
+// emulator (docs/emulation.md), which runs it in the tests.
 #include <cuda_runtime.h>
 
 #include <cfloat>
@@ -81,60 +81,48 @@ __global__ void zvp_kernel(const float* __restrict__ h, const int64_t* __restric
   }
 }
 
-template <typename R, typename A>
-void launch_zvp(const ZvpArgs& a, cudaStream_t stream) {
-  const int64_t n = a.cu_seqlens.numel() - 1;
-  launch<zvp_kernel<R, A>>(static_cast<unsigned>(n + 1), kZvpThreads, 0, stream,
-      a.entropy.ptr<float>(), a.cu_seqlens.ptr<int64_t>(), a.rewards.ptr<R>(),
-      a.zero_var.ptr<bool>(), a.advantages.data ? a.advantages.ptr<A>() : nullptr, n,
-      a.entropy.numel(), a.alpha, a.out.ptr<float>());
-}
-
-template <typename R>
-void launch_zvp_adv(const ZvpArgs& a, cudaStream_t stream) {
-  if (a.advantages.data && a.advantages.dtype == DType::kFloat64) {
-    launch_zvp<R, double>(a, stream);
-  } else {
-    launch_zvp<R, float>(a, stream);
-  }
-}
-
 }  // namespace
 
-void group_advantages_cuda(const GroupArgs& a, uintptr_t stream_handle) {
-  check_group_args(a);
-  COMPASS_CHECK(a.rewards.device == DeviceType::kCUDA, "rewards: expected a CUDA tensor, got ",
-                a.rewards.describe());
-  const int64_t groups = a.offsets.numel() - 1;
+void group_advantages_cuda(COMPASS_GROUP_ADVANTAGES_ARGS, uintptr_t stream_handle) {
+  COMPASS_NAME_ARGS(rewards, order, offsets, adv, zero_var, group_mean, group_std);
+  check_group_args(rewards, order, offsets, mode, eps, zero_var_tol, adv, zero_var, group_mean,
+                   group_std);
+  rewards.expect_device(DeviceType::kCUDA);
+  const int64_t groups = offsets.numel() - 1;
   if (groups == 0) return;
-  DeviceGuard guard(a.rewards.device_id);
+  DeviceGuard guard(rewards.device_id);
   auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
   const unsigned blocks = static_cast<unsigned>((groups + kWarpsPerBlock - 1) / kWarpsPerBlock);
-  if (a.rewards.dtype == DType::kFloat64) {
-    launch<group_kernel<double>>(blocks, 32 * kWarpsPerBlock, 0, stream,
-        a.rewards.ptr<double>(), a.order.ptr<int64_t>(), a.offsets.ptr<int64_t>(), groups, a.mode,
-        a.eps, a.zero_var_tol, a.adv.ptr<double>(), a.zero_var.ptr<bool>(),
-        a.group_mean.ptr<double>(), a.group_std.ptr<double>());
-  } else {
-    launch<group_kernel<float>>(blocks, 32 * kWarpsPerBlock, 0, stream,
-        a.rewards.ptr<float>(), a.order.ptr<int64_t>(), a.offsets.ptr<int64_t>(), groups, a.mode,
-        a.eps, a.zero_var_tol, a.adv.ptr<float>(), a.zero_var.ptr<bool>(),
-        a.group_mean.ptr<double>(), a.group_std.ptr<double>());
-  }
+  dispatch(rewards, Types<float, double>{}, [&](auto tag) {
+    using R = decltype(tag);
+    compass::launch<group_kernel<R>>(blocks, 32 * kWarpsPerBlock, 0, stream,
+        rewards.ptr<R>(), order.ptr<int64_t>(), offsets.ptr<int64_t>(), groups,
+        static_cast<int32_t>(mode), eps, zero_var_tol, adv.ptr<R>(), zero_var.ptr<bool>(),
+        group_mean.ptr<double>(), group_std.ptr<double>());
+  });
   check_launch("advantages.group_kernel");
 }
 
-void rl_zvp_cuda(const ZvpArgs& a, uintptr_t stream_handle) {
-  check_zvp_args(a);
-  COMPASS_CHECK(a.entropy.device == DeviceType::kCUDA, "entropy: expected a CUDA tensor, got ",
-                a.entropy.describe());
-  DeviceGuard guard(a.entropy.device_id);
+void rl_zvp_cuda(COMPASS_RL_ZVP_ARGS, uintptr_t stream_handle) {
+  COMPASS_NAME_ARGS(entropy, cu_seqlens, rewards, zero_var, advantages, out);
+  check_rl_zvp_args(entropy, cu_seqlens, rewards, zero_var, advantages, alpha, out);
+  entropy.expect_device(DeviceType::kCUDA);
+  DeviceGuard guard(entropy.device_id);
   auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
-  if (a.rewards.dtype == DType::kFloat64) {
-    launch_zvp_adv<double>(a, stream);
-  } else {
-    launch_zvp_adv<float>(a, stream);
-  }
+  const int64_t n = cu_seqlens.numel() - 1;
+  dispatch(rewards, Types<float, double>{}, [&](auto rtag) {
+    using R = decltype(rtag);
+    auto launch = [&](auto atag, const void* adv) {
+      using A = decltype(atag);
+      compass::launch<zvp_kernel<R, A>>(static_cast<unsigned>(n + 1), kZvpThreads, 0, stream,
+          entropy.ptr<float>(), cu_seqlens.ptr<int64_t>(), rewards.ptr<R>(),
+          zero_var.ptr<bool>(), static_cast<const A*>(adv), n, entropy.numel(),
+          static_cast<float>(alpha), out.ptr<float>());
+    };
+    if (!advantages) return launch(float{}, nullptr);
+    dispatch(*advantages, Types<float, double>{},
+             [&](auto atag) { launch(atag, advantages->data); });
+  });
   check_launch("advantages.zvp_kernel");
 }
 

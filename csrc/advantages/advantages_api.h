@@ -1,9 +1,11 @@
-// Host entry points of the advantages kernels (CPU in advantages_cpu.cpp,
-// CUDA in advantages.cu). Arguments are borrowed views; outputs are written in
-// place. Checks (dtype, shape, device) run in check_* before any launch.
+// Host entry points of the advantages kernels (CPU in advantages_cpu.cpp, CUDA
+// in advantages.cu), bound one line each in bindings.cpp. Arguments are
+// borrowed views; outputs are written in place. check_* runs every
+// dtype/shape/device check before any launch.
 #pragma once
 
 #include <cstdint>
+#include <optional>
 
 #include "compass/advantages.h"
 #include "compass/tensor_view.h"
@@ -11,37 +13,35 @@
 namespace compass {
 namespace advantages {
 
-struct GroupArgs {
-  TensorView rewards;    // [n] float32 | float64
-  TensorView order;      // [n] int64, members of group g at order[offsets[g]:offsets[g+1]]
-  TensorView offsets;    // [G+1] int64
-  TensorView adv;        // [n] out, dtype of rewards
-  TensorView zero_var;   // [n] out, bool
-  TensorView group_mean; // [G] out, float64
-  TensorView group_std;  // [G] out, float64
-  int32_t mode = 0;  // Mode
-  double eps = 1e-6;
-  double zero_var_tol = 1e-6;
-};
+// rewards [n] float32|float64; order [n] int64 (members of group g are
+// order[offsets[g]:offsets[g+1]]); offsets [G+1] int64; outputs: adv [n]
+// (rewards' dtype), zero_var [n] bool, group_mean / group_std [G] float64.
+#define COMPASS_GROUP_ADVANTAGES_ARGS                                              \
+  TensorView rewards, TensorView order, TensorView offsets, int64_t mode, double eps, \
+      double zero_var_tol, TensorView adv, TensorView zero_var, TensorView group_mean,  \
+      TensorView group_std
+// entropy [T] float32; cu_seqlens [n+1] int64; rewards [n] float32|float64;
+// zero_var [n] bool; advantages [n] float32|float64 or None; out [T] float32.
+#define COMPASS_RL_ZVP_ARGS                                                         \
+  TensorView entropy, TensorView cu_seqlens, TensorView rewards, TensorView zero_var, \
+      std::optional<TensorView> advantages, double alpha, TensorView out
 
-struct ZvpArgs {
-  TensorView entropy;     // [T] float32
-  TensorView cu_seqlens;  // [n+1] int64
-  TensorView rewards;     // [n] float32 | float64
-  TensorView zero_var;    // [n] bool
-  TensorView advantages;  // [n] float32 | float64, or data == nullptr
-  TensorView out;         // [T] out, float32
-  float alpha = 0.1f;
-};
+// Shared by every backend (defined in advantages_cpu.cpp): names the views and
+// checks dtype, shape and same-device; index contents are checked by the CPU
+// entry points (host-readable) and by the Python layer on CUDA.
+void check_group_args(COMPASS_GROUP_ADVANTAGES_ARGS);
+void check_rl_zvp_args(COMPASS_RL_ZVP_ARGS);
 
-void check_group_args(const GroupArgs& a);
-void check_zvp_args(const ZvpArgs& a);
-
-void group_advantages_cpu(const GroupArgs& a);
-void rl_zvp_cpu(const ZvpArgs& a);
+void group_advantages_cpu(COMPASS_GROUP_ADVANTAGES_ARGS);
+// group_ids [n] any integer dtype -> order [n], offsets [n+1], unique [n]
+// (int64, allocated by the caller for the worst case); returns G, the number
+// of groups: offsets[:G+1] and unique[:G] are written.
+int64_t group_plan_cpu(TensorView group_ids, TensorView order, TensorView offsets,
+                       TensorView unique);
+void rl_zvp_cpu(COMPASS_RL_ZVP_ARGS);
 #if defined(COMPASS_WITH_CUDA) || defined(COMPASS_EMULATION)  // emulated: csrc/emu
-void group_advantages_cuda(const GroupArgs& a, uintptr_t stream);
-void rl_zvp_cuda(const ZvpArgs& a, uintptr_t stream);
+void group_advantages_cuda(COMPASS_GROUP_ADVANTAGES_ARGS, uintptr_t stream);
+void rl_zvp_cuda(COMPASS_RL_ZVP_ARGS, uintptr_t stream);
 #endif
 
 }  // namespace advantages

@@ -1,10 +1,14 @@
 // A borrowed, framework-free view of a tensor: what crosses the Python/C++
-// boundary (built from a DLPack capsule in dlpack_view.cpp). Kernels never see
-// torch; one wheel serves any torch version.
+// boundary. Host entry points take TensorView arguments directly; the pybind11
+// type caster in csrc/compass_pybind.h builds them from anything with
+// __dlpack__ (or a DLPack capsule). Kernels never see torch; one wheel serves
+// any torch version.
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <utility>
 
 #include "compass/common.h"
 
@@ -30,7 +34,7 @@ struct TensorView {
   DType dtype = DType::kFloat32;
   DeviceType device = DeviceType::kCPU;
   int32_t device_id = 0;
-  std::string name;  // argument name, for error messages
+  const char* name = "tensor";  // argument name for errors; set by COMPASS_NAME_ARGS
 
   int64_t numel() const {
     int64_t n = 1;
@@ -46,6 +50,7 @@ struct TensorView {
     }
     return true;
   }
+  bool is_cuda() const { return device == DeviceType::kCUDA; }
   template <typename T>
   T* ptr() const { return static_cast<T*>(data); }
 
@@ -57,6 +62,88 @@ struct TensorView {
   const TensorView& expect_contiguous() const;
   const TensorView& expect_size(int dim, int64_t n, const char* what) const;
   const TensorView& expect_same_device(const TensorView& other) const;
+  const TensorView& expect_device(DeviceType d) const;
+  // 1-d and contiguous: the common case of every packed/varlen op.
+  const TensorView& expect_vector() const { return expect_ndim(1).expect_contiguous(); }
 };
+
+// ------------------------------------------------------------ dtype dispatch
+// C++ type <-> DType, and one dispatch helper instead of hand-nested if/else:
+//   dispatch(rewards, Types<float, double>{}, [&](auto tag) {
+//     using R = decltype(tag);  ...  });
+// An unsupported dtype is an error naming the argument and the accepted dtypes.
+template <typename T> struct DTypeOf;
+#define COMPASS_DTYPE_OF(T, D) \
+  template <> struct DTypeOf<T> { static constexpr DType value = DType::D; };
+COMPASS_DTYPE_OF(bool, kBool)
+COMPASS_DTYPE_OF(int8_t, kInt8)
+COMPASS_DTYPE_OF(uint8_t, kUInt8)
+COMPASS_DTYPE_OF(int16_t, kInt16)
+COMPASS_DTYPE_OF(int32_t, kInt32)
+COMPASS_DTYPE_OF(int64_t, kInt64)
+COMPASS_DTYPE_OF(float, kFloat32)
+COMPASS_DTYPE_OF(double, kFloat64)
+#undef COMPASS_DTYPE_OF
+
+template <typename... Ts> struct Types {};
+
+namespace detail {
+template <typename... Ts>
+std::string dtype_list() {
+  std::string s;
+  ((s += (s.empty() ? "" : " | "), s += dtype_name(DTypeOf<Ts>::value)), ...);
+  return s;
+}
+template <typename F, typename T, typename... Rest>
+decltype(auto) dispatch_impl(const TensorView& t, F&& f, const std::string& all) {
+  if (t.dtype == DTypeOf<T>::value) return f(T{});
+  if constexpr (sizeof...(Rest) > 0) {
+    return dispatch_impl<F, Rest...>(t, std::forward<F>(f), all);
+  } else {
+    fail(t.name, ": expected dtype ", all, ", got ", t.describe());
+  }
+}
+}  // namespace detail
+
+template <typename... Ts, typename F>
+decltype(auto) dispatch(const TensorView& t, Types<Ts...>, F&& f) {
+  if constexpr (sizeof...(Ts) == 1) {
+    return detail::dispatch_impl<F, Ts...>(t, std::forward<F>(f), "");
+  }
+  return detail::dispatch_impl<F, Ts...>(t, std::forward<F>(f), detail::dtype_list<Ts...>());
+}
+
+// Name a function's TensorView parameters after themselves, for error messages:
+//   COMPASS_NAME_ARGS(rewards, order, offsets);
+// The list is split once per call site (a function-local static).
+#define COMPASS_NAME_ARGS(...)                                              \
+  do {                                                                      \
+    static const ::compass::detail::NameList compass_names_(#__VA_ARGS__); \
+    compass_names_.apply(__VA_ARGS__);                                      \
+  } while (0)
+namespace detail {
+class NameList {
+ public:
+  explicit NameList(const char* list) {
+    for (const char* p = list; *p; ++p) {
+      if (*p == ',') names_.push_back('\0');
+      else if (*p != ' ') names_.push_back(*p);
+    }
+  }
+  template <typename... Vs>
+  void apply(Vs&... views) const {
+    const char* p = names_.c_str();
+    ((set_name(views, p), p += std::char_traits<char>::length(p) + 1), ...);
+  }
+
+ private:
+  static void set_name(TensorView& v, const char* n) { v.name = n; }
+  static void set_name(std::optional<TensorView>& v, const char* n) {
+    if (v) v->name = n;
+  }
+
+  std::string names_;
+};
+}  // namespace detail
 
 }  // namespace compass

@@ -1,0 +1,204 @@
+"""The op template (compass_kernels/_op.py, _dispatch.py, csrc/compass_pybind.h):
+the TensorView caster, one-declaration ops, dispatch rules, arch checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import compass_kernels as ck
+from compass_kernels import _dispatch
+from compass_kernels._ext import BackendUnavailableError, dl, load
+from compass_kernels._op import register_op
+from compass_kernels.advantages import _groups_from_ids, group_advantages_op
+from compass_kernels.testing import make_generator
+
+# ------------------------------------------------------------ the caster
+
+
+def _plan_args(n=6):
+    ids = torch.tensor([4, 1, 4, 1, 7, 4])[:n]
+    return ids, torch.empty(n, dtype=torch.int64), torch.empty(n + 1, dtype=torch.int64), \
+        torch.empty(n, dtype=torch.int64)  # fmt: skip
+
+
+@pytest.mark.parametrize("form", ["tensor", "capsule", "numpy", "dlpack_object"])
+def test_caster_takes_every_dlpack_form(form):
+    """Tensors, capsules and any object with __dlpack__ (numpy here) become views."""
+    ids, order, offsets, unique = _plan_args()
+
+    class Wrapped:  # a foreign array type: only the protocol
+        def __init__(self, t):
+            self.t = t
+
+        def __dlpack__(self, **kwargs):
+            return self.t.__dlpack__(**kwargs)
+
+        def __dlpack_device__(self):
+            return self.t.__dlpack_device__()
+
+    conv = {"tensor": lambda t: t, "capsule": dl, "numpy": lambda t: t.numpy(),
+            "dlpack_object": Wrapped}[form]  # fmt: skip
+    groups = load().advantages.group_plan_cpu(conv(ids), conv(order), conv(offsets), conv(unique))
+    assert groups == 3
+    assert order.tolist() == [1, 3, 0, 2, 5, 4]
+    assert offsets[:4].tolist() == [0, 2, 5, 6] and unique[:3].tolist() == [1, 4, 7]
+
+
+def test_caster_rejects_non_tensors_and_names_arguments():
+    ids, order, offsets, unique = _plan_args()
+    with pytest.raises(TypeError, match="incompatible function arguments"):
+        load().advantages.group_plan_cpu([1, 2], order, offsets, unique)
+    with pytest.raises(ValueError, match="order: expected dtype int64, got int32\\[6\\] on cpu"):
+        load().advantages.group_plan_cpu(ids, order.int(), offsets, unique)
+    with pytest.raises(ValueError, match="offsets: expected size 7 \\(len\\(group_ids\\) \\+ 1\\)"):
+        load().advantages.group_plan_cpu(ids, order, offsets[:6], unique)
+    with pytest.raises(ValueError, match="order: expected a contiguous tensor"):
+        load().advantages.group_plan_cpu(ids, torch.empty(12, dtype=torch.int64)[::2], offsets,
+                                         unique)  # fmt: skip
+    with pytest.raises(ValueError, match="group_ids: expected dtype int8 \\| uint8 \\| int16"):
+        load().advantages.group_plan_cpu(ids.float(), order, offsets, unique)
+
+
+def test_outputs_never_require_grad():
+    """Rewards that require grad are read (detached); advantages carry no graph."""
+    r = torch.tensor([1.0, 0.0, 1.0, 1.0], requires_grad=True)
+    adv, _, _ = ck.advantages.group_advantages(r, group_size=2)
+    raw = group_advantages_op.run((r, torch.arange(4), torch.tensor([0, 2, 4]), 0, 1e-6, 1e-6))
+    assert not adv.requires_grad and torch.equal(adv, raw[0])
+
+
+# ---------------------------------------------------------- group plan
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 131, 1000])
+@pytest.mark.parametrize("kind", ["compact", "wide", "int32", "uint8", "negative"])
+def test_group_plan_matches_a_stable_sort(n, kind):
+    """The C++ plan (counting sort for compact ids, comparison sort for wide
+    ones) equals torch's stable sort + unique on fresh random ids."""
+    g = make_generator(n * 7 + len(kind))
+    if kind == "wide":
+        ids = torch.randint(-(2**62), 2**62, (max(n // 3, 1),), generator=g)[
+            torch.randint(0, max(n // 3, 1), (n,), generator=g)]  # fmt: skip
+    elif kind == "uint8":
+        ids = torch.randint(0, 256, (n,), generator=g).to(torch.uint8)
+    elif kind == "negative":
+        ids = torch.randint(-40, 3, (n,), generator=g)
+    else:
+        ids = torch.randint(0, max(n // 4, 1), (n,), generator=g)
+    if kind == "int32":
+        ids = ids.to(torch.int32)
+    order, offsets, unique = _groups_from_ids(ids)
+    ref_sorted, ref_order = torch.sort(ids.to(torch.int64), stable=True)
+    ref_unique, ref_counts = torch.unique_consecutive(ref_sorted, return_counts=True)
+    assert torch.equal(order, ref_order)
+    assert torch.equal(unique, ref_unique)
+    assert offsets[0] == 0 and torch.equal(offsets.diff(), ref_counts)
+
+
+def test_group_plan_full_int64_range():
+    ids = torch.tensor([2**63 - 1, -(2**63), 0, 2**63 - 1])
+    order, offsets, unique = _groups_from_ids(ids)
+    assert unique.tolist() == [-(2**63), 0, 2**63 - 1]
+    assert order.tolist() == [1, 2, 0, 3] and offsets.tolist() == [0, 1, 2, 4]
+
+
+# ------------------------------------------------------------- dispatch
+
+
+def test_missing_backend_names_op_and_backend():
+    op = register_op(
+        "test_only_scale_cpp",
+        "(Tensor x) -> Tensor",
+        outputs=lambda x: (torch.empty_like(x),),
+        kernels={"cpp": lambda x, out: out.copy_(x * 2)},
+    )
+    x = torch.arange(3.0)
+    assert torch.equal(op(x), x * 2)
+    assert torch.equal(torch.ops.compass.test_only_scale_cpp(x), x * 2)
+    with pytest.raises(BackendUnavailableError, match="compass::test_only_scale_cpp has no "
+                       "'triton' backend \\(it has cpp\\)"):  # fmt: skip
+        op(x, backend="triton")
+    with pytest.raises(ValueError, match="already registered"):
+        register_op("test_only_scale_cpp", "(Tensor x) -> Tensor", outputs=op.outputs,
+                    kernels={})  # fmt: skip
+
+
+def test_test_backends_are_never_chosen_by_default():
+    assert _dispatch.resolve(torch.device("cpu"), None) == "cpp"
+    with pytest.raises(ValueError, match="runs on CPU tensors \\(tests only\\)"):
+        _dispatch._resolve("cuda", 0, "cuda-emulated", "op", ("cuda-emulated",))
+
+
+@pytest.mark.parametrize(
+    ("cap", "archs", "ok"),
+    [
+        ((9, 0), ("80", "90a"), True),   # sm_90a SASS
+        ((8, 0), ("80", "90a"), True),   # sm_80 SASS
+        ((8, 9), ("80", "90a"), True),   # L40: sm_80 SASS runs on 8.x
+        ((10, 0), ("80", "90a"), True),  # Blackwell: compute_80 PTX JIT
+        ((7, 5), ("80", "90a"), False),  # T4: nothing
+        ((10, 0), ("90a",), False),      # 'a' SASS runs on sm_90 only, no portable PTX
+        ((8, 6), ("90a",), False),
+        ((10, 0), ("80-real",), False),  # SASS only, other major
+        ((10, 0), ("90-virtual",), True),
+    ],
+)  # fmt: skip
+def test_arch_compatibility(cap, archs, ok):
+    assert _dispatch.can_run_arch(cap, archs) is ok
+
+
+def test_compiled_archs_are_reported():
+    from compass_kernels._ext import compiled_cuda_archs, has_cuda_kernels
+
+    if not has_cuda_kernels():
+        pytest.skip("built without CUDA")
+    assert set(compiled_cuda_archs()) >= {"80", "90a"}
+
+
+# ------------------------------------------------------------- tracing
+
+
+def test_explicit_backend_is_traceable():
+    """backend= is a schema argument: torch.compile(fullgraph=True) keeps it."""
+    r = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    fn = torch.compile(lambda x: ck.advantages.group_advantages(x, group_size=2, backend="cpp")[0],
+                       backend="eager", fullgraph=True)  # fmt: skip
+    ref, _, _ = ck.advantages.group_advantages(r, group_size=2)
+    assert torch.equal(fn(r), ref)
+
+
+def test_numpy_dtype_roundtrip_of_views():
+    """A view with a byte offset (a slice) is read at its offset, not at the storage start."""
+    base = torch.tensor([9, 9, 5, 3, 5], dtype=torch.int64)
+    ids = base[2:]
+    order, offsets, unique = (torch.empty(3, dtype=torch.int64), torch.empty(4, dtype=torch.int64),
+                              torch.empty(3, dtype=torch.int64))  # fmt: skip
+    assert load().advantages.group_plan_cpu(ids, order, offsets, unique) == 2
+    assert unique[:2].tolist() == [3, 5] and np.array_equal(order.numpy(), [1, 0, 2])
+
+
+# -------------------------------------------------------------- evidence
+
+
+def test_gpu_evidence_is_in_sync_with_the_committed_runs():
+    """compass_kernels/gpu_evidence.json is generated from docs/gpu_runs: a new
+    report without `python scripts/update_evidence.py` fails here."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("upd", root / "scripts" / "update_evidence.py")
+    upd = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(upd)
+    committed = json.loads((root / "compass_kernels" / "gpu_evidence.json").read_text())
+    assert upd.collect(root / "docs" / "gpu_runs") == committed
+
+
+def test_info_reports_evidence_per_op_and_backend():
+    ev = ck.info()["evidence"]
+    assert set(ev) >= {"group_advantages", "rl_zvp"}
+    assert ev["group_advantages"]["cpp"] == ["reference-tested on CPU"]
+    assert any(lv.startswith("interpreter-run") for lv in ev["rl_zvp"]["triton"])
