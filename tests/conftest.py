@@ -4,7 +4,8 @@
   device is present: Triton kernels then run on CPU tensors in the interpreter,
   and the test-only fix of the interpreter's dot/cast builders is applied.
 - Markers (pyproject.toml): gpu (auto-skipped without a device), triton,
-  emulated (the CUDA kernels under the SIMT emulator), sm90, integration, slow. Select tiers with -m, e.g. `-m "not integration"`.
+  emulated (the CUDA kernels under the SIMT emulator), sm90, integration,
+  slow. Select tiers with -m, e.g. `-m "not integration"`.
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ def pytest_collection_modifyitems(config, items):
 
     _emu.install()  # the "cuda-emulated" backend of every op whose CUDA kernels it has
     if REQUIRE_ALL_TIERS and not _emu.available():
-        raise pytest.UsageError("COMPASS_REQUIRE_ALL_TIERS=1 but compass_kernels._C_emu is not built")
+        raise pytest.UsageError(
+            "COMPASS_REQUIRE_ALL_TIERS=1 but compass_kernels._C_emu is not built"
+        )
     skip_emulated = pytest.mark.skip(reason="compass_kernels._C_emu is not built (COMPASS_EMU=OFF)")
     for item in items:
         if "gpu" in item.keywords and not HAS_GPU:

@@ -322,35 +322,34 @@ def test_cpp_boundary_rejects_bad_offsets_without_python_checks():
 def test_cuda_boundary_checks_arguments_under_emulation():
     """The CUDA entry points run the same argument checks as the C++ ones."""
     r, order, off = torch.ones(4), torch.arange(4), torch.tensor([0, 2, 4])
-    outs = [torch.empty(4, dtype=torch.float64), torch.empty(4, dtype=torch.bool),
-            torch.empty(2, dtype=torch.float64), torch.empty(2, dtype=torch.float64)]  # fmt: skip
+    f64 = dict(dtype=torch.float64)
+    outs = [torch.empty(4, **f64), torch.empty(4, dtype=torch.bool),
+            torch.empty(2, **f64), torch.empty(2, **f64)]  # fmt: skip
     with pytest.raises(ValueError, match="adv: expected dtype float32"):
-        _emu.call("advantages.group_advantages_cuda", dl(r), dl(order), dl(off), 0, 1e-6, 1e-6,
-                  *[dl(o) for o in outs], 0)  # fmt: skip
+        _emu.call("advantages.group_advantages_cuda", r, order, off, 0, 1e-6, 1e-6, *outs)
+    h, cu, zv = torch.ones(5, **f64), torch.tensor([0, 2, 5]), torch.ones(2, dtype=torch.bool)
     with pytest.raises(ValueError, match="entropy: expected dtype float32"):
-        _emu.call("advantages.rl_zvp_cuda", dl(torch.ones(5, dtype=torch.float64)),
-                  dl(torch.tensor([0, 2, 5])), dl(torch.ones(2)),
-                  dl(torch.ones(2, dtype=torch.bool)), None, 0.1, dl(torch.empty(5)), 0)  # fmt: skip
+        _emu.call("advantages.rl_zvp_cuda", h, cu, torch.ones(2), zv, None, 0.1, torch.empty(5))
 
 
 @pytest.mark.emulated
 def test_cuda_boundary_bad_plan_is_an_out_of_bounds_access_under_emulation():
     """The CUDA entries do not read index data on the host (that would sync): a bad
     plan is a silent wild access on a GPU, and the emulator names it."""
-    r = torch.ones(4)
+    r, off = torch.ones(4), torch.tensor([0, 2, 4])
     outs = [torch.empty(4), torch.empty(4, dtype=torch.bool),
             torch.empty(2, dtype=torch.float64), torch.empty(2, dtype=torch.float64)]  # fmt: skip
-    with pytest.raises(
-        _emu.OutOfBoundsError,
-        match=r"global read of 4 bytes .*::group_kernel<float>, block \(0,0,0\), thread "
-        r"\(\d+,0,0\): byte offset 36 of 'rewards' \(float32\[4\]\), 16 bytes .*past its end at csrc/advantages/advantages.cu:\d+",
-    ):
-        _emu.call("advantages.group_advantages_cuda", dl(r), dl(torch.tensor([0, 1, 2, 9])),
-                  dl(torch.tensor([0, 2, 4])), 0, 1e-6, 1e-6, *[dl(o) for o in outs], 0)  # fmt: skip
+    where = r"::group_kernel<float>, block \(0,0,0\), thread \(\d+,0,0\)"
+    what = r"byte offset 36 of 'rewards' \(float32\[4\]\), 16 bytes at 0x[0-9a-f]+, past its end"
+    with pytest.raises(_emu.OutOfBoundsError, match=f"global read of 4 bytes .*{where}: {what}"):
+        bad_order = torch.tensor([0, 1, 2, 9])
+        _emu.call("advantages.group_advantages_cuda", r, bad_order, off, 0, 1e-6, 1e-6, *outs)
     h, zv, out = torch.rand(5), torch.ones(2, dtype=torch.bool), torch.empty(5)
-    with pytest.raises(_emu.OutOfBoundsError, match=r"read .*::zvp_kernel<float, float>.*'entropy'"):
-        _emu.call("advantages.rl_zvp_cuda", dl(h), dl(torch.tensor([0, 2, 9])),
-                  dl(torch.ones(2)), dl(zv), None, 0.1, dl(out), 0)  # fmt: skip
+    bad_cu = torch.tensor([0, 2, 9])
+    with pytest.raises(
+        _emu.OutOfBoundsError, match=r"read .*::zvp_kernel<float, float>.*'entropy'"
+    ):
+        _emu.call("advantages.rl_zvp_cuda", h, bad_cu, torch.ones(2), zv, None, 0.1, out)
 
 
 # Planted bugs (cmake/emu.cmake builds each into _C_emu.mutants): every one must

@@ -33,8 +33,8 @@ def run(fn, *args):
 
 
 def test_error_classes_are_runtime_errors():
-    for name in ("OutOfBoundsError", "BarrierError", "InactiveLaneError",
-                 "SharedMemoryRaceError", "UninitializedSharedMemoryError", "LaunchError"):  # fmt: skip
+    names = ["OutOfBoundsError", "BarrierError", "InactiveLaneError", "SharedMemoryRaceError"]
+    for name in [*names, "UninitializedSharedMemoryError", "LaunchError"]:
         cls = getattr(_emu, name)
         assert issubclass(cls, _emu.EmulationError) and issubclass(cls, RuntimeError), name
 
@@ -112,8 +112,8 @@ def test_out_of_bounds_read_names_the_tensor(st):
     x, out = torch.zeros(100), torch.empty(100)
     with pytest.raises(
         _emu.OutOfBoundsError,
-        match=r"global read of 4 bytes .* block \(3,0,0\), thread \(3,0,0\): byte offset 400 of 'x' "
-        r"\(float32\[100\]\)",
+        match=r"global read of 4 bytes .* block \(3,0,0\), thread \(3,0,0\): "
+        r"byte offset 400 of 'x' \(float32\[100\]\)",
     ):
         run(st.index_fill, x, out, 100, 1)
 
@@ -225,9 +225,7 @@ def test_bad_launch_configuration_is_a_launch_error(st):
 def test_module_lists_the_kernels_and_entry_points():
     ev = _emu.evidence()
     assert ev["built"]
-    assert {"advantages.group_advantages_cuda", "advantages.rl_zvp_cuda"} <= set(
-        ev["entry_points"]
-    )
+    assert {"advantages.group_advantages_cuda", "advantages.rl_zvp_cuda"} <= set(ev["entry_points"])
     assert "compass::advantages::group_kernel<float>" in ev["kernels"]
     assert "compass::advantages::zvp_kernel<double, float>" in ev["kernels"]
     before = ev["stats"]["launches"]
