@@ -201,11 +201,16 @@ def test_advantages_kernels_compile_without_spills():
     }  # fmt: skip
     group, zvp = kt._group_advantages_kernel, kt._rl_zvp_kernel
     fp64_io = group_sig | {"r_ptr": "*fp64", "adv_ptr": "*fp64"}
+    # Every mode and both reward dtypes, compiled with the options the launcher
+    # uses (ptxas 12.8, bundled with triton 3.6, spilled fp64 RLOO without maxnreg).
     arts = [
-        aot.compile_triton(group, group_sig, {"MODE": 0, "BLOCK": kt.GROUP_BLOCK}),
-        aot.compile_triton(group, fp64_io, {"MODE": 2, "BLOCK": kt.GROUP_BLOCK}),
-        aot.compile_triton(zvp, zvp_sig, {"HAS_ADV": True, "BLOCK": kt.ZVP_BLOCK}),
-        aot.compile_triton(zvp, zvp_sig, {"HAS_ADV": False, "BLOCK": kt.ZVP_BLOCK}),
+        aot.compile_triton(group, sig, {"MODE": mode, "BLOCK": kt.GROUP_BLOCK}, **kt.GROUP_LAUNCH)
+        for sig in (group_sig, fp64_io)
+        for mode in (0, 1, 2)
+    ]
+    arts += [
+        aot.compile_triton(zvp, zvp_sig, {"HAS_ADV": has, "BLOCK": kt.ZVP_BLOCK}, **kt.ZVP_LAUNCH)
+        for has in (True, False)
     ]
     for art in arts:
         aot.assert_no_spills(art.resource_usage)
