@@ -26,7 +26,10 @@ builders get them wrong (measured on triton 3.9, tests/test_triton_interpreter.p
 restores the patches it made, as a kernel launch already does. Casts use
 ``torch.Tensor.to`` (round to nearest even, or toward zero when the kernel asks
 for ``fp_downcast_rounding="rtz"``; saturation / overflow exactly as torch:
-float8_e4m3fn saturates to +-448, float8_e5m2 overflows to inf), dots upcast
+float8_e4m3fn saturates to +-448, float8_e5m2 overflows to inf; float64 and
+integer sources are rounded to odd into fp32 first, so they are rounded once,
+as the GPU's ``cvt.rn.bf16.f64`` / ``cvt.rn.bf16.s32`` do, where torch alone
+would round twice through fp32), dots upcast
 the operands exactly and call ``torch.matmul`` in float32 (float64 for
 float64 accumulators). Anything the wrappers do not cover (integer dots,
 float8e4b15, integer <-> integer casts, casts between integers and NumPy-native
@@ -218,6 +221,21 @@ def _round_toward_zero(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.where(bigger, bits - 1, bits).view(y.dtype)
 
 
+def _to_fp32_round_to_odd(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (float64 or integer, exact in float64) in fp32, rounded to odd.
+
+    Round toward zero, then set the last bit of every inexact result. A later
+    round-to-nearest-even into a format with at most 22 significand bits then
+    equals one direct rounding of ``x`` (no double-rounding error). Integers
+    beyond 2**53 are already rounded once by the float64 conversion.
+    """
+    x64 = x.to(torch.float64)
+    y = _round_toward_zero(x64, x64.to(torch.float32))
+    inexact = (y.to(torch.float64) != x64) & torch.isfinite(x64)
+    bits = y.view(torch.int32)
+    return torch.where(inexact, bits | 1, bits).view(torch.float32)
+
+
 def _storage_dtype(tt) -> np.dtype:
     """NumPy dtype the interpreter stores values of float type ``tt`` in."""
     if _is_numpy_native_float(tt):
@@ -239,7 +257,13 @@ def _torch_cast(src, dst_tt, rounding_mode, table: dict, handle_cls) -> Any:
     if not (float_to_float or int_to_special):
         return None
     x = _to_torch(src.data, src_tt, table)
-    y = x.to(table[dst_tt])
+    dst = table[dst_tt]
+    if dst.itemsize < 4 and (x.dtype == torch.float64 or not x.is_floating_point()):
+        # torch converts these through float32 (two roundings); the GPU rounds
+        # once (cvt.rn.bf16.s32, cvt.rn.f16.f64, ...). Round to odd into fp32
+        # first: with 24 >= 11 + 2 bits, the second rounding is then exact RNE.
+        x = _to_fp32_round_to_odd(x)
+    y = x.to(dst)
     if rounding_mode == ir.ROUNDING_MODE.RTZ and float_to_float:
         y = _round_toward_zero(x, y)
     return handle_cls(_to_storage(y, _storage_dtype(dst_tt)), dst_tt)
