@@ -250,7 +250,9 @@ def rl_zvp(
     alpha : scale, 0.1 in the paper.
     advantages : optional [n] float per-sequence advantages broadcast to the
         tokens of the other sequences (0 when None).
-    validate : check cu_seqlens on device (one host sync).
+    validate : check cu_seqlens, and that entropy (tokens before cu_seqlens[-1])
+        and rewards are finite (host syncs). With validate=False, non-finite
+        inputs give backend-dependent results (see ``rl_zvp_reference``).
 
     Returns
     -------
@@ -279,6 +281,11 @@ def rl_zvp(
     cu = cu_seqlens.to(torch.int64).contiguous()
     if validate:
         check_offsets("cu_seqlens", cu, entropy.shape[0], exact=False)
+        # Non-finite values make the backends disagree (std::max / fmaxf drop NaN,
+        # the reference propagates it); padding tokens past cu_seqlens[-1] are not read.
+        tokens = torch.arange(entropy.shape[0], device=dev) < cu[-1]
+        check_finite("entropy", torch.where(tokens, entropy.detach(), 0))
+        check_finite("rewards", rewards)
     h = entropy.detach().to(torch.float32).contiguous()
     r = rewards.detach()
     r = (r if r.dtype == torch.float64 else r.to(torch.float32)).contiguous()
