@@ -589,3 +589,103 @@ def test_apply_fails_loudly_when_a_signature_changed(monkeypatch):
     )
     with pytest.raises(RuntimeError, match=r"cast_impl has parameters .*extra"):
         triton_interpreter.apply()
+
+
+# ------------------------------------------------ Hopper fp8 accumulation emulation
+
+
+@triton.jit
+def _fp8_gemm_kernel(
+    a_ptr, b_ptr, c_ptr, K,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PROMOTE: tl.constexpr,
+):  # fmt: skip
+    # One output tile, K loop. PROMOTE: 0 = accumulate in the dot (acc = dot(a, b, acc)),
+    # 1 = explicit fp32 promotion per block (acc += dot(a, b)), 2 = the same
+    # through max_num_imprecise_acc=BK.
+    rm, rn, rk = tl.arange(0, BM), tl.arange(0, BN), tl.arange(0, BK)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        a = tl.load(a_ptr + rm[:, None] * K + (k0 + rk)[None, :])
+        b = tl.load(b_ptr + (k0 + rk)[:, None] * BN + rn[None, :])
+        if PROMOTE == 0:
+            acc = tl.dot(a, b, acc)
+        elif PROMOTE == 1:
+            acc += tl.dot(a, b)
+        else:
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BK)
+    tl.store(c_ptr + rm[:, None] * BN + rn[None, :], acc)
+
+
+FP8_K = 4096
+
+
+def _fp8_gemm(a, b, promote: int) -> torch.Tensor:
+    c = torch.full((a.shape[0], b.shape[1]), float("nan"))
+    _fp8_gemm_kernel[(1,)](a, b, c, FP8_K, BM=a.shape[0], BN=b.shape[1], BK=32, PROMOTE=promote)
+    return c
+
+
+@pytest.fixture(scope="module")
+def fp8_operands():
+    # Positive values: the sum grows over K, as in a GEMM with a large K
+    # (4096 = 128 wgmma instructions), where a 14-bit accumulator loses most.
+    g = torch.Generator().manual_seed(9)
+    a = (torch.rand(64, FP8_K, generator=g) * 1.5 + 0.5).to(torch.float8_e4m3fn)
+    b = (torch.rand(FP8_K, 32, generator=g) * 1.5 + 0.5).to(torch.float8_e4m3fn)
+    exact = decode_bits(a) @ decode_bits(b)  # float64: products exact, error ~1e-16
+    return a, b, exact
+
+
+def _rel_err(c, exact) -> float:
+    return float(((c.to(torch.float64) - exact).abs() / exact.abs()).max())
+
+
+#: Max relative error allowed of an FP8 GEMM with fp32 accumulation here. Promoted
+#: per 32-element instruction, each partial loses < 2**-13 of itself: < 2**-13
+#: overall; 128 unpromoted steps lose ~64 * 2**-14 on average (measured ~4e-3).
+FP8_BOUND = 2.0**-12
+
+
+def test_fp8_imprecise_accumulation_fails_a_gemm_without_promotion(fixed, fp8_operands):
+    a, b, exact = fp8_operands
+    # Off (the default): every variant is fp32-accurate.
+    for promote in (0, 1, 2):
+        assert _rel_err(_fp8_gemm(a, b, promote), exact) < 2.0**-20, promote
+    with triton_interpreter.fp8_imprecise_accumulation():
+        no_promotion = _rel_err(_fp8_gemm(a, b, 0), exact)
+        promoted = _rel_err(_fp8_gemm(a, b, 1), exact)
+        via_option = _rel_err(_fp8_gemm(a, b, 2), exact)
+    assert no_promotion > 4 * FP8_BOUND, f"unpromoted fp8 GEMM error {no_promotion:.2e}"
+    assert promoted < FP8_BOUND, f"promoted fp8 GEMM error {promoted:.2e}"
+    assert via_option < FP8_BOUND, f"max_num_imprecise_acc GEMM error {via_option:.2e}"
+    assert promoted > 2.0**-20  # the per-instruction truncation is really modelled
+    # Truncation toward zero: the unpromoted result is biased low.
+    assert bool((_fp8_gemm(a, b, 0) <= exact.float()).all())
+    # And the interpreter is back to normal after the context.
+    assert _rel_err(_fp8_gemm(a, b, 0), exact) < 2.0**-20
+
+
+def test_fp8_imprecise_accumulation_leaves_other_dots_alone(fixed):
+    g = torch.Generator().manual_seed(10)
+    a = torch.randn(64, 32, generator=g).to(torch.bfloat16)
+    b = torch.randn(32, 16, generator=g).to(torch.bfloat16)
+    plain = _matmul(a, b)
+    with triton_interpreter.fp8_imprecise_accumulation(mantissa_bits=3):
+        assert_bitwise_equal(_matmul(a, b), plain, name="bf16 dot under the fp8 emulation")
+
+
+def test_fp8_imprecise_accumulation_arguments(fixed):
+    opts = _interp.interpreter_builder.options
+    with pytest.raises(ValueError, match=r"mantissa_bits must be in \[1, 23\]"):
+        with triton_interpreter.fp8_imprecise_accumulation(mantissa_bits=0):
+            pass
+    with triton_interpreter.fp8_imprecise_accumulation():
+        assert _interp.interpreter_builder.options.max_num_imprecise_acc_default == 2**30
+        with pytest.raises(RuntimeError, match="already active"):
+            with triton_interpreter.fp8_imprecise_accumulation():
+                pass
+    assert _interp.interpreter_builder.options is opts
+    triton_interpreter.revert()
+    with pytest.raises(RuntimeError, match=r"needs triton_interpreter.apply\(\) first"):
+        with triton_interpreter.fp8_imprecise_accumulation():
+            pass
