@@ -40,7 +40,8 @@ def _device() -> dict:
         q = "driver_version,clocks.max.sm,clocks.max.mem,power.limit"
         out = subprocess.run(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=30).stdout.strip()  # fmt: skip
-        info["nvidia_smi"] = dict(zip(q.split(","), (s.strip() for s in out.split(","))))
+        values = [s.strip() for s in out.split(",")]
+        info["nvidia_smi"] = dict(zip(q.split(","), values, strict=False))
     except (OSError, subprocess.SubprocessError) as e:
         info["nvidia_smi"] = repr(e)
     try:
@@ -61,7 +62,8 @@ def _tests(junit: Path) -> list[dict]:
             el = case.find(tag)
             if el is not None:
                 outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
-                message = (el.get("message") or "").splitlines()[0][:300] if el.get("message") else ""
+                text = el.get("message") or ""
+                message = text.splitlines()[0][:300] if text else ""
                 break
         rows.append({"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
                      "seconds": float(case.get("time") or 0), "message": message})  # fmt: skip
