@@ -2,17 +2,23 @@
 # The first run of either creates .venv with everything (scripts/setup_env.sh).
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# Set-up done: written only after scripts/setup_env.sh succeeded, and older than
+# the files that define the environment, so a half-failed or outdated set-up
+# runs again (the script is idempotent).
+STAMP := $(VENV)/.compass-setup.stamp
 
 .PHONY: env build test test-fast bench wheel info lint gpu-check
 
-$(PY):
-	bash scripts/setup_env.sh
+$(STAMP): pyproject.toml scripts/setup_env.sh
+	COMPASS_VENV=$(VENV) bash scripts/setup_env.sh
+	touch $@
 
 env:
-	bash scripts/setup_env.sh
+	COMPASS_VENV=$(VENV) bash scripts/setup_env.sh
+	touch $(STAMP)
 
 # incremental rebuild of compass_kernels._C after csrc changes (ninja, build/)
-build: $(PY)
+build: $(STAMP)
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 
 # every tier must run: a missing dependency fails instead of skipping
@@ -32,7 +38,7 @@ wheel:
 info: build
 	$(PY) -m compass_kernels info
 
-lint: $(PY)
+lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
 # on a GPU host: build in place, gpu + triton tiers, benches, report (docs/gpu_runs/)

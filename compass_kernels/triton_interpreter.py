@@ -26,11 +26,21 @@ builders get them wrong (measured on triton 3.9, tests/test_triton_interpreter.p
 restores the patches it made, as a kernel launch already does. Casts use
 ``torch.Tensor.to`` (round to nearest even, or toward zero when the kernel asks
 for ``fp_downcast_rounding="rtz"``; saturation / overflow exactly as torch:
-float8_e4m3fn saturates to +-448, float8_e5m2 overflows to inf), dots upcast
+float8_e4m3fn saturates to +-448, float8_e5m2 overflows to inf; float64 and
+integer sources are rounded to odd into fp32 first, so they are rounded once,
+as the GPU's ``cvt.rn.bf16.f64`` / ``cvt.rn.bf16.s32`` do, where torch alone
+would round twice through fp32), dots upcast
 the operands exactly and call ``torch.matmul`` in float32 (float64 for
 float64 accumulators). Anything the wrappers do not cover (integer dots,
 float8e4b15, integer <-> integer casts, casts between integers and NumPy-native
 floats, which NumPy does right) goes to the original builder unchanged.
+
+Opt-in: :func:`fp8_imprecise_accumulation` (a context manager) emulates the
+reduced-precision accumulation of fp8 ``tl.dot`` on sm_90 (wgmma) and honours
+``max_num_imprecise_acc`` as Triton's lowering does, so an FP8 GEMM that does
+not promote its accumulator to fp32 fails in the interpreter as on an H100
+(model and limits in its docstring). Off by default: then fp8 dots accumulate
+in exact-product fp32, like every other dot here.
 
 What the fixed interpreter still does not model (compare against the GPU, not
 this, when these matter): TF32 operand rounding (``input_precision="tf32"``
@@ -46,6 +56,8 @@ is never imported by a production path.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import inspect
 import threading
 from collections.abc import Callable
@@ -54,7 +66,13 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["apply", "revert", "is_applied", "PATCHED_ATTRIBUTES"]
+__all__ = [
+    "apply",
+    "revert",
+    "is_applied",
+    "fp8_imprecise_accumulation",
+    "PATCHED_ATTRIBUTES",
+]
 
 #: What :func:`apply` replaces in ``triton.runtime.interpreter`` (``Class.method``
 #: or a module-level function), with the parameter names the wrappers expect
@@ -218,6 +236,21 @@ def _round_toward_zero(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.where(bigger, bits - 1, bits).view(y.dtype)
 
 
+def _to_fp32_round_to_odd(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (float64 or integer, exact in float64) in fp32, rounded to odd.
+
+    Round toward zero, then set the last bit of every inexact result. A later
+    round-to-nearest-even into a format with at most 22 significand bits then
+    equals one direct rounding of ``x`` (no double-rounding error). Integers
+    beyond 2**53 are already rounded once by the float64 conversion.
+    """
+    x64 = x.to(torch.float64)
+    y = _round_toward_zero(x64, x64.to(torch.float32))
+    inexact = (y.to(torch.float64) != x64) & torch.isfinite(x64)
+    bits = y.view(torch.int32)
+    return torch.where(inexact, bits | 1, bits).view(torch.float32)
+
+
 def _storage_dtype(tt) -> np.dtype:
     """NumPy dtype the interpreter stores values of float type ``tt`` in."""
     if _is_numpy_native_float(tt):
@@ -239,7 +272,13 @@ def _torch_cast(src, dst_tt, rounding_mode, table: dict, handle_cls) -> Any:
     if not (float_to_float or int_to_special):
         return None
     x = _to_torch(src.data, src_tt, table)
-    y = x.to(table[dst_tt])
+    dst = table[dst_tt]
+    if dst.itemsize < 4 and (x.dtype == torch.float64 or not x.is_floating_point()):
+        # torch converts these through float32 (two roundings); the GPU rounds
+        # once (cvt.rn.bf16.s32, cvt.rn.f16.f64, ...). Round to odd into fp32
+        # first: with 24 >= 11 + 2 bits, the second rounding is then exact RNE.
+        x = _to_fp32_round_to_odd(x)
+    y = x.to(dst)
     if rounding_mode == ir.ROUNDING_MODE.RTZ and float_to_float:
         y = _round_toward_zero(x, y)
     return handle_cls(_to_storage(y, _storage_dtype(dst_tt)), dst_tt)
@@ -261,13 +300,129 @@ def _make_fp_to_fp(original: Callable, table: dict, handle_cls) -> Callable:
     return create_fp_to_fp
 
 
+# ----------------------------------------------------------------------------------
+# Hopper's reduced-precision fp8 accumulation (opt-in emulation)
+
+#: Active emulation settings, or None (off). Set by fp8_imprecise_accumulation.
+_FP8_ACC: dict | None = None
+_FP8_LOCK = threading.Lock()
+_SM90_DEFAULT_IMPRECISE = 2**30  # CUDAOptions.max_num_imprecise_acc_default on sm_90
+
+
+def _truncate_mantissa(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """fp32 ``x`` with its mantissa cut to ``bits`` explicit bits (toward zero)."""
+    keep = ~((1 << (23 - bits)) - 1)
+    return (x.contiguous().view(torch.int32) & keep).view(torch.float32)
+
+
+def _imprecise_fp8_dot(at, bt, acc, n_imprecise: int, cfg: dict) -> torch.Tensor:
+    """fp8 x fp8 -> fp32 dot as wgmma accumulates it on sm_90 (the model in
+    :func:`fp8_imprecise_accumulation`). ``at``, ``bt``: exact float64 operands,
+    ``acc``: fp32 accumulator; returns fp32."""
+    k_total, step, bits = at.shape[-1], cfg["k_per_instruction"], cfg["mantissa_bits"]
+
+    def chunk(k0):  # one wgmma: exact products, exactly summed
+        return torch.matmul(at[..., k0 : k0 + step], bt[..., k0 : k0 + step, :])
+
+    def mma(running, k0):  # accumulate into the low-precision register
+        return _truncate_mantissa((running.to(torch.float64) + chunk(k0)).to(torch.float32), bits)
+
+    if n_imprecise > k_total:
+        # No partial accumulator: wgmma accumulates into the running accumulator
+        # itself, so the error compounds over the kernel's whole K loop.
+        for k0 in range(0, k_total, step):
+            acc = mma(acc, k0)
+        return acc
+    # needsPartialAccumulator: a fresh partial sum, added to acc with an fp32
+    # FADD every n_imprecise elements (at least every instruction) and at the end.
+    partial, count = torch.zeros_like(acc), 0
+    for k0 in range(0, k_total, step):
+        partial, count = mma(partial, k0), count + step
+        if count >= n_imprecise or k0 + step >= k_total:
+            acc, partial, count = acc + partial, torch.zeros_like(acc), 0
+    return acc
+
+
+@contextlib.contextmanager
+def fp8_imprecise_accumulation(*, mantissa_bits: int = 13, k_per_instruction: int = 32):
+    """Emulate Hopper's reduced-precision fp8 ``tl.dot`` accumulation in the interpreter.
+
+    On sm_90 an fp8 x fp8 -> fp32 ``tl.dot`` lowers to wgmma, whose accumulator
+    keeps fewer bits than fp32 (about 14 significant bits, DeepSeek-V3 report,
+    sec. 3.3.2). Triton's ``max_num_imprecise_acc`` (default 2**30 on sm_90 when
+    the kernel does not pass it, Triton's ``CUDAOptions``) bounds how many K
+    elements may accumulate that way: when it is <= the dot's K, the lowering
+    (WGMMA.cpp, ``needsPartialAccumulator``) accumulates into a fresh partial
+    register and adds it to the fp32 accumulator with a real FADD every
+    ``max_num_imprecise_acc`` elements (at least once per instruction, at most
+    once per dot); otherwise wgmma accumulates straight into the accumulator
+    passed in, so ``acc = tl.dot(a, b, acc)`` in a K loop stays imprecise for
+    the whole loop. An FP8 GEMM that forgets to promote (``acc += tl.dot(a, b)``,
+    or ``max_num_imprecise_acc``) is then measurably less accurate on an H100;
+    inside this context manager it is in the interpreter too.
+
+    Model: per wgmma instruction (``k_per_instruction`` = 32 fp8 elements), the
+    products are summed exactly, added to the running low-precision accumulator,
+    and the result is truncated toward zero to ``mantissa_bits`` explicit
+    mantissa bits (13: 14 significant bits). The interpreter's default for an
+    unspecified ``max_num_imprecise_acc`` is set to sm_90's 2**30 meanwhile.
+
+    Limits: the hardware's internal alignment and truncation of the addends is
+    not public; this model reproduces the size and the bias (toward zero) of the
+    error, not its bits. It applies to every fp8 x fp8 -> fp32 dot, also to
+    shapes for which Triton would not use wgmma (M not a multiple of 64, fewer
+    than 4 warps): those would be exact on the GPU, so the emulation errs toward
+    failing. fp16 / bf16 dots are unchanged. Requires :func:`apply`.
+
+    Parameters
+    ----------
+    mantissa_bits : int, default 13
+        Explicit mantissa bits the accumulator keeps after each instruction.
+    k_per_instruction : int, default 32
+        K elements per wgmma instruction for fp8 (m64nNk32).
+    """
+    global _FP8_ACC
+    if not (1 <= mantissa_bits <= 23) or k_per_instruction < 1:
+        raise ValueError(
+            f"mantissa_bits must be in [1, 23] and k_per_instruction >= 1, got "
+            f"{mantissa_bits} and {k_per_instruction}"
+        )
+    interp = _interpreter_module()
+    if not is_applied():
+        raise RuntimeError("fp8_imprecise_accumulation needs triton_interpreter.apply() first")
+    builder = interp.interpreter_builder
+    with _FP8_LOCK:
+        if _FP8_ACC is not None:
+            raise RuntimeError("fp8_imprecise_accumulation is already active (not reentrant)")
+        saved = builder.options
+        builder.options = dataclasses.replace(
+            saved, max_num_imprecise_acc_default=_SM90_DEFAULT_IMPRECISE
+        )
+        _FP8_ACC = {"mantissa_bits": mantissa_bits, "k_per_instruction": k_per_instruction}
+    try:
+        yield
+    finally:
+        with _FP8_LOCK:
+            builder.options = saved
+            _FP8_ACC = None
+
+
 def _make_dot(original: Callable, table: dict, handle_cls) -> Callable:
     import triton.language as tl
+
+    fp8 = {t for t in (tl.float8e4nv, tl.float8e5, tl.float8e4b8, tl.float8e5b16) if t in table}
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         a_tt, b_tt, d_tt = a.dtype.scalar, b.dtype.scalar, d.dtype.scalar
         if a_tt not in table or b_tt not in table or d_tt not in table:
             return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+        cfg = _FP8_ACC
+        if cfg is not None and a_tt in fp8 and b_tt in fp8 and d_tt == tl.float32:
+            at = _to_torch(a.data, a_tt, table).to(torch.float64)
+            bt = _to_torch(b.data, b_tt, table).to(torch.float64)
+            acc = _to_torch(d.data, d_tt, table).to(torch.float32)
+            res = _imprecise_fp8_dot(at, bt, acc, int(max_num_imprecise_acc), cfg)
+            return handle_cls(_to_storage(res, _storage_dtype(d_tt)), d_tt)
         compute = torch.float64 if d_tt == tl.float64 else torch.float32
         # Upcasts of the operands are exact, and products of 8- and 16-bit floats
         # (<= 11-bit significands) are exact in fp32: for those only the

@@ -44,10 +44,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import importlib
 import inspect
 import math
 import socket
+import textwrap
 import threading
 import time
 from collections.abc import Callable
@@ -59,6 +61,7 @@ import torch
 __all__ = [
     "PATCHES",
     "SUPPORTED_VERSION_PREFIX",
+    "UPSTREAM_SOURCE_SHA256",
     "ShimError",
     "apply",
     "applied",
@@ -69,6 +72,7 @@ __all__ = [
     "patched",
     "revert",
     "run_distributed",
+    "upstream_source_hashes",
 ]
 
 #: megatron-core versions this shim was written against.
@@ -369,8 +373,80 @@ def check_version() -> str:
     return version
 
 
-def _resolve(patch: _Patch) -> tuple[Any, Any]:
-    """Return (owner, current value) for a patch, verifying the upstream target."""
+#: megatron-core version -> {patch name: sha256 of the normalized upstream source
+#: (:func:`_source_sha256`) of the function that patch replaces}. The shim
+#: re-implements those functions, so any upstream change must be reviewed:
+#: apply() refuses a version without an entry here, or a function whose source
+#: hash differs. Patches of plain values (a stream attribute, a missing
+#: function) have no entry. To add a version after reviewing the patches
+#: against it: ``python -c "from integration import megatron_cpu as m;
+#: print(m.upstream_source_hashes())"`` and paste the result.
+UPSTREAM_SOURCE_SHA256: dict[str, dict[str, str]] = {
+    "0.16.1": {
+        "router_gating": "53ab132db44923b06bc2c78ac14f1adc44d28ec72517965100951e2d7d361995",
+        "rope_get_emb": "871b601dcf4014e1dde066ae58fa27729599da4235263277ab817124512a13ae",
+        "rng_get_state": "7ed314c65930ea397cc34038dbb483c8d828c06e32188919bb5ea9ed5ffa428c",
+        "rng_set_state": "f2ef98c2a7f87a72c99f6c5384ba730930a4f761cbb6778e60bf211f3e49f9e0",
+        "rng_tracker_add": "40d5ea395b6f20e1b3c5705e9acef3ce0235045cf7d77464227e7527e97a65bf",
+        "memory_buffer": "09c1d73f7818f422b75f5591e53feb98554ff7f3fbd451b5819d891fd3ad9174",
+        "causal_mask": "510d896df7d6deca0ddfb6c2868ec4b4c857f86c5fbc048a47f79d0effb83cb8",
+        "alltoall_dtoh": "43ba412fd6e14b091545b67e0e3501fb9946f30763dea3b42200113f5096e07e",
+    },
+}
+
+
+def _source_sha256(obj: Any) -> str:
+    """sha256 of ``obj``'s source, dedented, trailing spaces and blank lines dropped
+    (so re-indentation or a file moved within the package does not count as a
+    change; any change of code, comments or docstrings does)."""
+    source = textwrap.dedent(inspect.getsource(obj))
+    lines = [ln.rstrip() for ln in source.splitlines() if ln.strip()]
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
+def _hashed(current: Any) -> bool:
+    return inspect.isfunction(current) or inspect.ismethod(current)
+
+
+def upstream_source_hashes() -> dict[str, str]:
+    """{patch name: sha256} of the installed megatron-core's functions the patches
+    replace (to review and pin a new version in :data:`UPSTREAM_SOURCE_SHA256`)."""
+    out = {}
+    for patch in PATCHES:
+        _, current = _locate(patch)
+        if patch.name in _APPLIED:  # hash upstream's function, not ours
+            current = _APPLIED[patch.name][2]
+        if _hashed(current):
+            out[patch.name] = _source_sha256(current)
+    return out
+
+
+def _check_hash(patch: _Patch, current: Any, where: str, version: str) -> None:
+    pinned = UPSTREAM_SOURCE_SHA256.get(version)
+    how = (
+        "review the patch against the new upstream source, then pin the new hashes in "
+        "integration/megatron_cpu.py UPSTREAM_SOURCE_SHA256 (upstream_source_hashes() "
+        "prints them)"
+    )
+    if pinned is None:
+        raise ShimError(
+            f"integration.megatron_cpu: no upstream source hashes pinned for megatron-core "
+            f"{version} (pinned: {sorted(UPSTREAM_SOURCE_SHA256)}); {how}"
+        )
+    if not _hashed(current):
+        return
+    expected = pinned.get(patch.name)
+    actual = _source_sha256(current)
+    if expected != actual:
+        raise ShimError(
+            f"patch {patch.name}: upstream {where} in megatron-core {version} is not the "
+            f"function this shim re-implements (source sha256 {actual}, pinned {expected}); "
+            f"{how}"
+        )
+
+
+def _locate(patch: _Patch) -> tuple[Any, Any]:
+    """(owner, current value or _MISSING) of a patch target."""
     try:
         module = importlib.import_module(patch.module)
     except ImportError as exc:
@@ -380,13 +456,19 @@ def _resolve(patch: _Patch) -> tuple[Any, Any]:
         owner = getattr(module, patch.owner, None)
         if owner is None:
             raise ShimError(f"patch {patch.name}: {patch.module}.{patch.owner} is missing")
-    where = f"{patch.module}.{patch.owner + '.' if patch.owner else ''}{patch.attr}"
     if patch.owner is not None:
-        current = owner.__dict__.get(patch.attr, _MISSING)
-    else:
-        current = getattr(owner, patch.attr, _MISSING)
+        return owner, owner.__dict__.get(patch.attr, _MISSING)
+    return owner, getattr(owner, patch.attr, _MISSING)
+
+
+def _resolve(patch: _Patch, version: str) -> tuple[Any, Any]:
+    """Return (owner, current value) for a patch, verifying the upstream target:
+    present, the pinned source hash for ``version``, the fingerprint lines."""
+    owner, current = _locate(patch)
+    where = f"{patch.module}.{patch.owner + '.' if patch.owner else ''}{patch.attr}"
     if current is _MISSING and not patch.may_be_missing:
         raise ShimError(f"patch {patch.name}: upstream {where} is missing")
+    _check_hash(patch, current, where, version)
     if patch.fingerprint:
         try:
             source = inspect.getsource(current)
@@ -419,9 +501,9 @@ def apply() -> list[str]:
         missing or changed.
     """
     with _LOCK:
-        check_version()
+        version = check_version()
         todo = [p for p in PATCHES if p.name not in _APPLIED]
-        resolved = [(p, *_resolve(p)) for p in todo]
+        resolved = [(p, *_resolve(p, version)) for p in todo]
         done = []
         for patch, owner, original in resolved:
             new = patch.make(original)

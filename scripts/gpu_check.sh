@@ -7,7 +7,9 @@
 # Usage: scripts/gpu_check.sh [REPORT_DIR]   (default docs/gpu_runs/<date>-<gpu>)
 # Without a GPU it fails at step 0 with the reason; it never passes on a CPU.
 # Knobs: PYTHON (default python3), GPU_CHECK_BENCH=quick|full|off (default full),
-#        GPU_CHECK_PYTEST_ARGS (extra pytest args).
+#        GPU_CHECK_PYTEST_ARGS (extra pytest args), COMPASS_CUTLASS_INCLUDE (CUTLASS
+#        headers; without them the CUTLASS compile test fails, it does not skip).
+# Every skip except "interpreter only" fails the run (COMPASS_REQUIRE_ALL_TIERS=1).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -35,6 +37,7 @@ step() {  # step NAME CMD...: run, tee into the log, record rc and seconds
 }
 : >"$DIR/steps.txt"
 
+export COMPASS_REQUIRE_ALL_TIERS=1
 export COMPASS_CUDA=ON MAX_JOBS=${MAX_JOBS:-$(nproc)}
 # The GPU image's CXX/CUDAHOSTCXX (/opt/gcc wrapper) links libstdc++ statically,
 # which makes C++ errors crash Python (setup.py refuses such a module): build

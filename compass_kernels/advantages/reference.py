@@ -85,6 +85,15 @@ def rl_zvp_reference(
     with H the (detached) entropy. Other sequences get ``advantages[i]`` on every
     token (0 when ``advantages`` is None); tokens past cu_seqlens[-1] get 0.
     Returns [T] float64.
+
+    Non-finite inputs (IEEE semantics, defined here so the spec is total):
+    a NaN reward is not > 0 (negative branch); the max over a sequence holding
+    a NaN entropy is NaN, so every token of a negative zero-variance sequence
+    becomes NaN, and only the NaN token of a positive one; an entropy of +inf
+    gives -inf / NaN there the same way. The kernels match this spec for finite
+    inputs only (C++ std::max and CUDA fmaxf drop NaN, so they differ);
+    ``ck.advantages.rl_zvp(validate=True)``, the default, rejects non-finite
+    entropy and rewards.
     """
     h = entropy.detach().to(torch.float64).cpu()
     out = torch.zeros_like(h)

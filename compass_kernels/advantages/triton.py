@@ -26,6 +26,8 @@ __all__ = [
     "rl_zvp_triton",
     "GROUP_BLOCK",
     "ZVP_BLOCK",
+    "GROUP_LAUNCH",
+    "ZVP_LAUNCH",
 ]
 
 #: Members per chunk of the group loop. Groups are typically 8-64 rollouts, so a
@@ -34,6 +36,16 @@ __all__ = [
 GROUP_BLOCK = 256
 #: Tokens per chunk of the RL-ZVP loops (float32, sequences up to ~64k tokens).
 ZVP_BLOCK = 1024
+
+#: Launch options of each kernel (tests/test_aot.py compiles with exactly these).
+#: ``maxnreg`` on the group kernel: without a register budget in the PTX, the
+#: ptxas of CUDA 12.8 (bundled with triton 3.6) picks 32-40 registers for this
+#: float64 kernel and spills 4-8 B (measured on an H100: 32 registers, 4 B spill
+#: stores/loads for fp64 RLOO); with ``.maxnreg 64`` it uses 48-56 and spills
+#: nothing, with ptxas 12.8 and 13.x alike. 64 x 128 threads still fits 8 CTAs
+#: per SM, plenty for a memory-bound segment reduction.
+GROUP_LAUNCH = {"num_warps": 4, "maxnreg": 64}
+ZVP_LAUNCH = {"num_warps": 4}
 
 
 def _f64_bits(x: float) -> int:
@@ -239,7 +251,7 @@ def group_advantages_triton(
         return
     _group_advantages_kernel[(groups,)](
         rewards, order, offsets, adv, zero_var, group_mean, group_std,
-        _f64_bits(eps), _f64_bits(zero_var_tol), MODE=mode, BLOCK=block, num_warps=4,
+        _f64_bits(eps), _f64_bits(zero_var_tol), MODE=mode, BLOCK=block, **GROUP_LAUNCH,
     )  # fmt: skip
 
 
@@ -292,13 +304,14 @@ def rl_zvp_triton(
         entropy, cu_seqlens, rewards, zero_var,
         advantages if advantages is not None else rewards,  # unread when HAS_ADV=False
         out, float(alpha), n, tokens,
-        HAS_ADV=advantages is not None, BLOCK=block, num_warps=4,
+        HAS_ADV=advantages is not None, BLOCK=block, **ZVP_LAUNCH,
     )  # fmt: skip
 
 
-def aot_variants() -> list[tuple[object, dict[str, str], dict[str, object]]]:
-    """(kernel, signature, constexprs) of each variant the wrappers above launch,
-    for ahead-of-time compilation (tests/test_aot.py compiles exactly these)."""
+def aot_variants() -> list[tuple[object, dict[str, str], dict[str, object], dict[str, int]]]:
+    """(kernel, signature, constexprs, launch options) of each variant the wrappers
+    above launch, for ahead-of-time compilation (tests/test_aot.py compiles
+    exactly these, with the options the launcher uses)."""
     group_sig = {
         "r_ptr": "*fp32", "order_ptr": "*i64", "offsets_ptr": "*i64", "adv_ptr": "*fp32",
         "zero_var_ptr": "*i1", "mean_ptr": "*fp64", "std_ptr": "*fp64", "eps_bits": "i64",
@@ -313,10 +326,10 @@ def aot_variants() -> list[tuple[object, dict[str, str], dict[str, object]]]:
     out = []
     for mode in (0, 1, 2):
         for io in ({}, fp64):
-            out.append(
-                (_group_advantages_kernel, group_sig | io, {"MODE": mode, "BLOCK": GROUP_BLOCK})
-            )
+            const = {"MODE": mode, "BLOCK": GROUP_BLOCK}
+            out.append((_group_advantages_kernel, group_sig | io, const, GROUP_LAUNCH))
     for has_adv in (True, False):
         for io in ({}, fp64):
-            out.append((_rl_zvp_kernel, zvp_sig | io, {"HAS_ADV": has_adv, "BLOCK": ZVP_BLOCK}))
+            const = {"HAS_ADV": has_adv, "BLOCK": ZVP_BLOCK}
+            out.append((_rl_zvp_kernel, zvp_sig | io, const, ZVP_LAUNCH))
     return out

@@ -279,6 +279,20 @@ void rl_zvp_cpu(COMPASS_RL_ZVP_ARGS) {
   }
   COMPASS_CHECK(cu[n] <= total, "cu_seqlens: expected cu_seqlens[-1] <= ", total,
                 " (tokens in entropy), got ", cu[n]);
+  // Non-finite values would make backends disagree (max drops NaN); padding
+  // tokens past cu_seqlens[-1] are never read, so not checked.
+  const float* h = entropy.ptr<float>();
+  for (int64_t t = 0; t < cu[n]; ++t) {
+    COMPASS_CHECK(std::isfinite(h[t]), "entropy: expected finite values, got ", h[t],
+                  " at index ", t);
+  }
+  dispatch(rewards, Real{}, [&](auto tag) {
+    const auto* r = rewards.ptr<decltype(tag)>();
+    for (int64_t i = 0; i < n; ++i) {
+      COMPASS_CHECK(std::isfinite(r[i]), "rewards: expected finite values, got ", r[i],
+                    " at index ", i);
+    }
+  });
   dispatch(rewards, Real{}, [&](auto rtag) {
     using R = decltype(rtag);
     if (!advantages) {

@@ -122,6 +122,54 @@ def test_shim_apply_and_revert_are_idempotent(monkeypatch):
             shim.apply()
 
 
+def test_shim_refuses_an_upstream_source_it_was_not_pinned_against(monkeypatch):
+    import inspect
+
+    import megatron.core
+    from megatron.core.transformer.moe.router import Router
+
+    was_applied = shim.applied()
+    try:
+        shim.revert()
+        version = megatron.core.__version__
+        pinned = shim.UPSTREAM_SOURCE_SHA256[version]
+        assert shim.upstream_source_hashes() == pinned  # the installed version is pinned
+        shim.apply()
+        assert shim.upstream_source_hashes() == pinned  # hashes upstream's, not ours
+        shim.revert()
+
+        # One added line in Router.gating's source (as a new upstream release would).
+        real_getsource = inspect.getsource
+        original_gating = Router.__dict__["gating"]
+
+        def getsource(obj):
+            text = real_getsource(obj)
+            return text + "        logits = logits * 1\n" if obj is original_gating else text
+
+        monkeypatch.setattr(inspect, "getsource", getsource)
+        with pytest.raises(shim.ShimError) as exc:
+            shim.apply()
+        msg = str(exc.value)
+        assert msg.startswith("patch router_gating: upstream ")
+        assert f"Router.gating in megatron-core {version} is not the function" in msg
+        assert f"pinned {pinned['router_gating']}" in msg
+        assert "source sha256 " in msg and "UPSTREAM_SOURCE_SHA256" in msg
+        assert shim.applied() == [] and Router.__dict__["gating"] is original_gating
+        monkeypatch.undo()
+
+        # A 0.16.x release nobody reviewed: refused before anything is patched.
+        monkeypatch.setattr(megatron.core, "__version__", "0.16.9")
+        with pytest.raises(shim.ShimError, match=r"no upstream source hashes pinned for "
+                           r"megatron-core 0\.16\.9 \(pinned: \['0\.16\.1'\]\)"):  # fmt: skip
+            shim.apply()
+        assert shim.applied() == []
+        monkeypatch.undo()
+    finally:
+        shim.revert()
+        if was_applied:
+            shim.apply()
+
+
 def test_single_process_init_is_idempotent(megatron_cpu):
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
