@@ -1,19 +1,42 @@
 #!/usr/bin/env bash
-# Build a wheel with `pip wheel .`, install it into a fresh virtualenv with the
-# CPU torch, and import it from outside the source tree: the compiled module
-# must be inside the wheel and load with no GPU driver.
+# Build the wheel from the build the tests ran (no build isolation, the same
+# CMake build directory and CUTLASS headers: the compiled module must be
+# byte-identical to the one `make test` imported), repair it into a manylinux
+# wheel (auditwheel: libgomp is vendored), install it into a fresh virtualenv
+# with the CPU torch and import it from outside the source tree: the compiled
+# module must be inside the wheel and load with no GPU driver.
+#   WHEELHOUSE=dir  keep the repaired wheel there
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
+PY=${PYTHON:-$ROOT/.venv/bin/python}
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-python3 -m pip wheel -q --no-deps . -w "$WORK/wheelhouse"
+"$PY" -m pip wheel -q --no-deps --no-build-isolation . -w "$WORK/raw"
+RAW=$(ls "$WORK"/raw/compass_kernels-*.whl)
+# The module in the wheel is the one the tests imported (same build dir).
+"$PY" - "$RAW" <<'PY'
+import hashlib, sys, zipfile
+from pathlib import Path
+import compass_kernels
+with zipfile.ZipFile(sys.argv[1]) as z:
+    for name in z.namelist():
+        if name.startswith("compass_kernels/_C") and name.endswith(".so"):
+            tested = Path(compass_kernels.__file__).parent / Path(name).name
+            same = hashlib.sha256(z.read(name)).digest() == hashlib.sha256(tested.read_bytes()).digest()
+            print(f"{name}: {'identical to the tested build' if same else 'DIFFERS from ' + str(tested)}")
+            if not same:
+                sys.exit(1)
+PY
+PATH="$(dirname "$PY"):$PATH" "$PY" -m auditwheel repair "$RAW" -w "$WORK/wheelhouse"
 WHEEL=$(ls "$WORK"/wheelhouse/compass_kernels-*.whl)
 echo "built $(basename "$WHEEL") ($(du -h "$WHEEL" | cut -f1))"
+case $(basename "$WHEEL") in *manylinux*) ;; *) echo "not a manylinux wheel: $WHEEL"; exit 1 ;; esac
 python3 -m zipfile -l "$WHEEL" | grep -q "compass_kernels/_C" ||
   { echo "wheel has no compiled module compass_kernels/_C"; exit 1; }
+[ -z "${WHEELHOUSE:-}" ] || { mkdir -p "$WHEELHOUSE"; cp "$WHEEL" "$WHEELHOUSE/"; }
 
 python3 -m venv "$WORK/venv"
 "$WORK/venv/bin/pip" install -q torch==2.13.0
