@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Build the wheel from the build the tests ran (no build isolation, the same
-# CMake build directory and CUTLASS headers: the compiled module must be
+# Build the wheel like the build the tests ran (no build isolation, the same
+# compiler, flags and CUTLASS headers: the compiled module must be
 # byte-identical to the one `make test` imported), repair it into a manylinux
 # wheel (auditwheel: libgomp is vendored), install it into a fresh virtualenv
 # with the CPU torch and import it from outside the source tree: the compiled
@@ -14,7 +14,10 @@ WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-"$PY" -m pip wheel -q --no-deps --no-build-isolation . -w "$WORK/raw"
+# The emulation module (_C_emu) is a test tier, not shipped: COMPASS_EMU=OFF.
+# build/lib.* is what setuptools packs: clear what an earlier wheel left there.
+rm -rf build/lib.*
+COMPASS_EMU=OFF "$PY" -m pip wheel -q --no-deps --no-build-isolation . -w "$WORK/raw"
 RAW=$(ls "$WORK"/raw/compass_kernels-*.whl)
 # The module in the wheel is the one the tests imported (same build dir).
 "$PY" - "$RAW" <<'PY'
@@ -23,6 +26,8 @@ from pathlib import Path
 import compass_kernels
 with zipfile.ZipFile(sys.argv[1]) as z:
     for name in z.namelist():
+        if name.startswith("compass_kernels/_C_emu"):
+            sys.exit(f"{name}: the test-only emulation module must not ship in the wheel")
         if name.startswith("compass_kernels/_C") and name.endswith(".so"):
             tested = Path(compass_kernels.__file__).parent / Path(name).name
             same = hashlib.sha256(z.read(name)).digest() == hashlib.sha256(tested.read_bytes()).digest()
