@@ -38,6 +38,7 @@ from compass_kernels import _dispatch
 from compass_kernels._ext import BackendUnavailableError, cuda_stream, load
 
 NAMESPACE = "compass"
+_EPOCH = _dispatch._CACHE_EPOCH  # bumped by _dispatch.reset()
 _lib = torch.library.Library(NAMESPACE, "FRAGMENT")
 OPS: dict[str, Op] = {}
 
@@ -110,16 +111,17 @@ class Op:
     # ---------------------------------------------------------------- calls
     def run(self, args: tuple, backend: str | None = None, out=None):
         """Resolve, allocate (unless ``out``), launch; returns the outputs."""
-        dev = _first_tensor(args).device
+        first = args[0] if type(args[0]) is torch.Tensor else _first_tensor(args)
+        dev = first.device
         chosen = self._chosen.get((dev, backend))
-        if chosen is None or _dispatch._CACHE_EPOCH[0] != self._epoch:
+        if chosen is None or _EPOCH[0] != self._epoch:
             chosen = _dispatch.resolve(dev, backend, op=self.qualname, available=self.backends)
             self._chosen[(dev, backend)] = chosen
-            self._epoch = _dispatch._CACHE_EPOCH[0]
+            self._epoch = _EPOCH[0]
         outs = self.outputs(*args) if out is None else out
-        kernel = self.kernel(chosen)
+        kernel = self._kernels.get(chosen) or self.kernel(chosen)
         if chosen == "cuda":
-            kernel(*args, *outs, cuda_stream(_first_tensor(args)))
+            kernel(*args, *outs, cuda_stream(first))
         else:
             kernel(*args, *outs)
         return outs[0] if self._single else tuple(outs)

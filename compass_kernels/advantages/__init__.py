@@ -28,6 +28,7 @@ from compass_kernels._validate import (
 __all__ = ["GroupStats", "group_advantages", "rl_zvp", "overlong_penalty", "MODES"]
 
 MODES = {"grpo": 0, "dr_grpo": 1, "rloo": 2}
+_FLOATS = frozenset(FLOAT_DTYPES)
 
 
 @dataclass(slots=True)
@@ -78,11 +79,12 @@ class GroupStats:
 
 
 def _group_outputs(rewards, order, offsets, mode, eps, zero_var_tol):
-    # torch.empty with explicit dtype/device: ~2x cheaper than new_empty per call.
-    groups, dev = offsets.shape[0] - 1, rewards.device
+    # The cheapest torch factories per call (measured: empty_like(dtype=) 1.4 us,
+    # empty(Size, ...) 3.5 us); this runs on every call and is also the fake.
+    groups, dev = len(offsets) - 1, rewards.device
     return (
         torch.empty_like(rewards),
-        torch.empty(rewards.shape, dtype=torch.bool, device=dev),
+        torch.empty_like(rewards, dtype=torch.bool),
         torch.empty(groups, dtype=torch.float64, device=dev),
         torch.empty(groups, dtype=torch.float64, device=dev),
     )
@@ -202,7 +204,8 @@ def group_advantages(
     zero_var : [n] bool, True for samples of zero-variance groups.
     stats : :class:`GroupStats`.
     """
-    check_tensor("rewards", rewards, ndim=1, dtypes=FLOAT_DTYPES)
+    if not (type(rewards) is torch.Tensor and rewards.dim() == 1 and rewards.dtype in _FLOATS):
+        check_tensor("rewards", rewards, ndim=1, dtypes=FLOAT_DTYPES)  # raises, naming why
     code = MODES.get(mode)
     if code is None:
         raise ValueError(f"mode: expected one of {tuple(MODES)}, got {mode!r}")
@@ -226,9 +229,11 @@ def group_advantages(
     if _python_checks(validate, dev, backend):
         check_finite("rewards", rewards)
     r = _real(rewards)
-    adv, zero_var, mean, std = group_advantages_op(
-        r, order, offsets, code, float(eps), float(zero_var_tol), backend=backend
-    )
+    args = (r, order, offsets, code, float(eps), float(zero_var_tol))
+    if torch.compiler.is_compiling():
+        adv, zero_var, mean, std = group_advantages_op(*args, backend=backend)
+    else:  # the same op, without the call layer (per-call overhead matters here)
+        adv, zero_var, mean, std = group_advantages_op.run(args, backend)
     layout = (None, group_size) if group_ids is None else (order, 0)
     return adv, zero_var, GroupStats(unique, mean, std, offsets, zero_var, *layout)
 
