@@ -73,7 +73,7 @@ def test_outputs_never_require_grad():
 
 
 @pytest.mark.parametrize("n", [0, 1, 7, 131, 1000])
-@pytest.mark.parametrize("kind", ["compact", "wide", "int32", "uint8", "negative"])
+@pytest.mark.parametrize("kind", ["compact", "wide", "int32", "uint8", "negative", "sorted"])
 def test_group_plan_matches_a_stable_sort(n, kind):
     """The C++ plan (counting sort for compact ids, comparison sort for wide
     ones) equals torch's stable sort + unique on fresh random ids."""
@@ -89,6 +89,8 @@ def test_group_plan_matches_a_stable_sort(n, kind):
         ids = torch.randint(0, max(n // 4, 1), (n,), generator=g)
     if kind == "int32":
         ids = ids.to(torch.int32)
+    if kind == "sorted":  # the one-pass path: runs of a non-decreasing sequence
+        ids = torch.sort(ids * 3 - 7).values
     order, offsets, unique = _groups_from_ids(ids)
     ref_sorted, ref_order = torch.sort(ids.to(torch.int64), stable=True)
     ref_unique, ref_counts = torch.unique_consecutive(ref_sorted, return_counts=True)

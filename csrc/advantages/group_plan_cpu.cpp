@@ -1,8 +1,8 @@
 // Group plan from arbitrary integer ids, on the CPU: the order that makes each
 // group's members contiguous (stable), the group boundaries and the sorted
-// unique ids. Ids in a range up to max(4n, 65536) wide (the usual case:
-// prompt indices) take a counting sort, O(n + range); wider ranges a stable
-// comparison sort, O(n log n). Returns the number of groups G; the caller
+// unique ids. Sorted ids take one pass (identity order); ids in a range up to
+// max(4n, 65536) wide (the usual case: prompt indices) a counting sort,
+// O(n + range); wider ranges a stable comparison sort, O(n log n). Returns the number of groups G; the caller
 // allocates offsets/unique for the worst case (n + 1 / n) and keeps G + 1 / G.
 #include <algorithm>
 #include <numeric>
@@ -18,6 +18,22 @@ template <typename I>
 int64_t plan_impl(const I* ids, int64_t n, int64_t* order, int64_t* offsets, int64_t* unique) {
   offsets[0] = 0;
   if (n == 0) return 0;
+  // Ids already sorted (the common layout: prompt index repeated per sample):
+  // the order is the identity and the groups are the runs; one pass.
+  bool sorted = true;
+  for (int64_t i = 1; i < n; ++i) sorted &= !(ids[i] < ids[i - 1]);
+  if (sorted) {
+    int64_t groups = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      order[i] = i;
+      if (i == 0 || ids[i] != ids[i - 1]) {
+        if (i > 0) offsets[groups] = i;
+        unique[groups++] = static_cast<int64_t>(ids[i]);
+      }
+    }
+    offsets[groups] = n;
+    return groups;
+  }
   const auto [lo_it, hi_it] = std::minmax_element(ids, ids + n);
   const int64_t lo = static_cast<int64_t>(*lo_it), hi = static_cast<int64_t>(*hi_it);
   // hi - lo in uint64: no signed overflow for ids spanning the whole int64 range.
