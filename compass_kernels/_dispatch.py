@@ -11,8 +11,8 @@
 
 Each op declares which backends it has (compass_kernels._op.Op); a backend the
 op lacks, or one that was not built or cannot run here, raises
-BackendUnavailableError naming the op, the backend and how to get it. Results
-are cached per (op, device, backend): this runs on every call.
+BackendUnavailableError naming the op, the backend and how to get it. Each op
+caches the answer per (device, backend): the call path only looks it up.
 """
 
 from __future__ import annotations
@@ -41,17 +41,21 @@ def default_cuda_backend() -> str:
     return value
 
 
-# (device type, index, backend, op, available) -> backend. The environment
-# (COMPASS_CUDA_BACKEND, TRITON_INTERPRET) is read on the first dispatch of a
-# key: both are process-level settings. reset() forgets (tests).
-_CACHE: dict[tuple, str] = {}
-_CACHE_EPOCH = [0]  # ops keep their own cache of resolve(); reset() invalidates it
+# Callers cache resolve()'s answers (each Op keeps one dict, registered here):
+# the environment (COMPASS_CUDA_BACKEND, TRITON_INTERPRET) is read on the first
+# dispatch of a key, both being process-level settings. reset() forgets (tests).
+_CACHES: list[dict] = []
+
+
+def register_cache(cache: dict) -> None:
+    """A cache of resolve() results that reset() must clear."""
+    _CACHES.append(cache)
 
 
 def reset() -> None:
     """Forget cached decisions, e.g. after changing COMPASS_CUDA_BACKEND."""
-    _CACHE.clear()
-    _CACHE_EPOCH[0] += 1
+    for cache in _CACHES:
+        cache.clear()
 
 
 def resolve(
@@ -62,11 +66,7 @@ def resolve(
     available: tuple[str, ...] = BACKENDS,
 ) -> str:
     """The backend that will run ``op`` on ``device``; raises if it cannot run there."""
-    key = (device.type, device.index, backend, op, available)
-    chosen = _CACHE.get(key)
-    if chosen is None:
-        chosen = _CACHE[key] = _resolve(*key)
-    return chosen
+    return _resolve(device.type, device.index, backend, op, available)
 
 
 def _resolve(dev_type, dev_index, backend, op, available) -> str:

@@ -38,7 +38,6 @@ from compass_kernels import _dispatch
 from compass_kernels._ext import BackendUnavailableError, cuda_stream, load
 
 NAMESPACE = "compass"
-_EPOCH = _dispatch._CACHE_EPOCH  # bumped by _dispatch.reset()
 _lib = torch.library.Library(NAMESPACE, "FRAGMENT")
 OPS: dict[str, Op] = {}
 
@@ -61,7 +60,7 @@ class Op:
         self._specs = dict(kernels)
         self._kernels: dict[str, Callable[..., Any]] = {}
         self._chosen: dict[tuple, str] = {}  # (device, backend) -> resolved backend
-        self._epoch = -1  # _dispatch.reset() bumps the epoch: forget self._chosen
+        _dispatch.register_cache(self._chosen)
         args, _, rets = schema.partition(") ->")
         sep = ", " if args.strip() != "(" else ""
         _lib.define(f"{name}{args}{sep}str? backend=None) ->{rets}")
@@ -114,12 +113,11 @@ class Op:
         first = args[0] if type(args[0]) is torch.Tensor else _first_tensor(args)
         dev = first.device
         chosen = self._chosen.get((dev, backend))
-        if chosen is None or _EPOCH[0] != self._epoch:
+        if chosen is None:
             chosen = _dispatch.resolve(dev, backend, op=self.qualname, available=self.backends)
             self._chosen[(dev, backend)] = chosen
-            self._epoch = _EPOCH[0]
         outs = self.outputs(*args) if out is None else out
-        kernel = self._kernels.get(chosen) or self.kernel(chosen)
+        kernel = self.kernel(chosen)
         if chosen == "cuda":
             kernel(*args, *outs, cuda_stream(first))
         else:

@@ -21,6 +21,16 @@ constexpr int64_t kParallelMinElements = int64_t{1} << 15;
 // 1024 x 32 went from 0.1 ms to 8 ms on a shared 2-core host).
 constexpr int64_t kGroupParallelMinElements = int64_t{1} << 18;
 using Real = Types<float, double>;
+
+// Data checks the CPU entry points make for free (they read the values anyway):
+// a non-finite value would make the backends disagree (max drops NaN).
+template <typename T>
+void expect_finite(const T* v, int64_t n, const char* name) {
+  for (int64_t i = 0; i < n; ++i) {
+    COMPASS_CHECK(std::isfinite(v[i]), name, ": expected finite values, got ", v[i],
+                  " at index ", i);
+  }
+}
 }  // namespace
 
 void check_group_args(COMPASS_GROUP_ADVANTAGES_ARGS) {
@@ -254,11 +264,7 @@ void group_advantages_cpu(COMPASS_GROUP_ADVANTAGES_ARGS) {
   }
   dispatch(rewards, Real{}, [&](auto tag) {
     using R = decltype(tag);
-    const R* r = rewards.ptr<R>();
-    for (int64_t i = 0; i < n; ++i) {  // one cheap pass; the kernel reads them anyway
-      COMPASS_CHECK(std::isfinite(r[i]), "rewards: expected finite values, got ", r[i],
-                    " at index ", i);
-    }
+    expect_finite(rewards.ptr<R>(), n, "rewards");
     const GroupPtrs p{rewards.data, ord, off, adv.data, zero_var.ptr<bool>(),
                       group_mean.ptr<double>(), group_std.ptr<double>(), n, groups,
                       static_cast<int32_t>(mode), eps, zero_var_tol};
@@ -279,22 +285,11 @@ void rl_zvp_cpu(COMPASS_RL_ZVP_ARGS) {
   }
   COMPASS_CHECK(cu[n] <= total, "cu_seqlens: expected cu_seqlens[-1] <= ", total,
                 " (tokens in entropy), got ", cu[n]);
-  // Non-finite values would make backends disagree (max drops NaN); padding
-  // tokens past cu_seqlens[-1] are never read, so not checked.
-  const float* h = entropy.ptr<float>();
-  for (int64_t t = 0; t < cu[n]; ++t) {
-    COMPASS_CHECK(std::isfinite(h[t]), "entropy: expected finite values, got ", h[t],
-                  " at index ", t);
-  }
-  dispatch(rewards, Real{}, [&](auto tag) {
-    const auto* r = rewards.ptr<decltype(tag)>();
-    for (int64_t i = 0; i < n; ++i) {
-      COMPASS_CHECK(std::isfinite(r[i]), "rewards: expected finite values, got ", r[i],
-                    " at index ", i);
-    }
-  });
+  // Padding tokens past cu_seqlens[-1] are never read, so not checked.
+  expect_finite(entropy.ptr<float>(), cu[n], "entropy");
   dispatch(rewards, Real{}, [&](auto rtag) {
     using R = decltype(rtag);
+    expect_finite(rewards.ptr<R>(), n, "rewards");
     if (!advantages) {
       zvp_impl<R, float>(entropy, cu_seqlens, rewards, zero_var, nullptr,
                          static_cast<float>(alpha), out);

@@ -85,32 +85,29 @@ COMPASS_DTYPE_OF(float, kFloat32)
 COMPASS_DTYPE_OF(double, kFloat64)
 #undef COMPASS_DTYPE_OF
 
-template <typename... Ts> struct Types {};
+template <typename... Ts> struct Types {
+  static std::string names() {  // "float32 | float64", for errors only
+    std::string s;
+    ((s += (s.empty() ? "" : " | "), s += dtype_name(DTypeOf<Ts>::value)), ...);
+    return s;
+  }
+};
 
 namespace detail {
-template <typename... Ts>
-std::string dtype_list() {
-  std::string s;
-  ((s += (s.empty() ? "" : " | "), s += dtype_name(DTypeOf<Ts>::value)), ...);
-  return s;
-}
-template <typename F, typename T, typename... Rest>
-decltype(auto) dispatch_impl(const TensorView& t, F&& f, const std::string& all) {
+template <typename All, typename F, typename T, typename... Rest>
+decltype(auto) dispatch_impl(const TensorView& t, F&& f) {
   if (t.dtype == DTypeOf<T>::value) return f(T{});
   if constexpr (sizeof...(Rest) > 0) {
-    return dispatch_impl<F, Rest...>(t, std::forward<F>(f), all);
+    return dispatch_impl<All, F, Rest...>(t, std::forward<F>(f));
   } else {
-    fail(t.name, ": expected dtype ", all, ", got ", t.describe());
+    fail(t.name, ": expected dtype ", All::names(), ", got ", t.describe());
   }
 }
 }  // namespace detail
 
 template <typename... Ts, typename F>
 decltype(auto) dispatch(const TensorView& t, Types<Ts...>, F&& f) {
-  if constexpr (sizeof...(Ts) == 1) {
-    return detail::dispatch_impl<F, Ts...>(t, std::forward<F>(f), "");
-  }
-  return detail::dispatch_impl<F, Ts...>(t, std::forward<F>(f), detail::dtype_list<Ts...>());
+  return detail::dispatch_impl<Types<Ts...>, F, Ts...>(t, std::forward<F>(f));
 }
 
 // Name a function's TensorView parameters after themselves, for error messages:
