@@ -26,8 +26,8 @@ namespace advantages {
   TensorView entropy, TensorView cu_seqlens, TensorView rewards, TensorView zero_var, \
       std::optional<TensorView> advantages, double alpha, TensorView out
 
-// Shared by every backend (defined in advantages_cpu.cpp): names the views and
-// checks dtype, shape and same-device; index contents are checked by the CPU
+// Shared by every backend (defined in advantages_cpu.cpp), called with views
+// the entry point has named: checks dtype, shape and same-device; index contents are checked by the CPU
 // entry points (host-readable) and by the Python layer on CUDA.
 void check_group_args(COMPASS_GROUP_ADVANTAGES_ARGS);
 void check_rl_zvp_args(COMPASS_RL_ZVP_ARGS);

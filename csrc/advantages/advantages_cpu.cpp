@@ -33,8 +33,8 @@ void expect_finite(const T* v, int64_t n, const char* name) {
 }
 }  // namespace
 
+// The views arrive named: each entry point runs COMPASS_NAME_ARGS first.
 void check_group_args(COMPASS_GROUP_ADVANTAGES_ARGS) {
-  COMPASS_NAME_ARGS(rewards, order, offsets, adv, zero_var, group_mean, group_std);
   for (const TensorView* t : {&rewards, &order, &offsets, &adv, &zero_var, &group_mean,
                               &group_std}) {
     t->expect_vector().expect_same_device(rewards);
@@ -56,7 +56,6 @@ void check_group_args(COMPASS_GROUP_ADVANTAGES_ARGS) {
 }
 
 void check_rl_zvp_args(COMPASS_RL_ZVP_ARGS) {
-  COMPASS_NAME_ARGS(entropy, cu_seqlens, rewards, zero_var, advantages, out);
   for (const TensorView* t : {&entropy, &cu_seqlens, &rewards, &zero_var, &out}) {
     t->expect_vector().expect_same_device(entropy);
   }
