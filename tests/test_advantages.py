@@ -157,6 +157,104 @@ def test_group_stats_with_group_size():
     assert stats.group_zero_var.tolist() == [True] * 3 and int(stats.num_zero_var) == 3
 
 
+def _ids_layout(layout: str, seed: int, num_groups: int = 61):
+    """Rewards and ids for each path of the cpp backend's fused group_ids call:
+    sorted runs; shuffled ids in a compact range (by value); shuffled ids in a
+    range wider than max(n, 65536) (a stable sort and the gather kernel)."""
+    rewards, ids = make_groups(num_groups, seed=seed, max_size=40)
+    if layout == "sorted":
+        order = torch.sort(ids, stable=True).indices
+        rewards, ids = rewards[order], ids[order]
+    elif layout == "wide":
+        ids = ids * 1_000_003
+    elif layout == "uint8":
+        ids = (ids + 5).to(torch.uint8)  # make_groups: ids >= -5, < 30 * 61
+        ids = torch.unique(ids, return_inverse=True)[1].to(torch.uint8)
+    elif layout == "int32":
+        ids = ids.to(torch.int32)
+    return rewards, ids
+
+
+@pytest.mark.parametrize("layout", ["sorted", "shuffled", "wide", "int32", "uint8"])
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fused_group_ids_path_writes_every_output(layout, mode, dtype):
+    """The cpp backend's one-call group_ids path (plan and advantages), on poisoned
+    worst-case buffers: the first G entries of every per-group output, and every
+    per-sample output, equal the reference; nothing past G is touched."""
+    rewards, ids = _ids_layout(layout, seed=len(layout) + MODES[mode])
+    rewards = rewards.to(dtype)
+    n = rewards.numel()
+    adv, zv = empty_poisoned(n, dtype), empty_poisoned(n, torch.bool)
+    mean, std = empty_poisoned(n, torch.float64), empty_poisoned(n, torch.float64)
+    unique, first = empty_poisoned(n, torch.int64), empty_poisoned(n, torch.int64)
+    offsets = empty_poisoned(n + 1, torch.int64)
+    untouched = mean.clone()
+    groups = load().advantages.group_advantages_ids_cpu(
+        rewards, ids, MODES[mode], 1e-6, 1e-6, adv, zv, mean, std, unique, offsets, first
+    )
+    ref_adv, ref_zv, ref_mean, ref_std = group_advantages_reference(rewards, ids, mode=mode)
+    ref_unique, inverse, ref_counts = torch.unique(ids.long(), return_inverse=True,
+                                                   return_counts=True)  # fmt: skip
+    assert groups == ref_unique.numel()
+    assert torch.equal(zv, ref_zv)
+    assert_verbose_allclose(adv, ref_adv.to(dtype), name="adv")
+    assert_verbose_allclose(mean[:groups], ref_mean, atol=1e-12, rtol=1e-12, name="mean")
+    assert_verbose_allclose(std[:groups], ref_std, atol=1e-12, rtol=1e-12, name="std")
+    assert torch.equal(unique[:groups], ref_unique)
+    assert offsets[0] == 0 and torch.equal(offsets[1 : groups + 1].diff(prepend=offsets[:1]),
+                                           ref_counts)  # fmt: skip
+    ref_first = torch.tensor([int((inverse == g).nonzero()[0]) for g in range(groups)])
+    assert torch.equal(first[:groups], ref_first)
+    assert _as_bits(mean[groups:]) == _as_bits(untouched[groups:])
+
+
+def _as_bits(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+@pytest.mark.parametrize("layout", ["sorted", "shuffled", "wide"])
+def test_fused_group_ids_path_through_the_public_api(layout):
+    """GroupStats from the fused path: counts, per-group zero-variance flags (via
+    each group's first member) and ids agree with a by-hand computation."""
+    rewards, ids = _ids_layout(layout, seed=11)
+    tol = 1e-6
+    _, zero_var, stats = ck.advantages.group_advantages(rewards, ids, zero_var_tol=tol)
+    rows = _per_group_by_hand(rewards, ids, tol)
+    assert stats.group_ids.tolist() == [r[0] for r in rows]
+    assert stats.counts.tolist() == [r[1] for r in rows]
+    assert stats.group_zero_var.tolist() == [r[4] for r in rows]
+    assert int(stats.num_zero_var) == sum(r[4] for r in rows)
+
+
+@pytest.mark.parametrize("layout", ["sorted", "shuffled", "wide"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=str)
+def test_fused_group_ids_path_rejects_non_finite_rewards(layout, bad):
+    rewards, ids = _ids_layout(layout, seed=5)
+    rewards[17] = bad
+    with pytest.raises(ValueError, match="rewards: expected finite values.* at index 17"):
+        ck.advantages.group_advantages(rewards, ids)
+
+
+def test_fused_group_ids_boundary_names_arguments():
+    C = load().advantages
+    r, ids = torch.rand(6), torch.tensor([3, 1, 3, 1, 2, 2])
+    outs = lambda n=6: [torch.empty(n), torch.empty(n, dtype=torch.bool),
+                        torch.empty(n, dtype=torch.float64), torch.empty(n, dtype=torch.float64),
+                        torch.empty(n, dtype=torch.int64), torch.empty(n + 1, dtype=torch.int64),
+                        torch.empty(n, dtype=torch.int64)]  # fmt: skip
+    with pytest.raises(ValueError, match="group_ids: expected size 6"):
+        C.group_advantages_ids_cpu(r, ids[:5], 0, 1e-6, 1e-6, *outs())
+    with pytest.raises(ValueError, match="group_ids: expected dtype"):
+        C.group_advantages_ids_cpu(r, ids.float(), 0, 1e-6, 1e-6, *outs())
+    bad = outs()
+    bad[5] = torch.empty(6, dtype=torch.int64)
+    with pytest.raises(ValueError, match="offsets: expected size 7"):
+        C.group_advantages_ids_cpu(r, ids, 0, 1e-6, 1e-6, *bad)
+    with pytest.raises(ValueError, match="mode: expected 0"):
+        C.group_advantages_ids_cpu(r, ids, 7, 1e-6, 1e-6, *outs())
+
+
 @pytest.mark.parametrize("backend", cpu_backends())
 @pytest.mark.parametrize("mode", list(MODES))
 def test_group_kernel_writes_every_output(backend, mode, backend_device):

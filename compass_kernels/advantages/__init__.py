@@ -48,6 +48,7 @@ class GroupStats:
     _zero_var: torch.Tensor = field(repr=False)
     _order: torch.Tensor | None = field(repr=False)  # None: the group_size layout
     _group_size: int = field(repr=False)
+    _first: torch.Tensor | None = field(default=None, repr=False)  # [G] first member
 
     @property
     def counts(self) -> torch.Tensor:
@@ -55,6 +56,8 @@ class GroupStats:
 
     @property
     def group_zero_var(self) -> torch.Tensor:
+        if self._first is not None:
+            return self._zero_var[self._first]
         if self._order is None:
             return self._zero_var[:: self._group_size]
         return self._zero_var[self._order[self._offsets[:-1]]]
@@ -216,6 +219,8 @@ def group_advantages(
     if group_ids is not None:
         check_tensor("group_ids", group_ids, ndim=1, dtypes=INT_DTYPES, size=n,
                      size_what="one id per reward", device=dev)  # fmt: skip
+        if dev.type == "cpu" and backend in (None, "cpp"):
+            return _group_advantages_ids_cpu(rewards, group_ids, code, eps, zero_var_tol)
         order, offsets, unique = _groups_from_ids(group_ids)
     else:
         if not isinstance(group_size, int) or group_size <= 0:
@@ -232,6 +237,31 @@ def group_advantages(
     )
     layout = (None, group_size) if group_ids is None else (order, 0)
     return adv, zero_var, GroupStats(unique, mean, std, offsets, zero_var, *layout)
+
+
+def _group_advantages_ids_cpu(rewards, group_ids, code, eps, zero_var_tol):
+    """The cpp backend's group_ids path: plan and advantages in one C++ call.
+
+    Sorted ids run the contiguous kernel over their runs; shuffled ids in a
+    compact range skip the order altogether (segment sums in sample order); see
+    csrc/advantages/group_plan_cpu.cpp. Per-group outputs are allocated for the
+    worst case (n groups) in two buffers and sliced to the G groups found."""
+    n = rewards.shape[0]
+    r = _real(rewards)
+    ids = group_ids if group_ids.is_contiguous() else group_ids.contiguous()
+    adv = torch.empty_like(r)
+    zero_var = torch.empty_like(r, dtype=torch.bool)
+    stats = torch.empty(2 * n, dtype=torch.float64)
+    index = torch.empty(3 * n + 1, dtype=torch.int64)
+    mean, std = stats[:n], stats[n:]
+    unique, first, offsets = index[:n], index[n : 2 * n], index[2 * n :]
+    groups = load().advantages.group_advantages_ids_cpu(
+        r, ids, code, float(eps), float(zero_var_tol), adv, zero_var, mean, std, unique,
+        offsets, first,
+    )  # fmt: skip
+    stats = GroupStats(unique[:groups], mean[:groups], std[:groups], offsets[: groups + 1],
+                       zero_var, None, 0, first[:groups])  # fmt: skip
+    return adv, zero_var, stats
 
 
 def rl_zvp(

@@ -20,6 +20,16 @@ namespace advantages {
   TensorView rewards, TensorView order, TensorView offsets, int64_t mode, double eps, \
       double zero_var_tol, TensorView adv, TensorView zero_var, TensorView group_mean,  \
       TensorView group_std
+// group_advantages with the plan made inside (cpp backend, CPU): rewards [n]
+// float32|float64, group_ids [n] any integer dtype; outputs adv [n], zero_var
+// [n] bool, and per group, allocated for the worst case (n groups): group_mean
+// / group_std [n] float64, unique [n] int64 (increasing ids), offsets [n+1]
+// int64 (group sizes' prefix sums), first [n] int64 (each group's first member
+// in sample order). Returns G: the first G (G + 1) entries are written.
+#define COMPASS_GROUP_ADVANTAGES_IDS_ARGS                                              \
+  TensorView rewards, TensorView group_ids, int64_t mode, double eps, double zero_var_tol, \
+      TensorView adv, TensorView zero_var, TensorView group_mean, TensorView group_std,    \
+      TensorView unique, TensorView offsets, TensorView first
 // entropy [T] float32; cu_seqlens [n+1] int64; rewards [n] float32|float64;
 // zero_var [n] bool; advantages [n] float32|float64 or None; out [T] float32.
 #define COMPASS_RL_ZVP_ARGS                                                         \
@@ -38,6 +48,7 @@ void group_advantages_cpu(COMPASS_GROUP_ADVANTAGES_ARGS);
 // of groups: offsets[:G+1] and unique[:G] are written.
 int64_t group_plan_cpu(TensorView group_ids, TensorView order, TensorView offsets,
                        TensorView unique);
+int64_t group_advantages_ids_cpu(COMPASS_GROUP_ADVANTAGES_IDS_ARGS);
 void rl_zvp_cpu(COMPASS_RL_ZVP_ARGS);
 #if defined(COMPASS_WITH_CUDA) || defined(COMPASS_EMULATION)  // emulated: csrc/emu
 void group_advantages_cuda(COMPASS_GROUP_ADVANTAGES_ARGS, uintptr_t stream);

@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "advantages/advantages_api.h"
+#include "advantages/group_cpu.h"
 #include "compass/advantages.h"
 
 namespace compass {
@@ -22,15 +23,6 @@ constexpr int64_t kParallelMinElements = int64_t{1} << 15;
 constexpr int64_t kGroupParallelMinElements = int64_t{1} << 18;
 using Real = Types<float, double>;
 
-// Data checks the CPU entry points make for free (they read the values anyway):
-// a non-finite value would make the backends disagree (max drops NaN).
-template <typename T>
-void expect_finite(const T* v, int64_t n, const char* name) {
-  for (int64_t i = 0; i < n; ++i) {
-    COMPASS_CHECK(std::isfinite(v[i]), name, ": expected finite values, got ", v[i],
-                  " at index ", i);
-  }
-}
 }  // namespace
 
 // The views arrive named: each entry point runs COMPASS_NAME_ARGS first.
@@ -76,20 +68,6 @@ void check_rl_zvp_args(COMPASS_RL_ZVP_ARGS) {
 }
 
 namespace {
-
-// The group kernel's raw arguments (the checked views' pointers).
-struct GroupPtrs {
-  const void* rewards;
-  const int64_t* order;
-  const int64_t* offsets;
-  void* adv;
-  bool* zero_var;
-  double* group_mean;
-  double* group_std;
-  int64_t n, groups;
-  int32_t mode;
-  double eps, tol;
-};
 
 // Groups [g0, g1). Contiguous: group g is r[off[g]:off[g+1]] (order is the
 // identity, e.g. the group_size layout or ids already grouped), else
@@ -139,19 +117,12 @@ void group_range(const GroupPtrs& a, int64_t g0, int64_t g1) {
         s1 += d;
         s2 += d * d;
       }
-      const double c = static_cast<double>(count);
-      const double mean = count > 0 ? k + s1 / c : 0.0;
-      const double m2 = count > 0 ? std::max(0.0, s2 - s1 * s1 / c) : 0.0;
-      const double std = group_std(m2, count);
-      const bool zero = is_zero_variance(std, count, tol);
-      double scale = 1.0;  // kDrGRPO
-      if (kMode == kGRPO) scale = 1.0 / (std + eps);
-      if (kMode == kRLOO) scale = c / (c - 1.0);
-      gmean[g] = mean;
-      gstd[g] = std;
-      bmean[g - gb] = mean;
-      bscale[g - gb] = zero ? 0.0 : scale;
-      bzero[g - gb] = zero;
+      const GroupAffine f = shifted_group_affine<kMode>(k, s1, s2, count, eps, tol);
+      gmean[g] = f.mean;
+      gstd[g] = f.std;
+      bmean[g - gb] = f.mean;
+      bscale[g - gb] = f.scale;
+      bzero[g - gb] = f.zero;
     }
     for (int64_t g = gb; g < ge; ++g) {
       const int64_t begin = off[g], end = off[g + 1];
@@ -195,6 +166,8 @@ void group_impl_mode(const GroupPtrs& a, bool contiguous) {
   }
 }
 
+}  // namespace
+
 template <typename R>
 void group_impl(const GroupPtrs& a, bool contiguous) {
   switch (a.mode) {
@@ -203,6 +176,11 @@ void group_impl(const GroupPtrs& a, bool contiguous) {
     default: group_impl_mode<R, kRLOO>(a, contiguous); break;
   }
 }
+
+template void group_impl<float>(const GroupPtrs&, bool);
+template void group_impl<double>(const GroupPtrs&, bool);
+
+namespace {
 
 template <typename R, typename A>
 void zvp_impl(const TensorView& entropy, const TensorView& cu_seqlens, const TensorView& rewards,
