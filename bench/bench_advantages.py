@@ -26,7 +26,9 @@ Other providers:
 - ``python_loop`` (RL-ZVP only; naive reference): one Python iteration per
   response. No framework implements RL-ZVP.
 - ``compass(...)``: the public API ``compass_kernels.advantages`` with default
-  dispatch and validation (``backend=None``, ``validate=True``).
+  dispatch and validation (``backend=None``, ``validate=True``);
+  ``compass(group_ids,num_groups)`` passes the number of prompts, which the
+  caller knows, so the CUDA path never syncs the host.
 
 The ``overhead`` case times one tiny call (32 x 8) through each layer: the raw
 compiled kernel (its Python binding, arguments prepared once), the
@@ -395,13 +397,15 @@ def group_ids_case(prompts: int, samples: int, shuffled: bool, device: str) -> C
     rewards, group_ids = rewards.to(device), group_ids.to(device)
     group_advantages = _candidate("group_advantages")
 
-    def by_ids() -> Adv:
-        adv, zero_var, _ = group_advantages(rewards, group_ids)
+    def by_ids(num_groups: int | None = None) -> Adv:
+        adv, zero_var, _ = group_advantages(rewards, group_ids, num_groups=num_groups)
         return adv, zero_var
 
     providers: dict[str, Callable[[], Any]] = {
         "torch": lambda: group_advantages_torch_ids(rewards, group_ids),
         "compass(group_ids)": by_ids,
+        # the number of prompts is known to the caller: no host sync on CUDA
+        "compass(group_ids,num_groups)": lambda: by_ids(prompts),
         "torch_unique": lambda: group_advantages_torch_ids(rewards, group_ids, any_ids=True),
     }
     if rewards.numel() <= VERL_MAX_SAMPLES:

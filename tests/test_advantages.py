@@ -236,6 +236,26 @@ def test_fused_group_ids_path_rejects_non_finite_rewards(layout, bad):
         ck.advantages.group_advantages(rewards, ids)
 
 
+@pytest.mark.parametrize("backend", [None, EMULATED])
+@pytest.mark.parametrize("layout", ["sorted", "shuffled", "wide"])
+def test_num_groups_is_checked(backend, layout):
+    rewards, ids = _ids_layout(layout, seed=9)
+    groups = int(torch.unique(ids).numel())
+    if backend is not None:
+        _emu.install()
+    adv, _, stats = ck.advantages.group_advantages(rewards, ids, num_groups=groups,
+                                                   backend=backend)  # fmt: skip
+    assert stats.num_groups == groups
+    assert_verbose_allclose(adv, group_advantages_reference(rewards, ids)[0].float())
+    for wrong in (groups - 1, groups + 1):
+        with pytest.raises(ValueError, match=f"num_groups: expected .* {groups}, got {wrong}"):
+            ck.advantages.group_advantages(rewards, ids, num_groups=wrong, backend=backend)
+    with pytest.raises(ValueError, match="num_groups: expected a non-negative int"):
+        ck.advantages.group_advantages(rewards, ids, num_groups=-1)
+    with pytest.raises(ValueError, match="num_groups: only with group_ids"):
+        ck.advantages.group_advantages(rewards, group_size=1, num_groups=groups)
+
+
 def test_fused_group_ids_boundary_names_arguments():
     C = load().advantages
     r, ids = torch.rand(6), torch.tensor([3, 1, 3, 1, 2, 2])
@@ -654,3 +674,25 @@ def test_gpu_rl_zvp(backend):
     rl_zvp_op.run((entropy, cu, rewards, zero_var, adv, 0.1), backend, (out,))
     ref = rl_zvp_reference(entropy, cu, rewards, zero_var, alpha=0.1, advantages=adv)
     assert_verbose_allclose(out.cpu(), ref.float())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_gpu_group_ids_with_num_groups_never_syncs(backend):
+    """With num_groups the whole group_ids path stays on the device: CUDA's sync
+    debug mode turns any host sync into an error."""
+    rewards, ids = make_groups(301, seed=23, max_size=70, device="cuda")
+    num_groups = int(torch.unique(ids).numel())
+    ck.advantages.group_advantages(rewards, ids, num_groups=num_groups, backend=backend)  # warm
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        adv, zero_var, stats = ck.advantages.group_advantages(
+            rewards, ids, num_groups=num_groups, backend=backend
+        )
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ref_adv, ref_zv, ref_mean, _ = group_advantages_reference(rewards, ids)
+    assert torch.equal(zero_var.cpu(), ref_zv)
+    assert_verbose_allclose(adv.cpu(), ref_adv.float(), name="adv")
+    assert_verbose_allclose(stats.group_mean.cpu(), ref_mean, atol=1e-12, rtol=1e-12)

@@ -11,7 +11,7 @@ import compass_kernels as ck
 from compass_kernels import _dispatch
 from compass_kernels._ext import BackendUnavailableError, dl, load
 from compass_kernels._op import register_op
-from compass_kernels.advantages import _groups_from_ids, group_advantages_op
+from compass_kernels.advantages import _device_plan, _groups_from_ids, group_advantages_op
 from compass_kernels.testing import make_generator
 
 # ------------------------------------------------------------ the caster
@@ -97,6 +97,34 @@ def test_group_plan_matches_a_stable_sort(n, kind):
     assert torch.equal(order, ref_order)
     assert torch.equal(unique, ref_unique)
     assert offsets[0] == 0 and torch.equal(offsets.diff(), ref_counts)
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 131, 1000])
+@pytest.mark.parametrize("kind", ["compact", "wide", "int32", "uint8", "sorted"])
+@pytest.mark.parametrize("known", [False, True], ids=["sync", "num_groups"])
+def test_device_plan_matches_the_cpu_plan(n, kind, known):
+    """The CUDA path's plan (torch ops: sort, scan, scatter; run here on CPU
+    tensors) equals the C++ plan, with the group count read back or given."""
+    g = make_generator(n * 5 + len(kind))
+    ids = torch.randint(0, max(n // 4, 1), (n,), generator=g)
+    if kind == "wide":
+        ids = ids * 2**50 - 2**61
+    elif kind in ("int32", "uint8"):
+        ids = ids.to(getattr(torch, kind))
+    elif kind == "sorted":
+        ids = torch.sort(ids).values
+    num_groups = int(torch.unique(ids).numel()) if known else None
+    got = _device_plan(ids, num_groups)
+    want = _groups_from_ids(ids)
+    for name, a, b in zip(("order", "offsets", "unique"), got, want, strict=True):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("delta", [-1, 1])
+def test_device_plan_checks_num_groups_on_the_device(delta):
+    ids = torch.tensor([4, 2, 4, 9, 2])
+    with pytest.raises(RuntimeError, match="num_groups: does not equal"):
+        _device_plan(ids, 3 + delta)
 
 
 def test_group_plan_full_int64_range():

@@ -120,11 +120,14 @@ rl_zvp_op = register_op(
 # ------------------------------------------------------------- public API
 
 
-def _groups_from_ids(group_ids: torch.Tensor):
+def _groups_from_ids(group_ids: torch.Tensor, num_groups: int | None = None):
     """(order, offsets, unique ids): members of each group made contiguous, stably.
 
-    CPU: one C++ pass (a counting sort for ids in a compact range). CUDA: a
-    stable sort, with one host sync for the number of groups."""
+    CPU: one C++ pass (a counting sort for ids in a compact range). Other
+    devices: a stable sort and a scan, all on the device; the number of groups
+    costs one host sync unless ``num_groups`` is given, which is then checked on
+    the device (``torch._assert_async``: a mismatch is a device-side assert,
+    never a wrong answer). On CPU tensors a mismatch raises at once."""
     n = group_ids.shape[0]
     if group_ids.device.type == "cpu":
         ids = group_ids if group_ids.is_contiguous() else group_ids.contiguous()
@@ -132,12 +135,43 @@ def _groups_from_ids(group_ids: torch.Tensor):
         offsets = torch.empty(n + 1, dtype=torch.int64)
         unique = torch.empty(n, dtype=torch.int64)
         groups = load().advantages.group_plan_cpu(ids, order, offsets, unique)
+        _expect_num_groups(num_groups, groups)
         return order, offsets[: groups + 1], unique[:groups]
+    return _device_plan(group_ids, num_groups)
+
+
+def _device_plan(group_ids: torch.Tensor, num_groups: int | None = None):
+    """The plan from torch ops on the ids' device (sort, scan, scatter): no host
+    sync with ``num_groups``. Device-agnostic: the tests run it on CPU tensors."""
+    n = group_ids.shape[0]
+    dev = group_ids.device
     sorted_ids, order = torch.sort(group_ids.to(torch.int64), stable=True)
-    unique, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
-    offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=group_ids.device)
-    torch.cumsum(counts, 0, out=offsets[1:])
+    starts = torch.ones(n, dtype=torch.bool, device=dev)  # a group starts here
+    torch.ne(sorted_ids[1:], sorted_ids[:-1], out=starts[1:])
+    group_of = starts.cumsum(0).sub_(1)  # group number of each sorted position
+    if num_groups is None:
+        groups = int(group_of[-1]) + 1 if n else 0  # the one host sync
+    else:
+        groups = num_groups
+        found = group_of[-1] + 1 if n else torch.zeros((), dtype=torch.int64, device=dev)
+        torch._assert_async(found == groups, _NUM_GROUPS_MISMATCH)
+    # offsets[g] = first sorted position of group g; every other position goes
+    # to a scratch slot (index groups), overwritten with n afterwards.
+    offsets = torch.empty(groups + 1, dtype=torch.int64, device=dev)
+    target = torch.where(starts & (group_of < groups), group_of, groups)
+    offsets.scatter_(0, target, torch.arange(n, device=dev))
+    offsets[groups] = n
+    unique = sorted_ids[offsets[:groups]]
     return order, offsets, unique
+
+
+_NUM_GROUPS_MISMATCH = "num_groups: does not equal the number of distinct group_ids"
+
+
+def _expect_num_groups(num_groups: int | None, groups: int) -> None:
+    if num_groups is not None and num_groups != groups:
+        raise ValueError(f"num_groups: expected the number of distinct group_ids, {groups}, "
+                         f"got {num_groups}")  # fmt: skip
 
 
 # (n, group_size, device) -> (order, offsets): the identity plan of the
@@ -175,6 +209,7 @@ def group_advantages(
     group_ids: torch.Tensor | None = None,
     *,
     group_size: int | None = None,
+    num_groups: int | None = None,
     mode: str = "grpo",
     eps: float = 1e-6,
     zero_var_tol: float = 1e-6,
@@ -187,9 +222,12 @@ def group_advantages(
     ----------
     rewards : [n] float16 | bfloat16 | float32 | float64 (half types computed as float32).
     group_ids : [n] integer ids (any order); samples with equal ids form a group.
-        Grouping by ids needs one host sync (the number of groups); the
-        ``group_size`` layout needs none.
+        On CUDA, grouping by ids needs one host sync (the number of groups)
+        unless ``num_groups`` is given; the ``group_size`` layout needs none.
     group_size : instead of ``group_ids``: groups are consecutive runs of this size.
+    num_groups : with ``group_ids``, the number of distinct ids if known (e.g.
+        prompts in the batch): the CUDA path then never syncs the host. It is
+        checked: a mismatch raises on CPU and is a device-side assert on CUDA.
     mode : "grpo" | "dr_grpo" | "rloo" (see ``reference.group_advantages_reference``).
     eps : added to the std in "grpo".
     zero_var_tol : a group is zero-variance when it has one sample or its
@@ -219,10 +257,15 @@ def group_advantages(
     if group_ids is not None:
         check_tensor("group_ids", group_ids, ndim=1, dtypes=INT_DTYPES, size=n,
                      size_what="one id per reward", device=dev)  # fmt: skip
+        if num_groups is not None and not (isinstance(num_groups, int) and num_groups >= 0):
+            raise ValueError(f"num_groups: expected a non-negative int, got {num_groups!r}")
         if dev.type == "cpu" and backend in (None, "cpp"):
-            return _group_advantages_ids_cpu(rewards, group_ids, code, eps, zero_var_tol)
-        order, offsets, unique = _groups_from_ids(group_ids)
+            return _group_advantages_ids_cpu(rewards, group_ids, code, eps, zero_var_tol,
+                                             num_groups)  # fmt: skip
+        order, offsets, unique = _groups_from_ids(group_ids, num_groups)
     else:
+        if num_groups is not None:
+            raise ValueError("num_groups: only with group_ids (group_size implies it)")
         if not isinstance(group_size, int) or group_size <= 0:
             raise ValueError(f"group_size: expected a positive int, got {group_size!r}")
         if n % group_size:
@@ -239,7 +282,7 @@ def group_advantages(
     return adv, zero_var, GroupStats(unique, mean, std, offsets, zero_var, *layout)
 
 
-def _group_advantages_ids_cpu(rewards, group_ids, code, eps, zero_var_tol):
+def _group_advantages_ids_cpu(rewards, group_ids, code, eps, zero_var_tol, num_groups):
     """The cpp backend's group_ids path: plan and advantages in one C++ call.
 
     Sorted ids run the contiguous kernel over their runs; shuffled ids in a
@@ -259,6 +302,7 @@ def _group_advantages_ids_cpu(rewards, group_ids, code, eps, zero_var_tol):
         r, ids, code, float(eps), float(zero_var_tol), adv, zero_var, mean, std, unique,
         offsets, first,
     )  # fmt: skip
+    _expect_num_groups(num_groups, groups)
     stats = GroupStats(unique[:groups], mean[:groups], std[:groups], offsets[: groups + 1],
                        zero_var, None, 0, first[:groups])  # fmt: skip
     return adv, zero_var, stats
