@@ -186,27 +186,31 @@ def test_fused_group_ids_path_writes_every_output(layout, mode, dtype):
     rewards = rewards.to(dtype)
     n = rewards.numel()
     adv, zv = empty_poisoned(n, dtype), empty_poisoned(n, torch.bool)
-    mean, std = empty_poisoned(n, torch.float64), empty_poisoned(n, torch.float64)
-    unique, first = empty_poisoned(n, torch.int64), empty_poisoned(n, torch.int64)
-    offsets = empty_poisoned(n + 1, torch.int64)
-    untouched = mean.clone()
+    stats, index = empty_poisoned(2 * n, torch.float64), empty_poisoned(3 * n + 1, torch.int64)
+    stats_before, index_before = stats.clone(), index.clone()
     groups = load().advantages.group_advantages_ids_cpu(
-        rewards, ids, MODES[mode], 1e-6, 1e-6, adv, zv, mean, std, unique, offsets, first
+        rewards, ids, MODES[mode], 1e-6, 1e-6, adv, zv, stats, index
     )
+    mean, std = stats[:groups], stats[n : n + groups]
+    unique, first = index[:groups], index[n : n + groups]
+    offsets = index[2 * n : 2 * n + groups + 1]
     ref_adv, ref_zv, ref_mean, ref_std = group_advantages_reference(rewards, ids, mode=mode)
     ref_unique, inverse, ref_counts = torch.unique(ids.long(), return_inverse=True,
                                                    return_counts=True)  # fmt: skip
     assert groups == ref_unique.numel()
     assert torch.equal(zv, ref_zv)
     assert_verbose_allclose(adv, ref_adv.to(dtype), name="adv")
-    assert_verbose_allclose(mean[:groups], ref_mean, atol=1e-12, rtol=1e-12, name="mean")
-    assert_verbose_allclose(std[:groups], ref_std, atol=1e-12, rtol=1e-12, name="std")
-    assert torch.equal(unique[:groups], ref_unique)
-    assert offsets[0] == 0 and torch.equal(offsets[1 : groups + 1].diff(prepend=offsets[:1]),
-                                           ref_counts)  # fmt: skip
+    assert_verbose_allclose(mean, ref_mean, atol=1e-12, rtol=1e-12, name="mean")
+    assert_verbose_allclose(std, ref_std, atol=1e-12, rtol=1e-12, name="std")
+    assert torch.equal(unique, ref_unique)
+    assert offsets[0] == 0 and torch.equal(offsets.diff(), ref_counts)
     ref_first = torch.tensor([int((inverse == g).nonzero()[0]) for g in range(groups)])
-    assert torch.equal(first[:groups], ref_first)
-    assert _as_bits(mean[groups:]) == _as_bits(untouched[groups:])
+    assert torch.equal(first, ref_first)
+    # nothing past G is written
+    for part, before, width in ((stats, stats_before, n), (index, index_before, n)):
+        for k in range(part.numel() // width):
+            tail = slice(k * width + groups + (1 if k == 2 else 0), (k + 1) * width)
+            assert _as_bits(part[tail]) == _as_bits(before[tail])
 
 
 def _as_bits(t: torch.Tensor) -> bytes:
@@ -260,16 +264,19 @@ def test_fused_group_ids_boundary_names_arguments():
     C = load().advantages
     r, ids = torch.rand(6), torch.tensor([3, 1, 3, 1, 2, 2])
     outs = lambda n=6: [torch.empty(n), torch.empty(n, dtype=torch.bool),
-                        torch.empty(n, dtype=torch.float64), torch.empty(n, dtype=torch.float64),
-                        torch.empty(n, dtype=torch.int64), torch.empty(n + 1, dtype=torch.int64),
-                        torch.empty(n, dtype=torch.int64)]  # fmt: skip
+                        torch.empty(2 * n, dtype=torch.float64),
+                        torch.empty(3 * n + 1, dtype=torch.int64)]  # fmt: skip
     with pytest.raises(ValueError, match="group_ids: expected size 6"):
         C.group_advantages_ids_cpu(r, ids[:5], 0, 1e-6, 1e-6, *outs())
     with pytest.raises(ValueError, match="group_ids: expected dtype"):
         C.group_advantages_ids_cpu(r, ids.float(), 0, 1e-6, 1e-6, *outs())
     bad = outs()
-    bad[5] = torch.empty(6, dtype=torch.int64)
-    with pytest.raises(ValueError, match="offsets: expected size 7"):
+    bad[3] = torch.empty(18, dtype=torch.int64)
+    with pytest.raises(ValueError, match="index: expected size 19"):
+        C.group_advantages_ids_cpu(r, ids, 0, 1e-6, 1e-6, *bad)
+    bad = outs()
+    bad[2] = torch.empty(12, dtype=torch.float32)
+    with pytest.raises(ValueError, match="stats: expected dtype float64"):
         C.group_advantages_ids_cpu(r, ids, 0, 1e-6, 1e-6, *bad)
     with pytest.raises(ValueError, match="mode: expected 0"):
         C.group_advantages_ids_cpu(r, ids, 7, 1e-6, 1e-6, *outs())

@@ -10,8 +10,6 @@ the detached entropy, so outputs never require grad.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from compass_kernels._ext import load
@@ -30,7 +28,6 @@ __all__ = ["GroupStats", "group_advantages", "rl_zvp", "overlong_penalty", "MODE
 MODES = {"grpo": 0, "dr_grpo": 1, "rloo": 2}
 
 
-@dataclass(slots=True)
 class GroupStats:
     """Per-group statistics from :func:`group_advantages` (all on the rewards' device).
 
@@ -38,17 +35,16 @@ class GroupStats:
     counts : [G] int64 samples per group.
     group_mean, group_std : [G] float64 (unbiased std; 0 for a group of one).
     group_zero_var : [G] bool.
-    counts and group_zero_var are computed when read: the call never pays for them.
+    Everything is computed or sliced when read: the call never pays for it.
     """
 
-    group_ids: torch.Tensor | None
-    group_mean: torch.Tensor
-    group_std: torch.Tensor
-    _offsets: torch.Tensor = field(repr=False)  # [G+1] group boundaries in the sorted order
-    _zero_var: torch.Tensor = field(repr=False)
-    _order: torch.Tensor | None = field(repr=False)  # None: the group_size layout
-    _group_size: int = field(repr=False)
-    _first: torch.Tensor | None = field(default=None, repr=False)  # [G] first member
+    __slots__ = ("group_ids", "group_mean", "group_std", "_offsets", "_zero_var", "_order",
+                 "_group_size")  # fmt: skip
+
+    def __init__(self, group_ids, group_mean, group_std, offsets, zero_var, order, group_size):
+        self.group_ids, self.group_mean, self.group_std = group_ids, group_mean, group_std
+        self._offsets, self._zero_var = offsets, zero_var
+        self._order, self._group_size = order, group_size  # order None: the group_size layout
 
     @property
     def counts(self) -> torch.Tensor:
@@ -56,11 +52,13 @@ class GroupStats:
 
     @property
     def group_zero_var(self) -> torch.Tensor:
-        if self._first is not None:
-            return self._zero_var[self._first]
         if self._order is None:
             return self._zero_var[:: self._group_size]
         return self._zero_var[self._order[self._offsets[:-1]]]
+
+    def __repr__(self) -> str:
+        return (f"GroupStats(num_groups={self.num_groups}, group_ids={self.group_ids}, "
+                f"group_mean={self.group_mean}, group_std={self.group_std})")  # fmt: skip
 
     @property
     def num_groups(self) -> int:
@@ -73,6 +71,27 @@ class GroupStats:
     @property
     def zero_var_fraction(self) -> torch.Tensor:
         return self.group_zero_var.to(torch.float64).mean()
+
+
+class _FusedGroupStats(GroupStats):
+    """GroupStats of the cpp group_ids path: views of its two worst-case
+    buffers, cut to the G groups found when read (slicing costs ~1 us a view)."""
+
+    __slots__ = ("_stats", "_index", "_n", "_g")
+
+    def __init__(self, stats: torch.Tensor, index: torch.Tensor, zero_var: torch.Tensor, g: int):
+        self._stats, self._index, self._zero_var, self._g = stats, index, zero_var, g
+        self._n = zero_var.shape[0]
+        self._order, self._group_size = None, 0
+
+    group_ids = property(lambda self: self._index[: self._g])  # type: ignore[assignment]
+    group_mean = property(lambda self: self._stats[: self._g])  # type: ignore[assignment]
+    group_std = property(lambda self: self._stats[self._n : self._n + self._g])  # type: ignore[assignment]
+    _offsets = property(lambda self: self._index[2 * self._n : 2 * self._n + self._g + 1])  # type: ignore[assignment]
+
+    @property
+    def group_zero_var(self) -> torch.Tensor:
+        return self._zero_var[self._index[self._n : self._n + self._g]]  # first members
 
 
 # ---------------------------------------------------------------------- ops
@@ -294,18 +313,13 @@ def _group_advantages_ids_cpu(rewards, group_ids, code, eps, zero_var_tol, num_g
     ids = group_ids if group_ids.is_contiguous() else group_ids.contiguous()
     adv = torch.empty_like(r)
     zero_var = torch.empty_like(r, dtype=torch.bool)
-    stats = torch.empty(2 * n, dtype=torch.float64)
-    index = torch.empty(3 * n + 1, dtype=torch.int64)
-    mean, std = stats[:n], stats[n:]
-    unique, first, offsets = index[:n], index[n : 2 * n], index[2 * n :]
+    stats = torch.empty(2 * n, dtype=torch.float64)  # group mean | group std
+    index = torch.empty(3 * n + 1, dtype=torch.int64)  # unique ids | first members | offsets
     groups = load().advantages.group_advantages_ids_cpu(
-        r, ids, code, float(eps), float(zero_var_tol), adv, zero_var, mean, std, unique,
-        offsets, first,
-    )  # fmt: skip
+        r, ids, code, float(eps), float(zero_var_tol), adv, zero_var, stats, index
+    )
     _expect_num_groups(num_groups, groups)
-    stats = GroupStats(unique[:groups], mean[:groups], std[:groups], offsets[: groups + 1],
-                       zero_var, None, 0, first[:groups])  # fmt: skip
-    return adv, zero_var, stats
+    return adv, zero_var, _FusedGroupStats(stats, index, zero_var, groups)
 
 
 def rl_zvp(

@@ -22,14 +22,14 @@ namespace advantages {
       TensorView group_std
 // group_advantages with the plan made inside (cpp backend, CPU): rewards [n]
 // float32|float64, group_ids [n] any integer dtype; outputs adv [n], zero_var
-// [n] bool, and per group, allocated for the worst case (n groups): group_mean
-// / group_std [n] float64, unique [n] int64 (increasing ids), offsets [n+1]
-// int64 (group sizes' prefix sums), first [n] int64 (each group's first member
-// in sample order). Returns G: the first G (G + 1) entries are written.
+// [n] bool, and per group, in buffers sized for the worst case (n groups):
+// stats [2n] float64 = group mean [n] | group std [n]; index [3n+1] int64 =
+// unique ids [n] (increasing) | first member of each group in sample order [n]
+// | offsets [n+1] (group sizes' prefix sums). Returns G: the first G (G + 1)
+// entries of each part are written.
 #define COMPASS_GROUP_ADVANTAGES_IDS_ARGS                                              \
   TensorView rewards, TensorView group_ids, int64_t mode, double eps, double zero_var_tol, \
-      TensorView adv, TensorView zero_var, TensorView group_mean, TensorView group_std,    \
-      TensorView unique, TensorView offsets, TensorView first
+      TensorView adv, TensorView zero_var, TensorView stats, TensorView index
 // entropy [T] float32; cu_seqlens [n+1] int64; rewards [n] float32|float64;
 // zero_var [n] bool; advantages [n] float32|float64 or None; out [T] float32.
 #define COMPASS_RL_ZVP_ARGS                                                         \

@@ -14,8 +14,8 @@ void bind(pybind11::module_& root) {
   COMPASS_DEF_NOGIL(m, group_advantages_cpu, group);
   COMPASS_DEF_NOGIL(m, rl_zvp_cpu, zvp);
   COMPASS_DEF_NOGIL(m, group_advantages_ids_cpu,
-                    "(rewards, group_ids, mode, eps, zero_var_tol, adv, zero_var, group_mean, "
-                    "group_std, unique, offsets, first) -> G: plan and advantages in one call");
+                    "(rewards, group_ids, mode, eps, zero_var_tol, adv, zero_var, stats, index) -> G: "
+                    "plan and advantages in one call");
   COMPASS_DEF_NOGIL(m, group_plan_cpu,
                     "(group_ids, order, offsets, unique) -> G: stable grouping by id");
 #ifdef COMPASS_WITH_CUDA

@@ -187,14 +187,14 @@ bool scan_ids(const I* ids, int64_t n, int64_t* lo, int64_t* hi) {
 
 template <typename R, typename I>
 int64_t ids_impl(const TensorView& rewards, const I* ids, int64_t mode, double eps, double tol,
-                 const TensorView& adv, const TensorView& zero_var, const TensorView& group_mean,
-                 const TensorView& group_std, int64_t* unique, int64_t* offsets, int64_t* first) {
+                 const TensorView& adv, const TensorView& zero_var, double* group_mean,
+                 double* group_std, int64_t* unique, int64_t* offsets, int64_t* first) {
   const int64_t n = rewards.numel();
   const R* r = rewards.ptr<R>();
   offsets[0] = 0;
   if (n == 0) return 0;
-  GroupPtrs p{r, nullptr, offsets, adv.data, zero_var.ptr<bool>(), group_mean.ptr<double>(),
-              group_std.ptr<double>(), n, 0, static_cast<int32_t>(mode), eps, tol};
+  GroupPtrs p{r, nullptr, offsets, adv.data, zero_var.ptr<bool>(), group_mean, group_std,
+              n, 0, static_cast<int32_t>(mode), eps, tol};
   int64_t lo = 0, hi = 0;
   if (scan_ids(ids, n, &lo, &hi)) {  // sorted: the groups are the runs
     expect_finite(r, n, "rewards");
@@ -209,8 +209,8 @@ int64_t ids_impl(const TensorView& rewards, const I* ids, int64_t mode, double e
     const int64_t range = static_cast<int64_t>(span) + 1;
     auto run = [&](auto kmode) {
       return by_value<R, I, decltype(kmode)::value>(
-          r, ids, n, lo, range, eps, tol, adv.ptr<R>(), zero_var.ptr<bool>(),
-          group_mean.ptr<double>(), group_std.ptr<double>(), unique, offsets, first);
+          r, ids, n, lo, range, eps, tol, adv.ptr<R>(), zero_var.ptr<bool>(), group_mean,
+          group_std, unique, offsets, first);
     };
     switch (mode) {
       case kGRPO: return run(std::integral_constant<int32_t, kGRPO>{});
@@ -249,33 +249,28 @@ int64_t group_plan_cpu(TensorView group_ids, TensorView order, TensorView offset
 }
 
 int64_t group_advantages_ids_cpu(COMPASS_GROUP_ADVANTAGES_IDS_ARGS) {
-  COMPASS_NAME_ARGS(rewards, group_ids, adv, zero_var, group_mean, group_std, unique, offsets,
-                    first);
-  for (const TensorView* t : {&rewards, &group_ids, &adv, &zero_var, &group_mean, &group_std,
-                              &unique, &offsets, &first}) {
+  COMPASS_NAME_ARGS(rewards, group_ids, adv, zero_var, stats, index);
+  for (const TensorView* t : {&rewards, &group_ids, &adv, &zero_var, &stats, &index}) {
     t->expect_vector().expect_device(DeviceType::kCPU);
   }
   const int64_t n = rewards.numel();
   group_ids.expect_size(0, n, "one id per reward");
   adv.expect_dtype(rewards.dtype).expect_size(0, n, "rewards");
   zero_var.expect_dtype(DType::kBool).expect_size(0, n, "rewards");
-  for (const TensorView* t : {&group_mean, &group_std}) {
-    t->expect_dtype(DType::kFloat64).expect_size(0, n, "len(rewards) (the most groups)");
-  }
-  unique.expect_dtype(DType::kInt64).expect_size(0, n, "len(rewards) (the most groups)");
-  first.expect_dtype(DType::kInt64).expect_size(0, n, "len(rewards) (the most groups)");
-  offsets.expect_dtype(DType::kInt64).expect_size(0, n + 1, "len(rewards) + 1");
+  stats.expect_dtype(DType::kFloat64).expect_size(0, 2 * n, "2 * len(rewards)");
+  index.expect_dtype(DType::kInt64).expect_size(0, 3 * n + 1, "3 * len(rewards) + 1");
   COMPASS_CHECK(mode == kGRPO || mode == kDrGRPO || mode == kRLOO,
                 "mode: expected 0 (grpo), 1 (dr_grpo) or 2 (rloo), got ", mode);
   COMPASS_CHECK(eps >= 0 && zero_var_tol >= 0, "eps and zero_var_tol: expected >= 0, got ", eps,
                 " and ", zero_var_tol);
+  double* mean = stats.ptr<double>();
+  int64_t* ix = index.ptr<int64_t>();
   return dispatch(rewards, Types<float, double>{}, [&](auto rtag) {
     using R = decltype(rtag);
     return dispatch(group_ids, Ids{}, [&](auto itag) {
       using I = decltype(itag);
       return ids_impl<R, I>(rewards, group_ids.ptr<I>(), mode, eps, zero_var_tol, adv, zero_var,
-                            group_mean, group_std, unique.ptr<int64_t>(),
-                            offsets.ptr<int64_t>(), first.ptr<int64_t>());
+                            mean, mean + n, ix, ix + 2 * n, ix + n);
     });
   });
 }
