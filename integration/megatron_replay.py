@@ -158,6 +158,8 @@ def _replay_routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | Non
     if binding is None:
         return _ORIGINAL["routing"](self, logits, padding_mask)
     replay, layer = binding
+    if replay._native:
+        return _ORIGINAL["routing"](self, logits, padding_mask)
     return replay._route(self, layer, logits, padding_mask)
 
 
@@ -295,7 +297,8 @@ def check_config(config: Any, where: str = "model") -> None:
             getattr(config, "cuda_graph_impl", "none") != "none"
             or bool(getattr(config, "enable_cuda_graph", False))
             or bool(getattr(config, "external_cuda_graph", False)),
-            "CUDA graphs (a captured graph replays the routing it recorded, not the trace)",
+            "cuda_graph_impl / enable_cuda_graph / external_cuda_graph (a captured CUDA graph "
+            "replays the routing it recorded, not the trace)",
         ),
         (
             bool(getattr(config, "moe_enable_routing_replay", False)),
@@ -388,6 +391,7 @@ class TraceReplay:
         self._backward: _MicroBatch | None = None
         self._pending: dict[int, _MicroBatch] = {}  # forward done, backward not finished
         self._counts: dict[int, torch.Tensor] = {}
+        self._native = 0
         self._hooks = [
             model.register_forward_pre_hook(self._pre_forward),
             model.register_forward_hook(self._post_forward),
@@ -437,6 +441,18 @@ class TraceReplay:
         self._routers = {}
         self._pending.clear()
 
+    @contextlib.contextmanager
+    def native(self) -> Iterator[None]:
+        """Forwards inside this context route natively (an explicit opt-out, e.g. for
+        evaluation); outside it, a forward without :meth:`micro_batch` raises."""
+        if self._open is not None:
+            raise ReplayError("native() inside micro_batch()")
+        self._native += 1
+        try:
+            yield
+        finally:
+            self._native -= 1
+
     # -- micro-batches -----------------------------------------------------------
 
     @contextlib.contextmanager
@@ -461,8 +477,8 @@ class TraceReplay:
         int
             The micro-batch key (its backward is matched to it automatically).
         """
-        if self._open is not None:
-            raise ReplayError("micro_batch() contexts of one model cannot be nested")
+        if self._open is not None or self._native:
+            raise ReplayError("micro_batch() cannot be nested (nor opened inside native())")
         if order not in ("sbh", "bsh"):
             raise ValueError(f"order must be 'sbh' or 'bsh', got {order!r}")
         self._release_finished()
@@ -501,7 +517,7 @@ class TraceReplay:
         ids_all = trace.expert_ids
         missing = trace.missing
         if order == "bsh":
-            lens = trace.seq_lens
+            lens = trace.seq_lens()
             if len(set(lens)) > 1:
                 raise ReplayError(f"order='bsh' needs sequences of equal length, got {lens}")
             b, s = len(lens), (lens[0] if lens else 0)
@@ -527,7 +543,7 @@ class TraceReplay:
     # -- hooks -------------------------------------------------------------------
 
     def _pre_forward(self, module: Any, args: Any) -> None:
-        if torch._C._current_graph_task_id() != -1:
+        if torch._C._current_graph_task_id() != -1 or self._native:
             return  # a recompute inside backward re-enters submodules, never the top model
         if self._open is None:
             raise ReplayError(
@@ -538,7 +554,7 @@ class TraceReplay:
             raise ReplayError(f"micro-batch {self._open.key}: a second forward in one context")
 
     def _post_forward(self, module: Any, args: Any, output: Any) -> None:
-        if torch._C._current_graph_task_id() != -1:
+        if torch._C._current_graph_task_id() != -1 or self._native:
             return
         mb = self._open
         if mb is None:
@@ -573,8 +589,9 @@ class TraceReplay:
     # -- routing -----------------------------------------------------------------
 
     def _route(self, router: Any, layer: int, logits: torch.Tensor, padding_mask: Any):
-        from compass_kernels.routing import replay_topk
         from megatron.core.transformer.moe.moe_utils import compute_routing_scores_for_aux_loss
+
+        from compass_kernels.routing import replay_topk
 
         in_backward = torch._C._current_graph_task_id() != -1
         if in_backward:

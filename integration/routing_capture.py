@@ -59,6 +59,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from compass_kernels.routing import MissingReason
+
 __all__ = [
     "MISSING_NOT_CAPTURED",
     "MISSING_PREEMPTED",
@@ -78,15 +80,15 @@ SUPPORTED_VLLM_PREFIXES = ("0.32.",)
 #: Environment switch read by :func:`register_plugin`.
 PLUGIN_ENV = "COMPASS_ROUTING_CAPTURE"
 
-# Why a row holds no routing: the values of compass_kernels.routing.MissingReason.
-_PRESENT = 0
+# Why a row holds no routing (compass_kernels.routing.MissingReason; 0 = present).
+_PRESENT = int(MissingReason.PRESENT)
 #: Row served from the prefix cache: this request never computed it.
-MISSING_PREFIX_CACHE = 1
+MISSING_PREFIX_CACHE = int(MissingReason.PREFIX_CACHE)
 #: Row of a preempted request: recomputed with different experts than first
 #: captured (always), or recomputed at all (under ``recomputed="missing"``).
-MISSING_PREEMPTED = 2
+MISSING_PREEMPTED = int(MissingReason.PREEMPTED)
 #: Row never computed for another reason (e.g. KV received from elsewhere).
-MISSING_NOT_CAPTURED = 5
+MISSING_NOT_CAPTURED = int(MissingReason.NOT_CAPTURED)
 
 # Worker-side row states.
 _NEVER, _ONCE, _CONFLICT, _RECOMPUTED = 0, 1, 2, 3

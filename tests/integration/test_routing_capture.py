@@ -160,7 +160,8 @@ def test_prefix_cache_hit_rows_are_missing(engine, hf_model):
     equal, present = _check_against_hf(seq, outs[0], outs[0].outputs[0], hf_model)
     assert present.sum() == seq.num_tokens - hit and equal.all()
     trace = seq.to_trace()
-    assert trace.missing is not None and int(trace.missing.sum()) == hit
+    assert trace.missing is not None and int(trace.missing.any(dim=1).sum()) == hit
+    assert bool(trace.missing[:hit].all()) and not bool(trace.missing[hit:].any())
     assert int(trace.missing_reason[0]) == rc.MISSING_PREFIX_CACHE
 
 
@@ -190,8 +191,10 @@ def test_preempted_requests_are_recomputed_and_checked(engine, hf_model):
 
     scheduler._preempt_request = spy
     try:
-        # 3 x (100 + 90) tokens need 18 KV blocks; the cache has 12.
-        prompts = [_prompt(100, 10 + i) for i in range(3)]
+        # ~3 x (85 + 90) tokens need 17 KV blocks; the cache has 12. Staggered lengths:
+        # when one request needs a new block, the victim is mid-block, so its last
+        # partial block (not in the prefix cache) is recomputed on resume.
+        prompts = [_prompt(n, 10 + i) for i, n in enumerate((100, 85, 70))]
         outs = _generate(engine.llm, prompts, max_tokens=90)
     finally:
         del scheduler._preempt_request
@@ -211,7 +214,7 @@ def test_preempted_requests_are_recomputed_and_checked(engine, hf_model):
         strict = seq.to_trace(recomputed="missing")
         assert kept.missing is None or not bool(kept.missing.any())
         n_re = int(seq.recomputed.sum())
-        assert (0 if strict.missing is None else int(strict.missing.sum())) == n_re
+        assert (0 if strict.missing is None else int(strict.missing.any(dim=1).sum())) == n_re
         if n_re:
             rows = torch.from_numpy(np.flatnonzero(seq.recomputed))
             assert (strict.missing_reason[rows] == rc.MISSING_PREEMPTED).all()
