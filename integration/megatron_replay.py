@@ -237,7 +237,7 @@ def find_moe_routers(model: torch.nn.Module) -> dict[int, Any]:
     """{global 0-based layer number: router} of the decoder MoE layers of ``model``.
 
     Walks the live module tree (stopping at each ``MoELayer``, whose experts
-    are not visited) and skips multi-token-prediction blocks.
+    are not visited) and skips ``MultiTokenPredictionBlock`` subtrees.
 
     Raises
     ------
@@ -245,6 +245,7 @@ def find_moe_routers(model: torch.nn.Module) -> dict[int, Any]:
         If two MoE layers report the same layer number.
     """
     from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
 
     found: dict[int, Any] = {}
     stack: list[tuple[str, torch.nn.Module]] = [("", model)]
@@ -260,9 +261,9 @@ def find_moe_routers(model: torch.nn.Module) -> dict[int, Any]:
                 raise ReplayError(f"two MoE layers report global layer number {key} ({name})")
             found[key] = router
             continue
+        if isinstance(module, MultiTokenPredictionBlock):
+            continue  # MTP layers: keyed apart, never replayed from decoder rows
         for child_name, child in module.named_children():
-            if child_name == "mtp" and name in ("", "module"):
-                continue  # MTP layers: keyed apart, not replayed from decoder rows
             stack.append((f"{name}.{child_name}" if name else child_name, child))
     return found
 
@@ -686,6 +687,12 @@ class TraceReplay:
         return {layer: ReplayStats(c, self.top_k) for layer, c in sorted(self._counts.items())}
 
     def reset_stats(self) -> None:
+        self._counts = {}
+
+    def reset(self) -> None:
+        """Drop every micro-batch's state (e.g. after a step whose backward never ran)."""
+        self._pending.clear()
+        self._backward = None
         self._counts = {}
 
     def pending(self) -> list[int]:

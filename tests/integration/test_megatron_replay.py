@@ -445,3 +445,65 @@ def test_rebuilt_router_is_rebound_at_the_next_micro_batch(model, replay):
         assert torch.equal(spy.maps[0], _as_map(trace_ids[:, 0]))
     finally:
         layer.router = old
+
+
+def test_bad_traces_are_rejected_before_replay(model, replay):
+    from compass_kernels.routing import TraceError
+
+    ids, pos = _tokens(9, seed=23)
+    dup = _random_sets(9, _LAYERS, seed=24)
+    dup[4, 1] = torch.tensor([3, 3])  # the same expert twice in one row of layer 1
+    with pytest.raises(TraceError, match="layer 1"):
+        with torch.no_grad(), replay.micro_batch(_trace(dup)):
+            model(ids, pos, attention_mask=None)
+    wide = RoutingTrace(
+        _random_sets(9, _LAYERS, seed=25).to(torch.int16), torch.tensor([0, 9]), 300,
+        layer_ids=_LAYERS,
+    )  # fmt: skip
+    with pytest.raises(TraceError, match="num_experts: the model has 8 experts, the trace 300"):
+        with torch.no_grad(), replay.micro_batch(wide):
+            model(ids, pos, attention_mask=None)
+    with pytest.raises(TypeError, match="RoutingTrace"):
+        with replay.micro_batch(dup):
+            pass
+    assert replay.pending() == []
+
+
+def test_mtp_layers_are_not_replayed_from_decoder_rows(megatron_cpu, hf_parts):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_mtp_block_spec,
+    )
+
+    from integration.megatron_convert import megatron_config_from_hf
+
+    cfg, _, _ = hf_parts
+    config = megatron_config_from_hf(cfg, mtp_num_layers=1)
+    spec = get_gpt_layer_local_spec(
+        num_experts=_E, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm"
+    )
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=1024,
+        max_sequence_length=256,
+        position_embedding_type="rope",
+        mtp_block_spec=get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False),
+    ).eval()
+    mtp_router = model.mtp.layers[0].transformer_layer.mlp.router
+    assert mtp_router.layer_number == 4  # right after the decoder: an i+offset map would hit it
+    replay = mr.TraceReplay(model)
+    try:
+        assert replay.layers == [0, 1, 2]
+        assert mr._BINDINGS.get(mtp_router) is None
+        ids, _ = _tokens(10, seed=26)
+        pos = torch.arange(10).unsqueeze(0)
+        with torch.no_grad(), replay.micro_batch(_trace(_random_sets(10, _LAYERS, seed=27))):
+            model(ids, pos, attention_mask=None, labels=ids)  # the MTP router routes natively
+        assert sorted(replay.stats()) == _LAYERS
+        with pytest.raises(mr.ReplayError, match=r"layer_ids \[0, 1, 2, 3\]"):
+            with replay.micro_batch(_trace(_random_sets(10, [0, 1, 2, 3], seed=28), [0, 1, 2, 3])):
+                pass
+    finally:
+        replay.remove()

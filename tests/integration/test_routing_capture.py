@@ -350,3 +350,21 @@ def test_vllm_traces_replay_in_megatron_with_full_agreement(engine, megatron_cpu
             assert d["agreement"] == 1.0 and d["exact_match"] == 1.0, (layer, d)
     finally:
         replay.remove()
+
+
+def test_hook_path_refuses_runners_it_cannot_capture_faithfully():
+    pytest.importorskip("vllm")
+    with pytest.raises(rc.CaptureError, match="speculative decoding"):
+        rc._WorkerCapture(SimpleNamespace(speculative_config=object()))
+    with pytest.raises(rc.CaptureError, match="has no '_model_forward'"):
+        rc._WorkerCapture(SimpleNamespace(speculative_config=None))
+    runner = SimpleNamespace(
+        speculative_config=None,
+        _model_forward=None,
+        _dummy_run=None,
+        input_batch=None,
+        query_start_loc=None,
+        model=torch.nn.Linear(2, 2),
+    )
+    with pytest.raises(rc.CaptureError, match="no MoE layer"):
+        rc._WorkerCapture(runner)
