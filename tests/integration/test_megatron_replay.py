@@ -507,3 +507,77 @@ def test_mtp_layers_are_not_replayed_from_decoder_rows(megatron_cpu, hf_parts):
                 pass
     finally:
         replay.remove()
+
+
+def _pipeline_stage(rank, world_size, path):
+    """One stage of a 2-stage, 4-layer pipeline (run in a spawned gloo process)."""
+    import torch.distributed as dist
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from transformers import AutoConfig
+
+    from integration.megatron_convert import megatron_config_from_hf
+
+    config = megatron_config_from_hf(
+        AutoConfig.from_pretrained(path),
+        num_layers=4,
+        pipeline_model_parallel_size=2,
+        pipeline_dtype=torch.float32,
+    )
+    spec = get_gpt_layer_local_spec(
+        num_experts=_E, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm"
+    )
+    torch.manual_seed(0)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=1024,
+        max_sequence_length=256,
+        position_embedding_type="rope",
+        pre_process=rank == 0,
+        post_process=rank == 1,
+    ).train()
+    replay = mr.TraceReplay(model, record=True)
+    seq = 12
+    full = _random_sets(seq, range(4), seed=29)  # the whole model's trace, on both ranks
+    trace = RoutingTrace(full.to(torch.uint8), torch.tensor([0, seq]), _E, layer_ids=range(4))
+    local = trace.slice(layers=replay.layers, token_lens=[seq])  # this stage's columns only
+    ids, pos = _tokens(seq, seed=30)
+    if rank == 0:
+        with replay.micro_batch(local):
+            hidden = model(ids, pos, attention_mask=None)
+        dist.send(hidden.detach().contiguous(), 1)
+        grad = torch.empty_like(hidden)
+        dist.recv(grad, 1)
+        hidden.backward(grad)
+    else:
+        hidden = torch.empty(seq, 1, config.hidden_size)
+        dist.recv(hidden, 0)
+        hidden.requires_grad_(True)
+        model.set_input_tensor(hidden)
+        with replay.micro_batch(local):
+            out = model(ids, pos, attention_mask=None)
+        out.float().pow(2).mean().backward()
+        dist.send(hidden.grad.contiguous(), 0)
+    forced = all(
+        torch.equal(_as_map(used), _as_map(full[:, layer]))
+        for phase, _, layer, used in replay.history
+    )
+    router_grads = [float(p.grad.abs().sum()) for n, p in model.named_parameters() if "router" in n]
+    return replay.layers, [int(x) for x in local.layer_ids], forced, router_grads
+
+
+def test_two_stage_pipeline_keys_layers_by_global_number(tiny_moe_path):
+    results = mr_run_distributed(_pipeline_stage, (str(tiny_moe_path),))
+    (layers0, cols0, forced0, grads0), (layers1, cols1, forced1, grads1) = results
+    assert (layers0, cols0) == ([0, 1], [0, 1]) and (layers1, cols1) == ([2, 3], [2, 3])
+    assert forced0 and forced1
+    assert len(grads0) == len(grads1) == 2 and all(g > 0 for g in grads0 + grads1)
+
+
+def mr_run_distributed(fn, args):
+    from integration import megatron_cpu as shim
+
+    return shim.run_distributed(
+        fn, 2, args=args, megatron={"pipeline_model_parallel_size": 2}, timeout=280
+    )

@@ -338,15 +338,20 @@ def test_vllm_traces_replay_in_megatron_with_full_agreement(engine, megatron_cpu
     replay = TraceReplay(model)
     try:
         for out, trace in zip(outs, traces, strict=True):
-            tokens = torch.tensor([_rows_of(out, out.outputs[0])])
-            pos = torch.arange(tokens.shape[1]).unsqueeze(0)
-            with torch.no_grad(), replay.micro_batch(trace):
+            # The trainer feeds every token (prompt + generated); slice() gives the last
+            # one, never an engine input, a missing row (NO_ROW): routed natively.
+            full = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+            local = trace.slice()
+            assert local.num_tokens == len(full) == trace.num_tokens + 1
+            tokens = torch.tensor([full])
+            pos = torch.arange(len(full)).unsqueeze(0)
+            with torch.no_grad(), replay.micro_batch(local):
                 model(tokens, pos, attention_mask=None)
-        both = RoutingTrace.concat(traces)
-        assert both.num_tokens == (90 + 24) + (41 + 24)
+        rows = sum(t.num_tokens for t in traces)
+        assert rows == RoutingTrace.concat(traces).num_tokens == (90 + 24) + (41 + 24)
         for layer, stats in replay.stats().items():
             d = stats.as_dict()
-            assert d["rows"] == both.num_tokens and d["fallback_rows"] == 0, layer
+            assert d["rows"] == rows + 2 and d["fallback_rows"] == 2, (layer, d)
             assert d["agreement"] == 1.0 and d["exact_match"] == 1.0, (layer, d)
     finally:
         replay.remove()
