@@ -85,7 +85,7 @@ class _RouterSpy:
     """Per layer: the routing map each router returned, its logits and their gradient."""
 
     def __init__(self, model):
-        self.maps, self.logits, self.grads, self.handles = {}, {}, {}, []
+        self.maps, self.probs, self.logits, self.grads, self.handles = {}, {}, {}, {}, []
         for layer, router in mr.find_moe_routers(model).items():
             self.handles.append(router.register_forward_hook(self._hook(layer)))
             original = router.gating
@@ -102,6 +102,7 @@ class _RouterSpy:
 
     def _hook(self, layer):
         def hook(module, args, output):
+            self.probs[layer] = output[0].detach().clone()
             self.maps[layer] = output[1].detach().clone()
 
         return hook
@@ -581,3 +582,38 @@ def mr_run_distributed(fn, args):
     return shim.run_distributed(
         fn, 2, args=args, megatron={"pipeline_model_parallel_size": 2}, timeout=280
     )
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},  # Qwen3: softmax over the top-k logits
+        {"moe_router_pre_softmax": True},  # softmax over all experts, no renormalization
+        {"moe_router_score_function": "sigmoid", "moe_router_topk_scaling_factor": 2.5},
+    ],
+    ids=["softmax-topk", "softmax-pre", "sigmoid-scaled"],
+)
+def test_replayed_gating_equals_upstream_for_its_own_routing(megatron_cpu, hf_parts, overrides):
+    """Replaying the native routing reproduces upstream's probs for each gating config
+    (the config -> replay_topk option mapping is right)."""
+    cfg, _, sd = hf_parts
+    model = build_megatron_model(cfg, sd, **overrides)
+    replay = mr.TraceReplay(model)
+    ids, pos = _tokens(23, seed=31)
+    spy = _RouterSpy(model)
+    try:
+        with torch.no_grad():
+            with replay.native():
+                model(ids, pos, attention_mask=None)
+            native_probs = dict(spy.probs)
+            native = torch.stack(
+                [spy.maps[layer].nonzero()[:, 1].view(-1, _K) for layer in _LAYERS], dim=1
+            )
+            with replay.micro_batch(_trace(native)):
+                model(ids, pos, attention_mask=None)
+    finally:
+        spy.remove()
+        replay.remove()
+    for layer in _LAYERS:
+        assert torch.allclose(spy.probs[layer], native_probs[layer], atol=1e-6, rtol=0), layer
+        assert replay.stats()[layer].as_dict()["exact_match"] == 1.0
