@@ -35,11 +35,33 @@ struct Tables {
   int64_t group = 1;   // rows per pack
   int64_t bits = 0;    // bits per pack
   std::vector<uint64_t> c;    // c[m * (e + 1) + a] = C(a, m), a <= E
-  std::vector<int32_t> lo;    // lo[m * 66 + b] = smallest a with bit_length(C(a, m)) >= b
+  // Decode hints: for r in bucket key(r) (its bit length and the next 4 bits),
+  // the largest a with C(a, m) <= r lies in [lo[m][key], hi[m][key]].
+  std::vector<int32_t> lo, hi;
+  int32_t step = 0;  // the largest power of two <= max(hi - lo) over the hints
   uint64_t binom(int64_t a, int64_t m) const { return c[m * (e + 1) + a]; }
 };
 
+constexpr int kKeys = 32 + 59 * 16;  // r < 32 exact; else (bit length 6..64, 4 bits)
+
 int bit_length(uint64_t x) { return x ? 64 - __builtin_clzll(x) : 0; }
+
+inline int key_of(uint64_t r) {
+  if (r < 32) return static_cast<int>(r);
+  const int b = bit_length(r);  // >= 6
+  return 32 + (b - 6) * 16 + static_cast<int>((r >> (b - 5)) & 15);
+}
+
+// The smallest and largest r of bucket `key`.
+void key_range(int key, uint64_t& r0, uint64_t& r1) {
+  if (key < 32) {
+    r0 = r1 = static_cast<uint64_t>(key);
+    return;
+  }
+  const int b = (key - 32) / 16 + 6, frac = (key - 32) % 16;
+  r0 = (uint64_t{1} << (b - 1)) | (static_cast<uint64_t>(frac) << (b - 5));
+  r1 = r0 | ((uint64_t{1} << (b - 5)) - 1);
+}
 
 Tables make_tables(int64_t e, int64_t k) {
   Tables t;
@@ -69,19 +91,32 @@ Tables make_tables(int64_t e, int64_t k) {
     pow = next;
     ++t.group;
   }
-  // bits for values < N^G: bit_length(N^G - 1)
-  const unsigned __int128 top = pow - 1;
-  t.bits = top >> 64 ? 64 + bit_length(static_cast<uint64_t>(top >> 64))
-                     : bit_length(static_cast<uint64_t>(top));
+  // bits for values < N^G <= 2^64: bit_length(N^G - 1) <= 64
+  t.bits = bit_length(static_cast<uint64_t>(pow - 1));
   // N == 1 (K == E): every row is the full set, 0 bits.
-  t.lo.assign(static_cast<size_t>((k + 1) * 66), static_cast<int32_t>(e + 1));
+  t.lo.assign(static_cast<size_t>((k + 1) * kKeys), 0);
+  t.hi.assign(static_cast<size_t>((k + 1) * kKeys), 0);
+  // largest a in [0, E] with C(a, m) <= r (C(0, m) = 0 for m >= 1)
+  auto largest = [&t, e](int64_t m, uint64_t r) {
+    int64_t lo_a = 0, hi_a = e;
+    while (lo_a < hi_a) {
+      const int64_t mid = (lo_a + hi_a + 1) / 2;
+      if (t.binom(mid, m) <= r) lo_a = mid;
+      else hi_a = mid - 1;
+    }
+    return lo_a;
+  };
   for (int64_t m = 1; m <= k; ++m) {
-    for (int b = 0; b <= 65; ++b) {
-      int64_t a = 0;
-      while (a <= e && bit_length(t.binom(a, m)) < b) ++a;
-      t.lo[m * 66 + b] = static_cast<int32_t>(a);
+    for (int key = 0; key < kKeys; ++key) {
+      uint64_t r0, r1;
+      key_range(key, r0, r1);
+      t.lo[m * kKeys + key] = static_cast<int32_t>(largest(m, r0));
+      t.hi[m * kKeys + key] = static_cast<int32_t>(largest(m, r1));
     }
   }
+  int32_t width = 0;
+  for (size_t i = 0; i < t.lo.size(); ++i) width = std::max(width, t.hi[i] - t.lo[i]);
+  t.step = width > 0 ? int32_t{1} << (bit_length(static_cast<uint64_t>(width)) - 1) : 0;
   return t;
 }
 
@@ -107,51 +142,75 @@ const Tables& tables(int64_t e, int64_t k) {
   return cache.back();
 }
 
+// Rank of one row without sorting: a_i's position in the sorted set is the
+// number of ids below it, so r = sum_i C(a_i, 1 + #{j: a_j < a_i}); branch-free.
 template <typename I>
 uint64_t rank_row(const I* row, int64_t k, const Tables& t, int64_t index, const char* name) {
-  int64_t a[kMaxK];
+  int32_t a[kMaxK];
+  bool out_of_range = false;
   for (int64_t i = 0; i < k; ++i) {
-    const int64_t v = static_cast<int64_t>(row[i]);
-    COMPASS_CHECK(v >= 0 && v < t.e, name, ": expert id ", v, " out of range [0, ", t.e,
-                  ") at row ", index);
-    int64_t j = i;
-    while (j > 0 && a[j - 1] > v) {
-      a[j] = a[j - 1];
-      --j;
-    }
-    a[j] = v;
+    a[i] = static_cast<int32_t>(row[i]);
+    out_of_range |= (a[i] < 0) | (a[i] >= t.e);
   }
   uint64_t r = 0;
-  for (int64_t i = 0; i < k; ++i) {
-    COMPASS_CHECK(i == 0 || a[i] != a[i - 1], name, ": expert ", a[i], " twice in row ", index);
-    r += t.binom(a[i], i + 1);
+  int64_t equal = 0;
+  if (!out_of_range) {
+    for (int64_t i = 0; i < k; ++i) {
+      int64_t below = 0;
+      for (int64_t j = 0; j < k; ++j) {
+        below += a[j] < a[i];
+        equal += a[j] == a[i];
+      }
+      r += t.c[(below + 1) * (t.e + 1) + a[i]];
+    }
+  }
+  if (out_of_range || equal != k) {  // cold: name the row and the id
+    for (int64_t i = 0; i < k; ++i) {
+      COMPASS_CHECK(a[i] >= 0 && a[i] < t.e, name, ": expert id ", a[i], " out of range [0, ",
+                    t.e, ") at row ", index);
+      for (int64_t j = 0; j < i; ++j) {
+        COMPASS_CHECK(a[j] != a[i], name, ": expert ", a[i], " twice in row ", index);
+      }
+    }
   }
   return r;
 }
 
+// Unrank kBatch rows at once, level by level (m = K .. 1): the rows are
+// independent, so the CPU overlaps their dependent table lookups. Within a
+// level, a fixed number of branch-free halving steps over the hinted range.
+constexpr int kBatch = 8;
+
 template <typename I>
-void unrank_row(uint64_t r, int64_t k, const Tables& t, I* out) {
-  int64_t hi = t.e - 1;  // a_{m-1} <= hi
+void unrank_rows(const uint64_t* ranks, int n, int64_t k, const Tables& t, I* out) {
+  uint64_t r[kBatch];
+  int32_t prev[kBatch];
+  for (int j = 0; j < n; ++j) {
+    r[j] = ranks[j];
+    prev[j] = static_cast<int32_t>(t.e);
+  }
+  const int64_t stride = t.e + 1;
   for (int64_t m = k; m >= 1; --m) {
-    int64_t a;
-    if (r == 0) {
-      a = m - 1;
-    } else {
-      const int b = bit_length(r);
-      // C(a, m) <= r < 2^b: bit_length(C(a, m)) <= b, a < lo[m][b + 1];
-      // C(a + 1, m) > r >= 2^(b-1): bit_length(C(a + 1, m)) >= b, a + 1 >= lo[m][b].
-      int64_t lo_a = std::max<int64_t>(m - 1, t.lo[m * 66 + b] - 1);
-      int64_t hi_a = std::min<int64_t>(hi, t.lo[m * 66 + b + 1] - 1);
-      while (lo_a < hi_a) {  // the largest a in [lo_a, hi_a] with C(a, m) <= r
-        const int64_t mid = (lo_a + hi_a + 1) / 2;
-        if (t.binom(mid, m) <= r) lo_a = mid;
-        else hi_a = mid - 1;
-      }
-      a = lo_a;
+    const uint64_t* cm = t.c.data() + m * stride;
+    const int32_t* lo_m = t.lo.data() + m * kKeys;
+    const int32_t* hi_m = t.hi.data() + m * kKeys;
+    int32_t lo[kBatch], hi[kBatch];
+    for (int j = 0; j < n; ++j) {
+      const int key = key_of(r[j]);
+      lo[j] = std::max<int32_t>(static_cast<int32_t>(m - 1), lo_m[key]);
+      hi[j] = std::min<int32_t>(prev[j] - 1, hi_m[key]);
     }
-    out[m - 1] = static_cast<I>(a);
-    r -= t.binom(a, m);
-    hi = a - 1;
+    for (int32_t step = t.step; step > 0; step >>= 1) {
+      for (int j = 0; j < n; ++j) {  // independent rows: their loads overlap
+        const int32_t cand = lo[j] + step;
+        lo[j] = (cand <= hi[j] && cm[cand] <= r[j]) ? cand : lo[j];
+      }
+    }
+    for (int j = 0; j < n; ++j) {
+      out[j * k + m - 1] = static_cast<I>(lo[j]);
+      r[j] -= cm[lo[j]];
+      prev[j] = lo[j];
+    }
   }
 }
 
@@ -160,16 +219,10 @@ struct BitWriter {
   uint8_t* p;
   unsigned __int128 acc = 0;
   int nbits = 0;
-  void put(uint64_t v, int bits_hi, uint64_t v_hi, int bits) {
-    // bits <= 64 from v, then bits_hi more from v_hi (bits_hi <= 64)
+  void put(uint64_t v, int bits) {  // bits <= 64
     acc |= static_cast<unsigned __int128>(v) << nbits;
     nbits += bits;
     flush();
-    if (bits_hi) {
-      acc |= static_cast<unsigned __int128>(v_hi) << nbits;
-      nbits += bits_hi;
-      flush();
-    }
   }
   void flush() {
     while (nbits >= 8) {
@@ -244,15 +297,13 @@ void encode_sets_cpu(TensorView ids, int64_t num_experts, TensorView out) {
       if (p0 >= p1) return;
       BitWriter w{dst + p0 * t.bits / 8};
       for (int64_t p = p0; p < p1; ++p) {
-        unsigned __int128 v = 0;
         const int64_t r0 = p * t.group;
         const int64_t r1 = std::min(rows, r0 + t.group);
+        uint64_t v = 0;  // < N^G <= 2^64
         for (int64_t r = r1 - 1; r >= r0; --r) {
           v = v * t.n + rank_row<I>(src + r * k, k, t, r, ids.name);
         }
-        const int lo_bits = t.bits > 64 ? 64 : static_cast<int>(t.bits);
-        const int hi_bits = t.bits > 64 ? static_cast<int>(t.bits - 64) : 0;
-        w.put(static_cast<uint64_t>(v), hi_bits, static_cast<uint64_t>(v >> 64), lo_bits);
+        w.put(v, static_cast<int>(t.bits));
       }
       w.finish();
     };
@@ -292,18 +343,25 @@ void decode_sets_cpu(TensorView data, int64_t num_experts, TensorView ids) {
     auto run = [&](int64_t p0, int64_t p1) -> int64_t {
       if (p0 >= p1) return -1;
       BitReader rd{src + p0 * t.bits / 8, end};
+      uint64_t ranks[kBatch];
+      int nb = 0;
       for (int64_t p = p0; p < p1; ++p) {
-        const int lo_bits = t.bits > 64 ? 64 : static_cast<int>(t.bits);
-        unsigned __int128 v = lo_bits ? rd.get(lo_bits) : 0;
-        if (t.bits > 64) {
-          v |= static_cast<unsigned __int128>(rd.get(static_cast<int>(t.bits - 64))) << 64;
-        }
+        uint64_t v = t.bits ? rd.get(static_cast<int>(t.bits)) : 0;
         const int64_t r0 = p * t.group;
         const int64_t r1 = std::min(rows, r0 + t.group);
+        if (t.group == 1) {
+          if (v >= t.n) return p;
+          ranks[nb++] = v;
+          if (nb == kBatch || r1 == rows || p + 1 == p1) {
+            unrank_rows<I>(ranks, nb, k, t, dst + (r1 - nb) * k);
+            nb = 0;
+          }
+          continue;
+        }
         for (int64_t r = r0; r < r1; ++r) {
-          const uint64_t rank = static_cast<uint64_t>(v % t.n);
+          const uint64_t rank = v % t.n;
           v /= t.n;
-          unrank_row<I>(rank, k, t, dst + r * k);
+          unrank_rows<I>(&rank, 1, k, t, dst + r * k);
         }
         if (v != 0) return p;  // a value >= N^G: corrupted data
       }
