@@ -327,6 +327,12 @@ def test_opcheck_and_compile():
 
     compiled = torch.compile(f, backend="eager", fullgraph=True)
     assert torch.allclose(compiled(z.detach()), f(z.detach()))
+    # With grad: traced through the registered autograd, eager through _ReplayFunction.
+    x1, x2 = z.detach().clone().requires_grad_(True), z.detach().clone().requires_grad_(True)
+    compiled(x1).backward()
+    f(x2).backward()
+    assert x1.grad is not None and torch.allclose(x1.grad, x2.grad)
+    assert (x1.grad != 0).any()
 
 
 # Planted bugs (cmake/emu.cmake builds each into _C_emu.mutants.routing): each

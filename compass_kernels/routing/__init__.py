@@ -284,7 +284,10 @@ def replay_topk(
     args = (z, ids, bias, valid, SCORE_FUNCTIONS[score_function], bool(normalize),
             float(scaling), ratio)  # fmt: skip
     if z.requires_grad and torch.is_grad_enabled():
-        w, rmap, tpe, counts, used = torch.ops.compass.replay_topk(*args, backend)
+        if torch.compiler.is_compiling():  # traced: the op and its registered autograd
+            w, rmap, tpe, counts, used = torch.ops.compass.replay_topk(*args, backend)
+        else:  # eager: the same kernels, ~3x less host time than the dispatcher path
+            w, rmap, tpe, counts, used = _ReplayFunction.apply(backend, *args)
     else:
         w, rmap, tpe, counts, used = replay_topk_op(*args, backend=backend)
     k = ids.shape[1]
@@ -382,6 +385,33 @@ def _backward(ctx, grad_w, *_):
 
 
 torch.library.register_autograd("compass::replay_topk", _backward, setup_context=_setup_context)
+
+
+class _ReplayFunction(torch.autograd.Function):
+    """Eager autograd of replay_topk: the registered op's kernels without a trip
+    through the torch dispatcher (measured on this host: 54 us vs 165 us per
+    call with grad at T=16, E=64). Same forward and backward ops."""
+
+    @staticmethod
+    def forward(ctx, backend, logits, ids, bias, valid, score_function, normalize, scaling, ratio):
+        outs = replay_topk_op.run(
+            (logits, ids, bias, valid, score_function, normalize, scaling, ratio), backend
+        )
+        ctx.save_for_backward(logits, outs[4])
+        ctx.mark_non_differentiable(*outs[1:])
+        ctx.score_function, ctx.normalize, ctx.scaling = score_function, normalize, scaling
+        ctx.backend = backend
+        return outs
+
+    @staticmethod
+    def backward(ctx, grad_w, *_):
+        logits, used = ctx.saved_tensors
+        g = grad_w if grad_w.dtype == logits.dtype else grad_w.to(logits.dtype)
+        g = g if g.is_contiguous() else g.contiguous()
+        grad = replay_topk_backward_op(
+            g, logits, used, ctx.score_function, ctx.normalize, ctx.scaling, backend=ctx.backend
+        )
+        return None, grad, None, None, None, None, None, None, None
 
 
 def _desc(t) -> str:
