@@ -13,10 +13,13 @@ Layout (little-endian), version 1:
       if has missing: missing bit mask (np.packbits of [num_rows, layers], little bit
         order) | missing_reason uint8[num_rows]
       payload (payload_bytes): codec 0 = the ids array as stored (uint8 / int16 LE),
-        missing rows holding 0..top_k-1; codec 1 = set-coded rows (see csrc/routing).
+        missing rows holding 0..top_k-1; codec 1 = set coding (csrc/routing/codec_cpu.cpp):
+        each row's set as its rank among the C(E, K) subsets, G rows per fixed-width
+        pack (G the largest with C(E, K)^G <= 2^64), ceil(log2 C(E, K)^G) bits per pack.
 
-Missing rows are not information: decode returns them as 0..top_k-1, so
-``decode(encode(t)) == t.canonical()`` bit for bit.
+Missing rows are not information and a row is a set: decode returns missing
+rows as 0..top_k-1 and (codec "set") every row ascending, so
+``decode(encode(t)) == t.canonical(sort=codec == "set")`` bit for bit.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ def encode(trace: RoutingTrace, *, codec: str = "raw") -> bytes:
     code = CODECS.get(codec)
     if code is None:
         raise ValueError(f"codec: expected one of {tuple(CODECS)}, got {codec!r}")
-    t = trace.canonical() if trace.missing is not None else trace
+    t = trace.canonical() if trace.missing is not None else trace  # missing rows: 0..K-1
     ids = t.expert_ids.cpu().contiguous().numpy()
     n_rows, n_cols, k = ids.shape
     parts = [
@@ -128,9 +131,14 @@ def decode(data: bytes, *, device=None) -> RoutingTrace:
     else:
         from compass_kernels.routing import _setcode
 
-        ids = _setcode.decode_sets(payload, n_rows * n_cols, k, experts, dt).reshape(
-            n_rows, n_cols, k
-        )
+        want = _setcode.payload_bytes(n_rows * n_cols, experts, k)
+        if len(payload) != want:
+            raise TraceError(f"decode: set payload is {len(payload)} bytes, expected {want}")
+        try:
+            ids = _setcode.decode_sets(payload, n_rows * n_cols, k, experts, dt)
+        except ValueError as err:
+            raise TraceError(f"decode: {err}") from None
+        ids = ids.reshape(n_rows, n_cols, k)
     tr = RoutingTrace(
         ids, cu, experts, layer_ids=layer_ids, missing=missing, missing_reason=reason,
         mtp_layer_ids=mtp,

@@ -291,12 +291,15 @@ class RoutingTrace:
             return self.missing_reason
         return torch.zeros(self.num_tokens, dtype=torch.uint8, device=self.device)
 
-    def canonical(self) -> RoutingTrace:
-        """A copy whose missing rows hold 0..top_k-1 (what :meth:`decode` returns)."""
+    def canonical(self, *, sort: bool = False) -> RoutingTrace:
+        """A copy whose missing rows hold 0..top_k-1 and, with ``sort``, every row
+        ascending: what :meth:`decode` returns for the raw / set codec."""
         ids = self.expert_ids.clone()
         if self.missing is not None:
             fill = torch.arange(self.top_k, device=self.device).to(ids.dtype)
             ids[self.missing] = fill
+        if sort:
+            ids = ids.sort(dim=-1).values
         return self._with(ids, self.cu_seqlens, self.missing, self.missing_reason)
 
     def _with(self, ids, cu, missing, reason, layer_ids=None, mtp=None) -> RoutingTrace:
@@ -861,17 +864,23 @@ class RoutingTrace:
         )
 
     # ------------------------------------------------------------ codec
-    def encode(self, *, codec: str = "raw") -> bytes:
-        """Serialize losslessly (see compass_kernels.routing.codec for the format)."""
+    def encode(self, *, codec: str = "set") -> bytes:
+        """Serialize losslessly: a versioned header (shape, experts, layer keys,
+        CRC32), then the payload. ``codec="set"`` (default) stores each row's
+        set in ceil(log2 C(E, K)) bits or less (E=256, K=8: 49 bits vs 64 for
+        uint8); ``"raw"`` the ids as stored. Rows are sets: "set" keeps no
+        order within a row (decode returns rows ascending). Format:
+        compass_kernels/routing/codec.py."""
         from compass_kernels.routing import codec as _codec
 
         return _codec.encode(self, codec=codec)
 
     @staticmethod
     def decode(data: bytes, *, device=None) -> RoutingTrace:
-        """Inverse of :meth:`encode`; missing rows come back holding 0..top_k-1
-        (``trace.canonical()``). Raises :class:`TraceError` on a bad header,
-        version or checksum."""
+        """Inverse of :meth:`encode`: ``decode(encode(t, codec=c)) ==
+        t.canonical(sort=c == "set")`` bit for bit (missing rows hold
+        0..top_k-1). Raises :class:`TraceError` on a bad header, version,
+        checksum or payload."""
         from compass_kernels.routing import codec as _codec
 
         return _codec.decode(data, device=device)
