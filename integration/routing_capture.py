@@ -27,7 +27,8 @@ Rows the engine did not compute for this request are *missing*, never zeros:
   is kept (it produced the tokens sampled before preemption) and every
   recomputed row is compared with it. A row whose recompute chose different
   experts is marked missing (which routing a trainer should replay is then
-  ambiguous); equal rows stay valid and are counted;
+  ambiguous); equal rows stay valid and are counted (or are marked missing
+  too with ``to_trace(recomputed="missing")``);
 - any other row never computed (e.g. KV received from elsewhere).
 
 The worker-side capture checks each step that every MoE layer reported exactly
@@ -72,6 +73,7 @@ __all__ = [
     "RoutingCapture",
     "enable_routing_capture",
     "register_plugin",
+    "unregister_plugin",
 ]
 
 #: vLLM versions the ``hook`` path was written against (runner internals it reads).
