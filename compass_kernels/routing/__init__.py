@@ -1,0 +1,420 @@
+"""Router capture and replay (ck.routing): the trace, its codec and re-layout,
+and the fused replay of recorded expert ids on the trainer's router logits.
+
+Contract (docs/design.md, "Router capture and replay"):
+
+- :class:`RoutingTrace` holds, per token of a batch of sequences (packed, with
+  int64 ``cu_seqlens``), the top-k LOGICAL expert ids of every MoE layer,
+  ``expert_ids[total_tokens, num_moe_layers (+ num_mtp_layers), top_k]``, dtype
+  uint8 when num_experts <= 256 else int16 (up to 32768 experts).
+- Columns are keyed by the model's GLOBAL layer number (``layer_ids``), MoE
+  layers only: dense layers have no column and shift nothing. MTP layers are
+  keyed apart (``mtp_layer_ids``, their own 0-based depth index) and are
+  dropped by :meth:`RoutingTrace.slice` unless asked for.
+- Row t of a sequence is the routing used when token t was the model's
+  input: a finished sequence of prompt + generated = N tokens has N - 1 rows.
+- Rows not computed by the engine are marked missing (``missing`` bool mask,
+  ``missing_reason`` per token: :class:`MissingReason`), never zeros or
+  stale. Replay routes a missing row natively and counts it.
+- Multi-turn: :meth:`RoutingTrace.stitch` appends a later turn's trace.
+
+Typical training use, per MoE layer and micro-batch::
+
+    local = trace.slice(layers=stage_layers, sequences=mb, cp_size=2, cp_rank=r,
+                        cp_layout="zigzag", pad_multiple=4)   # once per micro-batch
+    local.validate(moe_layer_ids=stage_moe_layers)            # one host sync
+    col = list(local.layer_ids).index(layer_number)
+    ids = local.expert_ids[:, col]                             # [tokens, top_k]
+    valid = ~local.missing[:, col] if local.missing is not None else None
+    res = replay_topk(router_logits, ids, score_function="sigmoid",
+                      expert_bias=router.expert_bias, scaling=2.5, valid=valid)
+    probs = torch.zeros_like(router_logits).scatter(1, res.expert_ids, res.weights)
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from compass_kernels._op import register_op
+from compass_kernels.routing.trace import MissingReason, RoutingTrace, TraceError, ids_dtype
+
+__all__ = [
+    "MissingReason",
+    "ReplayResult",
+    "ReplayStats",
+    "RoutingTrace",
+    "TraceError",
+    "ids_dtype",
+    "replay_topk",
+    "SCORE_FUNCTIONS",
+]
+
+SCORE_FUNCTIONS = {"softmax": 0, "sigmoid": 1}
+_FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_IDS = (torch.uint8, torch.int16, torch.int32, torch.int64)
+
+
+class ReplayStats:
+    """Replay statistics of one :func:`replay_topk` call, kept on the logits' device.
+
+    ``counts`` is an int64 [6] device tensor: (rows, candidates, overlap_sum,
+    exact_rows, rejected_rows, bad_rows). Candidates are the rows with
+    ``valid`` True and well-formed ids. Every property is a 0-d device tensor
+    computed when read (no host sync until you call ``.item()``); sum
+    ``counts`` over layers or micro-batches and wrap the sum in ``ReplayStats``
+    to aggregate.
+
+    agreement : mean over candidates of |native top-k ∩ replayed| / top_k
+        (1.0 when the trainer would route exactly as the trace; NaN with no
+        candidate).
+    exact_match : fraction of candidates whose native set equals the replayed set.
+    fallback_rows : rows routed natively because missing (valid False) or bad.
+    rejected_rows : candidates routed natively by ``min_score_ratio``.
+    replace_rate : rejected_rows / candidates (0 without ``min_score_ratio``).
+    replayed_rows : rows that used the trace's ids.
+    bad_rows : valid rows with an id out of [0, E) or twice (routed natively;
+        the CPU path and ``validate=True`` raise instead).
+    """
+
+    __slots__ = ("counts", "top_k")
+
+    def __init__(self, counts: torch.Tensor, top_k: int) -> None:
+        self.counts = counts
+        self.top_k = top_k
+
+    @property
+    def rows(self) -> torch.Tensor:
+        return self.counts[0]
+
+    @property
+    def agreement(self) -> torch.Tensor:
+        return self.counts[2].to(torch.float64) / (self.counts[1] * self.top_k)
+
+    @property
+    def exact_match(self) -> torch.Tensor:
+        return self.counts[3].to(torch.float64) / self.counts[1]
+
+    @property
+    def fallback_rows(self) -> torch.Tensor:
+        return self.counts[0] - self.counts[1]
+
+    @property
+    def rejected_rows(self) -> torch.Tensor:
+        return self.counts[4]
+
+    @property
+    def replayed_rows(self) -> torch.Tensor:
+        return self.counts[1] - self.counts[4]
+
+    @property
+    def bad_rows(self) -> torch.Tensor:
+        return self.counts[5]
+
+    @property
+    def replace_rate(self) -> torch.Tensor:
+        return self.counts[4].to(torch.float64) / self.counts[1].clamp(min=1)
+
+    def as_dict(self) -> dict[str, float]:
+        """Host floats (one host sync)."""
+        c = self.counts.tolist()
+        cand = c[1]
+        return {
+            "rows": c[0],
+            "agreement": c[2] / (cand * self.top_k) if cand else float("nan"),
+            "exact_match": c[3] / cand if cand else float("nan"),
+            "fallback_rows": c[0] - c[1],
+            "rejected_rows": c[4],
+            "replayed_rows": c[1] - c[4],
+            "replace_rate": c[4] / cand if cand else 0.0,
+            "bad_rows": c[5],
+        }
+
+    def __repr__(self) -> str:
+        return f"ReplayStats({self.as_dict()})"
+
+
+class ReplayResult(NamedTuple):
+    """Result of :func:`replay_topk` (unpacks as a 5-tuple; the first four are
+    (weights, routing_map, tokens_per_expert, stats))."""
+
+    weights: torch.Tensor
+    routing_map: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    stats: ReplayStats
+    expert_ids: torch.Tensor
+
+
+def _check_replay_args(router_logits, expert_ids, score_function, expert_bias, valid,
+                       min_score_ratio, scaling):  # fmt: skip
+    if not isinstance(router_logits, torch.Tensor) or router_logits.dim() != 2:
+        raise ValueError(
+            "router_logits: expected a 2-d tensor [tokens, num_experts], got "
+            + _desc(router_logits)
+        )
+    if router_logits.dtype not in _FLOAT:
+        raise ValueError(
+            "router_logits: expected dtype float16 | bfloat16 | float32 | float64, got "
+            + _desc(router_logits)
+        )
+    t, e = router_logits.shape
+    dev = router_logits.device
+    if not isinstance(expert_ids, torch.Tensor) or expert_ids.dim() != 2:
+        raise ValueError(
+            f"expert_ids: expected a 2-d tensor [tokens, top_k], got {_desc(expert_ids)}"
+        )
+    if expert_ids.dtype not in _IDS:
+        raise ValueError(
+            f"expert_ids: expected dtype uint8 | int16 | int32 | int64, got {_desc(expert_ids)}"
+        )
+    if expert_ids.shape[0] != t:
+        raise ValueError(
+            f"expert_ids: expected {t} rows (one per router_logits row), got {_desc(expert_ids)}"
+        )
+    k = expert_ids.shape[1]
+    if not 1 <= k <= e:
+        raise ValueError(f"expert_ids: top_k = {k} must be in [1, num_experts = {e}]")
+    if expert_ids.device != dev:
+        raise ValueError(f"expert_ids: expected a tensor on {dev}, got {_desc(expert_ids)}")
+    if score_function not in SCORE_FUNCTIONS:
+        raise ValueError(f"score_function: expected 'softmax' or 'sigmoid', got {score_function!r}")
+    if expert_bias is not None:
+        if not isinstance(expert_bias, torch.Tensor) or expert_bias.dtype not in _FLOAT:
+            raise ValueError(
+                f"expert_bias: expected a float tensor [{e}], got {_desc(expert_bias)}"
+            )
+        if tuple(expert_bias.shape) != (e,) or expert_bias.device != dev:
+            raise ValueError(
+                f"expert_bias: expected shape [{e}] (num_experts) on {dev}, got "
+                + _desc(expert_bias)
+            )
+    if valid is not None:
+        if not isinstance(valid, torch.Tensor) or valid.dtype != torch.bool:
+            raise ValueError(f"valid: expected a bool tensor [{t}], got {_desc(valid)}")
+        if tuple(valid.shape) != (t,) or valid.device != dev:
+            raise ValueError(f"valid: expected shape [{t}] (tokens) on {dev}, got {_desc(valid)}")
+    if min_score_ratio is not None and not (float(min_score_ratio) >= 0):
+        raise ValueError(f"min_score_ratio: expected None or a float >= 0, got {min_score_ratio!r}")
+    if not isinstance(scaling, (int, float)) or not (float(scaling) == float(scaling)):
+        raise ValueError(f"scaling: expected a finite float, got {scaling!r}")
+
+
+def replay_topk(
+    router_logits: torch.Tensor,
+    expert_ids: torch.Tensor,
+    *,
+    score_function: str = "softmax",
+    normalize: bool = True,
+    expert_bias: torch.Tensor | None = None,
+    scaling: float = 1.0,
+    valid: torch.Tensor | None = None,
+    min_score_ratio: float | None = None,
+    validate: bool = False,
+    backend: str | None = None,
+) -> ReplayResult:
+    """Gate the router's logits at the replayed experts, in one pass, for one MoE layer.
+
+    Parameters
+    ----------
+    router_logits : [T, E] float16 | bfloat16 | float32 | float64, the trainer's
+        router logits (requires_grad as usual). Computed in float32 (float64
+        for float64 input).
+    expert_ids : [T, K] uint8 | int16 | int32 | int64: the trace's LOGICAL ids
+        for this layer (e.g. ``trace.expert_ids[:, col]``), distinct within a
+        row, in [0, E) (validate the trace first: rows with valid True are read
+        unchecked on GPU, ids outside [0, E) there are undefined behaviour; the
+        CPU kernel raises).
+    score_function : "softmax" | "sigmoid" (Megatron's moe_router_score_function).
+    normalize : softmax: True = softmax over the K selected logits (top-k then
+        softmax, Qwen3 norm_topk_prob), False = softmax over all E then take K;
+        sigmoid: True = divide by (sum of the K scores + 1e-20) when K > 1
+        (DeepSeek-V3), False = raw sigmoid scores.
+    expert_bias : [E] float or None: added to the scores for NATIVE selection
+        only (DeepSeek-V3 aux-free balancing); never enters a weight.
+    scaling : multiplies every weight (moe_router_topk_scaling_factor).
+    valid : [T] bool or None: False marks a missing trace row; it is routed
+        natively (the K largest of score + bias, ties to the lower index) and
+        counted in ``stats.fallback_rows``.
+    min_score_ratio : None, or replay a row only when the smallest score of its
+        replayed experts is >= ratio * the smallest score of the native top-k
+        (scores without bias); other rows are routed natively and counted in
+        ``stats.rejected_rows`` / ``stats.replace_rate``.
+    validate : on CUDA, raise on a malformed valid row (an id out of range or
+        twice) at the cost of one host sync. Without it such rows are routed
+        natively and counted in ``stats.bad_rows`` (never read out of bounds).
+        On CPU the check is always made (no sync to pay).
+    backend : None (default dispatch: "cpp" on CPU, "cuda" on GPU), "cuda",
+        "triton", or the test-only "cuda-emulated".
+
+    Returns
+    -------
+    ReplayResult(weights, routing_map, tokens_per_expert, stats, expert_ids):
+    weights : [T, K] router_logits' dtype, gating weight of ``expert_ids[t, k]``,
+        differentiable w.r.t. router_logits: the gradient reaches the logit of
+        every replayed expert, including ones the native top-k would not pick.
+    routing_map : [T, E] bool, True at the K experts each row uses.
+    tokens_per_expert : [E] int64, rows routed to each expert (for the
+        load-balancing loss), on the device.
+    stats : :class:`ReplayStats` (device tensors, no host sync).
+    expert_ids : [T, K] int64, the ids each row used (the trace's, or the
+        native top-k in descending score order for fallback / rejected rows);
+        scatter ``weights`` at these to build Megatron's dense probs [T, E].
+
+    No host sync on any device path. Per-call host overhead: bench/bench_routing.py.
+    """
+    _check_replay_args(router_logits, expert_ids, score_function, expert_bias, valid,
+                       min_score_ratio, scaling)  # fmt: skip
+    z = router_logits
+    if z.dtype not in (torch.float32, torch.float64):
+        z = z.float()  # the kernels compute in float32; weights come back in bf16/fp16
+    if not z.is_contiguous():
+        z = z.contiguous()
+    ids = expert_ids if expert_ids.is_contiguous() else expert_ids.contiguous()
+    bias = expert_bias
+    if bias is not None:
+        bias = bias.detach()
+        if bias.dtype != z.dtype:
+            bias = bias.to(z.dtype)
+        if not bias.is_contiguous():
+            bias = bias.contiguous()
+    if valid is not None and not valid.is_contiguous():
+        valid = valid.contiguous()
+    ratio = -1.0 if min_score_ratio is None else float(min_score_ratio)
+    args = (z, ids, bias, valid, SCORE_FUNCTIONS[score_function], bool(normalize),
+            float(scaling), ratio)  # fmt: skip
+    if z.requires_grad and torch.is_grad_enabled():
+        if torch.compiler.is_compiling():  # traced: the op and its registered autograd
+            w, rmap, tpe, counts, used = torch.ops.compass.replay_topk(*args, backend)
+        else:  # eager: the same kernels, ~3x less host time than the dispatcher path
+            w, rmap, tpe, counts, used = _ReplayFunction.apply(backend, *args)
+    else:
+        w, rmap, tpe, counts, used = replay_topk_op(*args, backend=backend)
+    k = ids.shape[1]
+    # The C++ kernel raises on bad rows itself; the other CPU backends and the
+    # GPU with validate=True read the bad-row counter (free on CPU, a sync on GPU).
+    check = validate or (z.device.type == "cpu" and backend not in (None, "cpp"))
+    if check and not torch.compiler.is_compiling():
+        _raise_bad_rows(counts, ids, valid, z.shape[1])
+    if w.dtype != router_logits.dtype:
+        w = w.to(router_logits.dtype)
+    return ReplayResult(w, rmap, tpe, ReplayStats(counts, k), used)
+
+
+def _raise_bad_rows(counts, ids, valid, e) -> None:
+    """Raise naming the first malformed valid row (one host sync; free on CPU)."""
+    if int(counts[5]) == 0:
+        return
+    x = ids.to(torch.int64)
+    oob = ((x < 0) | (x >= e)).any(-1)
+    srt = x.sort(-1).values
+    dup = (srt[:, 1:] == srt[:, :-1]).any(-1)
+    bad = oob | dup
+    if valid is not None:
+        bad &= valid
+    t = int(bad.nonzero()[0, 0])
+    row = x[t].tolist()
+    if bool(oob[t]):
+        v = next(v for v in row if not 0 <= v < e)
+        raise ValueError(f"expert_ids: expert id {v} out of range [0, {e}) at row {t}: {row}")
+    v = next(v for v in row if row.count(v) > 1)
+    raise ValueError(f"expert_ids: expert {v} twice in row {t}: {row}")
+
+
+# ---------------------------------------------------------------------- ops
+# One declaration per op (compass_kernels/_op.py): torch.ops.compass.<name>,
+# its fake (the output allocator), the backend table and the dispatch.
+
+
+def _replay_outputs(logits, ids, bias, valid, score_function, normalize, scaling, ratio):
+    t, e = logits.shape
+    return (
+        torch.empty_like(ids, dtype=logits.dtype),
+        torch.empty_like(logits, dtype=torch.bool),
+        logits.new_empty(e, dtype=torch.int64),
+        logits.new_empty(6, dtype=torch.int64),
+        torch.empty_like(ids, dtype=torch.int64),
+    )
+
+
+replay_topk_op = register_op(
+    "replay_topk",
+    "(Tensor logits, Tensor expert_ids, Tensor? expert_bias, Tensor? valid, int score_function,"
+    " bool normalize, float scaling, float min_score_ratio)"
+    " -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    outputs=_replay_outputs,
+    kernels={
+        "cpp": "routing.replay_topk_cpu",
+        "cuda": "routing.replay_topk_cuda",
+        "triton": "compass_kernels.routing.triton:replay_topk_triton",
+    },
+)
+
+replay_topk_backward_op = register_op(
+    "replay_topk_backward",
+    "(Tensor grad_weights, Tensor logits, Tensor ids_used, int score_function, bool normalize,"
+    " float scaling) -> Tensor",
+    outputs=lambda g, logits, *_: (torch.empty_like(logits),),
+    kernels={
+        "cpp": "routing.replay_topk_backward_cpu",
+        "cuda": "routing.replay_topk_backward_cuda",
+        "triton": "compass_kernels.routing.triton:replay_topk_backward_triton",
+    },
+)
+
+
+def _setup_context(ctx, inputs, output):
+    logits, _, _, _, score_function, normalize, scaling, _ = inputs[:8]
+    ctx.backend = inputs[8] if len(inputs) > 8 else None
+    ctx.save_for_backward(logits, output[4])
+    ctx.score_function, ctx.normalize, ctx.scaling = score_function, normalize, scaling
+
+
+def _backward(ctx, grad_w, *_):
+    logits, used = ctx.saved_tensors
+    g = grad_w
+    if g.dtype != logits.dtype:
+        g = g.to(logits.dtype)
+    if not g.is_contiguous():
+        g = g.contiguous()
+    # Through the dispatcher: under torch.compile / AOT the inputs are fake tensors.
+    grad = torch.ops.compass.replay_topk_backward(
+        g, logits, used, ctx.score_function, ctx.normalize, ctx.scaling, ctx.backend
+    )
+    return grad, None, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("compass::replay_topk", _backward, setup_context=_setup_context)
+
+
+class _ReplayFunction(torch.autograd.Function):
+    """Eager autograd of replay_topk: the registered op's kernels without a trip
+    through the torch dispatcher (measured on this host: 54 us vs 165 us per
+    call with grad at T=16, E=64). Same forward and backward ops."""
+
+    @staticmethod
+    def forward(ctx, backend, logits, ids, bias, valid, score_function, normalize, scaling, ratio):
+        outs = replay_topk_op.run(
+            (logits, ids, bias, valid, score_function, normalize, scaling, ratio), backend
+        )
+        ctx.save_for_backward(logits, outs[4])
+        ctx.mark_non_differentiable(*outs[1:])
+        ctx.score_function, ctx.normalize, ctx.scaling = score_function, normalize, scaling
+        ctx.backend = backend
+        return outs
+
+    @staticmethod
+    def backward(ctx, grad_w, *_):
+        logits, used = ctx.saved_tensors
+        g = grad_w if grad_w.dtype == logits.dtype else grad_w.to(logits.dtype)
+        g = g if g.is_contiguous() else g.contiguous()
+        grad = replay_topk_backward_op(
+            g, logits, used, ctx.score_function, ctx.normalize, ctx.scaling, backend=ctx.backend
+        )
+        return None, grad, None, None, None, None, None, None, None
+
+
+def _desc(t) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)} on {t.device}"
+    return type(t).__name__

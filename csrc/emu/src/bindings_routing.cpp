@@ -1,0 +1,40 @@
+// ck.routing's CUDA entry points (csrc/routing/replay.cu compiled for
+// emulation), one line each; plus the planted mutants the test suite must
+// catch (cmake/emu.cmake), one submodule each under `mutants.routing`.
+#include "bindings.h"
+#include "compass_emu_mutants.h"  // generated: COMPASS_EMU_MUTANTS_routing(X)
+#include "emu_pybind.h"
+#include "routing/routing_api.h"
+
+namespace compass {
+namespace routing {
+#define COMPASS_EMU_DECLARE(name)                                                     \
+  void replay_topk_cuda__##name(COMPASS_REPLAY_TOPK_ARGS, uintptr_t stream);          \
+  void replay_topk_backward_cuda__##name(COMPASS_REPLAY_TOPK_BACKWARD_ARGS, uintptr_t stream);
+COMPASS_EMU_MUTANTS_routing(COMPASS_EMU_DECLARE)
+#undef COMPASS_EMU_DECLARE
+}  // namespace routing
+
+namespace emu {
+
+void bind_routing(pybind11::module_& root) {
+  using namespace routing;
+  auto m = root.def_submodule("routing", "ck.routing CUDA entry points, emulated");
+  COMPASS_EMU_DEF(m, "replay_topk_cuda", replay_topk_cuda, COMPASS_REPLAY_TOPK_ARGS);
+  COMPASS_EMU_DEF(m, "replay_topk_backward_cuda", replay_topk_backward_cuda,
+                  COMPASS_REPLAY_TOPK_BACKWARD_ARGS);
+  auto mut = root.def_submodule("mutants").def_submodule("routing", "planted bugs");
+#define COMPASS_EMU_BIND(name)                                                         \
+  {                                                                                    \
+    auto sub = mut.def_submodule(#name);                                               \
+    COMPASS_EMU_DEF(sub, "replay_topk_cuda", replay_topk_cuda__##name,                 \
+                    COMPASS_REPLAY_TOPK_ARGS);                                         \
+    COMPASS_EMU_DEF(sub, "replay_topk_backward_cuda", replay_topk_backward_cuda__##name, \
+                    COMPASS_REPLAY_TOPK_BACKWARD_ARGS);                                \
+  }
+  COMPASS_EMU_MUTANTS_routing(COMPASS_EMU_BIND)
+#undef COMPASS_EMU_BIND
+}
+
+}  // namespace emu
+}  // namespace compass

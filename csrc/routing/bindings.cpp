@@ -1,0 +1,29 @@
+// ck.routing entry points: one line per backend.
+#include "compass_pybind.h"
+#include "routing/routing_api.h"
+
+namespace compass {
+namespace routing {
+
+void bind(pybind11::module_& root) {
+  auto m = root.def_submodule("routing", "router replay");
+  const char* fwd = "(logits, expert_ids, expert_bias|None, valid|None, score_function, normalize, "
+                    "scaling, min_score_ratio, weights, routing_map, tokens_per_expert, counts, "
+                    "ids_used[, stream]): writes the outputs in place";
+  const char* bwd = "(grad_weights, logits, ids_used, score_function, normalize, scaling, "
+                    "grad_logits[, stream]): writes grad_logits in place";
+  COMPASS_DEF_NOGIL(m, replay_topk_cpu, fwd);
+  COMPASS_DEF_NOGIL(m, replay_topk_backward_cpu, bwd);
+  COMPASS_DEF_NOGIL(m, encode_sets_cpu, "(ids [rows, K] uint8|int16, num_experts, out uint8): set coding");
+  COMPASS_DEF_NOGIL(m, decode_sets_cpu, "(data uint8, num_experts, ids [rows, K] out)");
+  m.def("set_code_group", &set_code_group, "(num_experts, top_k) -> rows per pack");
+  m.def("set_code_pack_bits", &set_code_pack_bits, "(num_experts, top_k) -> bits per pack");
+  m.def("set_code_bytes", &set_code_bytes, "(rows, num_experts, top_k) -> payload bytes");
+#ifdef COMPASS_WITH_CUDA
+  COMPASS_DEF(m, replay_topk_cuda, fwd);
+  COMPASS_DEF(m, replay_topk_backward_cuda, bwd);
+#endif
+}
+
+}  // namespace routing
+}  // namespace compass
