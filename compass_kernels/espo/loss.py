@@ -112,7 +112,9 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_loss, *_):
     (coef,) = ctx.saved_tensors
-    grad = espo_loss_backward_op(grad_loss.reshape(1).contiguous(), coef, backend=ctx.backend)
+    # Through the dispatcher: the backward is traced by AOT autograd too (fakes).
+    grad = torch.ops.compass.espo_loss_backward(grad_loss.reshape(1).contiguous(), coef,
+                                                ctx.backend)  # fmt: skip
     return (grad,) + (None,) * (len(ctx.needs_input_grad) - 1)
 
 
