@@ -178,7 +178,7 @@ def _forward_kernel(
         if ADV_TOK:
             a = tl.load(adv_ptr + idx, mask=in_loss, other=0.0).to(tl.float64)
         else:
-            a = a_seq
+            a = tl.zeros([BLOCK], dtype=tl.float64) + a_seq
         if GSPO:
             log_s = mg
         else:
@@ -190,8 +190,9 @@ def _forward_kernel(
         o2 = c * a
         clipped = o2 < o1
         f = tl.where(clipped, o2, o1)
-        dual = (dual_c > 0.0) & (a < 0.0) & (f < dual_c * a)
-        f = tl.where(dual, dual_c * a, f)
+        floor = dual_c * a
+        dual = (tl.where(a < 0.0, 1, 0) * tl.where(f < floor, 1, 0) * tl.where(dual_c > 0.0, 1, 0)) != 0
+        f = tl.where(dual, floor, f)
         g = tl.where(clipped | dual | clamped, 0.0, a * s)
         if TOKEN:
             w = inv_g / groups
