@@ -60,10 +60,12 @@ def make_batch(n: int, seed: int, *, max_len: int = 40, pad: int = 3, masked: fl
 
 CONFIGS = {
     "espo": dict(vocab_size=1000),
-    "espo_seq_k3_drop_gspo_form": dict(vocab_size=1000, grouping="sequence", num_groups=3,
-                                       drop_low=True, ratio_form="gspo_token"),  # fmt: skip
-    "espo_quantiles_fixed_clip_dual": dict(quantiles=(0.3, 0.6, 0.9), clip=(0.05, 0.08),
-                                           dual_clip=1.2),  # fmt: skip
+    "espo_seq_k3_drop_gspo_form": dict(
+        vocab_size=1000, grouping="sequence", num_groups=3, drop_low=True, ratio_form="gspo_token"
+    ),  # fmt: skip
+    "espo_quantiles_fixed_clip_dual": dict(
+        quantiles=(0.3, 0.6, 0.9), clip=(0.05, 0.08), dual_clip=1.2
+    ),  # fmt: skip
     "gspo": dict(mode="gspo", clip=(0.03, 0.04)),
     "grpo": dict(mode="grpo"),
     "grpo_clip_higher_dual": dict(mode="grpo", clip=(0.1, 0.28), dual_clip=1.15),
@@ -156,15 +158,24 @@ def test_reference_gradcheck(dual):
 # ------------------------------------------------- thresholds and groups
 
 
+@pytest.mark.parametrize("impl", ["torch", "cpp"])
 @pytest.mark.parametrize("per_sequence", [False, True])
-def test_device_thresholds_equal_torch_quantile(per_sequence):
-    lp, old, ent, adv, cu, mask = make_batch(17, seed=2, masked=0.3)
-    levels = (0.25, 0.5, 0.8)
-    got = ck.espo.entropy_thresholds(ent, cu, mask, levels=levels, per_sequence=per_sequence)
+def test_thresholds_equal_torch_quantile(per_sequence, impl):
+    """Both threshold paths (the device sort, the C++ kernel) give torch.quantile's
+    values bit for bit: a token at the boundary lands in the same group."""
+    lp, old, ent, adv, cu, mask = make_batch(17, seed=2, masked=0.3, max_len=90)
+    cu[-3] = cu[-4]  # an empty sequence: NaN row, never read
+    levels = (0.0, 0.25, 0.5, 0.8, 1.0)
+    if impl == "torch":
+        got = ck.espo.entropy_thresholds(ent, cu, mask, levels=levels, per_sequence=per_sequence)
+    else:
+        lv = torch.tensor(levels, dtype=torch.float64)
+        got = espo_mod.espo_thresholds_op(ent, cu, mask, lv, int(per_sequence), backend="cpp")
     ref = entropy_thresholds_reference(ent, cu, mask, levels, per_sequence=per_sequence)
+    got = got.reshape(ref.shape)
     keep = ~torch.isnan(ref)
-    assert keep.any()
-    assert torch.equal(got[keep], ref[keep])  # the same interpolation, bit for bit
+    assert keep.any() and (per_sequence == bool((~keep).any()))
+    assert torch.equal(got[keep], ref[keep])
 
 
 def test_high_group_is_the_top_rho_fraction():
@@ -380,8 +391,9 @@ def test_kernels_write_every_output(backend, config, backend_device):
     args = (lp, old, ent, adv, cu, mask, thr, sums, K, flags, el, eh,
             cfg.alpha / cfg.log_vocab if cfg.adaptive else 0.0, cfg.dual_clip, cfg.log_lo,
             cfg.log_hi, 1.0 / n, 1)  # fmt: skip
-    outs = (empty_poisoned((), torch.float32, dev), empty_poisoned(total, torch.float32, dev),
-            empty_poisoned(n * width, torch.float64, dev), empty_poisoned(width, torch.float64, dev))  # fmt: skip
+    f32, f64 = torch.float32, torch.float64
+    outs = (empty_poisoned((), f32, dev), empty_poisoned(total, f32, dev),
+            empty_poisoned(n * width, f64, dev), empty_poisoned(width, f64, dev))  # fmt: skip
     espo_loss_forward_op.run(args, backend, outs)
     cpu_args = tuple(a.cpu() if isinstance(a, torch.Tensor) else a for a in args)
     ref = espo_loss_forward_op.run(cpu_args, "cpp")
@@ -479,7 +491,9 @@ def test_cpp_boundary_names_bad_arguments():
     lp, old, ent, adv, cu, _ = make_batch(3, seed=1, max_len=5, pad=2)
     thr = torch.zeros(1, dtype=torch.float64)
     sums = torch.empty(3 * 2 * 3, dtype=torch.float64)
-    with pytest.raises(ValueError, match="thresholds: expected size 1 \\(num_groups - 1 boundaries\\)"):
+    with pytest.raises(
+        ValueError, match="thresholds: expected size 1 \\(num_groups - 1 boundaries\\)"
+    ):
         C.espo.espo_group_sums_cpu(ent, lp, old, cu, None, torch.zeros(2, dtype=torch.float64),
                                    2, 0, sums)  # fmt: skip
     with pytest.raises(ValueError, match="num_groups: expected 1..8, got 9"):
@@ -528,6 +542,10 @@ def test_bad_offsets_on_the_cuda_path_are_out_of_bounds_under_emulation():
 
 def test_opcheck_registered_ops():
     lp, old, ent, adv, cu, mask = make_batch(6, seed=12, masked=0.2)
+    lv = torch.tensor([0.5, 0.8], dtype=torch.float64)
+    for per_seq in (0, 1):
+        torch.library.opcheck(torch.ops.compass.espo_entropy_thresholds.default,
+                              (ent, cu, mask, lv, per_seq))  # fmt: skip
     thr = ck.espo.entropy_thresholds(ent, cu, mask, levels=(0.8,))
     sums_args = (ent, lp, old, cu, mask, thr, 2, 8)
     torch.library.opcheck(torch.ops.compass.espo_group_sums.default, sums_args)

@@ -127,15 +127,19 @@ def resolve(
         raise ValueError("pass at most one of num_groups and quantiles")
     if quantiles is not None:
         levels = tuple(float(q) for q in quantiles)
-        if not levels or any(not 0.0 < q < 1.0 for q in levels) or list(levels) != sorted(
-            set(levels)
+        if (
+            not levels
+            or any(not 0.0 < q < 1.0 for q in levels)
+            or list(levels) != sorted(set(levels))
         ):
             raise ValueError(
                 f"quantiles: expected strictly increasing levels in (0, 1), got {quantiles!r}"
             )
     elif num_groups is not None:
         if not (isinstance(num_groups, int) and 1 <= num_groups <= MAX_GROUPS):
-            raise ValueError(f"num_groups: expected an int in [1, {MAX_GROUPS}], got {num_groups!r}")
+            raise ValueError(
+                f"num_groups: expected an int in [1, {MAX_GROUPS}], got {num_groups!r}"
+            )
         levels = tuple(k / num_groups for k in range(1, num_groups))
     else:
         if not 0.0 < rho < 1.0:

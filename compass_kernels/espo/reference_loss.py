@@ -104,8 +104,9 @@ def espo_loss_reference(
         thr = (
             entropy_threshold.detach().cpu().double()
             if entropy_threshold is not None
-            else entropy_thresholds_reference(e, cu_seqlens, mask, cfg.levels,
-                                              per_sequence=cfg.per_sequence)  # fmt: skip
+            else entropy_thresholds_reference(
+                e, cu_seqlens, mask, cfg.levels, per_sequence=cfg.per_sequence
+            )  # fmt: skip
         )
     f64 = dict(dtype=torch.float64)
     loss = torch.zeros((), **f64)

@@ -195,7 +195,9 @@ def _forward_kernel(
         clipped = o2 < o1
         f = tl.where(clipped, o2, o1)
         floor = dual_c * a
-        dual = (tl.where(a < 0.0, 1, 0) * tl.where(f < floor, 1, 0) * tl.where(dual_c > 0.0, 1, 0)) != 0
+        dual = (
+            tl.where(a < 0.0, 1, 0) * tl.where(f < floor, 1, 0) * tl.where(dual_c > 0.0, 1, 0)
+        ) != 0
         f = tl.where(dual, floor, f)
         g = tl.where(clipped | dual | clamped, 0.0, a * s)
         if TOKEN:

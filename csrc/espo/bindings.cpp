@@ -14,6 +14,9 @@ void bind(pybind11::module_& root) {
                     "log_lo, log_hi, inv_num_seqs, need_grad, loss, grad, seq_stats, stats"
                     "[, stream]): writes the outputs in place";
   const char* bwd = "(grad_loss, grad_coef, out[, stream]): out = grad_loss * grad_coef";
+  COMPASS_DEF_NOGIL(m, espo_thresholds_cpu,
+                    "(entropy, cu_seqlens, mask|None, levels, per_sequence, out): entropy "
+                    "quantiles (torch.quantile's linear rule) written into out");
   COMPASS_DEF_NOGIL(m, espo_group_sums_cpu, sums);
   COMPASS_DEF_NOGIL(m, espo_loss_forward_cpu, fwd);
   COMPASS_DEF_NOGIL(m, espo_loss_backward_cpu, bwd);

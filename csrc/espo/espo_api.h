@@ -36,6 +36,15 @@ namespace espo {
 // grad_coef [T] R, out [T] R.
 #define COMPASS_ESPO_BACKWARD_ARGS TensorView grad_loss, TensorView grad_coef, TensorView out
 
+// Group boundaries: the quantiles at `levels` (torch.quantile's linear rule,
+// bit for bit) of the valid tokens' entropy, over the batch (out [Q]) or per
+// sequence (per_sequence != 0: out [n*Q]; NaN for a sequence without valid
+// tokens). entropy [T] R, levels [Q] float64, out float64. CPU only: on CUDA
+// a device sort in torch (compass_kernels/espo/loss.py) does it without a sync.
+#define COMPASS_ESPO_THRESHOLDS_ARGS                                                     \
+  TensorView entropy, TensorView cu_seqlens, std::optional<TensorView> mask, TensorView levels, \
+      int64_t per_sequence, TensorView out
+
 // Shared by every backend (defined in espo_loss_cpu.cpp), called with named views.
 void check_sums_args(COMPASS_ESPO_SUMS_ARGS);
 void check_forward_args(COMPASS_ESPO_FORWARD_ARGS);
@@ -43,6 +52,7 @@ void check_backward_args(COMPASS_ESPO_BACKWARD_ARGS);
 // Index and value checks the CPU entry points make (host-readable data).
 void check_host_data(const TensorView& cu_seqlens, int64_t total);
 
+void espo_thresholds_cpu(COMPASS_ESPO_THRESHOLDS_ARGS);
 void espo_group_sums_cpu(COMPASS_ESPO_SUMS_ARGS);
 void espo_loss_forward_cpu(COMPASS_ESPO_FORWARD_ARGS);
 void espo_loss_backward_cpu(COMPASS_ESPO_BACKWARD_ARGS);

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <vector>
 
 #include "compass/espo_loss.h"
 #include "espo/espo_api.h"
@@ -234,6 +235,78 @@ void forward_impl(const R* l, const R* lo, const R* e, const R* adv, const int64
 }
 
 }  // namespace
+
+namespace {
+// torch.quantile's linear interpolation on sorted values: rank q * (n - 1),
+// then torch.lerp's formula (the two branches keep it exact at w = 0 and 1).
+void quantiles(std::vector<double>& v, const double* levels, int64_t q, double* out) {
+  const int64_t nv = static_cast<int64_t>(v.size());
+  if (nv == 0) {
+    std::fill(out, out + q, std::numeric_limits<double>::quiet_NaN());
+    return;
+  }
+  std::sort(v.begin(), v.end());
+  for (int64_t k = 0; k < q; ++k) {
+    const double pos = levels[k] * static_cast<double>(nv - 1);
+    const double lo = std::floor(pos), w = pos - lo;
+    const double a = v[static_cast<int64_t>(lo)], b = v[static_cast<int64_t>(std::ceil(pos))];
+    out[k] = w < 0.5 ? a + w * (b - a) : b - (b - a) * (1.0 - w);
+  }
+}
+}  // namespace
+
+void espo_thresholds_cpu(COMPASS_ESPO_THRESHOLDS_ARGS) {
+  COMPASS_NAME_ARGS(entropy, cu_seqlens, mask, levels, out);
+  entropy.expect_vector().expect_device(DeviceType::kCPU);
+  dispatch(entropy, Real{}, [](auto) {});
+  const int64_t total = entropy.numel();
+  cu_seqlens.expect_vector().expect_same_device(entropy).expect_dtype(DType::kInt64);
+  COMPASS_CHECK(cu_seqlens.numel() >= 1, "cu_seqlens: expected at least one element (n+1)");
+  if (mask) {
+    mask->expect_vector().expect_same_device(entropy).expect_dtype(DType::kBool);
+    mask->expect_size(0, total, "one per token");
+  }
+  levels.expect_vector().expect_same_device(entropy).expect_dtype(DType::kFloat64);
+  const int64_t n = cu_seqlens.numel() - 1, q = levels.numel();
+  const double* lv = levels.ptr<double>();
+  for (int64_t k = 0; k < q; ++k) {
+    COMPASS_CHECK(lv[k] >= 0.0 && lv[k] <= 1.0, "levels: expected values in [0, 1], got ", lv[k],
+                  " at index ", k);
+  }
+  out.expect_vector().expect_same_device(entropy).expect_dtype(DType::kFloat64);
+  out.expect_size(0, per_sequence ? n * q : q, per_sequence ? "sequences x levels" : "levels");
+  check_host_data(cu_seqlens, total);
+  const int64_t* cu = cu_seqlens.ptr<int64_t>();
+  const bool* m = mask ? mask->ptr<bool>() : nullptr;
+  double* o = out.ptr<double>();
+  dispatch(entropy, Real{}, [&](auto tag) {
+    using R = decltype(tag);
+    const R* e = entropy.ptr<R>();
+    expect_finite(e, cu[n], "old_entropy");
+    auto collect = [&](int64_t begin, int64_t end, std::vector<double>& v) {
+      v.clear();
+      for (int64_t t = begin; t < end; ++t) {
+        if (token_valid(m, t)) v.push_back(static_cast<double>(e[t]));
+      }
+    };
+    if (!per_sequence) {
+      std::vector<double> v;
+      v.reserve(cu[n]);
+      collect(0, cu[n], v);
+      quantiles(v, lv, q, o);
+      return;
+    }
+#pragma omp parallel if (total >= kParallelMinTokens)
+    {
+      std::vector<double> v;
+#pragma omp for schedule(dynamic, 4)
+      for (int64_t i = 0; i < n; ++i) {
+        collect(cu[i], cu[i + 1], v);
+        quantiles(v, lv, q, o + i * q);
+      }
+    }
+  });
+}
 
 void espo_group_sums_cpu(COMPASS_ESPO_SUMS_ARGS) {
   COMPASS_NAME_ARGS(entropy, logprobs, old_logprobs, cu_seqlens, mask, thresholds, sums);
