@@ -147,13 +147,8 @@ class _EagerLoss(torch.autograd.Function):
 # ------------------------------------------------------------- thresholds
 
 
-def _thresholds_torch(entropy, cu_seqlens, mask, levels, per_sequence, out, *_stream) -> None:
-    """The op's CUDA / Triton implementation: the device sort of :func:`entropy_thresholds`."""
-    lv = tuple(levels.tolist()) if levels.numel() else ()
-    out.copy_(entropy_thresholds(entropy, cu_seqlens, mask, levels=lv,
-                                 per_sequence=bool(per_sequence)).reshape(-1))  # fmt: skip
-
-
+# The C++ (CPU) boundaries; CUDA tensors take entropy_thresholds (a device
+# sort in torch: no kernel of ours to register).
 espo_thresholds_op = register_op(
     "espo_entropy_thresholds",
     "(Tensor entropy, Tensor cu_seqlens, Tensor? mask, Tensor levels, int per_sequence) -> Tensor",
@@ -164,7 +159,7 @@ espo_thresholds_op = register_op(
             device=entropy.device,
         ),
     ),  # fmt: skip
-    kernels={"cpp": "espo.espo_thresholds_cpu", "cuda": _thresholds_torch},
+    kernels={"cpp": "espo.espo_thresholds_cpu"},
 )
 _LEVELS: dict[tuple, torch.Tensor] = {}
 
