@@ -18,6 +18,7 @@ namespace py = pybind11;
 namespace compass {
 namespace advantages { void bind(py::module_& m); }
 namespace routing { void bind(py::module_& m); }
+namespace espo { void bind(py::module_& m); }
 }  // namespace compass
 
 namespace {
@@ -67,4 +68,5 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_devices", &cuda_devices, "(count, reason) of usable CUDA devices");
   compass::advantages::bind(m);
   compass::routing::bind(m);
+  compass::espo::bind(m);
 }

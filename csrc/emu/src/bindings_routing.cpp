@@ -2,7 +2,7 @@
 // emulation), one line each; plus the planted mutants the test suite must
 // catch (cmake/emu.cmake), one submodule each under `mutants.routing`.
 #include "bindings.h"
-#include "compass_emu_mutants.h"  // generated: COMPASS_EMU_MUTANTS_routing(X)
+#include "compass_emu_mutants.h"  // generated: COMPASS_EMU_MUTANTS_ROUTING(X)
 #include "emu_pybind.h"
 #include "routing/routing_api.h"
 
@@ -11,7 +11,7 @@ namespace routing {
 #define COMPASS_EMU_DECLARE(name)                                                     \
   void replay_topk_cuda__##name(COMPASS_REPLAY_TOPK_ARGS, uintptr_t stream);          \
   void replay_topk_backward_cuda__##name(COMPASS_REPLAY_TOPK_BACKWARD_ARGS, uintptr_t stream);
-COMPASS_EMU_MUTANTS_routing(COMPASS_EMU_DECLARE)
+COMPASS_EMU_MUTANTS_ROUTING(COMPASS_EMU_DECLARE)
 #undef COMPASS_EMU_DECLARE
 }  // namespace routing
 
@@ -32,7 +32,7 @@ void bind_routing(pybind11::module_& root) {
     COMPASS_EMU_DEF(sub, "replay_topk_backward_cuda", replay_topk_backward_cuda__##name, \
                     COMPASS_REPLAY_TOPK_BACKWARD_ARGS);                                \
   }
-  COMPASS_EMU_MUTANTS_routing(COMPASS_EMU_BIND)
+  COMPASS_EMU_MUTANTS_ROUTING(COMPASS_EMU_BIND)
 #undef COMPASS_EMU_BIND
 }
 

@@ -78,5 +78,6 @@ PYBIND11_MODULE(_C_emu, m) {
 
   compass::emu::bind_advantages(m);
   compass::emu::bind_routing(m);
+  compass::emu::bind_espo(m);
   compass::emu::bind_selftest(m);
 }

@@ -1,0 +1,527 @@
+"""ESPO segmented policy loss (``ck.espo.espo_loss``): entropy groups, group
+ratios, per-group adaptive clipping and the three-level mean, forward and
+backward, on packed varlen batches, with context parallelism.
+
+Two ops per call, each with C++ (CPU), CUDA and Triton kernels (csrc/espo,
+``triton_loss.py``): ``espo_group_sums`` (phase 1: per (sequence, entropy
+group) token count, sum of l - l_old and of entropy) and
+``espo_loss_forward`` (phase 2: per-token ratio, clip decision, loss,
+d loss / d logprobs, statistics). Between them a context-parallel group
+all-reduces the sums (a sequence's tokens are spread over its CP ranks). The
+gradient is computed in phase 2 (4 bytes per token written once) and the
+backward op ``espo_loss_backward`` scales it: cheaper than re-reading the five
+inputs (17+ bytes per token) in a recomputing backward.
+
+The group boundaries (entropy quantiles) come from :func:`entropy_thresholds`,
+a sort on the device (no host sync), or from the caller
+(``entropy_threshold=``, e.g. computed once over the global mini-batch).
+
+Spec: ``reference_loss.py``; options: ``loss_config.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterator, Mapping
+
+import torch
+
+from compass_kernels._op import register_op
+from compass_kernels._validate import FLOAT_DTYPES, check_finite, check_offsets, check_tensor
+from compass_kernels.espo import loss_config
+
+__all__ = ["espo_loss", "entropy_thresholds", "EspoMetrics"]
+
+# flags shared with the kernels (csrc/include/compass/espo_loss.h)
+PER_SEQ_THRESHOLDS, TOKEN_GROUPS, DROP_LOW, ADAPTIVE_EPS, GSPO_TOKEN_FORM, ADV_PER_TOKEN = (
+    1, 2, 4, 8, 16, 32,
+)  # fmt: skip
+F64 = torch.float64
+
+
+def stat_width(num_groups: int) -> int:
+    """Columns of a statistics row: clipped-low, clipped-high, dual-clipped per
+    group, then loss, loss tokens, sum ratio, sum k3, |log-ratio| > ln 2 count,
+    min ratio, max ratio (compass::espo_loss::StatCols)."""
+    return 3 * num_groups + 7
+
+
+# ---------------------------------------------------------------------- ops
+
+
+def _sums_outputs(entropy, logprobs, old_logprobs, cu_seqlens, mask, thresholds, num_groups, flags):
+    n = cu_seqlens.shape[0] - 1
+    return (torch.empty(n * num_groups * 3, dtype=F64, device=entropy.device),)
+
+
+def _forward_outputs(logprobs, old_logprobs, entropy, advantages, cu_seqlens, mask, thresholds,
+                     sums, num_groups, flags, eps_low, eps_high, eps_scale, dual_clip, log_lo,
+                     log_hi, inv_num_seqs, need_grad):  # fmt: skip
+    n, width = cu_seqlens.shape[0] - 1, stat_width(num_groups)
+    dev = logprobs.device
+    return (
+        logprobs.new_empty(()),
+        logprobs.new_empty(logprobs.shape[0] if need_grad else 0),
+        torch.empty(n * width, dtype=F64, device=dev),
+        torch.empty(width, dtype=F64, device=dev),
+    )
+
+
+_TRITON = "compass_kernels.espo.triton_loss:"
+espo_group_sums_op = register_op(
+    "espo_group_sums",
+    "(Tensor entropy, Tensor logprobs, Tensor old_logprobs, Tensor cu_seqlens, Tensor? mask,"
+    " Tensor thresholds, int num_groups, int flags) -> Tensor",
+    outputs=_sums_outputs,
+    kernels={
+        "cpp": "espo.espo_group_sums_cpu",
+        "cuda": "espo.espo_group_sums_cuda",
+        "triton": _TRITON + "espo_group_sums_triton",
+    },
+)
+espo_loss_forward_op = register_op(
+    "espo_loss_forward",
+    "(Tensor logprobs, Tensor old_logprobs, Tensor entropy, Tensor advantages, Tensor cu_seqlens,"
+    " Tensor? mask, Tensor thresholds, Tensor sums, int num_groups, int flags, float eps_low,"
+    " float eps_high, float eps_scale, float dual_clip, float log_lo, float log_hi,"
+    " float inv_num_seqs, int need_grad) -> (Tensor, Tensor, Tensor, Tensor)",
+    outputs=_forward_outputs,
+    kernels={
+        "cpp": "espo.espo_loss_forward_cpu",
+        "cuda": "espo.espo_loss_forward_cuda",
+        "triton": _TRITON + "espo_loss_forward_triton",
+    },
+)
+espo_loss_backward_op = register_op(
+    "espo_loss_backward",
+    "(Tensor grad_loss, Tensor grad_coef) -> Tensor",
+    outputs=lambda grad_loss, grad_coef: (torch.empty_like(grad_coef),),
+    kernels={
+        "cpp": "espo.espo_loss_backward_cpu",
+        "cuda": "espo.espo_loss_backward_cuda",
+        "triton": _TRITON + "espo_loss_backward_triton",
+    },
+)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(output[1])
+    ctx.backend = inputs[-1] if len(inputs) > 18 else None
+
+
+def _backward(ctx, grad_loss, *_):
+    (coef,) = ctx.saved_tensors
+    # Through the dispatcher: the backward is traced by AOT autograd too (fakes).
+    grad = torch.ops.compass.espo_loss_backward(grad_loss.reshape(1).contiguous(), coef,
+                                                ctx.backend)  # fmt: skip
+    return (grad,) + (None,) * (len(ctx.needs_input_grad) - 1)
+
+
+torch.library.register_autograd(
+    "compass::espo_loss_forward", _backward, setup_context=_setup_context
+)
+
+
+class _EagerLoss(torch.autograd.Function):
+    """The eager twin of the registered autograd (same ops, same backward op):
+    the dispatcher's autograd wrapper costs ~0.1-0.8 ms per call on this CPU
+    (torch's fill_defaults walks the 19-argument schema quadratically);
+    torch.compile goes through torch.ops.compass.espo_loss_forward instead."""
+
+    @staticmethod
+    def forward(ctx, logprobs, backend, *rest):
+        loss, coef, seq_stats, stats = espo_loss_forward_op(logprobs, *rest, backend=backend)
+        ctx.save_for_backward(coef)
+        ctx.backend = backend
+        ctx.mark_non_differentiable(coef, seq_stats, stats)
+        return loss, coef, seq_stats, stats
+
+    @staticmethod
+    def backward(ctx, grad_loss, *_):
+        (coef,) = ctx.saved_tensors
+        grad = espo_loss_backward_op(grad_loss.reshape(1).contiguous(), coef, backend=ctx.backend)
+        return (grad, None) + (None,) * 17
+
+
+# ------------------------------------------------------------- thresholds
+
+
+# The C++ (CPU) boundaries; CUDA tensors take entropy_thresholds (a device
+# sort in torch: no kernel of ours to register).
+espo_thresholds_op = register_op(
+    "espo_entropy_thresholds",
+    "(Tensor entropy, Tensor cu_seqlens, Tensor? mask, Tensor levels, int per_sequence) -> Tensor",
+    outputs=lambda entropy, cu_seqlens, mask, levels, per_sequence: (
+        torch.empty(
+            (cu_seqlens.shape[0] - 1 if per_sequence else 1) * levels.shape[0],
+            dtype=F64,
+            device=entropy.device,
+        ),
+    ),  # fmt: skip
+    kernels={"cpp": "espo.espo_thresholds_cpu"},
+)
+_LEVELS: dict[tuple, torch.Tensor] = {}
+
+
+def _levels(levels: tuple[float, ...], dev: torch.device) -> torch.Tensor:
+    t = _LEVELS.get((levels, dev))
+    if t is None:
+        t = _LEVELS[(levels, dev)] = torch.tensor(levels, dtype=F64, device=dev)
+    return t
+
+
+def entropy_thresholds(
+    old_entropy: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    levels: tuple[float, ...],
+    per_sequence: bool = False,
+    cp_group=None,
+) -> torch.Tensor:
+    """Entropy group boundaries: the quantiles at ``levels`` (linear
+    interpolation, as ``torch.quantile``) of the valid tokens' entropy, over
+    the batch ([Q] float64) or per sequence ([n, Q] float64; rows of sequences
+    without valid tokens are unused). With ``cp_group`` the quantile is over the
+    tokens of every rank of the group (entropies all-gathered; every rank must
+    hold the same number of tokens, as Megatron's CP split gives).
+
+    A device sort, no host sync. Valid tokens: before cu_seqlens[-1] and mask.
+    """
+    e = old_entropy.detach().to(F64)
+    total, n, dev = e.shape[0], cu_seqlens.shape[0] - 1, e.device
+    cu = cu_seqlens.to(torch.int64)
+    valid = torch.arange(total, device=dev) < cu[-1]
+    if mask is not None:
+        valid &= mask
+    x = torch.where(valid, e, math.inf)
+    q = torch.tensor(levels, dtype=F64, device=dev)
+    if not per_sequence:
+        if cp_group is not None:
+            x = _all_gather(x, cp_group)
+        srt = torch.sort(x).values
+        nv = torch.isfinite(srt).sum()
+        return _interpolate(srt, torch.zeros((), dtype=torch.int64, device=dev), nv, q)
+    # sequence id per token (padding after cu[n] gets n); output_size: no host sync.
+    # (torch.searchsorted took ~20 ms for 256 tokens on a loaded 2-core host.)
+    counts = torch.cat([cu.diff(), (total - cu[-1]).reshape(1)])
+    seq = torch.repeat_interleave(torch.arange(n + 1, device=dev), counts, output_size=total)
+    key = torch.where(valid, seq, n)
+    if cp_group is not None:
+        x, key = _all_gather(x, cp_group), _all_gather(key, cp_group)
+    order = torch.sort(x, stable=True).indices
+    order = order[torch.sort(key[order], stable=True).indices]
+    counts = torch.zeros(n + 1, dtype=torch.int64, device=e.device)
+    counts.index_add_(0, key, torch.ones_like(key))
+    nv = counts[:n]
+    start = torch.cumsum(counts, 0)[:n] - nv
+    return _interpolate(x[order], start[:, None], nv[:, None], q[None, :])
+
+
+def _interpolate(srt, start, nv, q):
+    """torch.quantile's linear rule on sorted runs starting at ``start`` of ``nv`` values."""
+    pos = q * (nv - 1).clamp(min=0).to(F64)
+    lo = pos.floor()
+    w = pos - lo
+    last = max(srt.shape[0] - 1, 0)
+    i_lo = (start + lo.to(torch.int64)).clamp(max=last)
+    i_hi = (start + pos.ceil().to(torch.int64)).clamp(max=last)
+    if srt.shape[0] == 0:
+        return torch.full(torch.broadcast_shapes(i_lo.shape, w.shape), math.nan, dtype=F64,
+                          device=srt.device)  # fmt: skip
+    return torch.lerp(srt[i_lo], srt[i_hi], w)
+
+
+def _all_gather(t: torch.Tensor, group) -> torch.Tensor:
+    import torch.distributed as dist
+
+    out = t.new_empty((dist.get_world_size(group) * t.shape[0],))
+    dist.all_gather_into_tensor(out, t.contiguous(), group=group)
+    return out
+
+
+# ---------------------------------------------------------------- metrics
+
+
+class EspoMetrics(Mapping):
+    """The loss's metrics as device tensors (0-d, or [K] per entropy group),
+    computed from the kernels' statistics when read (a call pays for none):
+
+    loss (the whole loss, over a CP group too), tokens, loss_tokens,
+    group_token_frac [K], entropy_mean, group_entropy_mean [K], clip_frac,
+    clip_frac_low [K], clip_frac_high [K] (clipped tokens of the group /
+    tokens of the group), dual_clip_frac, ratio_mean, ratio_min, ratio_max
+    (token ratio s_t over the tokens in the loss), kl_k3 (mean of
+    exp(d) - 1 - d, d = l - l_old), ppo_kl (-mean d),
+    log_ratio_gt_ln2_frac. A fraction of no tokens is 0."""
+
+    KEYS = (
+        "loss", "tokens", "loss_tokens", "group_token_frac", "entropy_mean",
+        "group_entropy_mean", "clip_frac", "clip_frac_low", "clip_frac_high", "dual_clip_frac",
+        "ratio_mean", "ratio_min", "ratio_max", "kl_k3", "ppo_kl", "log_ratio_gt_ln2_frac",
+    )  # fmt: skip
+
+    def __init__(self, stats: torch.Tensor, sums: torch.Tensor, num_groups: int) -> None:
+        self.stats, self.sums, self.num_groups = stats, sums, num_groups
+        self._cache: dict[str, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self.KEYS)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.KEYS)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self.KEYS:
+            raise KeyError(key)
+        if key not in self._cache:
+            self._cache.update(self._compute())
+        return self._cache[key]
+
+    def _compute(self) -> dict[str, torch.Tensor]:
+        K, s = self.num_groups, self.stats
+        per_group = self.sums.view(-1, K, 3).sum(0)
+        tokens_k, entropy_k, d_sum = per_group[:, 0], per_group[:, 2], per_group[:, 1].sum()
+        tokens = tokens_k.sum()
+        one = lambda x: x.clamp(min=1.0)  # noqa: E731
+        low, high, dual = s[0:K], s[K : 2 * K], s[2 * K : 3 * K]
+        loss, in_loss, ratio_sum, k3_sum, big, rmin, rmax = s[3 * K : 3 * K + 7].unbind()
+        # k3 and the ln 2 count are per valid token; they are summed over every valid token
+        return {
+            "loss": loss,
+            "tokens": tokens,
+            "loss_tokens": in_loss,
+            "group_token_frac": tokens_k / one(tokens),
+            "entropy_mean": entropy_k.sum() / one(tokens),
+            "group_entropy_mean": entropy_k / one(tokens_k),
+            "clip_frac": (low.sum() + high.sum()) / one(in_loss),
+            "clip_frac_low": low / one(tokens_k),
+            "clip_frac_high": high / one(tokens_k),
+            "dual_clip_frac": dual.sum() / one(in_loss),
+            "ratio_mean": ratio_sum / one(in_loss),
+            "ratio_min": torch.where(in_loss > 0, rmin, 0.0),
+            "ratio_max": torch.where(in_loss > 0, rmax, 0.0),
+            "kl_k3": k3_sum / one(tokens),
+            "ppo_kl": -d_sum / one(tokens),
+            "log_ratio_gt_ln2_frac": big / one(tokens),
+        }
+
+
+# ------------------------------------------------------------- public API
+
+
+@functools.lru_cache(maxsize=64)
+def _config(*args) -> loss_config.LossConfig:
+    keys = ("mode", "rho", "alpha", "clip", "vocab_size", "grouping", "num_groups", "quantiles",
+            "drop_low", "ratio_form", "dual_clip")  # fmt: skip
+    return loss_config.resolve(**dict(zip(keys, args, strict=True)))
+
+
+def _hashable(x):
+    return tuple(x) if isinstance(x, list | tuple) else x
+
+
+_EMPTY: dict[torch.device, torch.Tensor] = {}
+
+
+def _empty_f64(dev: torch.device) -> torch.Tensor:
+    t = _EMPTY.get(dev)
+    if t is None:
+        t = _EMPTY[dev] = torch.empty(0, dtype=F64, device=dev)
+    return t
+
+
+def _real(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if t.requires_grad:
+        t = t.detach()
+    if t.dtype != dtype:
+        t = t.to(dtype)
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def espo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    old_entropy: torch.Tensor,
+    advantages: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    mode: str = "espo",
+    rho: float = 0.2,
+    alpha: float = 0.02,
+    clip: float | tuple[float, float] | None = None,
+    vocab_size: int | None = None,
+    num_sequences: int | None = None,
+    grouping: str = "global",
+    num_groups: int | None = None,
+    quantiles: tuple[float, ...] | None = None,
+    drop_low: bool = False,
+    ratio_form: str | None = None,
+    dual_clip: float | None = None,
+    entropy_threshold: torch.Tensor | None = None,
+    advantages_per_token: bool | None = None,
+    cp_group=None,
+    validate: bool | None = None,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, EspoMetrics]:
+    """ESPO (arXiv 2512.00499) clipped policy loss on a packed batch; also
+    GSPO-token and PPO/GRPO clipping, exactly as verl defines them.
+
+    Parameters
+    ----------
+    logprobs : [T] float (bf16/fp16 computed in float32), the current policy's
+        log-prob of each token; the loss is differentiable with respect to it.
+    old_logprobs, old_entropy : [T] float, the old (rollout) policy's log-prob
+        and full-distribution entropy per token (no gradient).
+    advantages : [n] per sequence, or [T] per token (``advantages_per_token``
+        says which when n == T).
+    cu_seqlens : [n+1] int32 | int64 sequence boundaries (cu[0] == 0,
+        non-decreasing, cu[-1] <= T; tokens after cu[-1] are padding: no loss,
+        zero gradient).
+    mask : optional [T] bool, False for tokens outside the loss (prompt, pad).
+    mode : "espo" | "gspo" | "grpo" (loss_config.py: what each fixes).
+    rho : fraction of high-entropy tokens (the boundary is the (1 - rho) quantile).
+    alpha, vocab_size : adaptive clip range eps_g = alpha * mean_g(entropy) / ln(vocab_size).
+    clip : fixed eps (a float, or (eps_low, eps_high) for clip-higher) instead of
+        adaptive; defaults: gspo (3e-4, 4e-4), grpo 0.2.
+    num_sequences : G, the loss's sequence denominator: the number of sequences
+        of the global mini-batch (all DP ranks and micro-batches) so that summed
+        micro-batch gradients equal the mini-batch's; default len(cu_seqlens) - 1.
+    grouping : "global" (quantile over the batch) | "sequence" (per sequence).
+    num_groups, quantiles : K equal-mass entropy buckets, or explicit quantile
+        levels of the boundaries (instead of rho).
+    drop_low : leave the lowest-entropy group out of the loss.
+    ratio_form : "espo" (Eq. 9: sg[s_g] * r_t, default) | "gspo_token".
+    dual_clip : c > 1: dual-clip for negative advantages (loss <= -c A).
+    entropy_threshold : [K-1] float boundaries to use instead of the batch's quantile.
+    cp_group : a torch.distributed group of the context-parallel ranks that hold
+        parts of the same sequences: thresholds, group sums and metrics are
+        reduced over it; the returned loss is this rank's part (its gradient
+        is exact), ``metrics["loss"]`` the whole.
+    validate : check cu_seqlens and finite inputs in Python (a host sync). The
+        C++ kernels check them anyway; on CUDA off by default (no sync); on CPU
+        tensors with another backend on by default.
+    backend : None, "cpp", "cuda" or "triton".
+
+    Returns
+    -------
+    loss : 0-d tensor (float32, float64 for float64 logprobs).
+    metrics : :class:`EspoMetrics` (device tensors, no host sync).
+    """
+    cfg = _config(mode, rho, alpha, _hashable(clip), vocab_size, grouping, num_groups,
+                  _hashable(quantiles), drop_low, ratio_form, dual_clip)  # fmt: skip
+    check_tensor("logprobs", logprobs, ndim=1, dtypes=FLOAT_DTYPES)
+    total, dev = logprobs.shape[0], logprobs.device
+    per_tok = "one per token = len(logprobs)"
+    for name, t in (("old_logprobs", old_logprobs), ("old_entropy", old_entropy)):
+        check_tensor(name, t, ndim=1, dtypes=FLOAT_DTYPES, size=total, size_what=per_tok,
+                     device=dev)  # fmt: skip
+    check_tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=(torch.int32, torch.int64), device=dev)
+    if cu_seqlens.shape[0] < 1:
+        raise ValueError("cu_seqlens: expected at least 1 element (n+1), got 0")
+    n = cu_seqlens.shape[0] - 1
+    check_tensor("advantages", advantages, ndim=1, dtypes=FLOAT_DTYPES, device=dev)
+    adv_tok = _advantages_layout(advantages.shape[0], n, total, advantages_per_token)
+    if mask is not None:
+        check_tensor("mask", mask, ndim=1, dtypes=(torch.bool,), size=total, size_what=per_tok,
+                     device=dev)  # fmt: skip
+        mask = mask if mask.is_contiguous() else mask.contiguous()
+    G = n if num_sequences is None else num_sequences
+    if not (isinstance(G, int) and G >= 1) and not (num_sequences is None and n == 0):
+        raise ValueError(f"num_sequences: expected a positive int, got {num_sequences!r}")
+    R = F64 if logprobs.dtype == F64 else torch.float32
+    lp = logprobs if logprobs.dtype == R else logprobs.to(R)
+    lp = lp if lp.is_contiguous() else lp.contiguous()
+    old, ent, adv = _real(old_logprobs, R), _real(old_entropy, R), _real(advantages, R)
+    cu = cu_seqlens if cu_seqlens.dtype == torch.int64 else cu_seqlens.to(torch.int64)
+    cu = cu if cu.is_contiguous() else cu.contiguous()
+    if _python_checks(validate, dev, backend):
+        check_offsets("cu_seqlens", cu, total, exact=False)
+        tokens = torch.arange(total, device=dev) < cu[-1]
+        for name, t in (("logprobs", lp), ("old_logprobs", old), ("old_entropy", ent)):
+            check_finite(name, torch.where(tokens, t.detach(), 0))
+        check_finite("advantages", torch.where(tokens, adv, 0) if adv_tok else adv)
+
+    K = 1 if cfg.token_groups else cfg.num_groups
+    flags = (TOKEN_GROUPS if cfg.token_groups else 0) | (DROP_LOW if cfg.drop_low else 0)
+    flags |= (ADAPTIVE_EPS if cfg.adaptive else 0) | (ADV_PER_TOKEN if adv_tok else 0)
+    flags |= GSPO_TOKEN_FORM if cfg.ratio_form == "gspo_token" else 0
+    if K == 1:
+        thr = _empty_f64(dev)
+    elif entropy_threshold is not None:
+        check_tensor("entropy_threshold", entropy_threshold, ndim=1, dtypes=FLOAT_DTYPES,
+                     size=K - 1, size_what="num_groups - 1 boundaries", device=dev)  # fmt: skip
+        thr = entropy_threshold.detach().to(F64).contiguous()
+    else:
+        if cp_group is None and dev.type == "cpu" and backend in (None, "cpp"):
+            # C++ (sorts of the valid tokens, no torch op per step): ~10 us
+            # where the torch sort path costs ~0.5 ms of op overheads on CPU.
+            thr = espo_thresholds_op(ent, cu, mask, _levels(cfg.levels, dev),
+                                     int(cfg.per_sequence), backend="cpp")  # fmt: skip
+        else:
+            thr = entropy_thresholds(ent, cu, mask, levels=cfg.levels,
+                                     per_sequence=cfg.per_sequence, cp_group=cp_group)  # fmt: skip
+            thr = thr.reshape(-1)
+        flags |= PER_SEQ_THRESHOLDS if cfg.per_sequence else 0
+    lp_data = lp.detach()
+    sums = espo_group_sums_op(ent, lp_data, old, cu, mask, thr, K, flags, backend=backend)
+    if cp_group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(sums, group=cp_group)
+    need_grad = int(lp.requires_grad and torch.is_grad_enabled())
+    el, eh = (0.0, 0.0) if cfg.adaptive else (cfg.eps_low, cfg.eps_high)
+    scale = cfg.alpha / cfg.log_vocab if cfg.adaptive else 0.0
+    args = (lp, old, ent, adv, cu, mask, thr, sums, K, flags, el, eh, scale, cfg.dual_clip,
+            cfg.log_lo, cfg.log_hi, 1.0 / max(G, 1), need_grad)  # fmt: skip
+    if need_grad and torch.compiler.is_compiling():
+        loss, _, _, stats = torch.ops.compass.espo_loss_forward(*args, backend)
+    elif need_grad:
+        loss, _, _, stats = _EagerLoss.apply(lp, backend, *args[1:])
+    else:
+        loss, _, _, stats = espo_loss_forward_op(*args, backend=backend)
+    if cp_group is not None:
+        stats = _reduce_stats(stats, K, cp_group)
+    return loss, EspoMetrics(stats, sums, K)
+
+
+def _advantages_layout(size: int, n: int, total: int, per_token: bool | None) -> bool:
+    if per_token is None:
+        if size == n == total:
+            raise ValueError(
+                f"advantages: {size} elements is both one per sequence and one per token; pass "
+                "advantages_per_token=True or False"
+            )
+        if size not in (n, total):
+            raise ValueError(
+                f"advantages: expected {n} elements (one per sequence) or {total} (one per "
+                f"token), got {size}"
+            )
+        return size == total
+    want = total if per_token else n
+    if size != want:
+        what = "one per token" if per_token else "one per sequence"
+        raise ValueError(f"advantages: expected {want} elements ({what}), got {size}")
+    return bool(per_token)
+
+
+def _python_checks(validate: bool | None, device: torch.device, backend: str | None) -> bool:
+    """The cpp backend checks the data itself; elsewhere checks cost a host sync:
+    opt-in on CUDA, default on CPU tensors with another backend."""
+    if validate is not None:
+        return bool(validate) and not (device.type == "cpu" and backend in (None, "cpp"))
+    return device.type == "cpu" and backend not in (None, "cpp")
+
+
+def _reduce_stats(stats: torch.Tensor, K: int, group) -> torch.Tensor:
+    """All-reduce the statistics over a CP group: SUM, then MIN of (min, -max)."""
+    import torch.distributed as dist
+
+    w = stat_width(K)
+    sums = stats[: w - 2].clone()
+    extremes = torch.stack([stats[w - 2], -stats[w - 1]])
+    dist.all_reduce(sums, group=group)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MIN, group=group)
+    return torch.cat([sums, extremes[:1], -extremes[1:]])

@@ -1,0 +1,184 @@
+"""Executable spec of ``ck.espo.espo_loss``: plain torch, float64, a loop per
+sequence and per group, gradients by autograd through the formula.
+
+Never imported by a fast path; tests and benches compare every backend to it.
+Math: ../shared/DESIGN.md "ESPO" (arXiv 2512.00499, Eqs. 8-10); the options
+and the modes' defaults are resolved by ``loss_config.resolve`` (shared with
+the kernels' wrapper, so both read the same numbers).
+
+Per valid token t of sequence i (valid: before cu_seqlens[-1] and mask[t]):
+d_t = l_t - l_old_t. Tokens split into entropy groups g (bucket = number of
+boundaries q_k with e_t > q_k; q_k the quantile of e at level k over the valid
+tokens of the batch, or of the sequence); empty groups are dropped, and with
+``drop_low`` the lowest bucket too. m_g = mean_g(d) (no gradient).
+
+- token ratio s_t: ``ratio_form="espo"``: exp(sg[m_g] + d_t) (Eq. 9, value
+  s_g * r_t); ``"gspo_token"``: exp(sg[m_g] + l_t - sg[l_t]) (value s_g); in
+  mode grpo every token is its own group (value r_t). Its log is clamped to
+  [log_lo, log_hi] (torch.clamp: no gradient outside).
+- eps: fixed (eps_low, eps_high), or eps_g = alpha * mean_g(e) / ln|V|.
+- f_t = min(s_t A_t, clip(s_t, 1 - eps_low, 1 + eps_high) A_t); with
+  ``dual_clip`` c and A_t < 0: max(f_t, c A_t).
+- loss = -(1/G) sum_i (1/K_i) sum_g (1/|g|) sum_{t in g} f_t, G =
+  num_sequences (default: len(cu_seqlens) - 1), K_i = groups of sequence i.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from compass_kernels.espo.loss_config import resolve
+
+
+def entropy_thresholds_reference(
+    old_entropy: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    mask: torch.Tensor | None,
+    levels: tuple[float, ...],
+    *,
+    per_sequence: bool = False,
+) -> torch.Tensor:
+    """Group boundaries: torch.quantile (linear) of the valid tokens' entropy at
+    ``levels``, over the batch ([Q] float64) or per sequence ([n, Q] float64;
+    a sequence with no valid token gets NaN, never read)."""
+    e = old_entropy.detach().double().cpu()
+    cu = cu_seqlens.cpu().tolist()
+    n = len(cu) - 1
+    valid = _valid(e.numel(), cu, mask)
+    q = torch.tensor(levels, dtype=torch.float64)
+    if not per_sequence:
+        return torch.quantile(e[valid], q) if bool(valid.any()) else torch.full_like(q, math.nan)
+    out = torch.full((n, len(levels)), math.nan, dtype=torch.float64)
+    for i in range(n):
+        seg = e[cu[i] : cu[i + 1]][valid[cu[i] : cu[i + 1]]]
+        if seg.numel():
+            out[i] = torch.quantile(seg, q)
+    return out
+
+
+def _valid(total: int, cu: list[int], mask: torch.Tensor | None) -> torch.Tensor:
+    valid = torch.zeros(total, dtype=torch.bool)
+    valid[: cu[-1]] = True
+    if mask is not None:
+        valid &= mask.cpu().bool()
+    return valid
+
+
+def espo_loss_reference(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    old_entropy: torch.Tensor,
+    advantages: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    num_sequences: int | None = None,
+    entropy_threshold: torch.Tensor | None = None,
+    advantages_per_token: bool | None = None,
+    **options,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """ESPO / GSPO-token / GRPO clipped policy loss, float64.
+
+    Parameters: those of ``ck.espo.espo_loss`` (options: mode, rho, alpha, clip,
+    vocab_size, grouping, num_groups, quantiles, drop_low, ratio_form,
+    dual_clip). ``logprobs`` [T] may require grad: the returned loss (0-d
+    float64, on the CPU) is differentiable with respect to it.
+
+    Returns (loss, metrics): metrics are detached float64 tensors, named as in
+    ``ck.espo.espo_loss`` (fractions of 0 tokens are 0).
+    """
+    cfg = resolve(**options)
+    dev_l = logprobs.cpu().double()  # keeps the graph to logprobs
+    lo = old_logprobs.detach().cpu().double()
+    e = old_entropy.detach().cpu().double()
+    a = advantages.detach().cpu().double()
+    cu = cu_seqlens.cpu().tolist()
+    n, total = len(cu) - 1, dev_l.numel()
+    per_token = a.numel() == total if advantages_per_token is None else advantages_per_token
+    G = n if num_sequences is None else num_sequences
+    valid = _valid(total, cu, mask)
+    K = 1 if cfg.token_groups else cfg.num_groups
+    if K > 1:
+        thr = (
+            entropy_threshold.detach().cpu().double()
+            if entropy_threshold is not None
+            else entropy_thresholds_reference(
+                e, cu_seqlens, mask, cfg.levels, per_sequence=cfg.per_sequence
+            )  # fmt: skip
+        )
+    f64 = dict(dtype=torch.float64)
+    loss = torch.zeros((), **f64)
+    tokens_k = torch.zeros(K, **f64)
+    entropy_k = torch.zeros(K, **f64)
+    clip_low_k, clip_high_k, dual_k = (torch.zeros(K, **f64) for _ in range(3))
+    ratios: list[torch.Tensor] = []
+    d_all = (dev_l.detach() - lo)[valid]
+    for i in range(n):
+        idx = torch.arange(cu[i], cu[i + 1])
+        idx = idx[valid[cu[i] : cu[i + 1]]]
+        if idx.numel() == 0:
+            continue
+        if K > 1:
+            row = thr[i] if cfg.per_sequence else thr
+            bucket = (e[idx, None] > row[None, :]).sum(1)
+        else:
+            bucket = torch.zeros(idx.numel(), dtype=torch.int64)
+        for k in range(K):
+            tokens_k[k] += (bucket == k).sum()
+            entropy_k[k] += e[idx][bucket == k].sum()
+        if cfg.token_groups:
+            groups = [(0, idx[j : j + 1]) for j in range(idx.numel())]
+        else:
+            ks = [k for k in range(K) if not (cfg.drop_low and k == 0)]
+            groups = [(k, idx[bucket == k]) for k in ks if bool((bucket == k).any())]
+        for k, tok in groups:
+            l_t = dev_l[tok]
+            d = l_t - lo[tok]
+            m = d.detach().mean()
+            if cfg.ratio_form == "espo":
+                log_s = m + d
+            else:
+                log_s = m + l_t - l_t.detach()
+            s = torch.exp(torch.clamp(log_s, cfg.log_lo, cfg.log_hi))
+            if cfg.adaptive:
+                el = eh = cfg.alpha * float(e[tok].mean()) / cfg.log_vocab
+            else:
+                el, eh = cfg.eps_low, cfg.eps_high
+            adv = a[tok] if per_token else a[i].expand(tok.numel())
+            o1, o2 = s * adv, torch.clamp(s, 1.0 - el, 1.0 + eh) * adv
+            f = torch.minimum(o1, o2)
+            clipped = (o2 < o1).detach()
+            clip_high_k[k] += (clipped & (adv > 0)).sum()
+            clip_low_k[k] += (clipped & (adv < 0)).sum()
+            if cfg.dual_clip > 0:
+                floor = cfg.dual_clip * adv
+                dual = (adv < 0) & (f.detach() < floor)
+                dual_k[k] += dual.sum()
+                f = torch.where(adv < 0, torch.maximum(f, floor), f)
+            loss = loss - f.sum() / (G * len(groups) * tok.numel())
+            ratios.append(s.detach())
+    ratio = torch.cat(ratios) if ratios else torch.zeros(0, **f64)
+    valid_n = max(int(valid.sum()), 1)
+    in_loss = max(ratio.numel(), 1)
+    frac = lambda x, c: x / torch.clamp(c, min=1.0)  # noqa: E731
+    metrics = {
+        "loss": loss.detach(),
+        "tokens": tokens_k.sum(),
+        "loss_tokens": torch.tensor(float(ratio.numel()), **f64),
+        "group_token_frac": tokens_k / max(float(tokens_k.sum()), 1.0),
+        "entropy_mean": entropy_k.sum() / valid_n,
+        "group_entropy_mean": frac(entropy_k, tokens_k),
+        "clip_frac": (clip_low_k.sum() + clip_high_k.sum()) / in_loss,
+        "clip_frac_low": frac(clip_low_k, tokens_k),
+        "clip_frac_high": frac(clip_high_k, tokens_k),
+        "dual_clip_frac": dual_k.sum() / in_loss,
+        "ratio_mean": ratio.sum() / in_loss,
+        "ratio_min": ratio.min() if ratio.numel() else torch.zeros((), **f64),
+        "ratio_max": ratio.max() if ratio.numel() else torch.zeros((), **f64),
+        "kl_k3": (torch.exp(d_all) - 1.0 - d_all).sum() / valid_n,
+        "ppo_kl": -d_all.sum() / valid_n,
+        "log_ratio_gt_ln2_frac": (d_all.abs() > math.log(2.0)).sum().double() / valid_n,
+    }
+    return loss, metrics
