@@ -1,0 +1,18 @@
+// ck.packing entry points: one line per backend.
+#include "compass_pybind.h"
+#include "packing/packing_api.h"
+
+namespace compass {
+namespace packing {
+
+void bind(pybind11::module_& root) {
+  auto m = root.def_submodule("packing", "length-aware packing: planner, THD pack / unpack");
+  COMPASS_DEF_NOGIL(m, plan_cpu,
+                    "(tokens, cost, group_ids|None, dp_size, max_tokens, micro_batch_multiple, "
+                    "equal_samples, refine_iters, order, offsets) -> micro-batches per rank");
+  COMPASS_DEF_NOGIL(m, karmarkar_karp_cpu,
+                    "(cost, k, rank_of): equal-size largest differencing, rank_of in place");
+}
+
+}  // namespace packing
+}  // namespace compass
