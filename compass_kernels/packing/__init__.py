@@ -3,7 +3,11 @@ data-parallel ranks and micro-batches under a token cap.
 
 - :func:`plan` / :class:`Plan`: the planner (C++ search, csrc/packing).
 - :class:`ModelConfig`, :func:`cost_coefficients`: the attention cost model.
-- ``reference``: the executable spec (Karmarkar-Karp baseline, plan checks).
+- :func:`pack` / :func:`unpack` / :class:`PackedBatch`: Megatron THD layout
+  (padding, cu_seqlens, position ids, context-parallel zigzag), C++ / CUDA /
+  Triton kernels.
+- ``reference``: the executable spec (Karmarkar-Karp baseline, plan checks,
+  pack / unpack one sequence at a time).
 """
 
 from __future__ import annotations
@@ -15,5 +19,15 @@ from compass_kernels.packing.planner import (
     plan,
     sequence_cost,
 )
+from compass_kernels.packing.thd import PackedBatch, pack, unpack
 
-__all__ = ["ModelConfig", "Plan", "cost_coefficients", "plan", "sequence_cost"]
+__all__ = [
+    "ModelConfig",
+    "PackedBatch",
+    "Plan",
+    "cost_coefficients",
+    "pack",
+    "plan",
+    "sequence_cost",
+    "unpack",
+]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import heapq
 
 import numpy as np
+import torch
 
 # ---------------------------------------------------------------------------
 # Length distributions of RL rollouts (tests and benches)
@@ -159,4 +160,62 @@ def check_plan(plan, lengths, *, dp_size, max_tokens, group_ids=None, micro_batc
 
 
 # ---------------------------------------------------------------------------
-# THD pack / unpack (filled in by the pack step)
+# THD pack / unpack, one sequence at a time
+
+
+def _zigzag_chunks(P: int, cp: int, r: int) -> list[tuple[int, int]]:
+    """[start, end) positions of a padded sequence of P tokens that CP rank r keeps."""
+    if cp == 1:
+        return [(0, P)]
+    c = P // (2 * cp)
+    return [(r * c, (r + 1) * c), ((2 * cp - 1 - r) * c, (2 * cp - r) * c)]
+
+
+def pack_reference(x: torch.Tensor, lengths, indices, *, pad_multiple: int = 1, cp_size: int = 1,
+                   cp_rank: int = 0, pad_value=0) -> dict:  # fmt: skip
+    """THD-pack sequences ``indices`` of the jagged batch ``x`` [T, ...] for CP rank
+    ``cp_rank``: each sequence padded with pad_value to a multiple of pad_multiple,
+    cut in 2*cp_size chunks of which the rank keeps chunks cp_rank and
+    2*cp_size-1-cp_rank. Returns packed, position_ids, cu_seqlens,
+    cu_seqlens_padded (int32, whole sequences) and max_seqlen."""
+    lengths = [int(v) for v in lengths]
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    parts, pos, cu, cu_pad = [], [], [0], [0]
+    for i in indices:
+        i = int(i)
+        L = lengths[i]
+        P = -(-L // pad_multiple) * pad_multiple
+        seq = torch.full((P, *x.shape[1:]), pad_value, dtype=x.dtype)
+        seq[:L] = x[starts[i] : starts[i] + L]
+        for a, b in _zigzag_chunks(P, cp_size, cp_rank):
+            parts.append(seq[a:b])
+            pos.extend(range(a, b))
+        cu.append(cu[-1] + L)
+        cu_pad.append(cu_pad[-1] + P)
+    return {
+        "packed": torch.cat(parts),
+        "position_ids": torch.tensor(pos, dtype=torch.int64),
+        "cu_seqlens": torch.tensor(cu, dtype=torch.int32),
+        "cu_seqlens_padded": torch.tensor(cu_pad, dtype=torch.int32),
+        "max_seqlen": max(b - a for a, b in zip(cu_pad[:-1], cu_pad[1:], strict=True)),
+    }
+
+
+def unpack_reference(per_rank: list[torch.Tensor], lengths, indices, *, pad_multiple: int = 1,
+                     cp_size: int = 1) -> torch.Tensor:  # fmt: skip
+    """Invert :func:`pack_reference` given every CP rank's packed tensor: the
+    micro-batch's sequences, unpadded, concatenated in ``indices`` order."""
+    lengths = [int(v) for v in lengths]
+    cursor = [0] * cp_size
+    out = []
+    for i in indices:
+        L = lengths[int(i)]
+        P = -(-L // pad_multiple) * pad_multiple
+        seq = [None] * P
+        for r in range(cp_size):
+            for a, b in _zigzag_chunks(P, cp_size, r):
+                for p in range(a, b):
+                    seq[p] = per_rank[r][cursor[r]]
+                    cursor[r] += 1
+        out.extend(seq[:L])
+    return torch.stack(out)
