@@ -275,9 +275,17 @@ def round_robin(order: Sequence[int], num_engines: int) -> list[list[int]]:
 # ------------------------------------------------------- workloads, comparison
 
 
-def synthetic_workload(num_prompts: int, samples: int, seed: int, *, mu: float = 8.0,
-                       sigma: float = 1.1, sibling_sigma: float = 0.3, new_fraction: float = 0.25,
-                       history_steps: int = 2) -> tuple[list[Request], LengthPredictor]:  # fmt: skip
+def synthetic_workload(
+    num_prompts: int,
+    samples: int,
+    seed: int,
+    *,
+    mu: float = 8.0,
+    sigma: float = 1.1,
+    sibling_sigma: float = 0.3,
+    new_fraction: float = 0.25,
+    history_steps: int = 2,
+) -> tuple[list[Request], LengthPredictor]:
     """An RL rollout step: ``num_prompts`` prompts x ``samples`` responses.
 
     Each prompt has a typical length (lognormal(mu, sigma)); its responses
@@ -302,8 +310,13 @@ def synthetic_workload(num_prompts: int, samples: int, seed: int, *, mu: float =
     return reqs, pred
 
 
-def compare_policies(requests: Sequence[Request], predictor: LengthPredictor, num_engines: int,
-                     model: EngineModel = EngineModel(), seed: int = 0) -> dict[str, SimResult]:  # fmt: skip
+def compare_policies(
+    requests: Sequence[Request],
+    predictor: LengthPredictor,
+    num_engines: int,
+    model: EngineModel = EngineModel(),
+    seed: int = 0,
+) -> dict[str, SimResult]:
     """FIFO (dataset order, round robin), random (shuffled, round robin) and ours:
     LPT across engines on predicted lengths, longest predicted first, queues
     re-ordered as siblings finish (their lengths sharpen the prediction)."""
