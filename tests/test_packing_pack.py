@@ -285,3 +285,31 @@ def test_triton_kernels_compile_for_sm90_without_spills():
     for art in arts:
         aot.assert_no_spills(art.resource_usage)
         aot.assert_registers_at_most(art.resource_usage, 128)
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_unpack_backward_is_pack_of_the_gradient(cp):
+    """Model outputs (log-probs) get their gradient back through unpack."""
+    lengths, tensors = make_batch(7, seed=cp)
+    idx = [5, 1, 3]
+    b = ck.packing.pack(tensors["old_logprobs"], lengths, idx, pad_multiple=4, cp_size=cp)
+    out = torch.randn(cp * b.local_tokens, dtype=torch.float64, requires_grad=True)
+    y = ck.packing.unpack(out, b)
+    w = torch.randn_like(y)
+    (y * w).sum().backward()
+    want = torch.zeros_like(out)
+    want_y = ref.unpack_reference(list(out.detach().chunk(cp)), lengths, idx, pad_multiple=4,
+                                  cp_size=cp)  # fmt: skip
+    assert torch.equal(y.detach(), want_y)
+    # d/d out of sum(unpack(out) * w): w at each token's packed slot, 0 at padding
+    seqcat = torch.zeros(sum(lengths), dtype=torch.float64)
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    pos = 0
+    for i in idx:
+        seqcat[starts[i] : starts[i] + lengths[i]] = w[pos : pos + lengths[i]]
+        pos += lengths[i]
+    for r in range(cp):
+        want[r * b.local_tokens : (r + 1) * b.local_tokens] = ref.pack_reference(
+            seqcat, lengths, idx, pad_multiple=4, cp_size=cp, cp_rank=r)["packed"]  # fmt: skip
+    assert torch.equal(out.grad, want)
+    torch.autograd.gradcheck(lambda t: ck.packing.unpack(t, b), (out.detach().requires_grad_(),))

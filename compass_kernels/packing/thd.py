@@ -282,6 +282,9 @@ def unpack(
     packed : [local_tokens, ...] model output for cp_size = 1; with context
         parallelism every rank's output: a list of cp_size tensors (rank order),
         or their concatenation [cp_size * local_tokens, ...] (an all-gather).
+
+    Differentiable: the gradient of ``packed`` is the pack of the output's
+    gradient (zero at padding), for every CP rank.
     """
     if isinstance(packed, (list, tuple)):
         if len(packed) != batch.cp_size:
@@ -302,8 +305,46 @@ def unpack(
         raise ValueError(
             f"packed: expected a tensor on {meta['seqlens'].device}, got {describe(packed)}"
         )
+    if packed.requires_grad and torch.is_grad_enabled():
+        return _Unpack.apply(packed, batch, backend)
+    return _unpack_rows(packed, batch, backend)
+
+
+def _unpack_rows(packed: torch.Tensor, batch: PackedBatch, backend) -> torch.Tensor:
+    meta = batch._meta
     rows = thd_unpack_op(
         _as_rows(packed), meta["seqlens"], meta["cu"], meta["out_offsets"], batch.cp_size,
         batch.total_tokens, backend=backend,
     )  # fmt: skip
     return rows.view(packed.dtype).reshape(batch.total_tokens, *packed.shape[1:])
+
+
+class _Unpack(torch.autograd.Function):
+    """unpack is a gather; its gradient is the pack of the output gradient (zero
+    at padding) for every CP rank, concatenated like the input."""
+
+    @staticmethod
+    def forward(ctx, packed, batch, backend):
+        ctx.batch, ctx.backend = batch, backend
+        return _unpack_rows(packed.detach(), batch, backend)
+
+    @staticmethod
+    def backward(ctx, grad):
+        b, meta = ctx.batch, ctx.batch._meta
+        g = _as_rows(grad)
+        parts = [
+            thd_pack_op(
+                g,
+                meta["cu"][:-1],
+                meta["seqlens"],
+                meta["out_offsets"],
+                b.cp_size,
+                r,
+                0,
+                b.local_tokens,
+                backend=ctx.backend,
+            )  # fmt: skip
+            for r in range(b.cp_size)
+        ]
+        rows = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return rows.view(grad.dtype).reshape(-1, *grad.shape[1:]), None, None
