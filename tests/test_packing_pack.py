@@ -313,3 +313,21 @@ def test_unpack_backward_is_pack_of_the_gradient(cp):
             seqcat, lengths, idx, pad_multiple=4, cp_size=cp, cp_rank=r)["packed"]  # fmt: skip
     assert torch.equal(out.grad, want)
     torch.autograd.gradcheck(lambda t: ck.packing.unpack(t, b), (out.detach().requires_grad_(),))
+
+
+@pytest.mark.sm90
+@pytest.mark.skipif(
+    not load().build_info()["cuda"],
+    reason="compass_kernels._C was built without CUDA (COMPASS_CUDA=OFF)",
+)
+def test_cuda_kernels_built_for_sm90a_without_spills():
+    """pack (4 unit widths), unpack (4) and positions are in _C's sm_90a SASS, no spills."""
+    from compass_kernels import _C, aot
+
+    usage = {k: v for k, v in aot.resource_usage(_C.__file__, arch="sm_90a").items()
+             if "7packing" in k}  # fmt: skip
+    assert sum("pack_kernel" in k and "unpack" not in k for k in usage) == 4
+    assert sum("unpack_kernel" in k for k in usage) == 4
+    assert sum("positions_kernel" in k for k in usage) == 1
+    aot.assert_no_spills(usage)
+    aot.assert_registers_at_most(usage, 64)
