@@ -16,10 +16,11 @@ if(NOT CMAKE_CXX_COMPILER_ID STREQUAL "GNU")
 endif()
 
 # Plain CUDA (no wgmma / TMA / clusters / CUTLASS) that runs under emulation.
-set(COMPASS_EMU_KERNELS csrc/advantages/advantages.cu csrc/routing/replay.cu csrc/espo/espo_loss.cu)
+set(COMPASS_EMU_KERNELS csrc/advantages/advantages.cu csrc/routing/replay.cu csrc/espo/espo_loss.cu
+    csrc/packing/pack.cu)
 # Host code the entry points call (argument checks, DLPack views).
 set(COMPASS_EMU_HOST_SOURCES csrc/advantages/advantages_cpu.cpp csrc/routing/replay_cpu.cpp
-    csrc/espo/espo_loss_cpu.cpp csrc/dlpack_view.cpp)
+    csrc/espo/espo_loss_cpu.cpp csrc/packing/pack_cpu.cpp csrc/dlpack_view.cpp)
 
 set(_emu_gen ${CMAKE_BINARY_DIR}/emu)
 file(MAKE_DIRECTORY ${_emu_gen})
@@ -50,7 +51,9 @@ list(APPEND _emu_kernel_sources ${_w})
 # renamed <entry>__<name>. A mutated header is wrapped in an inline namespace
 # so its inline functions cannot merge with the unmutated ones at link time.
 # Spell ';' as <semicolon> in FIND / REPLACE. A FIND that no longer matches leaves the mutant out with a warning, and
-# tests/test_emu.py fails until this list is updated.
+# tests/test_emu.py fails until this list is updated. The capability (csrc/<cap>/
+# of KERNEL) picks the list COMPASS_EMU_MUTANTS_<CAP>, and so the bindings file
+# (bindings_<cap>.cpp), the mutant belongs to.
 set(_emu_mutants)
 function(compass_emu_mutant name)
   cmake_parse_arguments(ARG "" "KERNEL;FILE;FIND;REPLACE" "ENTRIES" ${ARGN})
@@ -156,6 +159,21 @@ if(COMPASS_EMU_MUTANTS)
     ENTRIES ${_espo_entries}
     FIND "const bool clipped = o2 < o1<semicolon>"
     REPLACE "const bool clipped = o2 <= o1<semicolon>")
+  # ck.packing (tests/test_packing_pack.py catches each):
+  set(_pk csrc/packing/pack.cu)
+  set(_pk_entries thd_pack_cuda thd_unpack_cuda thd_positions_cuda)
+  compass_emu_mutant(pack_pad_boundary KERNEL ${_pk} FILE ${_pk}
+    ENTRIES ${_pk_entries}
+    FIND "out[i] = p < len[j] ?"
+    REPLACE "out[i] = p <= len[j] ?")
+  compass_emu_mutant(unpack_drops_rank_offset KERNEL ${_pk} FILE ${_pk}
+    ENTRIES ${_pk_entries}
+    FIND "packed[(rank * rows_per_rank + off[j] + u) * upr + e]"
+    REPLACE "packed[(off[j] + u) * upr + e]")
+  compass_emu_mutant(zigzag_mirror_off_by_one KERNEL ${_pk}
+    FILE csrc/include/compass/packing.h ENTRIES ${_pk_entries}
+    FIND "(2 * cp - 1 - r) * c + (u - c)"
+    REPLACE "(2 * cp - 2 - r) * c + (u - c)")
 endif()
 # COMPASS_EMU_MUTANTS_<CAP>(X): the mutants of one capability's kernels;
 # COMPASS_EMU_MUTANTS(X) is advantages' list under its first name.
@@ -183,7 +201,7 @@ set_target_properties(compass_emu_kernels PROPERTIES POSITION_INDEPENDENT_CODE O
 # NO_EXTRAS: no strip, so the line tables below survive.
 pybind11_add_module(_C_emu MODULE NO_EXTRAS
   csrc/emu/src/module.cpp csrc/emu/src/bindings_advantages.cpp csrc/emu/src/bindings_routing.cpp
-  csrc/emu/src/bindings_espo.cpp
+  csrc/emu/src/bindings_espo.cpp csrc/emu/src/bindings_packing.cpp
   csrc/emu/src/bindings_selftest.cpp csrc/emu/src/runtime.cpp csrc/emu/src/memcheck.cpp
   csrc/emu/src/fiber.cpp
   ${COMPASS_EMU_HOST_SOURCES} $<TARGET_OBJECTS:compass_emu_kernels>)
@@ -200,4 +218,4 @@ foreach(t compass_emu_kernels _C_emu)
                              ${CMAKE_SOURCE_DIR}/csrc/emu ${_emu_gen})
 endforeach()
 message(STATUS "compass_kernels: _C_emu with ${COMPASS_EMU_KERNELS}; mutants: ${_emu_mutants} "
-               "${_emu_mutants_routing}")
+               "(per capability: see compass_emu_mutants.h)")

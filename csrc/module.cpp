@@ -19,6 +19,7 @@ namespace compass {
 namespace advantages { void bind(py::module_& m); }
 namespace routing { void bind(py::module_& m); }
 namespace espo { void bind(py::module_& m); }
+namespace packing { void bind(py::module_& m); }
 }  // namespace compass
 
 namespace {
@@ -69,4 +70,5 @@ PYBIND11_MODULE(_C, m) {
   compass::advantages::bind(m);
   compass::routing::bind(m);
   compass::espo::bind(m);
+  compass::packing::bind(m);
 }

@@ -8,6 +8,7 @@ namespace emu {
 void bind_advantages(pybind11::module_& root);
 void bind_routing(pybind11::module_& root);
 void bind_espo(pybind11::module_& root);
+void bind_packing(pybind11::module_& root);
 void bind_selftest(pybind11::module_& root);
 }  // namespace emu
 }  // namespace compass

@@ -1,0 +1,134 @@
+"""Bench: the packing planner (ck.packing.plan) against Karmarkar-Karp.
+
+Baseline: Karmarkar-Karp (largest differencing) in Python, the algorithm RL
+frameworks run to balance sequence lengths over data-parallel ranks (verl's
+seqlen_balancing.karmarkar_karp), re-expressed from the algorithm in
+``compass_kernels.packing.reference.karmarkar_karp`` (its sets sort by a key
+tuple, at least as fast as verl's comparison methods):
+
+- ``kk_equal (python)``: equal-size mode, the one verl's batch balancing uses;
+  the baseline of every case.
+- ``kk_exact (python)``: unequal-size mode; better balance, O(n * k) memory
+  and time, so only where it runs in well under a second.
+- ``compass.plan``: the public API with default options, including building
+  ``Plan.assignment`` (nested Python lists, as KK returns). It also packs
+  every rank into micro-batches under the cap (KK does not: frameworks run a
+  second pass for that), so the comparison favours the baseline.
+
+``--check`` verifies, for every candidate, that its output is a partition of
+all sequences into dp non-empty parts, and for ours that its rank max/mean is
+no worse than the baseline's (the `!=` of :class:`Partition`).
+
+``python -m bench.bench_packing`` prints the balance table (rank max/mean of
+each method, micro-batches, cap) on lognormal (mu 8, sigma 1.1, clipped
+100..65536) and bimodal lengths, n = 256..64k, dp = 8..256.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import compass_kernels as ck
+from bench.harness import Case
+from compass_kernels.packing import reference as ref
+
+OP = "packing_plan"
+MAX_TOKENS = 65536
+SHAPES = ((256, 8), (512, 16), (4096, 64), (8192, 8), (16384, 128), (65536, 256))
+QUICK_SHAPES = ((256, 8), (2048, 16))
+EXACT_MAX = 4096  # kk_exact costs O(n*k) Python objects: up to this many sequences
+
+
+class Partition:
+    """A provider's output: per-rank index lists over ``values``.
+
+    ``candidate != baseline`` (what ``--check`` evaluates) is False only when
+    the candidate is a partition of range(n) into dp non-empty parts and, if
+    it claims balance (``claims_balance``: ours), its max/mean is no worse than
+    the baseline's.
+    """
+
+    def __init__(self, parts, values, claims_balance: bool = False):
+        self.parts = parts
+        self.values = values
+        self.claims_balance = claims_balance
+
+    def imbalance(self) -> float:
+        return ref.imbalance(self.values, self.parts)
+
+    def valid(self, dp: int) -> bool:
+        flat = sorted(i for p in self.parts for i in p)
+        return len(self.parts) == dp and all(self.parts) and flat == list(range(len(self.values)))
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, Partition):
+            return NotImplemented
+        if not self.valid(len(other.parts)):
+            return False
+        return not self.claims_balance or self.imbalance() <= other.imbalance() + 1e-12
+
+    def __ne__(self, other) -> bool:
+        return not self.__eq__(other)
+
+    def __repr__(self) -> str:
+        return f"Partition(parts={len(self.parts)}, imbalance={self.imbalance():.6f})"
+
+
+def _ours(lengths: np.ndarray, dp: int) -> Partition:
+    p = ck.packing.plan(lengths, dp_size=dp, max_tokens=MAX_TOKENS)
+    parts = [[i for mb in mbs for i in mb] for mbs in p.assignment]
+    return Partition(parts, lengths, claims_balance=True)
+
+
+def case(dist: str, n: int, dp: int) -> Case:
+    lengths = ref.DISTRIBUTIONS[dist](n, n + dp)
+    as_list = lengths.tolist()
+    providers = {
+        "kk_equal (python)": lambda: Partition(ref.karmarkar_karp(as_list, dp, True), lengths),
+        "compass.plan": lambda: _ours(lengths, dp),
+    }
+    if n <= EXACT_MAX:
+        providers["kk_exact (python)"] = lambda: Partition(
+            ref.karmarkar_karp(as_list, dp, False), lengths
+        )
+    return Case(
+        name=f"{OP}_{dist}",
+        shape={"n": n, "dp": dp},
+        providers=providers,
+        baseline="kk_equal (python)",
+        device="cpu",
+    )
+
+
+def cases(quick: bool) -> list[Case]:
+    shapes = QUICK_SHAPES if quick else SHAPES
+    return [case(d, n, dp) for d in ref.DISTRIBUTIONS for n, dp in shapes]
+
+
+def balance_table(shapes=SHAPES) -> str:
+    """Rank max/mean of KK (equal, exact where affordable) and ours, with the
+    plan's micro-batch count, largest micro-batch and max/lower bound."""
+    head = (
+        f"{'dist':9} {'n':>6} {'dp':>4} {'kk_equal':>9} {'kk_exact':>9} {'ours':>9} "
+        f"{'ours(eq)':>9} {'max/LB':>8} {'M':>4} {'max_mb':>7}"
+    )
+    lines = [head]
+    for dist, gen in ref.DISTRIBUTIONS.items():
+        for n, dp in shapes:
+            L = gen(n, n + dp)
+            kk = ref.imbalance(L, ref.karmarkar_karp(L.tolist(), dp, True))
+            ex = ref.imbalance(L, ref.karmarkar_karp(L.tolist(), dp, False)) if n <= 2048 else None
+            p = ck.packing.plan(L, dp_size=dp, max_tokens=MAX_TOKENS)
+            q = ck.packing.plan(L, dp_size=dp, max_tokens=MAX_TOKENS, equal_samples=True)
+            s = p.stats
+            exs = f"{ex:9.5f}" if ex is not None else f"{'-':>9}"
+            lines.append(
+                f"{dist:9} {n:6d} {dp:4d} {kk:9.5f} {exs} {s['imbalance']:9.5f} "
+                f"{q.stats['imbalance']:9.5f} {s['max_over_lower_bound']:8.5f} "
+                f"{s['num_micro_batches']:4d} {s['max_mb_tokens']:7d}"
+            )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(balance_table())

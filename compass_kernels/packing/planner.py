@@ -1,0 +1,302 @@
+"""The packing planner: sequences -> data-parallel ranks -> micro-batches.
+
+The search runs in C++ (csrc/packing/plan_cpu.cpp: LPT and Karmarkar-Karp
+seeds, swap refinement, first-fit-decreasing micro-batch counts, capped LPT
+packing); this module checks arguments, builds the cost, and wraps the result
+in a :class:`Plan` with its statistics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+import torch
+
+from compass_kernels._ext import load
+from compass_kernels._validate import INT_DTYPES, describe
+
+__all__ = ["ModelConfig", "Plan", "cost_coefficients", "plan", "sequence_cost"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the attention cost model needs of a transformer (Megatron names).
+
+    ffn_hidden_size is the FFN width one token goes through per expert (MoE:
+    the expert's width, ``moe_ffn_hidden_size``); moe_top_k = 0 for a dense
+    FFN. num_query_groups (GQA key/value heads) defaults to the attention
+    heads; kv_channels (head dim) to hidden_size / heads.
+    """
+
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    moe_top_k: int = 0
+    num_query_groups: int | None = None
+    kv_channels: int | None = None
+    shared_expert_ffn_hidden_size: int = 0
+    gated_linear_unit: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "ffn_hidden_size", "num_layers", "num_attention_heads"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and v > 0):
+                raise ValueError(f"ModelConfig.{name}: expected a positive int, got {v!r}")
+        if not (isinstance(self.moe_top_k, int) and self.moe_top_k >= 0):
+            raise ValueError(f"ModelConfig.moe_top_k: expected an int >= 0, got {self.moe_top_k!r}")
+
+    @classmethod
+    def from_hf(cls, config) -> ModelConfig:
+        """From a Hugging Face config (Qwen3-MoE / DeepSeek / Llama field names)."""
+        get = lambda *names, default=None: next(  # noqa: E731
+            (getattr(config, n) for n in names if getattr(config, n, None) is not None), default
+        )
+        top_k = get("num_experts_per_tok", "moe_topk", default=0) or 0
+        ffn = get("moe_intermediate_size", default=None) if top_k else None
+        return cls(
+            hidden_size=get("hidden_size"),
+            ffn_hidden_size=ffn or get("intermediate_size"),
+            num_layers=get("num_hidden_layers"),
+            num_attention_heads=get("num_attention_heads"),
+            moe_top_k=int(top_k),
+            num_query_groups=get("num_key_value_heads"),
+            kv_channels=get("head_dim"),
+            shared_expert_ffn_hidden_size=get("shared_expert_intermediate_size", default=0) or 0,
+        )
+
+
+def cost_coefficients(config: ModelConfig) -> tuple[float, float]:
+    """(a, b) with forward FLOPs of one sequence of L tokens = a*L + b*L^2.
+
+    Per layer and token, a counts the projections (Q and O: 2*h*heads*d each;
+    K and V: 2*h*groups*d each) and the FFN (gated: 3 matrices of h x ffn, 2
+    FLOPs per multiply-add, times top-k experts, plus a shared expert). b counts
+    causal attention: QK^T and PV over L^2 / 2 pairs, 2*heads*d FLOPs each.
+    Backward is ~2x forward for both terms, so the ratio a/b, which is all the
+    balancing uses, is the same for training.
+    """
+    h, heads = config.hidden_size, config.num_attention_heads
+    d = config.kv_channels or h // heads
+    groups = config.num_query_groups or heads
+    mats = 3 if config.gated_linear_unit else 2
+    experts = max(config.moe_top_k, 1)
+    proj = 2 * h * heads * d * 2 + 2 * h * groups * d * 2
+    ffn = 2 * mats * h * (config.ffn_hidden_size * experts + config.shared_expert_ffn_hidden_size)
+    a = float(config.num_layers * (proj + ffn))
+    b = float(config.num_layers * 2 * heads * d)
+    return a, b
+
+
+def sequence_cost(lengths, cost: str = "tokens", model_config: ModelConfig | None = None):
+    """[n] float64 cost per sequence: L ("tokens"), or a*L + b*L^2 ("attention").
+    ``lengths`` a tensor or a NumPy array; the result is of the same kind."""
+    if isinstance(lengths, np.ndarray):
+        L = lengths.astype(np.float64)
+    else:
+        L = lengths.to(torch.float64)
+    if cost == "tokens":
+        return L
+    if cost == "attention":
+        if model_config is None:
+            raise ValueError(
+                'cost="attention" needs model_config (a ModelConfig: hidden, FFN, layers, '
+                "MoE top-k, heads), which gives its coefficients"
+            )
+        a, b = cost_coefficients(model_config)
+        return L * a + L * L * b
+    raise ValueError(f'cost: expected "tokens" or "attention", got {cost!r}')
+
+
+class Plan:
+    """A packing plan: for each data-parallel rank, ``num_micro_batches`` lists of
+    sequence indices.
+
+    order : [n] int64, sequence indices rank-major, then micro-batch.
+    offsets : [dp_size * num_micro_batches + 1] int64; micro-batch j of rank r
+        is ``order[offsets[r*M + j] : offsets[r*M + j + 1]]``.
+    tokens : [n] int64 lengths after padding to pad_multiple (what the cap counts).
+    cost : [n] float64, what was balanced.
+    """
+
+    def __init__(self, order, offsets, dp_size, num_micro_batches, lengths, tokens, cost,
+                 max_tokens, lower_bound):  # fmt: skip
+        self.order = order
+        self.offsets = offsets
+        self.dp_size = dp_size
+        self.num_micro_batches = num_micro_batches
+        self.lengths = lengths
+        self.tokens = tokens
+        self.cost = cost
+        self.max_tokens = max_tokens
+        self._lower_bound = lower_bound
+
+    def micro_batch(self, rank: int, j: int) -> torch.Tensor:
+        """[m] int64 sequence indices of micro-batch j on ``rank``."""
+        if not (0 <= rank < self.dp_size and 0 <= j < self.num_micro_batches):
+            raise IndexError(
+                f"micro_batch({rank}, {j}): expected rank < {self.dp_size} and "
+                f"j < {self.num_micro_batches}"
+            )
+        k = rank * self.num_micro_batches + j
+        return self.order[int(self.offsets[k]) : int(self.offsets[k + 1])]
+
+    @cached_property
+    def assignment(self) -> list[list[list[int]]]:
+        """assignment[rank][micro_batch] = list of sequence indices (ascending)."""
+        order = self.order.numpy().tolist()  # NumPy's tolist: ~3x faster than torch's
+        off = self.offsets.numpy().tolist()
+        M = self.num_micro_batches
+        return [
+            [order[off[r * M + j] : off[r * M + j + 1]] for j in range(M)]
+            for r in range(self.dp_size)
+        ]
+
+    @cached_property
+    def stats(self) -> dict[str, float | int | np.ndarray]:
+        """Balance and waste of the plan (computed on first access).
+
+        rank_cost / rank_tokens : [dp] per rank; imbalance = max / mean rank
+        cost; cv = its std / mean; lower_bound = max(total / dp, largest item
+        (group or sequence)); max_over_lower_bound. mb_cost / mb_tokens : [dp, M];
+        mb_imbalance = max / mean micro-batch cost; utilization = tokens /
+        (dp * M * max_tokens); padding_tokens = tokens added by pad_multiple;
+        idle_tokens = sum over ranks of (max rank tokens - rank tokens).
+        """
+        order = self.order.numpy()
+        off = self.offsets.numpy()
+        k, M = self.dp_size, self.num_micro_batches
+        starts = off[:-1]
+        c = np.add.reduceat(self.cost.numpy()[order], starts).reshape(k, M)
+        t = np.add.reduceat(self.tokens.numpy()[order], starts).reshape(k, M)
+        rc, rt = c.sum(1), t.sum(1)
+        mean = rc.mean()
+        total_tokens = int(t.sum())
+        return {
+            "dp_size": k,
+            "num_micro_batches": M,
+            "rank_cost": rc,
+            "rank_tokens": rt,
+            "imbalance": float(rc.max() / mean),
+            "cv": float(rc.std() / mean),
+            "lower_bound": self._lower_bound,
+            "max_over_lower_bound": float(rc.max() / self._lower_bound),
+            "mb_cost": c,
+            "mb_tokens": t,
+            "mb_imbalance": float(c.max() / c.mean()),
+            "max_mb_tokens": int(t.max()),
+            "utilization": total_tokens / (k * M * self.max_tokens),
+            "padding_tokens": total_tokens - int(self.lengths.sum()),
+            "idle_tokens": int((rt.max() - rt).sum()),
+        }
+
+    def __repr__(self) -> str:
+        return (
+            f"Plan(n={self.order.numel()}, dp_size={self.dp_size}, "
+            f"num_micro_batches={self.num_micro_batches}, max_tokens={self.max_tokens})"
+        )
+
+
+def _as_int64(name: str, x) -> np.ndarray:
+    # The host path works on NumPy arrays (they cross into C++ by DLPack too):
+    # a handful of small torch ops here cost more than the whole C++ search
+    # when torch's intra-op threads contend with other work on the host.
+    if isinstance(x, torch.Tensor):
+        if x.dim() != 1 or x.dtype not in INT_DTYPES:
+            raise ValueError(f"{name}: expected a 1-d integer tensor, got {describe(x)}")
+        a = x.detach().cpu().numpy()
+    else:
+        a = np.asarray(x)
+        if a.ndim != 1 or not (a.size == 0 or np.issubdtype(a.dtype, np.integer)):
+            raise ValueError(f"{name}: expected a 1-d sequence of ints, got {a.dtype}{a.shape}")
+    return np.ascontiguousarray(a, dtype=np.int64)
+
+
+def _positive_int(name: str, v) -> int:
+    if not (isinstance(v, int | np.integer) and v >= 1):
+        raise ValueError(f"{name}: expected a positive int, got {v!r}")
+    return int(v)
+
+
+def plan(
+    lengths: torch.Tensor | Sequence[int],
+    *,
+    dp_size: int,
+    max_tokens: int,
+    group_ids: torch.Tensor | Sequence[int] | None = None,
+    cost: str = "tokens",
+    model_config: ModelConfig | None = None,
+    micro_batch_multiple: int = 1,
+    equal_samples: bool = False,
+    pad_multiple: int = 1,
+    refine_iters: int | None = None,
+) -> Plan:
+    """Assign sequences to data-parallel ranks and micro-batches.
+
+    Parameters
+    ----------
+    lengths : [n] integer sequence lengths (tensor on any device, list or array);
+        every length >= 1.
+    dp_size : data-parallel ranks.
+    max_tokens : the token cap of one micro-batch (lengths padded to
+        pad_multiple count against it); a longer sequence is an error naming it.
+    group_ids : [n] integer ids; sequences of one group go to one rank.
+    cost : "tokens" (balance L) or "attention" (a*L + b*L^2, coefficients from
+        ``model_config`` via :func:`cost_coefficients`).
+    micro_batch_multiple : the micro-batch count per rank is a multiple of this
+        (virtual pipeline stages).
+    equal_samples : every rank gets the same number of sequences (of groups,
+        with group_ids: the groups must then be of one size), differing by at
+        most one when dp_size does not divide it.
+    pad_multiple : each sequence is padded to a multiple of this (2*cp*tp for
+        Megatron THD) before it counts against the cap and the cost.
+    refine_iters : cap on refinement steps at the rank level (default 16*dp + 256).
+
+    Returns
+    -------
+    :class:`Plan`: every rank has ``num_micro_batches`` non-empty micro-batches,
+    each within max_tokens. Deterministic: the same input gives the same plan.
+    """
+    L = _as_int64("lengths", lengths)
+    n = L.size
+    dp_size = _positive_int("dp_size", dp_size)
+    max_tokens = _positive_int("max_tokens", max_tokens)
+    micro_batch_multiple = _positive_int("micro_batch_multiple", micro_batch_multiple)
+    pad_multiple = _positive_int("pad_multiple", pad_multiple)
+    if n == 0:
+        raise ValueError("lengths: expected at least one sequence, got none")
+    gid = None
+    if group_ids is not None:
+        gid = _as_int64("group_ids", group_ids)
+        if gid.size != n:
+            raise ValueError(f"group_ids: expected {n} elements (one per sequence), got {gid.size}")
+    if pad_multiple > 1:
+        tokens = (L + (pad_multiple - 1)) // pad_multiple * pad_multiple
+    else:
+        tokens = L
+    c = sequence_cost(tokens, cost, model_config)
+    order = np.empty(n, dtype=np.int64)
+    offsets = np.empty(n + 1, dtype=np.int64)
+    iters = -1 if refine_iters is None else int(refine_iters)
+    M = load().packing.plan_cpu(
+        tokens, c, gid, dp_size, max_tokens, micro_batch_multiple, bool(equal_samples), iters,
+        order, offsets,
+    )  # fmt: skip
+    lower_bound = _lower_bound(c, gid, dp_size)
+    t = torch.from_numpy
+    return Plan(t(order), t(offsets[: dp_size * M + 1]), dp_size, M, t(L), t(tokens), t(c),
+                max_tokens, lower_bound)  # fmt: skip
+
+
+def _lower_bound(c: np.ndarray, gid: np.ndarray | None, k: int) -> float:
+    """max(total / k, the largest item): no assignment has a lighter heaviest rank."""
+    total = float(c.sum())
+    if gid is None:
+        biggest = float(c.max())
+    else:
+        _, inv = np.unique(gid, return_inverse=True)
+        biggest = float(np.bincount(inv, weights=c).max())
+    return max(total / k, biggest)

@@ -1,0 +1,221 @@
+"""The executable spec of ck.packing, written for clarity, never imported by a
+fast path.
+
+- :func:`karmarkar_karp`: the largest differencing method as RL frameworks run
+  it in Python (verl's seqlen_balancing: equal-size and exact modes), the
+  baseline the planner must match or beat; written from the algorithm.
+- :func:`check_plan`: every constraint a plan must hold, as assertions.
+- :func:`pack_reference` / :func:`unpack_reference`: THD packing, one sequence
+  at a time.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+import torch
+
+# ---------------------------------------------------------------------------
+# Length distributions of RL rollouts (tests and benches)
+
+
+def lognormal_lengths(n: int, seed: int, *, mu: float = 8.0, sigma: float = 1.1) -> np.ndarray:
+    """[n] int64 long-tailed lengths: lognormal(mu, sigma) clipped to 100..65536."""
+    g = np.random.default_rng(seed)
+    return np.clip(g.lognormal(mu, sigma, n), 100, 65536).astype(np.int64)
+
+
+def bimodal_lengths(n: int, seed: int, *, long_fraction: float = 0.3) -> np.ndarray:
+    """[n] int64: a mix of short answers (lognormal mu 6, sigma 0.5) and long
+    reasoning traces (lognormal mu 9.8, sigma 0.4), clipped to 100..65536."""
+    g = np.random.default_rng(seed)
+    long = g.random(n) < long_fraction
+    x = np.where(long, g.lognormal(9.8, 0.4, n), g.lognormal(6.0, 0.5, n))
+    return np.clip(x, 100, 65536).astype(np.int64)
+
+
+DISTRIBUTIONS = {"lognormal": lognormal_lengths, "bimodal": bimodal_lengths}
+
+
+# ---------------------------------------------------------------------------
+# Karmarkar-Karp (largest differencing method, k-way)
+
+
+class _Set:
+    __slots__ = ("sum", "items")
+
+    def __init__(self):
+        self.sum = 0
+        self.items: list[tuple[int, float]] = []
+
+    def key(self):
+        return (self.sum, len(self.items), self.items)
+
+
+class _State:
+    """A partial solution: k sets, kept in decreasing order of sum."""
+
+    __slots__ = ("k", "sets")
+
+    def __init__(self, items: list[tuple[int, float]], k: int):
+        self.k = k
+        self.sets = [_Set() for _ in range(k)]
+        for s, (idx, val) in zip(self.sets, items, strict=False):
+            s.items.append((idx, val))
+            s.sum += val
+        self.sets.sort(key=_Set.key, reverse=True)
+
+    def spread(self):
+        return self.sets[0].sum - self.sets[-1].sum
+
+    def merge(self, other: _State) -> None:
+        # largest set of one with the smallest of the other
+        for i in range(self.k):
+            o = other.sets[self.k - 1 - i]
+            self.sets[i].items.extend(o.items)
+            self.sets[i].sum += o.sum
+        self.sets.sort(key=_Set.key, reverse=True)
+
+    def __lt__(self, other: _State) -> bool:  # heapq pops the largest spread first
+        if self.spread() != other.spread():
+            return self.spread() > other.spread()
+        return self.sets[0].key() > other.sets[0].key()
+
+
+def karmarkar_karp(values: list[float], k: int, equal_size: bool) -> list[list[int]]:
+    """Partition indices of ``values`` into k lists with balanced sums.
+
+    Values are sorted ascending. equal_size=True: consecutive runs of k
+    values seed partial solutions of k one-item sets (len(values) must be a
+    multiple of k), so every part gets len/k items; False: each value seeds a
+    solution with one non-empty set. Then the two partial solutions with the
+    largest spread (max set sum - min set sum) are merged, the largest set of
+    one with the smallest of the other, until one is left.
+    """
+    ordered = sorted((v, i) for i, v in enumerate(values))
+    heap: list[_State] = []
+    if equal_size:
+        if len(values) % k:
+            raise ValueError(f"equal_size: {len(values)} values do not split into {k} equal parts")
+        for start in range(0, len(ordered), k):
+            chunk = [(i, v) for v, i in ordered[start : start + k]]
+            heapq.heappush(heap, _State(chunk, k))
+    else:
+        for v, i in ordered:
+            heapq.heappush(heap, _State([(i, v)], k))
+    while len(heap) > 1:
+        a = heapq.heappop(heap)
+        b = heapq.heappop(heap)
+        a.merge(b)
+        heapq.heappush(heap, a)
+    return [sorted(i for i, _ in s.items) for s in heap[0].sets]
+
+
+def imbalance(values, parts: list[list[int]]) -> float:
+    """max / mean of the part sums."""
+    sums = [sum(float(values[i]) for i in p) for p in parts]
+    return max(sums) / (sum(sums) / len(sums))
+
+
+# ---------------------------------------------------------------------------
+# Plan constraints
+
+
+def check_plan(plan, lengths, *, dp_size, max_tokens, group_ids=None, micro_batch_multiple=1,
+               equal_samples=False, pad_multiple=1) -> None:  # fmt: skip
+    """Assert every constraint of a packing plan (the planner's contract)."""
+    lengths = [int(x) for x in lengths]
+    n = len(lengths)
+    a = plan.assignment
+    M = plan.num_micro_batches
+    assert len(a) == dp_size, f"{len(a)} ranks, expected {dp_size}"
+    assert M >= 1 and M % micro_batch_multiple == 0, (
+        f"M={M} not a multiple of {micro_batch_multiple}"
+    )
+    seen: list[int] = []
+    rank_of = [-1] * n
+    for r, mbs in enumerate(a):
+        assert len(mbs) == M, f"rank {r} has {len(mbs)} micro-batches, expected {M}"
+        for j, mb in enumerate(mbs):
+            assert mb, f"rank {r} micro-batch {j} is empty"
+            padded = sum(-(-lengths[i] // pad_multiple) * pad_multiple for i in mb)
+            assert padded <= max_tokens, f"rank {r} mb {j}: {padded} tokens > cap {max_tokens}"
+            for i in mb:
+                rank_of[i] = r
+            seen.extend(mb)
+    assert sorted(seen) == list(range(n)), "every sequence exactly once"
+    if group_ids is not None:
+        gids = [int(g) for g in group_ids]
+        home: dict[int, int] = {}
+        for i, g in enumerate(gids):
+            assert home.setdefault(g, rank_of[i]) == rank_of[i], f"group {g} split across ranks"
+    if equal_samples:
+        counts = [sum(len(mb) for mb in mbs) for mbs in a]
+        if group_ids is None:
+            assert max(counts) - min(counts) <= 1, f"sample counts {counts}"
+        else:
+            size = n // len(set(int(g) for g in group_ids))
+            assert max(counts) - min(counts) <= size, f"sample counts {counts}"
+
+
+# ---------------------------------------------------------------------------
+# THD pack / unpack, one sequence at a time
+
+
+def _zigzag_chunks(P: int, cp: int, r: int) -> list[tuple[int, int]]:
+    """[start, end) positions of a padded sequence of P tokens that CP rank r keeps."""
+    if cp == 1:
+        return [(0, P)]
+    c = P // (2 * cp)
+    return [(r * c, (r + 1) * c), ((2 * cp - 1 - r) * c, (2 * cp - r) * c)]
+
+
+def pack_reference(x: torch.Tensor, lengths, indices, *, pad_multiple: int = 1, cp_size: int = 1,
+                   cp_rank: int = 0, pad_value=0) -> dict:  # fmt: skip
+    """THD-pack sequences ``indices`` of the jagged batch ``x`` [T, ...] for CP rank
+    ``cp_rank``: each sequence padded with pad_value to a multiple of pad_multiple,
+    cut in 2*cp_size chunks of which the rank keeps chunks cp_rank and
+    2*cp_size-1-cp_rank. Returns packed, position_ids, cu_seqlens,
+    cu_seqlens_padded (int32, whole sequences) and max_seqlen."""
+    lengths = [int(v) for v in lengths]
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    parts, pos, cu, cu_pad = [], [], [0], [0]
+    for i in indices:
+        i = int(i)
+        L = lengths[i]
+        P = -(-L // pad_multiple) * pad_multiple
+        seq = torch.full((P, *x.shape[1:]), pad_value, dtype=x.dtype)
+        seq[:L] = x[starts[i] : starts[i] + L]
+        for a, b in _zigzag_chunks(P, cp_size, cp_rank):
+            parts.append(seq[a:b])
+            pos.extend(range(a, b))
+        cu.append(cu[-1] + L)
+        cu_pad.append(cu_pad[-1] + P)
+    return {
+        "packed": torch.cat(parts),
+        "position_ids": torch.tensor(pos, dtype=torch.int64),
+        "cu_seqlens": torch.tensor(cu, dtype=torch.int32),
+        "cu_seqlens_padded": torch.tensor(cu_pad, dtype=torch.int32),
+        "max_seqlen": max(b - a for a, b in zip(cu_pad[:-1], cu_pad[1:], strict=True)),
+    }
+
+
+def unpack_reference(per_rank: list[torch.Tensor], lengths, indices, *, pad_multiple: int = 1,
+                     cp_size: int = 1) -> torch.Tensor:  # fmt: skip
+    """Invert :func:`pack_reference` given every CP rank's packed tensor: the
+    micro-batch's sequences, unpadded, concatenated in ``indices`` order."""
+    lengths = [int(v) for v in lengths]
+    cursor = [0] * cp_size
+    out = []
+    for i in indices:
+        L = lengths[int(i)]
+        P = -(-L // pad_multiple) * pad_multiple
+        seq = [None] * P
+        for r in range(cp_size):
+            for a, b in _zigzag_chunks(P, cp_size, r):
+                for p in range(a, b):
+                    seq[p] = per_rank[r][cursor[r]]
+                    cursor[r] += 1
+        out.extend(seq[:L])
+    return torch.stack(out)

@@ -1,0 +1,350 @@
+"""THD pack / unpack for Megatron (ck.packing.pack, ck.packing.unpack).
+
+A micro-batch (sequence indices from a :class:`~compass_kernels.packing.Plan`)
+becomes Megatron's THD layout: each sequence padded to ``pad_multiple``
+(2 * cp * tp), the sequences concatenated, with cu_seqlens, cu_seqlens_padded,
+max_seqlen and position ids; with context parallelism each sequence is cut in
+2 * cp chunks and CP rank r keeps chunks r and 2cp-1-r (the load-balanced
+zigzag Megatron / Transformer Engine expect). :func:`unpack` inverts it.
+
+Sizes come from the host (the plan's lengths): the GPU path never syncs.
+Per-token tensors of any dtype and trailing shape (token ids, log-probs,
+advantages, masks, routing traces [T, layers, top_k]) move as opaque rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from compass_kernels._op import register_op
+from compass_kernels._validate import describe
+
+__all__ = ["PackedBatch", "pack", "unpack", "thd_pack_op", "thd_unpack_op", "thd_positions_op"]
+
+
+def _rows_like(src, total):
+    return (torch.empty((total, src.shape[1]), dtype=src.dtype, device=src.device),)
+
+
+thd_pack_op = register_op(
+    "thd_pack",
+    "(Tensor src, Tensor seq_start, Tensor seqlens, Tensor out_offsets, int cp_size, int cp_rank,"
+    " int fill, int total) -> Tensor",
+    outputs=lambda src, ss, sl, oo, cp, r, fill, total: _rows_like(src, total),
+    kernels={
+        "cpp": "packing.thd_pack_cpu",
+        "cuda": "packing.thd_pack_cuda",
+        "triton": "compass_kernels.packing.triton:thd_pack_triton",
+    },
+)
+thd_unpack_op = register_op(
+    "thd_unpack",
+    "(Tensor packed, Tensor seqlens, Tensor cu_seqlens, Tensor out_offsets, int cp_size,"
+    " int total) -> Tensor",
+    outputs=lambda packed, sl, cu, oo, cp, total: _rows_like(packed, total),
+    kernels={
+        "cpp": "packing.thd_unpack_cpu",
+        "cuda": "packing.thd_unpack_cuda",
+        "triton": "compass_kernels.packing.triton:thd_unpack_triton",
+    },
+)
+thd_positions_op = register_op(
+    "thd_positions",
+    "(Tensor out_offsets, int cp_size, int cp_rank, int total) -> Tensor",
+    outputs=lambda oo, cp, r, total: (torch.empty(total, dtype=torch.int64, device=oo.device),),
+    kernels={
+        "cpp": "packing.thd_positions_cpu",
+        "cuda": "packing.thd_positions_cuda",
+        "triton": "compass_kernels.packing.triton:thd_positions_triton",
+    },
+)
+
+
+@dataclass
+class PackedBatch:
+    """One micro-batch in THD layout, on one context-parallel rank.
+
+    tensors : name -> packed [local_tokens, ...] (input dtype and trailing shape).
+    indices : [m] int64 (host) the batch's sequence indices, in packed order.
+    seqlens : [m] int64 (host) their lengths; padded : after padding to pad_multiple.
+    cu_seqlens, cu_seqlens_padded : [m + 1] int32 on the tensors' device, over the
+        whole (un-split) sequences, as Megatron's PackedSeqParams wants them.
+    max_seqlen : the largest padded length.
+    position_ids : [local_tokens] int64, each token's position in its sequence.
+    """
+
+    tensors: dict[str, torch.Tensor]
+    indices: np.ndarray
+    seqlens: np.ndarray
+    padded: np.ndarray
+    cu_seqlens: torch.Tensor
+    cu_seqlens_padded: torch.Tensor
+    max_seqlen: int
+    position_ids: torch.Tensor
+    pad_multiple: int
+    cp_size: int
+    cp_rank: int
+    local_tokens: int
+    total_tokens: int
+    _meta: dict[str, torch.Tensor] = field(repr=False)  # device int64 seqlens, cu, out_offsets
+
+    def packed_seq_params(self):
+        """Megatron-core's PackedSeqParams (qkv_format="thd") for this micro-batch."""
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        return PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=self.cu_seqlens,
+            cu_seqlens_kv=self.cu_seqlens,
+            cu_seqlens_q_padded=self.cu_seqlens_padded,
+            cu_seqlens_kv_padded=self.cu_seqlens_padded,
+            max_seqlen_q=self.max_seqlen,
+            max_seqlen_kv=self.max_seqlen,
+        )
+
+    def split(self, unpacked: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Per-sequence views of an :func:`unpack` result (host sizes: no sync)."""
+        return unpacked.split(self.seqlens.tolist())
+
+
+def _host_ints(name: str, x) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        if x.device.type != "cpu":
+            raise ValueError(
+                f"{name}: expected a host (CPU) tensor, list or array: sizes come from the plan, "
+                f"reading them from {x.device} would sync; got {describe(x)}"
+            )
+        x = x.numpy()
+    a = np.asarray(x)
+    if a.ndim != 1 or not (a.size == 0 or np.issubdtype(a.dtype, np.integer)):
+        raise ValueError(f"{name}: expected a 1-d sequence of ints, got {a.dtype}{list(a.shape)}")
+    return a.astype(np.int64, copy=False)
+
+
+def _fill_byte(name: str, t: torch.Tensor, value) -> int:
+    """The byte whose repetition is ``value`` in ``t``'s dtype (0, or all ones)."""
+    if value == 0:
+        return 0
+    size = t.element_size()
+    if size == 1 and not t.dtype.is_floating_point:
+        v = int(value)
+        if t.dtype == torch.bool:
+            v = int(bool(value))
+        if -128 <= v < 0 or 0 <= v <= 255:
+            return v & 0xFF
+    elif not t.dtype.is_floating_point and t.dtype != torch.bool and int(value) == -1:
+        return 0xFF
+    raise ValueError(
+        f"pad_values[{name!r}]: expected 0, -1 (integers: all bits set) or a byte value for "
+        f"1-byte dtypes, got {value!r} for {t.dtype}"
+    )
+
+
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous()
+    return t.reshape(t.shape[0], -1).view(torch.uint8)
+
+
+def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    if device.type == "cuda":  # pinned: the copy is asynchronous, no host sync
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
+def pack(
+    tensors: torch.Tensor | dict[str, torch.Tensor],
+    lengths,
+    indices,
+    *,
+    pad_multiple: int = 1,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+    pad_values: dict[str, int] | None = None,
+    backend: str | None = None,
+) -> PackedBatch:
+    """Pack micro-batch ``indices`` of a jagged batch into Megatron's THD layout.
+
+    Parameters
+    ----------
+    tensors : one tensor or name -> tensor, each [T, ...] (any dtype): the batch's
+        tokens, sequence after sequence (sequence i at rows sum(lengths[:i]) ..).
+        A single tensor is packed under the name "input".
+    lengths : [n] host ints, the batch's sequence lengths (e.g. ``Plan.lengths``).
+    indices : [m] host ints, the micro-batch (e.g. ``Plan.micro_batch(rank, j)``).
+    pad_multiple : each sequence is padded to a multiple of this; with cp_size > 1
+        it must be a multiple of 2 * cp_size (2 * cp * tp for Megatron).
+    cp_size, cp_rank : context parallelism: this rank keeps chunks cp_rank and
+        2*cp_size-1-cp_rank of each sequence's 2*cp_size chunks.
+    pad_values : name -> value written to padding (default 0; -1 or a byte value
+        for integer tensors, e.g. 255 to mark uint8 routing rows missing).
+    backend : None (default dispatch), "cpp", "cuda" or "triton".
+    """
+    if isinstance(tensors, torch.Tensor):
+        tensors = {"input": tensors}
+    if not tensors:
+        raise ValueError("tensors: expected at least one tensor to pack")
+    L = _host_ints("lengths", lengths)
+    idx = _host_ints("indices", indices)
+    n, m = L.size, idx.size
+    for name, v in (("pad_multiple", pad_multiple), ("cp_size", cp_size)):
+        if not (isinstance(v, int) and v >= 1):
+            raise ValueError(f"{name}: expected a positive int, got {v!r}")
+    if not (isinstance(cp_rank, int) and 0 <= cp_rank < cp_size):
+        raise ValueError(f"cp_rank: expected 0 <= cp_rank < cp_size = {cp_size}, got {cp_rank!r}")
+    if cp_size > 1 and pad_multiple % (2 * cp_size):
+        raise ValueError(
+            f"pad_multiple: expected a multiple of 2 * cp_size = {2 * cp_size} (each sequence is "
+            f"cut in 2 * cp_size equal chunks), got {pad_multiple}"
+        )
+    if m == 0:
+        raise ValueError("indices: expected at least one sequence in the micro-batch, got none")
+    if idx.min() < 0 or idx.max() >= n:
+        bad = int(idx[(idx < 0) | (idx >= n)][0])
+        raise ValueError(f"indices: expected values in [0, {n}), got {bad}")
+    seqlens = L[idx]
+    if (seqlens <= 0).any():
+        j = int(np.argmax(seqlens <= 0))
+        raise ValueError(
+            f"lengths: sequence {int(idx[j])} (micro-batch position {j}) is empty "
+            f"(length {int(seqlens[j])}); empty sequences cannot be packed"
+        )
+    src_cu = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(L, out=src_cu[1:])
+    padded = -(-seqlens // pad_multiple) * pad_multiple
+    local = padded // cp_size
+    out_offsets = np.zeros(m + 1, dtype=np.int64)
+    np.cumsum(local, out=out_offsets[1:])
+    cu = np.zeros(m + 1, dtype=np.int64)
+    np.cumsum(seqlens, out=cu[1:])
+    cu_padded = np.zeros(m + 1, dtype=np.int64)
+    np.cumsum(padded, out=cu_padded[1:])
+    if cu_padded[-1] >= 2**31:
+        raise ValueError(f"indices: {int(cu_padded[-1])} padded tokens overflow int32 cu_seqlens")
+    first = next(iter(tensors.values()))
+    dev = first.device
+    total = int(out_offsets[-1])
+    meta = {
+        "seq_start": _to_device(src_cu[idx], dev),
+        "seqlens": _to_device(seqlens, dev),
+        "out_offsets": _to_device(out_offsets, dev),
+        "cu": _to_device(cu, dev),
+    }
+    pad_values = pad_values or {}
+    unknown = set(pad_values) - set(tensors)
+    if unknown:
+        raise ValueError(f"pad_values: names {sorted(unknown)} are not among the tensors")
+    packed = {}
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor) or t.dim() < 1:
+            raise ValueError(f"tensors[{name!r}]: expected a tensor [T, ...], got {t!r}")
+        if t.device != dev:
+            raise ValueError(f"tensors[{name!r}]: expected a tensor on {dev}, got {describe(t)}")
+        if t.shape[0] != src_cu[-1]:
+            raise ValueError(
+                f"tensors[{name!r}]: expected {int(src_cu[-1])} rows (sum of lengths), "
+                f"got {describe(t)}"
+            )
+        fill = _fill_byte(name, t, pad_values.get(name, 0))
+        rows = thd_pack_op(
+            _as_rows(t), meta["seq_start"], meta["seqlens"], meta["out_offsets"], cp_size,
+            cp_rank, fill, total, backend=backend,
+        )  # fmt: skip
+        packed[name] = rows.view(t.dtype).reshape(total, *t.shape[1:])
+    positions = thd_positions_op(meta["out_offsets"], cp_size, cp_rank, total, backend=backend)
+    return PackedBatch(
+        tensors=packed,
+        indices=idx,
+        seqlens=seqlens,
+        padded=padded,
+        cu_seqlens=_to_device(cu.astype(np.int32), dev),
+        cu_seqlens_padded=_to_device(cu_padded.astype(np.int32), dev),
+        max_seqlen=int(padded.max()),
+        position_ids=positions,
+        pad_multiple=pad_multiple,
+        cp_size=cp_size,
+        cp_rank=cp_rank,
+        local_tokens=total,
+        total_tokens=int(cu[-1]),
+        _meta=meta,
+    )
+
+
+def unpack(
+    packed: torch.Tensor | list[torch.Tensor], batch: PackedBatch, *, backend: str | None = None
+) -> torch.Tensor:
+    """Invert :func:`pack`: [total_tokens, ...] the micro-batch's sequences, unpadded,
+    in packed order (``batch.split`` gives per-sequence views).
+
+    packed : [local_tokens, ...] model output for cp_size = 1; with context
+        parallelism every rank's output: a list of cp_size tensors (rank order),
+        or their concatenation [cp_size * local_tokens, ...] (an all-gather).
+
+    Differentiable: the gradient of ``packed`` is the pack of the output's
+    gradient (zero at padding), for every CP rank.
+    """
+    if isinstance(packed, (list, tuple)):
+        if len(packed) != batch.cp_size:
+            raise ValueError(
+                f"packed: expected {batch.cp_size} tensors (one per CP rank), got {len(packed)}"
+            )
+        packed = torch.cat(list(packed))
+    if not isinstance(packed, torch.Tensor) or packed.dim() < 1:
+        raise ValueError(f"packed: expected a tensor [tokens, ...], got {packed!r}")
+    rows_expected = batch.cp_size * batch.local_tokens
+    if packed.shape[0] != rows_expected:
+        raise ValueError(
+            f"packed: expected {rows_expected} rows (cp_size * local_tokens), "
+            f"got {describe(packed)}"
+        )
+    meta = batch._meta
+    if packed.device != meta["seqlens"].device:
+        raise ValueError(
+            f"packed: expected a tensor on {meta['seqlens'].device}, got {describe(packed)}"
+        )
+    if packed.requires_grad and torch.is_grad_enabled():
+        return _Unpack.apply(packed, batch, backend)
+    return _unpack_rows(packed, batch, backend)
+
+
+def _unpack_rows(packed: torch.Tensor, batch: PackedBatch, backend) -> torch.Tensor:
+    meta = batch._meta
+    rows = thd_unpack_op(
+        _as_rows(packed), meta["seqlens"], meta["cu"], meta["out_offsets"], batch.cp_size,
+        batch.total_tokens, backend=backend,
+    )  # fmt: skip
+    return rows.view(packed.dtype).reshape(batch.total_tokens, *packed.shape[1:])
+
+
+class _Unpack(torch.autograd.Function):
+    """unpack is a gather; its gradient is the pack of the output gradient (zero
+    at padding) for every CP rank, concatenated like the input."""
+
+    @staticmethod
+    def forward(ctx, packed, batch, backend):
+        ctx.batch, ctx.backend = batch, backend
+        return _unpack_rows(packed.detach(), batch, backend)
+
+    @staticmethod
+    def backward(ctx, grad):
+        b, meta = ctx.batch, ctx.batch._meta
+        g = _as_rows(grad)
+        parts = [
+            thd_pack_op(
+                g,
+                meta["cu"][:-1],
+                meta["seqlens"],
+                meta["out_offsets"],
+                b.cp_size,
+                r,
+                0,
+                b.local_tokens,
+                backend=ctx.backend,
+            )  # fmt: skip
+            for r in range(b.cp_size)
+        ]
+        rows = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return rows.view(grad.dtype).reshape(-1, *grad.shape[1:]), None, None

@@ -1,0 +1,250 @@
+"""ck.packing.plan: every constraint on random cases (property tests), the
+balance goals against Karmarkar-Karp on long-tailed lengths, the cost model,
+and clear errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import compass_kernels as ck
+from compass_kernels._ext import load
+from compass_kernels.packing import reference as ref
+from compass_kernels.packing.planner import ModelConfig, cost_coefficients
+
+C = load().packing
+
+
+def _random_case(seed: int) -> dict:
+    g = np.random.default_rng(seed)
+    dist = ("lognormal", "bimodal", "uniform", "equal")[seed % 4]
+    dp = int(g.choice([1, 2, 3, 5, 8]))
+    n = int(g.integers(dp * 4, dp * 40))
+    if dist == "uniform":
+        lengths = g.integers(1, 3000, n)
+    elif dist == "equal":
+        lengths = np.full(n, int(g.integers(1, 500)))
+    else:
+        lengths = ref.DISTRIBUTIONS[dist](n, seed) // int(g.choice([1, 8, 32]))
+        lengths = np.maximum(lengths, 1)
+    pad = int(g.choice([1, 1, 4, 6]))
+    padded_max = int(-(-lengths.max() // pad) * pad)
+    max_tokens = int(padded_max * g.choice([1.0, 1.3, 2.5, 8.0]))
+    kw = dict(dp_size=dp, max_tokens=max_tokens, pad_multiple=pad)
+    kw["micro_batch_multiple"] = int(g.choice([1, 1, 2, 3]))
+    if seed % 3 == 0:
+        size = int(g.choice([1, 2, 4, 5]))
+        groups = max(n // size, dp)
+        n = groups * size
+        lengths = np.resize(lengths, n)
+        kw["group_ids"] = g.permutation(np.repeat(np.arange(groups) * 7 + 3, size))
+    kw["equal_samples"] = bool(seed % 2)
+    kw["cost"] = "tokens" if seed % 5 else "attention"
+    if kw["cost"] == "attention":
+        kw["model_config"] = ModelConfig(
+            hidden_size=256, ffn_hidden_size=128, num_layers=2, num_attention_heads=4, moe_top_k=2
+        )
+    return dict(lengths=lengths.astype(np.int64), **kw)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_every_constraint_on_random_cases(seed):
+    case = _random_case(seed)
+    lengths = case.pop("lengths")
+    try:
+        p = ck.packing.plan(lengths, **case)
+    except ValueError as e:
+        # the only refusal allowed: too few sequences for the micro-batch count
+        assert "non-empty micro-batches" in str(e), e
+        return
+    ref.check_plan(
+        p,
+        lengths,
+        dp_size=case["dp_size"],
+        max_tokens=case["max_tokens"],
+        group_ids=case.get("group_ids"),
+        micro_batch_multiple=case["micro_batch_multiple"],
+        equal_samples=case["equal_samples"],
+        pad_multiple=case["pad_multiple"],
+    )
+    # stats agree with an independent recount from the assignment
+    s = p.stats
+    cost = ck.packing.sequence_cost(p.tokens, case["cost"], case.get("model_config")).numpy()
+    rank_cost = [sum(cost[i] for mb in mbs for i in mb) for mbs in p.assignment]
+    np.testing.assert_allclose(s["rank_cost"], rank_cost, rtol=1e-12)
+    assert s["imbalance"] == pytest.approx(max(rank_cost) / np.mean(rank_cost), rel=1e-12)
+    assert s["max_over_lower_bound"] >= 1.0 - 1e-12
+    assert s["max_mb_tokens"] <= case["max_tokens"]
+    assert s["padding_tokens"] == int(p.tokens.sum() - lengths.sum())
+    assert 0 < s["utilization"] <= 1
+
+
+def test_deterministic():
+    lengths = ref.lognormal_lengths(3000, 1)
+    a = ck.packing.plan(lengths, dp_size=16, max_tokens=65536)
+    b = ck.packing.plan(torch.from_numpy(lengths), dp_size=16, max_tokens=65536)
+    assert torch.equal(a.order, b.order) and torch.equal(a.offsets, b.offsets)
+
+
+@pytest.mark.parametrize("dist", ["lognormal", "bimodal"])
+@pytest.mark.parametrize("n,dp", [(256, 8), (512, 16), (1024, 8), (2048, 32), (4096, 64)])
+def test_balance_beats_karmarkar_karp(dist, n, dp):
+    lengths = ref.DISTRIBUTIONS[dist](n, n + dp)
+    p = ck.packing.plan(lengths, dp_size=dp, max_tokens=65536)
+    ours = p.stats["imbalance"]
+    kk = ref.imbalance(lengths, ref.karmarkar_karp(lengths.tolist(), dp, equal_size=True))
+    assert ours <= kk + 1e-12, (ours, kk)
+    if n // dp >= 64:
+        assert ours <= 1.01
+    # equal sample counts too: still no worse than KK (which has equal counts)
+    q = ck.packing.plan(lengths, dp_size=dp, max_tokens=65536, equal_samples=True)
+    assert q.stats["imbalance"] <= kk + 1e-12
+    if n // dp >= 64:
+        assert q.stats["imbalance"] <= 1.01
+
+
+@pytest.mark.parametrize("n,dp", [(96, 8), (160, 16)])
+def test_balance_beats_exact_karmarkar_karp(n, dp):
+    lengths = ref.lognormal_lengths(n, 7)
+    ours = ck.packing.plan(lengths, dp_size=dp, max_tokens=65536).stats["imbalance"]
+    kk = ref.imbalance(lengths, ref.karmarkar_karp(lengths.tolist(), dp, equal_size=False))
+    assert ours <= kk + 1e-12
+
+
+def test_compiled_karmarkar_karp_matches_the_reference():
+    """The planner's KK seed is the algorithm the Python reference runs."""
+    for seed in range(5):
+        n, k = 64 * (seed + 1), 4 << seed % 3
+        vals = np.random.default_rng(seed).permutation(np.arange(1, n + 1) * 37 % 1009 + 1)
+        rank = torch.empty(n, dtype=torch.int64)
+        C.karmarkar_karp_cpu(torch.from_numpy(vals.astype(np.float64)), k, rank)
+        ours = sorted(float(vals[rank.numpy() == r].sum()) for r in range(k))
+        theirs = sorted(sum(vals[i] for i in part) for part in ref.karmarkar_karp(
+            vals.tolist(), k, equal_size=True))  # fmt: skip
+        assert ours == theirs
+        assert np.bincount(rank.numpy(), minlength=k).tolist() == [n // k] * k
+
+
+def test_attention_cost_from_model_config():
+    cfg = ModelConfig(hidden_size=64, ffn_hidden_size=32, num_layers=3, num_attention_heads=4,
+                      moe_top_k=2, num_query_groups=2)  # fmt: skip
+    a, b = cost_coefficients(cfg)
+    d = 16
+    per_layer = 2 * 64 * 4 * d * 2 + 2 * 64 * 2 * d * 2 + 2 * 3 * 64 * 32 * 2
+    assert a == 3 * per_layer and b == 3 * 2 * 4 * d
+    # one forward of L tokens, op by op: projections and experts per token; QK^T
+    # and PV over the L*L/2 causal pairs at 2 FLOPs per multiply-add of 4 heads x d
+    L = 100
+    flops = 3 * (L * per_layer + 2 * (L * L // 2) * 2 * 4 * d)
+    assert a * L + b * L * L == pytest.approx(flops, rel=1e-12)
+    lengths = ref.bimodal_lengths(1024, 3)
+    p = ck.packing.plan(lengths, dp_size=8, max_tokens=65536, cost="attention", model_config=cfg)
+    cost = (a * lengths + b * lengths.astype(np.float64) ** 2).tolist()
+    kk = ref.imbalance(cost, ref.karmarkar_karp(cost, 8, equal_size=True))
+    assert p.stats["imbalance"] <= min(kk, 1.01)
+    # balancing attention cost differs from balancing tokens on long-tailed data
+    t = ck.packing.plan(lengths, dp_size=8, max_tokens=65536)
+    assert ref.imbalance(cost, [sum(mbs, []) for mbs in t.assignment]) > p.stats["imbalance"]
+
+
+def test_model_config_from_hf():
+    from types import SimpleNamespace
+
+    hf = SimpleNamespace(hidden_size=128, intermediate_size=512, moe_intermediate_size=64,
+                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=32, num_experts_per_tok=2)  # fmt: skip
+    cfg = ModelConfig.from_hf(hf)
+    assert (cfg.ffn_hidden_size, cfg.moe_top_k, cfg.num_query_groups, cfg.kv_channels) == (
+        64, 2, 2, 32)  # fmt: skip
+
+
+def test_groups_and_equal_samples():
+    lengths = ref.lognormal_lengths(8 * 16 * 4, 5)
+    gids = np.repeat(np.arange(8 * 16), 4)[::-1].copy()
+    p = ck.packing.plan(lengths, dp_size=8, max_tokens=65536, group_ids=gids, equal_samples=True)
+    ref.check_plan(p, lengths, dp_size=8, max_tokens=65536, group_ids=gids, equal_samples=True)
+    assert {sum(len(mb) for mb in mbs) for mbs in p.assignment} == {64}
+    with pytest.raises(ValueError, match="group_ids: equal_samples needs groups of one size"):
+        ck.packing.plan(lengths[:-1], dp_size=8, max_tokens=65536, group_ids=gids[:-1],
+                        equal_samples=True)  # fmt: skip
+
+
+def test_equal_samples_when_dp_does_not_divide():
+    lengths = ref.bimodal_lengths(203, 2)
+    p = ck.packing.plan(lengths, dp_size=8, max_tokens=65536, equal_samples=True)
+    counts = sorted(sum(len(mb) for mb in mbs) for mbs in p.assignment)
+    assert counts == [25] * 5 + [26] * 3
+
+
+def test_micro_batch_multiple_and_cap():
+    lengths = ref.lognormal_lengths(2000, 9)
+    p = ck.packing.plan(lengths, dp_size=4, max_tokens=70000, micro_batch_multiple=4,
+                        pad_multiple=8)  # fmt: skip
+    assert p.num_micro_batches % 4 == 0
+    assert p.stats["max_mb_tokens"] <= 70000
+    # the count is what the tightest rank needs, not the ceil(total / cap) lower bound
+    need = -(-p.stats["rank_tokens"].max() // 70000)
+    assert p.num_micro_batches >= need
+    mb = p.micro_batch(3, p.num_micro_batches - 1)
+    assert mb.tolist() == p.assignment[3][-1]
+
+
+def test_errors_name_the_argument():
+    with pytest.raises(ValueError, match=r"sequence 2 has 1003 tokens .*max_tokens = 1000"):
+        ck.packing.plan([5, 6, 1003, 7], dp_size=1, max_tokens=1000)
+    with pytest.raises(ValueError, match=r"sequence 0 has 1008 tokens \(after padding\)"):
+        ck.packing.plan([1001, 6], dp_size=1, max_tokens=1000, pad_multiple=16)
+    with pytest.raises(ValueError, match=r"lengths\[1\] = 0"):
+        ck.packing.plan([5, 0, 3], dp_size=1, max_tokens=1000)
+    with pytest.raises(ValueError, match="need at least dp_size = 4 sequences"):
+        ck.packing.plan([5, 6, 7], dp_size=4, max_tokens=1000)
+    with pytest.raises(ValueError, match="need at least dp_size = 2 groups"):
+        ck.packing.plan([5, 6, 7], dp_size=2, max_tokens=1000, group_ids=[1, 1, 1])
+    with pytest.raises(ValueError, match="non-empty micro-batches"):
+        ck.packing.plan([900, 900, 900], dp_size=2, max_tokens=1000)
+    with pytest.raises(ValueError, match="dp_size: expected a positive int"):
+        ck.packing.plan([5], dp_size=0, max_tokens=10)
+    with pytest.raises(ValueError, match="lengths: expected a 1-d integer tensor"):
+        ck.packing.plan(torch.ones(3), dp_size=1, max_tokens=10)
+    with pytest.raises(ValueError, match="group_ids: expected 3 elements"):
+        ck.packing.plan([1, 2, 3], dp_size=1, max_tokens=10, group_ids=[1, 2])
+    with pytest.raises(ValueError, match='cost="attention" needs model_config'):
+        ck.packing.plan([1, 2, 3], dp_size=1, max_tokens=10, cost="attention")
+    with pytest.raises(ValueError, match="cost: expected"):
+        ck.packing.plan([1, 2, 3], dp_size=1, max_tokens=10, cost="flops")
+    with pytest.raises(ValueError, match="lengths: expected at least one sequence"):
+        ck.packing.plan([], dp_size=1, max_tokens=10)
+
+
+def test_cpp_boundary_errors():
+    tok = torch.tensor([3, 4], dtype=torch.int64)
+    order, off = torch.empty(2, dtype=torch.int64), torch.empty(3, dtype=torch.int64)
+    with pytest.raises(ValueError, match="cost: expected dtype float64"):
+        C.plan_cpu(tok, tok, None, 1, 10, 1, False, -1, order, off)
+    with pytest.raises(ValueError, match=r"offsets: expected size 3 \(len\(lengths\) \+ 1\)"):
+        C.plan_cpu(tok, tok.double(), None, 1, 10, 1, False, -1, order, off[:2])
+    with pytest.raises(ValueError, match=r"cost: expected finite positive values, got cost\[1\]"):
+        nan = torch.tensor([1.0, float("nan")], dtype=torch.float64)
+        C.plan_cpu(tok, nan, None, 1, 10, 1, False, -1, order, off)
+
+
+def test_large_batch_fast_and_balanced():
+    lengths = ref.lognormal_lengths(65536, 11)
+    p = ck.packing.plan(lengths, dp_size=256, max_tokens=65536)
+    assert p.stats["imbalance"] <= 1.01
+    assert p.stats["max_mb_tokens"] <= 65536
+    assert sorted(p.order.tolist()) == list(range(65536))
+
+
+def test_readme_packing_example_runs():
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    m = re.search(r"## Length-aware packing \(`ck.packing`\)\n\n```python\n(.*?)```", text, re.S)
+    assert m, "README.md has no packing example"
+    scope = {"torch": torch}
+    exec(compile(m.group(1), "README.md:packing", "exec"), scope)
+    assert scope["plan"].stats["imbalance"] <= 1.01
+    assert scope["params"].qkv_format == "thd"
