@@ -294,10 +294,11 @@ class RoutingTrace:
     def canonical(self, *, sort: bool = False) -> RoutingTrace:
         """A copy whose missing rows hold 0..top_k-1 and, with ``sort``, every row
         ascending: what :meth:`decode` returns for the raw / set codec."""
-        ids = self.expert_ids.clone()
-        if self.missing is not None:
-            fill = torch.arange(self.top_k, device=self.device).to(ids.dtype)
-            ids[self.missing] = fill
+        if self.missing is not None:  # a select, no boolean indexing (no device sync)
+            fill = torch.arange(self.top_k, device=self.device).to(self.expert_ids.dtype)
+            ids = torch.where(self.missing[..., None], fill.view(1, 1, -1), self.expert_ids)
+        else:
+            ids = self.expert_ids.clone()
         if sort:
             ids = ids.sort(dim=-1).values
         return self._with(ids, self.cu_seqlens, self.missing, self.missing_reason)
