@@ -50,7 +50,8 @@ def test_no_spills_and_float64_math(artifacts):
         assert "setp.lt.f64" in art.ptx or "setp.gt.f64" in art.ptx
 
 
-def _cuda_usage():
+@pytest.fixture(scope="module")
+def cuda_usage():
     from compass_kernels._ext import load
 
     C = load()
@@ -60,10 +61,10 @@ def _cuda_usage():
     return C, {k: v for k, v in usage.items() if "4espo" in k}
 
 
-def test_cuda_kernels_are_built_for_sm90a_without_spills():
+def test_cuda_kernels_are_built_for_sm90a_without_spills(cuda_usage):
     """Every template variant the launcher instantiates: 2 dtypes x KMax in {1, 2, 8}
     for the two phases, 2 dtypes for the reduction and the backward."""
-    _, usage = _cuda_usage()
+    _, usage = cuda_usage
     kinds = {}
     for k in usage:
         for kind in ("sums_kernel", "forward_kernel", "reduce_kernel", "backward_kernel"):
@@ -78,8 +79,8 @@ def test_cuda_kernels_are_built_for_sm90a_without_spills():
     aot.assert_registers_at_most(usage, 168)
 
 
-def test_cuda_forward_sass_is_float64_with_shuffle_trees():
-    C, usage = _cuda_usage()
+def test_cuda_forward_sass_is_float64_with_shuffle_trees(cuda_usage):
+    C, usage = cuda_usage
     fwd = next(k for k in usage if "forward_kernelIfLi2E" in k)
     sass = aot.sass_of(C.__file__, function=fwd)
     aot.assert_sass_contains(sass, r"\bD(ADD|FMA|MUL)\b", kernel=fwd)
