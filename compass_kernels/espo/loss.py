@@ -167,6 +167,8 @@ _LEVELS: dict[tuple, torch.Tensor] = {}
 def _levels(levels: tuple[float, ...], dev: torch.device) -> torch.Tensor:
     t = _LEVELS.get((levels, dev))
     if t is None:
+        if len(_LEVELS) > 64:
+            _LEVELS.clear()
         t = _LEVELS[(levels, dev)] = torch.tensor(levels, dtype=F64, device=dev)
     return t
 
@@ -196,7 +198,7 @@ def entropy_thresholds(
     if mask is not None:
         valid &= mask
     x = torch.where(valid, e, math.inf)
-    q = torch.tensor(levels, dtype=F64, device=dev)
+    q = _levels(tuple(levels), dev)  # cached: no host-to-device copy per call
     if not per_sequence:
         if cp_group is not None:
             x = _all_gather(x, cp_group)

@@ -177,8 +177,7 @@ void forward_impl(const R* l, const R* lo, const R* e, const R* adv, const int64
   const StatCols cols{K};
   const int64_t flags = a.flags;
   const bool per_seq = flags & kPerSeqThresholds, token_groups = flags & kTokenGroups;
-  const bool drop_low = flags & kDropLow, adaptive = flags & kAdaptiveEps;
-  const bool gspo_token = flags & kGspoTokenForm, adv_per_token = flags & kAdvPerToken;
+  const bool drop_low = flags & kDropLow, adv_per_token = flags & kAdvPerToken;
 #pragma omp parallel for schedule(dynamic, 4) if (total >= kParallelMinTokens)
   for (int64_t i = 0; i < n; ++i) {
     double row[3 * kMaxGroups + 7] = {};
@@ -187,29 +186,31 @@ void forward_impl(const R* l, const R* lo, const R* e, const R* adv, const int64
     const double* s = sums + i * K * 3;
     const double* trow = per_seq ? thr + i * q : thr;
     const double groups = groups_in_loss(s, K, flags);
+    // The group constants once per sequence (divisions and exp out of the token loop).
+    GroupTerms gt[kMaxGroups];
+    for (int k = 0; k < K; ++k) {
+      gt[k] = group_terms(s + 3 * k, groups, flags, a.eps_low, a.eps_high, a.eps_scale, a.inv_g);
+    }
     for (int64_t t = cu[i]; t < cu[i + 1]; ++t) {
       if (!token_valid(mask, t)) {
         if (grad) grad[t] = R(0);
         continue;
       }
-      const double et = static_cast<double>(e[t]);
       const double d = static_cast<double>(l[t]) - static_cast<double>(lo[t]);
-      row[cols.sum_k3()] += k3(d);
+      const double r = exp(d);
+      row[cols.sum_k3()] += k3(d, r);
       row[cols.big_log_ratio()] += big_log_ratio(d) ? 1.0 : 0.0;
-      const int b = token_groups ? 0 : bucket(et, trow, q);
+      const int b = token_groups ? 0 : bucket(static_cast<double>(e[t]), trow, q);
       if (drop_low && b == 0) {
         if (grad) grad[t] = R(0);
         continue;
       }
-      const double cnt = s[3 * b];
-      const double m = token_groups ? d : s[3 * b + 1] / cnt;
-      const double eps = adaptive ? a.eps_scale * (s[3 * b + 2] / cnt) : 0.0;
-      const double el = adaptive ? eps : a.eps_low, eh = adaptive ? eps : a.eps_high;
+      const GroupTerms& g = gt[b];
+      bool clamped;
+      const double ratio = token_ratio(d, r, g.m, g.s_g, flags, a.log_lo, a.log_hi, &clamped);
       const double at = static_cast<double>(adv_per_token ? adv[t] : adv[i]);
-      const TokenTerms tt = token_terms(d, m, at, el, eh, gspo_token, a.dual_clip, a.log_lo,
-                                        a.log_hi);
-      const double w = a.inv_g / (groups * (token_groups ? 1.0 : cnt));
-      row[cols.loss()] -= w * tt.objective;
+      const TokenTerms tt = token_terms(ratio, clamped, at, g.eps_low, g.eps_high, a.dual_clip);
+      row[cols.loss()] -= g.weight * tt.objective;
       row[cols.loss_tokens()] += 1.0;
       row[cols.sum_ratio()] += tt.ratio;
       row[cols.min_ratio()] = std::min(row[cols.min_ratio()], tt.ratio);
@@ -217,7 +218,7 @@ void forward_impl(const R* l, const R* lo, const R* e, const R* adv, const int64
       row[cols.clip_low(b)] += tt.clip_low ? 1.0 : 0.0;
       row[cols.clip_high(b)] += tt.clip_high ? 1.0 : 0.0;
       row[cols.dual(b)] += tt.dual ? 1.0 : 0.0;
-      if (grad) grad[t] = static_cast<R>(-w * tt.grad);
+      if (grad) grad[t] = static_cast<R>(-g.weight * tt.grad);
     }
     std::copy(row, row + cols.count(), seq_stats + i * cols.count());
   }

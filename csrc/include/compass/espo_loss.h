@@ -51,6 +51,40 @@ COMPASS_HD int bucket(double e, const double* thr, int q) {
   return b;
 }
 
+// A group's constants (from its sums: count, sum d, sum e): mean log-ratio m,
+// s_g = exp(m) unclamped, clip range, and the token weight 1 / (G K_i |g|).
+// GRPO (token groups): per token, from d (m = d, |g| = 1).
+struct GroupTerms {
+  double m, s_g, eps_low, eps_high, weight;
+};
+COMPASS_HD GroupTerms group_terms(const double* g3, double groups, int64_t flags, double eps_low,
+                                  double eps_high, double eps_scale, double inv_g) {
+  const double cnt = g3[0];
+  GroupTerms t;
+  t.m = g3[1] / cnt;
+  t.s_g = exp(t.m);
+  const bool adaptive = flags & kAdaptiveEps;
+  const double eps = adaptive ? eps_scale * (g3[2] / cnt) : 0.0;
+  t.eps_low = adaptive ? eps : eps_low;
+  t.eps_high = adaptive ? eps : eps_high;
+  t.weight = inv_g / (groups * ((flags & kTokenGroups) ? 1.0 : cnt));
+  return t;
+}
+
+// Token ratio s_t from d = l - l_old, r = exp(d) (computed once per token, also
+// for k3) and its group's m and s_g: log s = m + d (Eq. 9), m (GSPO-token) or
+// d (GRPO: m = d), clamped to [lo, hi]. Unclamped, s = s_g * r, s_g or r
+// (one exp per token); clamped, exp of the bound. `clamped` tells the caller
+// the token has no gradient.
+COMPASS_HD double token_ratio(double d, double r, double m, double s_g, int64_t flags, double lo,
+                              double hi, bool* clamped) {
+  const bool token_groups = flags & kTokenGroups, gspo_token = flags & kGspoTokenForm;
+  const double log_s = token_groups ? d : gspo_token ? m : m + d;
+  *clamped = log_s < lo || log_s > hi;
+  if (*clamped) return exp(fmin(fmax(log_s, lo), hi));
+  return token_groups ? r : gspo_token ? s_g : s_g * r;
+}
+
 struct TokenTerms {
   double ratio;      // s_t (value)
   double objective;  // f_t
@@ -58,16 +92,12 @@ struct TokenTerms {
   bool clip_low, clip_high, dual;
 };
 
-// One token: d = l - l_old, m = its group's mean log-ratio (no gradient),
-// a = advantage, [1 - el, 1 + eh] the clip range, dual_c > 0 the dual-clip
-// bound for negative advantages, [lo, hi] the clamp of log s_t.
-// ds/dl = s in both ratio forms; a clipped, dual-clipped or clamped token has
+// One token of ratio s (token_ratio; `clamped` from it), advantage a, clip
+// range [1 - el, 1 + eh], dual-clip bound dual_c > 0 for negative advantages.
+// ds/dl = s in every ratio form; a clipped, dual-clipped or clamped token has
 // no gradient (torch.clamp's and min's derivatives there).
-COMPASS_HD TokenTerms token_terms(double d, double m, double a, double el, double eh,
-                                  bool gspo_token, double dual_c, double lo, double hi) {
-  const double log_s = gspo_token ? m : m + d;
-  const bool clamped = log_s < lo || log_s > hi;
-  const double s = exp(fmin(fmax(log_s, lo), hi));
+COMPASS_HD TokenTerms token_terms(double s, bool clamped, double a, double el, double eh,
+                                  double dual_c) {
   const double c = fmin(fmax(s, 1.0 - el), 1.0 + eh);
   const double o1 = s * a, o2 = c * a;
   const bool clipped = o2 < o1;
@@ -87,8 +117,9 @@ COMPASS_HD TokenTerms token_terms(double d, double m, double a, double el, doubl
   return t;
 }
 
-// k3 estimate of KL(old || new) at one token and the |log-ratio| > ln 2 flag.
-COMPASS_HD double k3(double d) { return exp(d) - 1.0 - d; }
+// k3 estimate of KL(old || new) at one token (r = exp(d)) and the
+// |log-ratio| > ln 2 flag.
+COMPASS_HD double k3(double d, double r) { return r - 1.0 - d; }
 COMPASS_HD bool big_log_ratio(double d) { return fabs(d) > 0.69314718055994530942; }
 
 // Groups of sequence i that enter the loss (K_i): non-empty buckets, less the
