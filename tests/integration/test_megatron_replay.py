@@ -227,7 +227,8 @@ def test_agreement_is_one_for_the_same_weights_and_lower_otherwise(hf_parts, mod
         d = st.as_dict()
         assert d["agreement"] == 1.0 and d["exact_match"] == 1.0 and d["rows"] == 96, layer
     # Replaying the model's own routing changes nothing.
-    assert (replayed - native).abs().max() <= 1e-6
+    # (float32 rounding of the kernel's softmax vs torch's, through three layers)
+    assert (replayed - native).abs().max() <= 1e-5
 
     drifted = copy.deepcopy(hf_model)
     with torch.no_grad():
