@@ -377,3 +377,14 @@ def test_set_codec_errors_name_the_row():
         _setcode.encode_sets(torch.tensor([[9, 1]], dtype=torch.uint8), 8)
     with pytest.raises(ValueError, match="C\\(num_experts, top_k\\) < 2\\^64"):
         _setcode.layout(1024, 16)
+
+
+def test_readme_routing_example_runs(capsys):
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    m = re.search(r"## Router replay \(ck.routing\)\n\n```python\n(.*?)```", text, re.S)
+    assert m, "README.md has no ck.routing example"
+    exec(compile(m.group(1), "README.md:routing", "exec"), {})
+    assert capsys.readouterr().out.strip()

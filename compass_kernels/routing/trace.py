@@ -840,24 +840,23 @@ class RoutingTrace:
             ids = ids.index_select(1, cidx)
             missing = None if missing is None else missing.index_select(1, cidx)
         nrows, ncols = ids.shape[:2]
-        kind_d = kind.to(dev)
-        synth = kind_d != 0
+        # Decisions on the host plan (``kind`` is a CPU tensor): no device sync.
+        synth_h = kind != 0
         if pad_policy == "fixed":
-            pad = kind_d == int(MissingReason.PADDING)
-            fill = torch.arange(self.top_k, device=dev).to(ids.dtype)
-            ids[pad] = fill
-            synth = synth & ~pad
-        if bool(synth.any()) or missing is not None:
+            pad_h = kind == int(MissingReason.PADDING)
+            if bool(pad_h.any()):
+                fill = torch.arange(self.top_k, device=dev).to(ids.dtype).view(1, 1, -1)
+                ids = torch.where(pad_h.to(dev)[:, None, None], fill, ids)
+                synth_h = synth_h & ~pad_h
+        if bool(synth_h.any()) or missing is not None:
+            synth = synth_h.to(dev)
             if missing is None:
                 missing = torch.zeros(nrows, ncols, dtype=torch.bool, device=dev)
                 reason = torch.zeros(nrows, dtype=torch.uint8, device=dev)
             missing = missing | synth[:, None]
-            reason = torch.where(synth, kind_d, reason)
-            if missing is not None and cols is not None:
-                # a token whose missing columns were all dropped is present now
-                reason = torch.where(missing.any(1), reason, 0).to(torch.uint8)
-            if not bool(missing.any()):
-                missing = reason = None
+            reason = torch.where(synth, kind.to(dev), reason)
+            # a token whose missing columns were all dropped is present now
+            reason = torch.where(missing.any(1), reason, 0).to(torch.uint8)
         lids, mtp = (None, None) if keys is None else keys
         return self._with(
             ids, _cu_from_lens(seg_lens, dev), missing, reason, layer_ids=lids, mtp=mtp
