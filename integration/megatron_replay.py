@@ -517,6 +517,16 @@ class TraceReplay:
         n = trace.num_tokens
         ids_all = trace.expert_ids
         missing = trace.missing
+        grouped = [layer for layer, r in self._routers.items() if r.config.moe_router_group_topk]
+        if grouped and (
+            self.min_score_ratio is not None or (missing is not None and missing.any())
+        ):
+            # replay_topk's native selection (missing rows, min_score_ratio) is plain top-k:
+            # it would not be the group-limited routing these layers use natively.
+            raise ReplayError(
+                f"layers {grouped} use group-limited routing (moe_router_group_topk); native "
+                "fallback for missing rows or min_score_ratio would ignore the groups"
+            )
         if order == "bsh":
             lens = trace.seq_lens()
             if len(set(lens)) > 1:
