@@ -404,3 +404,29 @@ def test_gpu_replay_matches_reference_without_host_sync(backend, sf, bias):
     (ref * g.cpu().double()).sum().backward()
     assert_verbose_allclose(zc.grad.cpu().double(), zr.grad, atol=1e-5, rtol=1e-4)
     assert 0 <= float(agreement) <= 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_batch_and_wide_int16_ids(backend, dev):
+    """T = 0 writes the (zeroed) counters; E = 300 experts with int16 ids (10 per lane)."""
+    z = torch.randn(0, 16, dtype=torch.float64)
+    ids = torch.zeros(0, 4, dtype=torch.uint8)
+    w, rmap, tpe, counts, used = run_op(backend, dev, z, ids, None, None, "softmax", True, 1.0,
+                                        None)  # fmt: skip
+    assert w.shape == (0, 4) and counts.cpu().tolist() == [0] * 6 and tpe.cpu().eq(0).all()
+    z, ids, valid, _ = make_case(11, 300, 6, seed=13, ids_dtype=torch.int16)
+    w, rmap, tpe, counts, used = run_op(backend, dev, z, ids, None, valid, "sigmoid", True, 1.0,
+                                        None)  # fmt: skip
+    rw, rmap_ref, rtpe, rused, overlap, status = replay_topk_reference(
+        z, ids, score_function="sigmoid", valid=valid
+    )
+    assert torch.equal(used.cpu(), rused) and torch.equal(tpe.cpu(), rtpe)
+    assert_verbose_allclose(w.cpu(), rw.detach(), atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("backend", [TRITON, EMULATED])
+def test_gpu_kernel_limits_are_errors(backend, dev):
+    z = torch.randn(3, 1100, dtype=torch.float64)
+    ids = torch.stack([torch.arange(4)] * 3)
+    with pytest.raises(ValueError, match="up to 1024 experts"):
+        run_op(backend, dev, z, ids, None, None, "softmax", True, 1.0, None)

@@ -388,3 +388,20 @@ def test_readme_routing_example_runs(capsys):
     assert m, "README.md has no ck.routing example"
     exec(compile(m.group(1), "README.md:routing", "exec"), {})
     assert capsys.readouterr().out.strip()
+
+
+def test_layer_lookup_by_global_number_not_position():
+    t = make_trace([4, 3], layers=(3, 5, 9), mtp=(0,), missing_frac=0.3, seed=12)
+    ids, valid = t.layer(5)
+    assert torch.equal(ids, t.expert_ids[:, 1]) and torch.equal(valid, ~t.missing[:, 1])
+    ids_mtp, _ = t.layer(0, mtp=True)
+    assert torch.equal(ids_mtp, t.expert_ids[:, 3])
+    with pytest.raises(TraceError, match=r"layer 0: the trace has no column .*\[3, 5, 9\]"):
+        t.layer(0)  # a dense layer (or MTP depth 0 asked as a decoder layer)
+    with pytest.raises(TraceError, match="MTP layer 1: the trace has no column"):
+        t.layer(1, mtp=True)
+    stage = t.slice(layers=range(5, 10))
+    assert stage.column(9) == 1
+    with pytest.raises(TraceError, match="layer 3: the trace has no column"):
+        stage.layer(3)
+    assert make_trace([2]).layer(3)[1] is None

@@ -23,9 +23,7 @@ Typical training use, per MoE layer and micro-batch::
     local = trace.slice(layers=stage_layers, sequences=mb, cp_size=2, cp_rank=r,
                         cp_layout="zigzag", pad_multiple=4)   # once per micro-batch
     local.validate(moe_layer_ids=stage_moe_layers)            # one host sync
-    col = list(local.layer_ids).index(layer_number)
-    ids = local.expert_ids[:, col]                             # [tokens, top_k]
-    valid = ~local.missing[:, col] if local.missing is not None else None
+    ids, valid = local.layer(layer_number)   # by global layer number; valid: None or [T]
     res = replay_topk(router_logits, ids, score_function="sigmoid",
                       expert_bias=router.expert_bias, scaling=2.5, valid=valid)
     probs = torch.zeros_like(router_logits).scatter(1, res.expert_ids, res.weights)

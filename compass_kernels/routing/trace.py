@@ -294,10 +294,11 @@ class RoutingTrace:
     def canonical(self, *, sort: bool = False) -> RoutingTrace:
         """A copy whose missing rows hold 0..top_k-1 and, with ``sort``, every row
         ascending: what :meth:`decode` returns for the raw / set codec."""
-        ids = self.expert_ids.clone()
-        if self.missing is not None:
-            fill = torch.arange(self.top_k, device=self.device).to(ids.dtype)
-            ids[self.missing] = fill
+        if self.missing is not None:  # a select, no boolean indexing (no device sync)
+            fill = torch.arange(self.top_k, device=self.device).to(self.expert_ids.dtype)
+            ids = torch.where(self.missing[..., None], fill.view(1, 1, -1), self.expert_ids)
+        else:
+            ids = self.expert_ids.clone()
         if sort:
             ids = ids.sort(dim=-1).values
         return self._with(ids, self.cu_seqlens, self.missing, self.missing_reason)
@@ -309,6 +310,30 @@ class RoutingTrace:
             missing=missing, missing_reason=reason,
             mtp_layer_ids=self.mtp_layer_ids if mtp is None else mtp,
         )  # fmt: skip
+
+    def column(self, layer_id: int, *, mtp: bool = False) -> int:
+        """The column of global decoder layer ``layer_id`` (or MTP depth with
+        ``mtp=True``). Raises naming the layer when the trace has no column for
+        it (a dense layer, another pipeline stage, or the wrong key space)."""
+        keys = self.mtp_layer_ids if mtp else self.layer_ids
+        hit = (keys == int(layer_id)).nonzero()
+        if hit.numel() == 0:
+            what = "MTP layer" if mtp else "layer"
+            raise TraceError(
+                f"{what} {layer_id}: the trace has no column for it (its "
+                f"{'MTP ' if mtp else 'MoE '}layers are {keys.tolist()}; dense layers and "
+                "other pipeline stages have none)"
+            )
+        col = int(hit[0, 0])
+        return col + self.num_moe_layers if mtp else col
+
+    def layer(self, layer_id: int, *, mtp: bool = False):
+        """(expert_ids [T, K], valid [T] bool or None) of one layer, as
+        :func:`replay_topk` takes them: looked up by the global layer number,
+        never by position (no dense-layer offset to get wrong). Views, no copy."""
+        c = self.column(layer_id, mtp=mtp)
+        valid = None if self.missing is None else ~self.missing[:, c]
+        return self.expert_ids[:, c], valid
 
     # ------------------------------------------------------------ validation
     def validate(

@@ -80,12 +80,12 @@ struct RowCounts {
   int64_t c[kNumCounts] = {};
 };
 
-// Rows [r0, r1) of the forward. sel: scratch [E]; tpe: this thread's [E] counts.
+// Rows [r0, r1) of the forward; tpe: this thread's [E] counts.
 template <typename R, typename I>
 void forward_rows(const R* z_all, const I* rid_all, const R* bias, const bool* valid, int64_t e,
                   int64_t k, int32_t sf, bool normalize, double scaling, double ratio, R* w_all,
-                  bool* map_all, int64_t* used_all, int64_t r0, int64_t r1, R* sel,
-                  int64_t* tpe, RowCounts& cnt) {
+                  bool* map_all, int64_t* used_all, int64_t r0, int64_t r1, int64_t* tpe,
+                  RowCounts& cnt) {
   using A = R;  // float32 in float32 (as on the GPU), float64 in float64
   int64_t nat[kMaxTopK], rep[kMaxTopK], use_ids[kMaxTopK];
   A num[kMaxTopK];
@@ -98,22 +98,22 @@ void forward_rows(const R* z_all, const I* rid_all, const R* bias, const bool* v
       for (int64_t j = 0; j < e; ++j) sumexp += rexp(static_cast<A>(z[j]) - zmax);
     }
     const A inv_sum = sf == kSoftmax ? A(1) / sumexp : A(1);
+    // Native top-k in one pass: a descending buffer of the K best (value,
+    // index); j only grows, so a tie never displaces an earlier (lower) index:
+    // the same order as K argmax rounds with ties to the lower index.
+    A topv[kMaxTopK];
+    int64_t filled = 0;
     for (int64_t j = 0; j < e; ++j) {
-      sel[j] = router_score<A>(z[j], zmax, inv_sum, sf) + (bias ? static_cast<A>(bias[j]) : A(0));
-    }
-    // Native top-k: K argmax passes, ties to the lower index.
-    for (int64_t r = 0; r < k; ++r) {
-      int64_t best = -1;
-      A bv = 0;
-      for (int64_t j = 0; j < e; ++j) {
-        if (sel[j] == -std::numeric_limits<A>::infinity() && best >= 0) continue;
-        if (best < 0 || ranks_above<A>(sel[j], j, bv, best)) {
-          best = j;
-          bv = sel[j];
-        }
+      const A v = router_score<A>(z[j], zmax, inv_sum, sf) + (bias ? static_cast<A>(bias[j]) : A(0));
+      if (filled == k && !(v > topv[k - 1])) continue;
+      int64_t p = filled < k ? filled++ : k - 1;
+      while (p > 0 && v > topv[p - 1]) {
+        topv[p] = topv[p - 1];
+        nat[p] = nat[p - 1];
+        --p;
       }
-      nat[r] = best;
-      sel[best] = -std::numeric_limits<A>::infinity();
+      topv[p] = v;
+      nat[p] = j;
     }
     cnt.c[kRows] += 1;
     bool use = false;
@@ -206,11 +206,10 @@ void replay_topk_cpu(COMPASS_REPLAY_TOPK_ARGS) {
     dispatch(expert_ids, Ids{}, [&](auto itag) {
       using I = decltype(itag);
       auto run = [&](int64_t r0, int64_t r1, int64_t* my_tpe, RowCounts& my_cnt) {
-        std::vector<R> sel(static_cast<size_t>(e));
         forward_rows<R, I>(logits.ptr<R>(), expert_ids.ptr<I>(), bias, vptr, e, k, sf,
                            normalize, scaling, min_score_ratio, weights.ptr<R>(),
-                           routing_map.ptr<bool>(), ids_used.ptr<int64_t>(), r0, r1, sel.data(),
-                           my_tpe, my_cnt);
+                           routing_map.ptr<bool>(), ids_used.ptr<int64_t>(), r0, r1, my_tpe,
+                           my_cnt);
       };
       if (t * e < kParallelMinElements || omp_get_max_threads() == 1) {
         RowCounts c;
