@@ -515,21 +515,31 @@ class TraceReplay:
                 f"model (top_k {self.top_k}, {self.num_experts} experts)"
             )
         n = trace.num_tokens
-        ids_all = trace.expert_ids
         missing = trace.missing
+        grouped = [layer for layer, r in self._routers.items() if r.config.moe_router_group_topk]
+        if grouped and (
+            self.min_score_ratio is not None or (missing is not None and missing.any())
+        ):
+            # replay_topk's native selection (missing rows, min_score_ratio) is plain top-k:
+            # it would not be the group-limited routing these layers use natively.
+            raise ReplayError(
+                f"layers {grouped} use group-limited routing (moe_router_group_topk); native "
+                "fallback for missing rows or min_score_ratio would ignore the groups"
+            )
+        perm = None
         if order == "bsh":
             lens = trace.seq_lens()
             if len(set(lens)) > 1:
                 raise ReplayError(f"order='bsh' needs sequences of equal length, got {lens}")
             b, s = len(lens), (lens[0] if lens else 0)
-            perm = torch.arange(n, device=ids_all.device).view(b, s).t().reshape(-1)
-            ids_all = ids_all[perm]
-            missing = None if missing is None else missing[perm]
+            perm = torch.arange(n, device=trace.expert_ids.device).view(b, s).t().reshape(-1)
         ids = {}
         valid: dict[int, torch.Tensor | None] = {}
-        for col, layer in enumerate(layers):
-            ids[layer] = ids_all[:, col]
-            valid[layer] = None if missing is None else ~missing[:, col]
+        for layer in layers:
+            ids[layer], valid[layer] = trace.layer(layer)  # by global number, never position
+            if perm is not None:
+                ids[layer] = ids[layer][perm]
+                valid[layer] = None if valid[layer] is None else valid[layer][perm]
         key = self._next_key
         self._next_key += 1
         return _MicroBatch(key=key, ids=ids, valid=valid, num_tokens=n)
