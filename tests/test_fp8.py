@@ -50,7 +50,8 @@ def make_weight(rows, cols, dtype, seed, device="cpu"):
     very different scales), an all-zero block, and a block of exact zeros and
     tiny values (scale at the floor)."""
     g = make_generator(seed)
-    w = torch.randn(rows, cols, generator=g) * torch.exp2(torch.randint(-12, 5, (rows, 1), generator=g))
+    row_scale = torch.exp2(torch.randint(-12, 5, (rows, 1), generator=g))
+    w = torch.randn(rows, cols, generator=g) * row_scale
     if rows > 128 and cols > 128:
         w[:128, 128:256] = 0
     if rows > 2:
@@ -181,7 +182,8 @@ def test_division_and_reciprocal_conventions_differ():
     q_div, _ = quantize_reference(x, 1, 128, eps=1e-10, use_div=True)
     q_rcp, _ = quantize_reference(x, 1, 128, eps=1e-10, use_div=False)
     assert (q_div.view(torch.uint8) != q_rcp.view(torch.uint8)).sum() > 20
-    assert torch.equal(ck.fp8.quantize_token_groups(x)[0].view(torch.uint8), q_div.view(torch.uint8))
+    q = ck.fp8.quantize_token_groups(x)[0]
+    assert torch.equal(q.view(torch.uint8), q_div.view(torch.uint8))
     w = near_ties((3.0,) * 128)  # one 128x128 block, every row at amax 3
     q_rcp, _ = quantize_reference(w, 128, 128, eps=1e-4, use_div=False)
     q_div, _ = quantize_reference(w, 128, 128, eps=1e-4, use_div=True)
@@ -259,7 +261,8 @@ def test_dequantize_round_trip(dtype):
     assert ck.fp8.dequantize(q, s, out_dtype=torch.bfloat16).dtype == torch.bfloat16
     x = make_weight(9, 260, dtype, seed=1)
     qx, sx = ck.fp8.quantize_token_groups(x)
-    assert torch.equal(ck.fp8.dequantize(qx, sx, block=(1, 128)), dequantize_reference(qx, sx, 1, 128))
+    deq = ck.fp8.dequantize(qx, sx, block=(1, 128))
+    assert torch.equal(deq, dequantize_reference(qx, sx, 1, 128))
 
 
 def test_strided_input_rows():
@@ -334,7 +337,8 @@ def test_kernel_boundary_checks(backend):
 def test_cuda_kernels_support_the_engine_blocks_only():
     x = torch.randn(8, 64)
     q, s = quantize_op.outputs(x, 64, 64, 1e-4, False, False, 0)
-    with pytest.raises(ValueError, match=r"block: the CUDA kernels support \(1, 128\) and \(128, 128\)"):
+    match = r"block: the CUDA kernels support \(1, 128\) and \(128, 128\)"
+    with pytest.raises(ValueError, match=match):
         quantize_op.run((x, 64, 64, 1e-4, False, False, 0), "cuda-emulated", (q, s))
     # the C++ kernel and the reference take any block
     q, s = ck.fp8.quantize_blockwise(x, block=(3, 64))
@@ -347,7 +351,8 @@ def test_dlpack_caster_accepts_fp8_views():
     q = torch.empty(3, 5, dtype=torch.float8_e4m3fn)
     s = torch.empty(1, 1)
     load().fp8.quantize_cpu(dl(x), 128, 128, 1e-4, False, False, 0, dl(q), dl(s))
-    assert torch.equal(q.view(torch.uint8), quantize_reference(x, 128, 128, eps=1e-4)[0].view(torch.uint8))
+    rq = quantize_reference(x, 128, 128, eps=1e-4)[0]
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
 
 
 # -------------------------------------------------------------- registration
