@@ -17,10 +17,11 @@ endif()
 
 # Plain CUDA (no wgmma / TMA / clusters / CUTLASS) that runs under emulation.
 set(COMPASS_EMU_KERNELS csrc/advantages/advantages.cu csrc/routing/replay.cu csrc/espo/espo_loss.cu
-    csrc/packing/pack.cu)
+    csrc/packing/pack.cu csrc/fp8/fp8.cu)
 # Host code the entry points call (argument checks, DLPack views).
 set(COMPASS_EMU_HOST_SOURCES csrc/advantages/advantages_cpu.cpp csrc/routing/replay_cpu.cpp
-    csrc/espo/espo_loss_cpu.cpp csrc/packing/pack_cpu.cpp csrc/dlpack_view.cpp)
+    csrc/espo/espo_loss_cpu.cpp csrc/packing/pack_cpu.cpp csrc/fp8/fp8_cpu.cpp csrc/fp8/permute_cpu.cpp
+    csrc/dlpack_view.cpp)
 
 set(_emu_gen ${CMAKE_BINARY_DIR}/emu)
 file(MAKE_DIRECTORY ${_emu_gen})
@@ -91,6 +92,9 @@ function(compass_emu_mutant name)
   get_filename_component(inc_root ${root}/csrc/include ABSOLUTE)
   set_source_files_properties(${wrapper} PROPERTIES COMPILE_DEFINITIONS "${defs}"
                               COMPILE_OPTIONS "-iquote;${inc_root};-iquote;${CMAKE_SOURCE_DIR}/csrc")
+  # The capability is the kernel's folder (csrc/<capability>/...): each
+  # capability's bindings declare and bind only its own mutants.
+  string(REGEX REPLACE "^csrc/([^/]+)/.*" "\\1" cap "${ARG_KERNEL}")
   set(_emu_kernel_sources ${_emu_kernel_sources} ${wrapper} PARENT_SCOPE)
   set(_emu_mutants ${_emu_mutants} ${name} PARENT_SCOPE)
   # per capability (csrc/<cap>/...): each bindings_<cap>.cpp binds only its own
@@ -174,6 +178,29 @@ if(COMPASS_EMU_MUTANTS)
     FILE csrc/include/compass/packing.h ENTRIES ${_pk_entries}
     FIND "(2 * cp - 1 - r) * c + (u - c)"
     REPLACE "(2 * cp - 2 - r) * c + (u - c)")
+  # ck.fp8 (tests/test_fp8.py: MUTANTS), each a plausible edit.
+  set(_fp8 csrc/fp8/fp8.cu)
+  set(_fp8_entries quantize_cuda permute_quantize_cuda unpermute_cuda)
+  compass_emu_mutant(fp8_amax_skips_a_warp KERNEL ${_fp8} FILE ${_fp8} ENTRIES ${_fp8_entries}
+    FIND "for (int w = 0<semicolon> w < kWarps<semicolon> ++w) m = fmaxf"
+    REPLACE "for (int w = 0<semicolon> w < kWarps - 1<semicolon> ++w) m = fmaxf")
+  compass_emu_mutant(fp8_ties_away KERNEL ${_fp8} FILE csrc/include/compass/fp8.h
+    ENTRIES ${_fp8_entries}
+    FIND "(n + 0x7ffffu + ((n >> 20) & 1u)) >> 20"
+    REPLACE "(n + 0x80000u) >> 20")
+  compass_emu_mutant(fp8_group_guard_off_by_one KERNEL ${_fp8} FILE ${_fp8} ENTRIES ${_fp8_entries}
+    FIND "if (gid >= rows * per_row) return"
+    REPLACE "if (gid > rows * per_row) return")
+  compass_emu_mutant(fp8_rank_ignores_other_warps KERNEL ${_fp8} FILE ${_fp8}
+    ENTRIES ${_fp8_entries}
+    FIND "hist[w * experts + x] = run<semicolon>"
+    REPLACE "hist[w * experts + x] = 0<semicolon>")
+  compass_emu_mutant(fp8_scan_no_barrier KERNEL ${_fp8} FILE ${_fp8} ENTRIES ${_fp8_entries}
+    FIND "const int64_t add = e >= d ? total[e - d] : 0<semicolon>\n    __syncthreads()<semicolon>"
+    REPLACE "const int64_t add = e >= d ? total[e - d] : 0<semicolon>")
+  compass_emu_mutant(fp8_unpermute_fused_fma KERNEL ${_fp8} FILE ${_fp8} ENTRIES ${_fp8_entries}
+    FIND "acc = __fadd_rn(acc, __fmul_rn(w[t * k + j], load_value(y + p * ys + c)))"
+    REPLACE "acc = fmaf(w[t * k + j], load_value(y + p * ys + c), acc)")
 endif()
 # COMPASS_EMU_MUTANTS_<CAP>(X): the mutants of one capability's kernels;
 # COMPASS_EMU_MUTANTS(X) is advantages' list under its first name.
@@ -201,7 +228,7 @@ set_target_properties(compass_emu_kernels PROPERTIES POSITION_INDEPENDENT_CODE O
 # NO_EXTRAS: no strip, so the line tables below survive.
 pybind11_add_module(_C_emu MODULE NO_EXTRAS
   csrc/emu/src/module.cpp csrc/emu/src/bindings_advantages.cpp csrc/emu/src/bindings_routing.cpp
-  csrc/emu/src/bindings_espo.cpp csrc/emu/src/bindings_packing.cpp
+  csrc/emu/src/bindings_espo.cpp csrc/emu/src/bindings_packing.cpp csrc/emu/src/bindings_fp8.cpp
   csrc/emu/src/bindings_selftest.cpp csrc/emu/src/runtime.cpp csrc/emu/src/memcheck.cpp
   csrc/emu/src/fiber.cpp
   ${COMPASS_EMU_HOST_SOURCES} $<TARGET_OBJECTS:compass_emu_kernels>)

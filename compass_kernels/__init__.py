@@ -6,8 +6,8 @@ was built and what can run here.
 
 from __future__ import annotations
 
-from compass_kernels import advantages, espo, packing, routing
+from compass_kernels import advantages, espo, fp8, packing, routing
 from compass_kernels._info import info
 
 __version__ = "0.1.0"
-__all__ = ["advantages", "espo", "packing", "routing", "info", "__version__"]
+__all__ = ["advantages", "espo", "fp8", "packing", "routing", "info", "__version__"]

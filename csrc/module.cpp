@@ -20,6 +20,7 @@ namespace advantages { void bind(py::module_& m); }
 namespace routing { void bind(py::module_& m); }
 namespace espo { void bind(py::module_& m); }
 namespace packing { void bind(py::module_& m); }
+namespace fp8 { void bind(py::module_& m); }
 }  // namespace compass
 
 namespace {
@@ -71,4 +72,5 @@ PYBIND11_MODULE(_C, m) {
   compass::routing::bind(m);
   compass::espo::bind(m);
   compass::packing::bind(m);
+  compass::fp8::bind(m);
 }

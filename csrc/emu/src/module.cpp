@@ -80,5 +80,6 @@ PYBIND11_MODULE(_C_emu, m) {
   compass::emu::bind_routing(m);
   compass::emu::bind_espo(m);
   compass::emu::bind_packing(m);
+  compass::emu::bind_fp8(m);
   compass::emu::bind_selftest(m);
 }
