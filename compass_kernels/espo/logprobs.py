@@ -37,18 +37,13 @@ _TRITON = "compass_kernels.espo.triton_logprobs:"
 
 def _fwd_outputs(logits, targets, temperature, with_entropy):
     t = logits.shape[0]
-    f32 = torch.float32
-    return (
-        logits.new_empty(t, dtype=f32),
-        logits.new_empty(t, dtype=f32),
-        logits.new_empty(t, dtype=f32),
-    )
+    return tuple(logits.new_empty(t, dtype=torch.float32) for _ in range(4))
 
 
 token_logprobs_entropy_op = register_op(
     "token_logprobs_entropy",
     "(Tensor logits, Tensor targets, float temperature, bool with_entropy)"
-    " -> (Tensor, Tensor, Tensor)",
+    " -> (Tensor, Tensor, Tensor, Tensor)",
     outputs=_fwd_outputs,
     kernels={
         "cpp": "logprobs.token_logprobs_entropy_cpu",
@@ -58,7 +53,8 @@ token_logprobs_entropy_op = register_op(
 
 token_logprobs_entropy_bwd_op = register_op(
     "token_logprobs_entropy_bwd",
-    "(Tensor logits, Tensor targets, Tensor lse, Tensor entropy, Tensor? grad_logprob,"
+    "(Tensor logits, Tensor targets, Tensor row_max, Tensor log_norm, Tensor entropy,"
+    " Tensor? grad_logprob,"
     " Tensor? grad_entropy, float temperature, int vocab_start) -> Tensor",
     outputs=lambda logits, *_: (torch.empty_like(logits, memory_format=torch.contiguous_format),),
     kernels={
@@ -82,23 +78,23 @@ logprobs_tile_stats_op = register_op(
 def _setup_context(ctx, inputs, output):
     logits, targets, temperature, with_entropy = inputs[:4]
     backend = inputs[4] if len(inputs) > 4 else None
-    _, entropy, lse = output
-    ctx.save_for_backward(logits, targets, lse, entropy)
+    _, entropy, row_max, log_norm = output
+    ctx.save_for_backward(logits, targets, row_max, log_norm, entropy)
     ctx.temperature = temperature
     ctx.with_entropy = with_entropy
     ctx.backend = backend
-    ctx.mark_non_differentiable(lse)
+    ctx.mark_non_differentiable(row_max, log_norm)
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, grad_logprob, grad_entropy, _grad_lse):
-    logits, targets, lse, entropy = ctx.saved_tensors
+def _backward(ctx, grad_logprob, grad_entropy, _grad_max, _grad_log_norm):
+    logits, targets, row_max, log_norm, entropy = ctx.saved_tensors
     gl = _grad_vector(grad_logprob)
     gh = _grad_vector(grad_entropy) if ctx.with_entropy else None
     if gl is None and gh is None:
         return None, None, None, None, None
     grad = torch.ops.compass.token_logprobs_entropy_bwd(
-        logits, targets, lse, entropy, gl, gh, ctx.temperature, 0, ctx.backend
+        logits, targets, row_max, log_norm, entropy, gl, gh, ctx.temperature, 0, ctx.backend
     )
     return grad, None, None, None, None
 
@@ -210,9 +206,9 @@ def token_logprobs_entropy(
         _check_logits_values(logits)
     args = (logits, y, temp, bool(with_entropy))
     if logits.requires_grad and torch.is_grad_enabled():
-        logp, ent, _ = torch.ops.compass.token_logprobs_entropy(*args, backend)
+        logp, ent, _, _ = torch.ops.compass.token_logprobs_entropy(*args, backend)
     else:
-        logp, ent, _ = token_logprobs_entropy_op(*args, backend=backend)
+        logp, ent, _, _ = token_logprobs_entropy_op(*args, backend=backend)
     return logp, (ent if with_entropy else None)
 
 
@@ -261,9 +257,9 @@ def _tp_info(tp_group) -> tuple[int, int]:
     return dist.get_rank(tp_group), dist.get_world_size(tp_group)
 
 
-def _finalize(state: torch.Tensor, with_entropy: bool, tp_group):
-    """(lse, logp, entropy) [T] from the merged per-token state [4, T] (m, s, a,
-    x_target); with a TP group, shards merge with all-reduce MAX of m, then SUM
+def _finalize(state: torch.Tensor, inv_t: float, with_entropy: bool, tp_group):
+    """(row_max, log_norm, logp, entropy) [T] from the merged per-token state [4, T] (m, s, a,
+    z_target; raw-logit units for m and z_target); with a TP group, shards merge with all-reduce MAX of m, then SUM
     of (s, a, x_target) rescaled to the global max (compass/logprobs.h merge)."""
     m, s, a, xt = state.unbind(0)
     if tp_group is not None:
@@ -271,17 +267,16 @@ def _finalize(state: torch.Tensor, with_entropy: bool, tp_group):
 
         big_m = m.clone()
         dist.all_reduce(big_m, op=dist.ReduceOp.MAX, group=tp_group)
-        d = torch.clamp(m - big_m, min=-200.0)  # a shard of only -inf: d -> -200, c -> 0
+        d = torch.clamp((m - big_m) * inv_t, min=-200.0)  # a shard of only -inf: d -> -200, c -> 0
         c = torch.exp(d)
         packed = torch.stack([c * s, c * (a + s * d), xt])
         dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=tp_group)
         s, a, xt = packed.unbind(0)
         m = big_m
     log_s = torch.log(s)
-    lse = m + log_s
-    logp = torch.clamp(xt - lse, max=0.0)
+    logp = torch.clamp((xt - m) * inv_t - log_s, max=0.0)  # compass/logprobs.h logprob_of
     entropy = torch.clamp(log_s - a / s, min=0.0) if with_entropy else None
-    return lse, logp, entropy
+    return m, log_s, logp, entropy
 
 
 class _TileBuffer:
@@ -320,8 +315,8 @@ class _FusedLinearLogprobs(torch.autograd.Function):
                     backend=backend, out=(st,),
                 )  # fmt: skip
             state[:, t0:t1] = st
-        lse, logp, entropy = _finalize(state, with_entropy, tp_group)
-        ctx.save_for_backward(hidden, weight, targets, lse, entropy if with_entropy else lse)
+        m, log_s, logp, entropy = _finalize(state, 1.0 / temperature, with_entropy, tp_group)
+        ctx.save_for_backward(hidden, weight, targets, m, log_s, entropy if with_entropy else m)
         ctx.cfg = (temperature, with_entropy, tp_group, chunks, backend, shard_start)
         ctx.set_materialize_grads(False)
         if not with_entropy:
@@ -330,7 +325,7 @@ class _FusedLinearLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy):
-        hidden, weight, targets, lse, entropy = ctx.saved_tensors
+        hidden, weight, targets, m, log_s, entropy = ctx.saved_tensors
         temperature, with_entropy, tp_group, (token_chunk, vocab_chunk), backend, shard = ctx.cfg
         gl = _grad_vector(grad_logprob)
         gh = _grad_vector(grad_entropy) if with_entropy else None
@@ -346,7 +341,7 @@ class _FusedLinearLogprobs(torch.autograd.Function):
             t1 = min(t0 + token_chunk, rows)
             h = hidden[t0:t1]
             h32 = h if h.dtype == torch.float32 else h.float()
-            rows_args = (targets[t0:t1], lse[t0:t1], entropy[t0:t1])
+            rows_args = (targets[t0:t1], m[t0:t1], log_s[t0:t1], entropy[t0:t1])
             g_rows = (None if gl is None else gl[t0:t1], None if gh is None else gh[t0:t1])
             for v0 in range(0, vocab, vocab_chunk):
                 v1 = min(v0 + vocab_chunk, vocab)

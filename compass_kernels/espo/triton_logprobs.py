@@ -44,15 +44,15 @@ def _row_stats(row_ptr, V, inv_t, m, s, a, ENT: tl.constexpr, BLOCK: tl.constexp
     cols = tl.arange(0, BLOCK)
     for v0 in range(0, V, BLOCK):
         idx = v0 + cols
-        x = tl.load(row_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32) * inv_t
+        x = tl.load(row_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
         m_new = tl.maximum(m, tl.max(x, axis=0))
         # Only -inf so far: shift by 0 instead (every term is then exp(-200) = 0).
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        d = tl.maximum(m - m_safe, -200.0)
+        d = tl.maximum((m - m_safe) * inv_t, -200.0)
         c = tl.exp(d)
         a = c * (a + s * d)
         s = c * s
-        dd = tl.maximum(x - m_safe, -200.0)
+        dd = tl.maximum((x - m_safe) * inv_t, -200.0)
         e = tl.exp(dd)
         s += tl.sum(e, axis=0)
         if ENT:
@@ -63,7 +63,7 @@ def _row_stats(row_ptr, V, inv_t, m, s, a, ENT: tl.constexpr, BLOCK: tl.constexp
 
 @triton.jit
 def _fwd_kernel(
-    logits_ptr, targets_ptr, logp_ptr, entropy_ptr, lse_ptr, stride_row, V, inv_t,
+    logits_ptr, targets_ptr, logp_ptr, entropy_ptr, max_ptr, log_norm_ptr, stride_row, V, inv_t,
     ENT: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
@@ -73,11 +73,11 @@ def _fwd_kernel(
     a = tl.zeros((), tl.float32)
     m, s, a = _row_stats(row_ptr, V, inv_t, m, s, a, ENT, BLOCK)
     log_s = tl.log(s)
-    lse = m + log_s
     y = tl.load(targets_ptr + row)
-    xt = tl.load(row_ptr + y).to(tl.float32) * inv_t
-    tl.store(lse_ptr + row, lse)
-    tl.store(logp_ptr + row, tl.minimum(xt - lse, 0.0))  # never a positive log-prob
+    xt = tl.load(row_ptr + y).to(tl.float32)
+    tl.store(max_ptr + row, m)
+    tl.store(log_norm_ptr + row, log_s)
+    tl.store(logp_ptr + row, tl.minimum((xt - m) * inv_t - log_s, 0.0))  # never positive
     if ENT:
         tl.store(entropy_ptr + row, tl.maximum(log_s - a / s, 0.0))
     else:
@@ -97,7 +97,7 @@ def _tile_kernel(
     xt = tl.load(state_in_ptr + 3 * T + row)
     y = tl.load(targets_ptr + row) - vocab_start
     mine = (y >= 0) & (y < V)
-    xt_here = tl.load(row_ptr + tl.where(mine, y, 0)).to(tl.float32) * inv_t
+    xt_here = tl.load(row_ptr + tl.where(mine, y, 0)).to(tl.float32)
     xt = tl.where(mine, xt_here, xt)
     m, s, a = _row_stats(row_ptr, V, inv_t, m, s, a, ENT, BLOCK)
     tl.store(state_out_ptr + row, m)
@@ -108,14 +108,15 @@ def _tile_kernel(
 
 @triton.jit
 def _bwd_kernel(
-    logits_ptr, targets_ptr, lse_ptr, entropy_ptr, gl_ptr, gh_ptr, grad_ptr, stride_row,
+    logits_ptr, targets_ptr, max_ptr, log_norm_ptr, entropy_ptr, gl_ptr, gh_ptr, grad_ptr, stride_row,
     stride_grad, V, vocab_start, inv_t,
     HAS_GL: tl.constexpr, HAS_GH: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
     out_ptr = grad_ptr + row * stride_grad
-    lse = tl.load(lse_ptr + row)
+    m = tl.load(max_ptr + row)
+    log_s = tl.load(log_norm_ptr + row)
     y = tl.load(targets_ptr + row) - vocab_start
     gl = tl.load(gl_ptr + row) if HAS_GL else 0.0
     if HAS_GH:
@@ -128,8 +129,8 @@ def _bwd_kernel(
     for v0 in range(0, V, BLOCK):
         idx = v0 + cols
         mask = idx < V
-        x = tl.load(row_ptr + idx, mask=mask, other=0.0).to(tl.float32) * inv_t
-        d = tl.maximum(x - lse, -200.0)
+        z = tl.load(row_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        d = tl.maximum((z - m) * inv_t - log_s, -200.0)  # z - m exact near the max
         p = tl.exp(d)
         # float32 until the store: the one-hot is added to the float32 softmax term.
         g = -p * (gl + gh * (d + h))
@@ -162,21 +163,24 @@ def _inv_t(temperature: float) -> float:
 
 
 def token_logprobs_entropy_triton(
-    logits, targets, temperature, with_entropy, logp, entropy, lse, *, block: int = BLOCK
-) -> None:
-    """Forward: logp, entropy (NaN unless with_entropy), lse [T] float32 written in place.
+    logits, targets, temperature, with_entropy, logp, entropy, row_max, log_norm, *,
+    block: int = BLOCK,
+) -> None:  # fmt: skip
+    """Forward: logp, entropy (NaN unless with_entropy), row_max, log_norm [T] float32
+    written in place (lse = row_max + log_norm, of logits / temperature).
 
     logits [T, V] float32 | bfloat16 (vocab dim contiguous); targets [T] int64 in
     [0, V) (trusted: the public API checks them on CPU)."""
     _check_logits("logits", logits)
     rows, dev = logits.shape[0], logits.device
     _check_rows("targets", targets, rows, torch.int64, dev)
-    for name, t in (("logp", logp), ("entropy", entropy), ("lse", lse)):
+    outs = (("logp", logp), ("entropy", entropy), ("row_max", row_max), ("log_norm", log_norm))
+    for name, t in outs:
         _check_rows(name, t, rows, torch.float32, dev)
     if rows == 0:
         return
     _fwd_kernel[(rows,)](
-        logits, targets, logp, entropy, lse, logits.stride(0), logits.shape[1],
+        logits, targets, logp, entropy, row_max, log_norm, logits.stride(0), logits.shape[1],
         _inv_t(temperature), ENT=bool(with_entropy), BLOCK=block, **LAUNCH,
     )  # fmt: skip
 
@@ -204,14 +208,15 @@ def logprobs_tile_stats_triton(
 
 
 def token_logprobs_entropy_bwd_triton(
-    logits, targets, lse, entropy, grad_logprob, grad_entropy, temperature, vocab_start,
-    grad_logits, *, block: int = BLOCK,
+    logits, targets, row_max, log_norm, entropy, grad_logprob, grad_entropy, temperature,
+    vocab_start, grad_logits, *, block: int = BLOCK,
 ) -> None:  # fmt: skip
     """Backward: grad_logits [T, V] (logits' dtype) written in place."""
     _check_logits("logits", logits)
     rows, dev = logits.shape[0], logits.device
     _check_rows("targets", targets, rows, torch.int64, dev)
-    _check_rows("lse", lse, rows, torch.float32, dev)
+    _check_rows("row_max", row_max, rows, torch.float32, dev)
+    _check_rows("log_norm", log_norm, rows, torch.float32, dev)
     _check_rows("entropy", entropy, rows, torch.float32, dev)
     for name, t in (("grad_logprob", grad_logprob), ("grad_entropy", grad_entropy)):
         if t is not None:
@@ -227,9 +232,9 @@ def token_logprobs_entropy_bwd_triton(
     if rows == 0:
         return
     _bwd_kernel[(rows,)](
-        logits, targets, lse, entropy,
-        grad_logprob if grad_logprob is not None else lse,  # unread when HAS_GL=False
-        grad_entropy if grad_entropy is not None else lse,
+        logits, targets, row_max, log_norm, entropy,
+        grad_logprob if grad_logprob is not None else entropy,  # unread when HAS_GL=False
+        grad_entropy if grad_entropy is not None else entropy,
         grad_logits, logits.stride(0), grad_logits.stride(0), logits.shape[1], vocab_start,
         _inv_t(temperature), HAS_GL=grad_logprob is not None, HAS_GH=grad_entropy is not None,
         BLOCK=block, **LAUNCH,
@@ -243,7 +248,8 @@ def aot_variants() -> list[tuple[object, dict[str, str], dict[str, object], dict
     for dt in ("fp32", "bf16"):
         fwd = {
             "logits_ptr": f"*{dt}", "targets_ptr": "*i64", "logp_ptr": "*fp32",
-            "entropy_ptr": "*fp32", "lse_ptr": "*fp32", "stride_row": "i64", "V": "i32",
+            "entropy_ptr": "*fp32", "max_ptr": "*fp32", "log_norm_ptr": "*fp32",
+            "stride_row": "i64", "V": "i32",
             "inv_t": "fp32", "ENT": "constexpr", "BLOCK": "constexpr",
         }  # fmt: skip
         tile = {
@@ -252,8 +258,8 @@ def aot_variants() -> list[tuple[object, dict[str, str], dict[str, object], dict
             "vocab_start": "i64", "inv_t": "fp32", "ENT": "constexpr", "BLOCK": "constexpr",
         }  # fmt: skip
         bwd = {
-            "logits_ptr": f"*{dt}", "targets_ptr": "*i64", "lse_ptr": "*fp32",
-            "entropy_ptr": "*fp32", "gl_ptr": "*fp32", "gh_ptr": "*fp32", "grad_ptr": f"*{dt}",
+            "logits_ptr": f"*{dt}", "targets_ptr": "*i64", "max_ptr": "*fp32",
+            "log_norm_ptr": "*fp32", "entropy_ptr": "*fp32", "gl_ptr": "*fp32", "gh_ptr": "*fp32", "grad_ptr": f"*{dt}",
             "stride_row": "i64", "stride_grad": "i64", "V": "i32", "vocab_start": "i64",
             "inv_t": "fp32", "HAS_GL": "constexpr", "HAS_GH": "constexpr", "BLOCK": "constexpr",
         }  # fmt: skip

@@ -8,9 +8,9 @@ namespace logprobs {
 void bind(pybind11::module_& root) {
   auto m = root.def_submodule("logprobs", "token log-probs and entropy (ESPO)");
   COMPASS_DEF_NOGIL(m, token_logprobs_entropy_cpu,
-                    "(logits, targets, temperature, with_entropy, logp, entropy, lse): in place");
+                    "(logits, targets, temperature, with_entropy, logp, entropy, row_max, log_norm)");
   COMPASS_DEF_NOGIL(m, token_logprobs_entropy_bwd_cpu,
-                    "(logits, targets, lse, entropy, grad_logprob|None, grad_entropy|None, "
+                    "(logits, targets, row_max, log_norm, entropy, grad_logprob|None, grad_entropy|None, "
                     "temperature, vocab_start, grad_logits): in place");
   COMPASS_DEF_NOGIL(m, logprobs_tile_stats_cpu,
                     "(logits, targets, vocab_start, temperature, with_entropy, state_in, "

@@ -23,21 +23,23 @@ namespace logprobs {
 
 // logits [T, V] float32|bfloat16 (rows may be strided, the vocab dim must be
 // contiguous); targets [T] int64 in [0, V); outputs [T] float32: logp (<= 0),
-// entropy (NaN when with_entropy is false), lse (log-sum-exp of logits / T,
-// saved for the backward).
+// entropy (NaN when with_entropy is false), row_max m (of the raw logits) and
+// log_norm log s (lse of logits / T = m / T + log s), saved for the backward:
+// kept apart, z - m is exact near the max (compass/logprobs.h).
 #define COMPASS_LOGPROBS_FWD_ARGS                                                       \
   TensorView logits, TensorView targets, double temperature, bool with_entropy,         \
-      TensorView logp, TensorView entropy, TensorView lse
+      TensorView logp, TensorView entropy, TensorView row_max, TensorView log_norm
 // grad_logits [T, Vtile] (logits' dtype; may alias logits) = d(sum g_l * logp +
 // g_h * entropy) / d logits for the vocab columns [vocab_start, vocab_start +
-// Vtile) of a row whose full-vocab lse and entropy are given. grad_logprob /
+// Vtile) of a row whose full-vocab row_max, log_norm and entropy are given. grad_logprob /
 // grad_entropy [T] float32 or None (zero).
 #define COMPASS_LOGPROBS_BWD_ARGS                                                        \
-  TensorView logits, TensorView targets, TensorView lse, TensorView entropy,             \
+  TensorView logits, TensorView targets, TensorView row_max, TensorView log_norm,         \
+      TensorView entropy,                                                                 \
       std::optional<TensorView> grad_logprob, std::optional<TensorView> grad_entropy,    \
       double temperature, int64_t vocab_start, TensorView grad_logits
 // One vocab tile of the online statistics: state_in / state_out [4, T] float32
-// rows (m, s, a, x_target) as in compass/logprobs.h, x_target the scaled target
+// rows (m, s, a, z_target) as in compass/logprobs.h, z_target the raw target
 // logit when the target falls in [vocab_start, vocab_start + Vtile) (kept
 // otherwise). state_out may alias state_in. Init: m = -inf, s = a = x_target = 0.
 #define COMPASS_LOGPROBS_TILE_ARGS                                                        \

@@ -38,7 +38,7 @@ inline void narrow(bf16* p, float v) {  // round to nearest even; NaN stays NaN
   p->bits = static_cast<uint16_t>(r >> 16);
 }
 
-// One row's state after its logits [0, n), scaled by inv_t. kCheck counts
+// One row's state after its raw logits [0, n) (temperature inv_t). kCheck counts
 // NaN / +inf logits into *bad (a -inf logit is a masked token, allowed).
 template <typename In, bool kEnt, bool kCheck>
 __attribute__((always_inline)) inline RowState row_stats(const In* x, int64_t n, float inv_t,
@@ -50,19 +50,19 @@ __attribute__((always_inline)) inline RowState row_stats(const In* x, int64_t n,
     float tmax = -INFINITY;
 #pragma omp simd reduction(max : tmax) reduction(+ : nbad)
     for (int64_t j = 0; j < len; ++j) {
-      const float v = widen(x[j0 + j]) * inv_t;
+      const float v = widen(x[j0 + j]);
       buf[j] = v;
       tmax = v > tmax ? v : tmax;
       if (kCheck) nbad += !(v <= 3.4e38f);  // NaN or +inf
     }
     const float m_new = tmax > st.m ? tmax : st.m;
     if (m_new == -INFINITY) continue;  // only -inf so far: contributes nothing
-    rescale(st, m_new);
+    rescale(st, m_new, inv_t);
     const float m = st.m;
     float s = 0.0f, a = 0.0f;
 #pragma omp simd reduction(+ : s, a)
     for (int64_t j = 0; j < len; ++j) {
-      float d = buf[j] - m;
+      float d = (buf[j] - m) * inv_t;
       d = d < kMinExponent ? kMinExponent : d;
       const float e = fast_exp(d);
       s += e;
@@ -78,15 +78,15 @@ __attribute__((always_inline)) inline RowState row_stats(const In* x, int64_t n,
 // Gradient of one row tile [0, n) (columns vocab_start + j); out may alias x.
 template <typename In, bool kGl, bool kGh>
 __attribute__((always_inline)) inline void row_grad(const In* x, In* out, int64_t n, int64_t y,
-                                                    float inv_t, float lse, float h, float gl,
-                                                    float gh) {
+                                                    float inv_t, float m, float log_s, float h,
+                                                    float gl, float gh) {
   // The target's entry first (out may alias x): g_l (1 - p_y) with
   // 1 - p_y = -expm1(log p_y), exact for confident tokens where 1 - p_y in
   // float32 would round to 0.
   float gy = 0.0f;
   const bool has_y = y >= 0 && y < n;
   if (has_y) {
-    const float d = std::max(widen(x[y]) * inv_t - lse, kMinExponent);
+    const float d = log_softmax_of(widen(x[y]), m, log_s, inv_t);
     const float p = std::exp(d);
     gy = (kGl ? -gl * std::expm1(d) : 0.0f) - (kGh ? gh * p * (d + h) : 0.0f);
   }
@@ -102,8 +102,7 @@ __attribute__((always_inline)) inline void row_grad(const In* x, In* out, int64_
     for (int64_t j = 0; j < len; ++j) buf[j] = widen(x[j0 + j]);
 #pragma omp simd
     for (int64_t j = 0; j < len; ++j) {
-      float d = buf[j] * inv_t - lse;
-      d = d < kMinExponent ? kMinExponent : d;
+      const float d = log_softmax_of(buf[j], m, log_s, inv_t);
       const float p = fast_exp(d);
       buf[j] = grad_nontarget(d, p, gl_, gh_, h) * inv_t;
     }
@@ -118,7 +117,7 @@ struct FwdPtrs {
   int64_t row_stride, rows, vocab;
   const int64_t* targets;
   float inv_t;
-  float *logp, *entropy, *lse;
+  float *logp, *entropy, *row_max, *log_norm;
 };
 
 template <typename In, bool kEnt>
@@ -128,9 +127,9 @@ __attribute__((always_inline)) inline void fwd_rows(const FwdPtrs& p, int64_t r0
   for (int64_t t = r0; t < r1; ++t) {
     const In* x = base + t * p.row_stride;
     const RowState st = row_stats<In, kEnt, true>(x, p.vocab, p.inv_t, RowState{}, bad);
-    const float l = lse_of(st);
-    p.lse[t] = l;
-    p.logp[t] = logprob_of(widen(x[p.targets[t]]) * p.inv_t, l);
+    p.row_max[t] = st.m;
+    p.log_norm[t] = std::log(st.s);
+    p.logp[t] = logprob_of(widen(x[p.targets[t]]), st, p.inv_t);
     p.entropy[t] = kEnt ? entropy_of(st) : NAN;
   }
 }
@@ -153,7 +152,7 @@ __attribute__((always_inline)) inline void tile_rows(const TilePtrs& p, int64_t 
     RowState st{p.in[t], p.in[R + t], p.in[2 * R + t]};
     float xt = p.in[3 * R + t];
     const int64_t y = p.targets[t] - p.vocab_start;
-    if (y >= 0 && y < p.vocab) xt = widen(x[y]) * p.inv_t;
+    if (y >= 0 && y < p.vocab) xt = widen(x[y]);
     st = row_stats<In, kEnt, false>(x, p.vocab, p.inv_t, st, nullptr);
     p.out[t] = st.m;
     p.out[R + t] = st.s;
@@ -167,7 +166,7 @@ struct BwdPtrs {
   void* grad;
   int64_t row_stride, grad_stride, rows, vocab, vocab_start;
   const int64_t* targets;
-  const float *lse, *entropy, *gl, *gh;
+  const float *row_max, *log_norm, *entropy, *gl, *gh;
   float inv_t;
 };
 
@@ -177,7 +176,7 @@ __attribute__((always_inline)) inline void bwd_rows(const BwdPtrs& p, int64_t r0
   In* gbase = static_cast<In*>(p.grad);
   for (int64_t t = r0; t < r1; ++t) {
     row_grad<In, kGl, kGh>(base + t * p.row_stride, gbase + t * p.grad_stride, p.vocab,
-                           p.targets[t] - p.vocab_start, p.inv_t, p.lse[t],
+                           p.targets[t] - p.vocab_start, p.inv_t, p.row_max[t], p.log_norm[t],
                            kGh ? p.entropy[t] : 0.0f, kGl ? p.gl[t] : 0.0f,
                            kGh ? p.gh[t] : 0.0f);
   }
@@ -248,7 +247,7 @@ void check_fwd_args(COMPASS_LOGPROBS_FWD_ARGS) {
   check_logits(logits);
   const int64_t rows = logits.size(0);
   check_row_vector(targets, logits, rows, DType::kInt64);
-  for (const TensorView* o : {&logp, &entropy, &lse}) {
+  for (const TensorView* o : {&logp, &entropy, &row_max, &log_norm}) {
     check_row_vector(*o, logits, rows, DType::kFloat32);
   }
   COMPASS_CHECK(rows == 0 || logits.size(1) > 0, "logits: expected a vocabulary of at least 1, got ",
@@ -260,7 +259,8 @@ void check_bwd_args(COMPASS_LOGPROBS_BWD_ARGS) {
   check_logits(logits);
   const int64_t rows = logits.size(0);
   check_row_vector(targets, logits, rows, DType::kInt64);
-  check_row_vector(lse, logits, rows, DType::kFloat32);
+  check_row_vector(row_max, logits, rows, DType::kFloat32);
+  check_row_vector(log_norm, logits, rows, DType::kFloat32);
   check_row_vector(entropy, logits, rows, DType::kFloat32);
   if (grad_logprob) check_row_vector(*grad_logprob, logits, rows, DType::kFloat32);
   if (grad_entropy) check_row_vector(*grad_entropy, logits, rows, DType::kFloat32);
@@ -285,8 +285,8 @@ void check_tile_args(COMPASS_LOGPROBS_TILE_ARGS) {
 }
 
 void token_logprobs_entropy_cpu(COMPASS_LOGPROBS_FWD_ARGS) {
-  COMPASS_NAME_ARGS(logits, targets, logp, entropy, lse);
-  check_fwd_args(logits, targets, temperature, with_entropy, logp, entropy, lse);
+  COMPASS_NAME_ARGS(logits, targets, logp, entropy, row_max, log_norm);
+  check_fwd_args(logits, targets, temperature, with_entropy, logp, entropy, row_max, log_norm);
   logits.expect_device(DeviceType::kCPU);
   const int64_t rows = logits.size(0), vocab = logits.size(1);
   const int64_t* y = targets.ptr<int64_t>();
@@ -296,7 +296,7 @@ void token_logprobs_entropy_cpu(COMPASS_LOGPROBS_FWD_ARGS) {
   }
   const FwdPtrs p{logits.data, logits.strides[0], rows, vocab, y,
                   inv_temperature(temperature), logp.ptr<float>(), entropy.ptr<float>(),
-                  lse.ptr<float>()};
+                  row_max.ptr<float>(), log_norm.ptr<float>()};
   int64_t bad = 0;
   dispatch(logits, Logits{}, [&](auto tag) {
     using In = decltype(tag);
@@ -314,9 +314,9 @@ void token_logprobs_entropy_cpu(COMPASS_LOGPROBS_FWD_ARGS) {
   });
   if (bad == 0) {
     // A row of only -inf logits has no distribution (s == 0): refuse it.
-    const float* l = lse.ptr<float>();
+    const float* m = row_max.ptr<float>();
     for (int64_t t = 0; t < rows; ++t) {
-      COMPASS_CHECK(l[t] != -INFINITY, "logits: row ", t,
+      COMPASS_CHECK(m[t] != -INFINITY, "logits: row ", t,
                     " has every logit -inf (no distribution to take a log-prob of)");
     }
     return;
@@ -356,14 +356,15 @@ void logprobs_tile_stats_cpu(COMPASS_LOGPROBS_TILE_ARGS) {
 }
 
 void token_logprobs_entropy_bwd_cpu(COMPASS_LOGPROBS_BWD_ARGS) {
-  COMPASS_NAME_ARGS(logits, targets, lse, entropy, grad_logprob, grad_entropy, grad_logits);
-  check_bwd_args(logits, targets, lse, entropy, grad_logprob, grad_entropy, temperature,
-                 vocab_start, grad_logits);
+  COMPASS_NAME_ARGS(logits, targets, row_max, log_norm, entropy, grad_logprob, grad_entropy,
+                    grad_logits);
+  check_bwd_args(logits, targets, row_max, log_norm, entropy, grad_logprob, grad_entropy,
+                 temperature, vocab_start, grad_logits);
   logits.expect_device(DeviceType::kCPU);
   const int64_t rows = logits.size(0), vocab = logits.size(1);
   const BwdPtrs p{logits.data, grad_logits.data, logits.strides[0], grad_logits.strides[0],
-                  rows, vocab, vocab_start, targets.ptr<int64_t>(), lse.ptr<float>(),
-                  entropy.ptr<float>(), grad_logprob ? grad_logprob->ptr<float>() : nullptr,
+                  rows, vocab, vocab_start, targets.ptr<int64_t>(), row_max.ptr<float>(),
+                  log_norm.ptr<float>(), entropy.ptr<float>(), grad_logprob ? grad_logprob->ptr<float>() : nullptr,
                   grad_entropy ? grad_entropy->ptr<float>() : nullptr,
                   inv_temperature(temperature)};
   dispatch(logits, Logits{}, [&](auto tag) {

@@ -1,14 +1,18 @@
 // Per-token log-prob / entropy math shared by the CPU kernels (and any CUDA
 // port): the online log-sum-exp state, its merge, its finalisation and the
-// per-logit gradient. Everything is float32; the logits are already scaled by
-// 1 / temperature (x = z / T).
+// per-logit gradient. Everything is float32. With raw logits z and
+// temperature T (inv_t = 1 / T), the distribution is softmax(z * inv_t).
 //
-// State of a row after seeing logits x_1..x_k (m = max x):
-//   s = sum exp(x_j - m),  a = sum exp(x_j - m) * (x_j - m)   (a <= 0)
-// so lse = m + log s and entropy H = lse - sum p x = log s - a / s.
-// Keeping a relative to the running max (instead of sum exp(x) * x) keeps
-// every term bounded: no cancellation between lse and E[x] for logits of any
-// sign or size (the all-negative-logits bug of a peer kernel).
+// State of a row after seeing z_1..z_k (m = max z, raw units; d_j = (z_j - m) * inv_t):
+//   s = sum exp(d_j),  a = sum exp(d_j) * d_j   (a <= 0)
+// so lse = m * inv_t + log s and entropy H = lse - sum p x = log s - a / s.
+// - a relative to the running max (instead of sum exp(x) * x) keeps every term
+//   bounded: no cancellation between lse and E[x] for logits of any sign or
+//   size (the all-negative-logits bug of a peer kernel);
+// - z_j - m is exact near the max (Sterbenz) and is scaled once, so log p of
+//   a confident token, and its gradient, keep full relative accuracy (a
+//   scaled max m * inv_t differs from z_j * inv_t by an ulp of |x| when the
+//   compiler fuses the product into an FMA, ~2e-6 at |x| = 30).
 #pragma once
 
 #include <cmath>
@@ -60,14 +64,14 @@ struct RowState {
   float a = 0.0f;
 };
 
-// Moves state (s, a) from max m to max m_new >= m.
-COMPASS_HD void rescale(RowState& st, float m_new) {
+// Moves state (s, a) from max m to max m_new >= m (raw units).
+COMPASS_HD void rescale(RowState& st, float m_new, float inv_t) {
   if (st.m == m_new) return;
   if (st.m == -INFINITY) {  // nothing seen yet (or only -inf): s = a = 0
     st.m = m_new;
     return;
   }
-  const float d = st.m - m_new;  // <= 0
+  const float d = (st.m - m_new) * inv_t;  // <= 0
   const float c = std::exp(d);
   st.a = c * (st.a + st.s * d);
   st.s = c * st.s;
@@ -75,15 +79,13 @@ COMPASS_HD void rescale(RowState& st, float m_new) {
 }
 
 // Merges another shard's state into st (vocab tensor parallelism, tiles).
-COMPASS_HD void merge(RowState& st, RowState o) {
+COMPASS_HD void merge(RowState& st, RowState o, float inv_t) {
   const float m = st.m > o.m ? st.m : o.m;
-  rescale(st, m);
-  rescale(o, m);
+  rescale(st, m, inv_t);
+  rescale(o, m, inv_t);
   st.s += o.s;
   st.a += o.a;
 }
-
-COMPASS_HD float lse_of(const RowState& st) { return st.m + std::log(st.s); }
 
 // H = log s - a / s, >= 0 in exact arithmetic; rounding can leave -1 ulp.
 COMPASS_HD float entropy_of(const RowState& st) {
@@ -91,11 +93,18 @@ COMPASS_HD float entropy_of(const RowState& st) {
   return h > 0.0f ? h : 0.0f;
 }
 
-// log p(y) = x_y - lse, <= 0 in exact arithmetic: never positive here
-// (a positive log-prob from rounding was a peer kernel's bug).
-COMPASS_HD float logprob_of(float x_target, float lse) {
-  const float l = x_target - lse;
+// log p(y) = (z_y - m) * inv_t - log s, <= 0 in exact arithmetic: never
+// positive here (a positive log-prob from rounding was a peer kernel's bug).
+COMPASS_HD float logprob_of(float z_target, const RowState& st, float inv_t) {
+  const float l = (z_target - st.m) * inv_t - std::log(st.s);
   return l < 0.0f ? l : 0.0f;
+}
+
+// log p_j = (z_j - m) * inv_t - log s, clamped to kMinExponent so that a masked
+// (-inf) logit gives p = 0 and a finite d * p = 0.
+COMPASS_HD float log_softmax_of(float z, float m, float log_s, float inv_t) {
+  const float d = (z - m) * inv_t - log_s;
+  return d < kMinExponent ? kMinExponent : d;
 }
 
 // d(g_l * log p_y + g_h * H) / dx_j for a non-target j, with d = x_j - lse
