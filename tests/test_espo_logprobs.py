@@ -27,8 +27,14 @@ from compass_kernels.testing import assert_verbose_allclose, empty_poisoned, mak
 
 # float32 accumulation of |x| up to ~60: a few ulps of lse (6e-6) plus the
 # sum's rounding; bf16 gradients are one bf16 rounding of a float32 value.
-TOL = {torch.float32: {"atol": 2e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 2e-5, "rtol": 1e-5}}
-GRAD_TOL = {torch.float32: {"atol": 1e-6, "rtol": 1e-4}, torch.bfloat16: {"atol": 1e-6, "rtol": 8e-3}}
+TOL = {
+    torch.float32: {"atol": 2e-5, "rtol": 1e-5},
+    torch.bfloat16: {"atol": 2e-5, "rtol": 1e-5},
+}
+GRAD_TOL = {
+    torch.float32: {"atol": 1e-6, "rtol": 1e-4},
+    torch.bfloat16: {"atol": 1e-6, "rtol": 8e-3},
+}
 
 SHAPES = [(1, 1), (3, 7), (7, 511), (5, 513), (37, 1025), (17, 4099)]
 
@@ -59,9 +65,7 @@ def make_logits(rows: int, vocab: int, seed: int, dtype=torch.float32, *, masked
 def _fwd_poisoned(logits, targets, temperature, with_entropy, backend):
     rows = logits.shape[0]
     out = tuple(empty_poisoned(rows, torch.float32) for _ in range(4))
-    return token_logprobs_entropy_op.run(
-        (logits, targets, temperature, with_entropy), backend, out
-    )
+    return token_logprobs_entropy_op.run((logits, targets, temperature, with_entropy), backend, out)
 
 
 def check_forward(logits, targets, temperature, with_entropy, backend):
@@ -273,7 +277,8 @@ def test_bad_inputs_public_api():
     for bad in (math.nan, math.inf):
         zb = z.clone()
         zb[2, 7] = bad
-        with pytest.raises(ValueError, match=r"logits: expected finite or -inf values, got .* at \[2, 7\]"):
+        msg = r"logits: expected finite or -inf values, got .* at \[2, 7\]"
+        with pytest.raises(ValueError, match=msg):
             f(zb, y)
     zb = z.clone()
     zb[1] = -math.inf

@@ -258,9 +258,10 @@ def _tp_info(tp_group) -> tuple[int, int]:
 
 
 def _finalize(state: torch.Tensor, inv_t: float, with_entropy: bool, tp_group):
-    """(row_max, log_norm, logp, entropy) [T] from the merged per-token state [4, T] (m, s, a,
-    z_target; raw-logit units for m and z_target); with a TP group, shards merge with all-reduce MAX of m, then SUM
-    of (s, a, x_target) rescaled to the global max (compass/logprobs.h merge)."""
+    """(row_max, log_norm, logp, entropy) [T] from the merged per-token state [4, T]
+    (m, s, a, z_target; m and z_target in raw-logit units). With a TP group, shards
+    merge with all-reduce MAX of m, then SUM of (s, a, z_target) rescaled to the
+    global max (compass/logprobs.h merge)."""
     m, s, a, xt = state.unbind(0)
     if tp_group is not None:
         import torch.distributed as dist

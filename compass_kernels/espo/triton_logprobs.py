@@ -108,8 +108,8 @@ def _tile_kernel(
 
 @triton.jit
 def _bwd_kernel(
-    logits_ptr, targets_ptr, max_ptr, log_norm_ptr, entropy_ptr, gl_ptr, gh_ptr, grad_ptr, stride_row,
-    stride_grad, V, vocab_start, inv_t,
+    logits_ptr, targets_ptr, max_ptr, log_norm_ptr, entropy_ptr, gl_ptr, gh_ptr, grad_ptr,
+    stride_row, stride_grad, V, vocab_start, inv_t,
     HAS_GL: tl.constexpr, HAS_GH: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
@@ -259,7 +259,8 @@ def aot_variants() -> list[tuple[object, dict[str, str], dict[str, object], dict
         }  # fmt: skip
         bwd = {
             "logits_ptr": f"*{dt}", "targets_ptr": "*i64", "max_ptr": "*fp32",
-            "log_norm_ptr": "*fp32", "entropy_ptr": "*fp32", "gl_ptr": "*fp32", "gh_ptr": "*fp32", "grad_ptr": f"*{dt}",
+            "log_norm_ptr": "*fp32", "entropy_ptr": "*fp32", "gl_ptr": "*fp32",
+            "gh_ptr": "*fp32", "grad_ptr": f"*{dt}",
             "stride_row": "i64", "stride_grad": "i64", "V": "i32", "vocab_start": "i64",
             "inv_t": "fp32", "HAS_GL": "constexpr", "HAS_GH": "constexpr", "BLOCK": "constexpr",
         }  # fmt: skip
