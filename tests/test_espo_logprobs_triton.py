@@ -25,7 +25,6 @@ from compass_kernels import aot  # noqa: E402
 from compass_kernels.espo import triton_logprobs as kt  # noqa: E402
 from compass_kernels.espo.reference_logprobs import token_logprobs_entropy_reference  # noqa: E402
 from compass_kernels.testing import assert_verbose_allclose, empty_poisoned  # noqa: E402
-from tests.tiers import INTERPRETER_ONLY  # noqa: E402
 from tests.test_espo_logprobs import (  # noqa: E402
     GRAD_TOL,
     TOL,
@@ -33,6 +32,7 @@ from tests.test_espo_logprobs import (  # noqa: E402
     make_logits,
     reference_grad,
 )
+from tests.tiers import INTERPRETER_ONLY  # noqa: E402
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
 DEVICE = "cpu" if INTERPRET else "cuda"
@@ -49,9 +49,7 @@ pytestmark = [
 def _forward(logits, targets, temperature, with_entropy, block):
     rows = logits.shape[0]
     outs = [empty_poisoned(rows, torch.float32, DEVICE) for _ in range(4)]
-    kt.token_logprobs_entropy_triton(
-        logits, targets, temperature, with_entropy, *outs, block=block
-    )
+    kt.token_logprobs_entropy_triton(logits, targets, temperature, with_entropy, *outs, block=block)
     return outs
 
 
