@@ -129,7 +129,7 @@ def _bwd_kernel(
     for v0 in range(0, V, BLOCK):
         idx = v0 + cols
         mask = idx < V
-        z = tl.load(row_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(row_ptr + idx, mask=mask, other=float("-inf")).to(tl.float32)
         d = tl.maximum((z - m) * inv_t - log_s, -200.0)  # z - m exact near the max
         p = tl.exp(d)
         # float32 until the store: the one-hot is added to the float32 softmax term.
