@@ -65,7 +65,8 @@ def test_libstdcxx_is_shared():
 @needs_cuda_build
 def test_sm90a_kernels_are_built_without_spills():
     usage = aot.resource_usage(_C.__file__, arch="sm_90a")
-    names = {re.search(r"(group_kernel|zvp_kernel)I(\w+?)E", k).group(0) for k in usage}
+    found = (re.search(r"(group_kernel|zvp_kernel)I(\w+?)E", k) for k in usage)
+    names = {m.group(0) for m in found if m}  # other capabilities' kernels: their own tests
     # 2 reward dtypes for the group kernel; 2 x 2 (rewards, advantages) for RL-ZVP
     assert names == {
         "group_kernelIfE", "group_kernelIdE",

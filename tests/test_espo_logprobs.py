@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import compass_kernels as ck
+from compass_kernels import _emu
 from compass_kernels._ext import load
 from compass_kernels.espo.logprobs import (
     logprobs_tile_stats_op,
@@ -232,17 +233,61 @@ def test_small_target_gradient_survives_bf16():
     assert_verbose_allclose(target_grad, ref[torch.arange(8), y], atol=0, rtol=1e-2)
 
 
+# ------------------------------------------------- CUDA kernels, emulated on the CPU
+
+EMULATED_SHAPES = [(1, 1), (3, 7), (5, 513), (9, 1025)]  # rows x vocab vs 256 threads a row
+
+
+@pytest.mark.emulated
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", EMULATED_SHAPES)
+def test_cuda_emulated_forward_backward(shape, dtype):
+    logits, targets = make_logits(*shape, seed=51 + sum(shape), dtype=dtype)
+    for temperature, with_entropy in ((1.0, True), (0.7, False)):
+        check_forward(logits, targets, temperature, with_entropy, "cuda-emulated")
+    g = make_generator(52)
+    gl, gh = torch.randn(shape[0], generator=g), torch.randn(shape[0], generator=g)
+    for grads in ((gl, gh), (None, gh)):
+        check_backward(logits, targets, 0.8, *grads, "cuda-emulated")
+
+
+@pytest.mark.emulated
+def test_cuda_emulated_tile_stats():
+    check_tile_stats("cuda-emulated")
+
+
+# Planted bugs (cmake/emu.cmake) the emulated tests above must catch.
+LP_MUTANTS = {
+    "lp_half_stride": AssertionError,  # a thread skips every other slice: wrong sums
+    "lp_sum_no_barrier": "EmulationError",  # partials read before every warp wrote them
+}
+
+
+@pytest.mark.emulated
+@pytest.mark.parametrize("mutant", list(LP_MUTANTS))
+def test_emulated_backend_catches_planted_bugs(mutant):
+    expected = LP_MUTANTS[mutant]
+    expected = getattr(_emu, expected) if isinstance(expected, str) else expected
+    with _emu.mutant(mutant), pytest.raises(expected):
+        test_cuda_emulated_forward_backward((9, 1025), torch.float32)
+
+
 # ------------------------------------------------------------- tile statistics
 
 
 def test_tile_stats_merge_to_the_full_row():
+    check_tile_stats("cpp")
+
+
+def check_tile_stats(backend):
     logits, targets = make_logits(11, 1000, seed=16)
     state = torch.empty(4, 11)
     state[0] = -math.inf
     state[1:] = 0
     for v0, v1 in ((0, 1), (1, 300), (300, 999), (999, 1000)):
         out = empty_poisoned((4, 11), torch.float32)
-        logprobs_tile_stats_op.run((logits[:, v0:v1], targets, v0, 0.9, True, state), "cpp", (out,))
+        logprobs_tile_stats_op.run((logits[:, v0:v1], targets, v0, 0.9, True, state), backend,
+                                   (out,))  # fmt: skip
         state = out
     m, s, a, xt = state
     ref_lp, ref_h = token_logprobs_entropy_reference(logits, targets, 0.9)
@@ -477,3 +522,22 @@ def test_vocab_tensor_parallel_two_gloo_ranks_equal_one_process(tmp_path):
     # and the single process agrees with the float64 reference
     ref_lp, ref_h, _, _ = fused_reference_grads(h, w, y, 0.8, gl, gh)
     assert_verbose_allclose(logp, ref_lp.float(), atol=5e-5, rtol=1e-5)
+
+
+@pytest.mark.sm90
+def test_cuda_kernels_built_for_sm90a_without_spills():
+    import re
+
+    from compass_kernels import _C, aot
+
+    if not load().build_info()["cuda"]:
+        pytest.fail("the CUDA kernels were not compiled (COMPASS_CUDA=OFF or no nvcc)")
+    usage = aot.resource_usage(_C.__file__, arch="sm_90a")
+    found = (re.search(r"8logprobs\w*?(fwd|tile|bwd)_kernel", k) for k in usage)
+    names = {m.group(1) for m in found if m}
+    assert names == {"fwd", "tile", "bwd"}, sorted(usage)
+    ours = {k: v for k, v in usage.items() if re.search(r"8logprobs\w*?(fwd|tile|bwd)_kernel", k)}
+    # 2 dtypes x 2 (fwd, tile) + 2 x 4 (bwd grads) variants
+    assert len(ours) == 16, sorted(ours)
+    aot.assert_no_spills(ours)
+    aot.assert_registers_at_most(ours, 64)

@@ -8,8 +8,9 @@
   of logits in float32, statistics merged across tiles (and across vocab
   shards of a tensor-parallel group), tiles recomputed in the backward.
 
-Kernels: csrc/logprobs (C++ CPU, OpenMP over tokens) and ``triton_logprobs.py``
-(CUDA, and CPU tensors under the Triton interpreter). Spec:
+Kernels: csrc/logprobs (C++ CPU, OpenMP over tokens; CUDA, one block per
+token, emulated in the tests) and ``triton_logprobs.py`` (CUDA, and CPU
+tensors under the Triton interpreter). Spec:
 ``reference_logprobs.py``. Math and state: csrc/include/compass/logprobs.h.
 """
 
@@ -47,6 +48,7 @@ token_logprobs_entropy_op = register_op(
     outputs=_fwd_outputs,
     kernels={
         "cpp": "logprobs.token_logprobs_entropy_cpu",
+        "cuda": "logprobs.token_logprobs_entropy_cuda",
         "triton": _TRITON + "token_logprobs_entropy_triton",
     },
 )
@@ -59,6 +61,7 @@ token_logprobs_entropy_bwd_op = register_op(
     outputs=lambda logits, *_: (torch.empty_like(logits, memory_format=torch.contiguous_format),),
     kernels={
         "cpp": "logprobs.token_logprobs_entropy_bwd_cpu",
+        "cuda": "logprobs.token_logprobs_entropy_bwd_cuda",
         "triton": _TRITON + "token_logprobs_entropy_bwd_triton",
     },
 )
@@ -70,6 +73,7 @@ logprobs_tile_stats_op = register_op(
     outputs=lambda logits, targets, vs, t, e, state_in: (torch.empty_like(state_in),),
     kernels={
         "cpp": "logprobs.logprobs_tile_stats_cpu",
+        "cuda": "logprobs.logprobs_tile_stats_cuda",
         "triton": _TRITON + "logprobs_tile_stats_triton",
     },
 )
@@ -112,14 +116,6 @@ torch.library.register_autograd(
 
 
 # ------------------------------------------------------------- public API
-
-
-def _default_backend(device: torch.device, backend: str | None) -> str | None:
-    # No CUDA C++ kernel for these ops: on CUDA tensors the Triton kernels are
-    # the implementation (chosen explicitly, so dispatch never has to guess).
-    if backend is None and device.type == "cuda":
-        return "triton"
-    return backend
 
 
 def _python_checks(validate: bool | None, device: torch.device, backend: str | None) -> bool:
@@ -176,7 +172,8 @@ def token_logprobs_entropy(
     validate : check targets' range and that logits hold no NaN / +inf and no
         all -inf row. The C++ (CPU) kernel always checks, at no extra cost; on
         CUDA the checks need a host sync: off by default, on with validate=True.
-    backend : None (CPU: "cpp"; CUDA: "triton"), "cpp" or "triton".
+    backend : None (CPU: "cpp"; CUDA: "cuda", or "triton" with
+        COMPASS_CUDA_BACKEND=triton), "cpp", "cuda" or "triton".
 
     Returns
     -------
@@ -200,7 +197,6 @@ def token_logprobs_entropy(
     dev = logits.device
     y = _check_targets(targets, logits.shape[0], dev)
     temp = _check_temperature(temperature)
-    backend = _default_backend(dev, backend)
     if _python_checks(validate, dev, backend):
         _check_targets_range(y, logits.shape[1])
         _check_logits_values(logits)
@@ -396,8 +392,8 @@ def fused_linear_logprobs_entropy(
     token_chunk, vocab_chunk : the tile of float32 logits held at once.
     validate : check targets' range and that hidden / weight are finite
         (default: on for CPU tensors, off on CUDA where it costs a host sync).
-    backend : kernels of the per-tile statistics: None (CPU "cpp", CUDA
-        "triton"), "cpp" or "triton".
+    backend : kernels of the per-tile statistics: None (CPU "cpp", CUDA "cuda"
+        or COMPASS_CUDA_BACKEND), "cpp", "cuda" or "triton".
 
     Returns
     -------
@@ -429,7 +425,6 @@ def fused_linear_logprobs_entropy(
         if not (isinstance(c, int) and c > 0):
             raise ValueError(f"{name}: expected a positive int, got {c!r}")
     _, world = _tp_info(tp_group)
-    backend = _default_backend(dev, backend)
     if validate if validate is not None else dev.type == "cpu":
         _check_targets_range(y, weight.shape[0] * world)
         for name, t in (("hidden", hidden), ("weight", weight)):

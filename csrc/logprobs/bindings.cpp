@@ -15,6 +15,11 @@ void bind(pybind11::module_& root) {
   COMPASS_DEF_NOGIL(m, logprobs_tile_stats_cpu,
                     "(logits, targets, vocab_start, temperature, with_entropy, state_in, "
                     "state_out): one vocab tile of the online statistics");
+#ifdef COMPASS_WITH_CUDA
+  COMPASS_DEF(m, token_logprobs_entropy_cuda, "as the _cpu entry point, plus the stream");
+  COMPASS_DEF(m, token_logprobs_entropy_bwd_cuda, "as the _cpu entry point, plus the stream");
+  COMPASS_DEF(m, logprobs_tile_stats_cuda, "as the _cpu entry point, plus the stream");
+#endif
 }
 
 }  // namespace logprobs

@@ -53,6 +53,11 @@ void check_tile_args(COMPASS_LOGPROBS_TILE_ARGS);
 void token_logprobs_entropy_cpu(COMPASS_LOGPROBS_FWD_ARGS);
 void token_logprobs_entropy_bwd_cpu(COMPASS_LOGPROBS_BWD_ARGS);
 void logprobs_tile_stats_cpu(COMPASS_LOGPROBS_TILE_ARGS);
+#if defined(COMPASS_WITH_CUDA) || defined(COMPASS_EMULATION)  // emulated: csrc/emu
+void token_logprobs_entropy_cuda(COMPASS_LOGPROBS_FWD_ARGS, uintptr_t stream);
+void token_logprobs_entropy_bwd_cuda(COMPASS_LOGPROBS_BWD_ARGS, uintptr_t stream);
+void logprobs_tile_stats_cuda(COMPASS_LOGPROBS_TILE_ARGS, uintptr_t stream);
+#endif
 
 }  // namespace logprobs
 }  // namespace compass
