@@ -87,6 +87,14 @@ def test_forward_and_backward(shape, block, dtype):
         assert_verbose_allclose(grad.cpu(), ref.to(dtype), name="grad", **GRAD_TOL[dtype])
 
 
+def test_large_vocab_151936():
+    logits, targets = make_logits(2, 151936, seed=35, masked=False)
+    logp, ent, m, log_s = _forward(logits.to(DEVICE), targets.to(DEVICE), 1.0, True, kt.BLOCK)
+    ref_lp, ref_h = token_logprobs_entropy_reference(logits, targets)
+    assert_verbose_allclose(logp.cpu(), ref_lp.float(), **TOL[torch.float32])
+    assert_verbose_allclose(ent.cpu(), ref_h.float(), **TOL[torch.float32])
+
+
 def test_tile_stats_and_vocab_offset():
     logits, targets = make_logits(9, 300, seed=32)
     z, y = logits.to(DEVICE), targets.to(DEVICE)
