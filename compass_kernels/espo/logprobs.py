@@ -331,8 +331,11 @@ class _FusedLinearLogprobs(torch.autograd.Function):
         rows, vocab = hidden.shape[0], weight.shape[0]
         # float32 accumulators for the whole backward: the hidden and weight
         # gradients sum over vocab tiles / token tiles and round once at the end.
+        want_h, want_w = ctx.needs_input_grad[:2]  # a frozen lm_head skips its GEMM
         d_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-        d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        d_weight = (
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        )
         buf = _TileBuffer(hidden, token_chunk, vocab_chunk)
         for t0 in range(0, rows, token_chunk):
             t1 = min(t0 + token_chunk, rows)
@@ -350,15 +353,19 @@ class _FusedLinearLogprobs(torch.autograd.Function):
                     backend=backend, out=(tile,),
                 )  # fmt: skip
                 w32 = w if w.dtype == torch.float32 else w.float()
-                d_hidden[t0:t1].addmm_(tile, w32)
-                d_weight[v0:v1].addmm_(tile.T, h32)
+                if want_h or tp_group is not None:
+                    d_hidden[t0:t1].addmm_(tile, w32)
+                if want_w:
+                    d_weight[v0:v1].addmm_(tile.T, h32)
         if tp_group is not None:
             import torch.distributed as dist
 
             # Each rank holds the gradient through its vocab shard; the hidden
             # states are replicated, so their gradient is the sum.
             dist.all_reduce(d_hidden, op=dist.ReduceOp.SUM, group=tp_group)
-        return (d_hidden.to(hidden.dtype), d_weight.to(weight.dtype)) + (None,) * 6
+        d_h = d_hidden.to(hidden.dtype) if want_h else None
+        d_w = d_weight.to(weight.dtype) if want_w else None
+        return (d_h, d_w) + (None,) * 6
 
 
 def fused_linear_logprobs_entropy(
