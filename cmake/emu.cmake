@@ -17,11 +17,11 @@ endif()
 
 # Plain CUDA (no wgmma / TMA / clusters / CUTLASS) that runs under emulation.
 set(COMPASS_EMU_KERNELS csrc/advantages/advantages.cu csrc/routing/replay.cu csrc/espo/espo_loss.cu
-    csrc/packing/pack.cu csrc/fp8/fp8.cu)
+    csrc/logprobs/logprobs.cu csrc/packing/pack.cu csrc/fp8/fp8.cu)
 # Host code the entry points call (argument checks, DLPack views).
 set(COMPASS_EMU_HOST_SOURCES csrc/advantages/advantages_cpu.cpp csrc/routing/replay_cpu.cpp
-    csrc/espo/espo_loss_cpu.cpp csrc/packing/pack_cpu.cpp csrc/fp8/fp8_cpu.cpp csrc/fp8/permute_cpu.cpp
-    csrc/dlpack_view.cpp)
+    csrc/espo/espo_loss_cpu.cpp csrc/logprobs/logprobs_cpu.cpp csrc/packing/pack_cpu.cpp
+    csrc/fp8/fp8_cpu.cpp csrc/fp8/permute_cpu.cpp csrc/dlpack_view.cpp)
 
 set(_emu_gen ${CMAKE_BINARY_DIR}/emu)
 file(MAKE_DIRECTORY ${_emu_gen})
@@ -201,6 +201,17 @@ if(COMPASS_EMU_MUTANTS)
   compass_emu_mutant(fp8_unpermute_fused_fma KERNEL ${_fp8} FILE ${_fp8} ENTRIES ${_fp8_entries}
     FIND "acc = __fadd_rn(acc, __fmul_rn(w[t * k + j], load_value(y + p * ys + c)))"
     REPLACE "acc = fmaf(w[t * k + j], load_value(y + p * ys + c), acc)")
+  # ck.espo log-probs: a thread skipping part of its vocab slice, and the
+  # block sum read before every warp wrote its partial.
+  set(_lp csrc/logprobs/logprobs.cu)
+  set(_lp_entries token_logprobs_entropy_cuda token_logprobs_entropy_bwd_cuda
+      logprobs_tile_stats_cuda)
+  compass_emu_mutant(lp_half_stride KERNEL ${_lp} FILE ${_lp} ENTRIES ${_lp_entries}
+    FIND "for (int64_t j = threadIdx.x<semicolon> j < n<semicolon> j += kThreads)"
+    REPLACE "for (int64_t j = threadIdx.x<semicolon> j < n<semicolon> j += 2 * kThreads)")
+  compass_emu_mutant(lp_sum_no_barrier KERNEL ${_lp} FILE ${_lp} ENTRIES ${_lp_entries}
+    FIND "partial[threadIdx.x / 32] = v<semicolon>\n  __syncthreads()<semicolon>\n"
+    REPLACE "partial[threadIdx.x / 32] = v<semicolon>\n")
 endif()
 # COMPASS_EMU_MUTANTS_<CAP>(X): the mutants of one capability's kernels;
 # COMPASS_EMU_MUTANTS(X) is advantages' list under its first name.
@@ -228,7 +239,7 @@ set_target_properties(compass_emu_kernels PROPERTIES POSITION_INDEPENDENT_CODE O
 # NO_EXTRAS: no strip, so the line tables below survive.
 pybind11_add_module(_C_emu MODULE NO_EXTRAS
   csrc/emu/src/module.cpp csrc/emu/src/bindings_advantages.cpp csrc/emu/src/bindings_routing.cpp
-  csrc/emu/src/bindings_espo.cpp csrc/emu/src/bindings_packing.cpp csrc/emu/src/bindings_fp8.cpp
+  csrc/emu/src/bindings_espo.cpp csrc/emu/src/bindings_packing.cpp csrc/emu/src/bindings_fp8.cpp csrc/emu/src/bindings_logprobs.cpp
   csrc/emu/src/bindings_selftest.cpp csrc/emu/src/runtime.cpp csrc/emu/src/memcheck.cpp
   csrc/emu/src/fiber.cpp
   ${COMPASS_EMU_HOST_SOURCES} $<TARGET_OBJECTS:compass_emu_kernels>)

@@ -21,6 +21,7 @@ namespace routing { void bind(py::module_& m); }
 namespace espo { void bind(py::module_& m); }
 namespace packing { void bind(py::module_& m); }
 namespace fp8 { void bind(py::module_& m); }
+namespace logprobs { void bind(py::module_& m); }
 }  // namespace compass
 
 namespace {
@@ -73,4 +74,5 @@ PYBIND11_MODULE(_C, m) {
   compass::espo::bind(m);
   compass::packing::bind(m);
   compass::fp8::bind(m);
+  compass::logprobs::bind(m);
 }

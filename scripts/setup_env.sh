@@ -50,6 +50,9 @@ export COMPASS_CUTLASS_INCLUDE
 # Everything else in one resolve; the build runs in pip's isolated build env
 # (csrc needs no torch headers, only pybind11 + cmake + ninja).
 pip install -q -e ".[$EXTRAS]"
+# Bench-only baseline (bench/bench_espo_logprobs.py): Liger-Kernel's fused
+# linear GRPO loss. Pure Python; --no-deps keeps the torch / triton above.
+python -c "import liger_kernel" 2>/dev/null || pip install -q --no-deps "liger-kernel==0.8.5"
 
 if [ "$GPUS" -gt 0 ]; then
   # Fail loudly rather than let every gpu test skip for "no CUDA device".

@@ -1,11 +1,23 @@
-"""ESPO and friends (ck.espo): the segmented ESPO / GSPO / GRPO policy loss.
+"""ESPO and friends (ck.espo): token log-probs and entropy (from logits, or
+fused with the lm_head, ``logprobs.py``) and the segmented ESPO / GSPO / GRPO
+policy loss (``loss.py``).
 
-Public functions here; kernels in csrc/espo (C++ and CUDA) and
-``triton_loss.py``; the spec in ``reference_loss.py``.
+Kernels in csrc/logprobs and csrc/espo (C++ and CUDA) and the ``triton_*``
+modules; the specs in ``reference_logprobs.py`` and ``reference_loss.py``.
 """
 
 from __future__ import annotations
 
+from compass_kernels.espo.logprobs import (
+    fused_linear_logprobs_entropy,
+    token_logprobs_entropy,
+)
 from compass_kernels.espo.loss import EspoMetrics, entropy_thresholds, espo_loss
 
-__all__ = ["espo_loss", "entropy_thresholds", "EspoMetrics"]
+__all__ = [
+    "token_logprobs_entropy",
+    "fused_linear_logprobs_entropy",
+    "espo_loss",
+    "entropy_thresholds",
+    "EspoMetrics",
+]

@@ -10,6 +10,7 @@ void bind_routing(pybind11::module_& root);
 void bind_espo(pybind11::module_& root);
 void bind_packing(pybind11::module_& root);
 void bind_fp8(pybind11::module_& root);
+void bind_logprobs(pybind11::module_& root);
 void bind_selftest(pybind11::module_& root);
 }  // namespace emu
 }  // namespace compass

@@ -81,5 +81,6 @@ PYBIND11_MODULE(_C_emu, m) {
   compass::emu::bind_espo(m);
   compass::emu::bind_packing(m);
   compass::emu::bind_fp8(m);
+  compass::emu::bind_logprobs(m);
   compass::emu::bind_selftest(m);
 }

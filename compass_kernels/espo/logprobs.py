@@ -1,0 +1,444 @@
+"""Token log-probs and entropy for ESPO / GRPO losses (ck.espo).
+
+- :func:`token_logprobs_entropy`: from logits [T, V]; one pass over vocab tiles
+  with a float32 online log-sum-exp; differentiable (a registered op with a
+  fake, whose backward is an op of its own).
+- :func:`fused_linear_logprobs_entropy`: from hidden states [T, H] and the
+  lm_head weight [V, H] without ever holding [T, V] logits: token x vocab tiles
+  of logits in float32, statistics merged across tiles (and across vocab
+  shards of a tensor-parallel group), tiles recomputed in the backward.
+
+Kernels: csrc/logprobs (C++ CPU, OpenMP over tokens; CUDA, one block per
+token, emulated in the tests) and ``triton_logprobs.py`` (CUDA, and CPU
+tensors under the Triton interpreter). Spec:
+``reference_logprobs.py``. Math and state: csrc/include/compass/logprobs.h.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from compass_kernels._op import register_op
+from compass_kernels._validate import INT_DTYPES, check_tensor, describe
+
+__all__ = [
+    "token_logprobs_entropy",
+    "fused_linear_logprobs_entropy",
+    "token_logprobs_entropy_op",
+    "token_logprobs_entropy_bwd_op",
+    "logprobs_tile_stats_op",
+]
+
+_LOGITS_DTYPES = (torch.float32, torch.bfloat16)
+_TRITON = "compass_kernels.espo.triton_logprobs:"
+
+
+# ---------------------------------------------------------------------- ops
+
+
+def _fwd_outputs(logits, targets, temperature, with_entropy):
+    t = logits.shape[0]
+    return tuple(logits.new_empty(t, dtype=torch.float32) for _ in range(4))
+
+
+token_logprobs_entropy_op = register_op(
+    "token_logprobs_entropy",
+    "(Tensor logits, Tensor targets, float temperature, bool with_entropy)"
+    " -> (Tensor, Tensor, Tensor, Tensor)",
+    outputs=_fwd_outputs,
+    kernels={
+        "cpp": "logprobs.token_logprobs_entropy_cpu",
+        "cuda": "logprobs.token_logprobs_entropy_cuda",
+        "triton": _TRITON + "token_logprobs_entropy_triton",
+    },
+)
+
+token_logprobs_entropy_bwd_op = register_op(
+    "token_logprobs_entropy_bwd",
+    "(Tensor logits, Tensor targets, Tensor row_max, Tensor log_norm, Tensor entropy,"
+    " Tensor? grad_logprob,"
+    " Tensor? grad_entropy, float temperature, int vocab_start) -> Tensor",
+    outputs=lambda logits, *_: (torch.empty_like(logits, memory_format=torch.contiguous_format),),
+    kernels={
+        "cpp": "logprobs.token_logprobs_entropy_bwd_cpu",
+        "cuda": "logprobs.token_logprobs_entropy_bwd_cuda",
+        "triton": _TRITON + "token_logprobs_entropy_bwd_triton",
+    },
+)
+
+logprobs_tile_stats_op = register_op(
+    "logprobs_tile_stats",
+    "(Tensor logits, Tensor targets, int vocab_start, float temperature, bool with_entropy,"
+    " Tensor state_in) -> Tensor",
+    outputs=lambda logits, targets, vs, t, e, state_in: (torch.empty_like(state_in),),
+    kernels={
+        "cpp": "logprobs.logprobs_tile_stats_cpu",
+        "cuda": "logprobs.logprobs_tile_stats_cuda",
+        "triton": _TRITON + "logprobs_tile_stats_triton",
+    },
+)
+
+
+def _setup_context(ctx, inputs, output):
+    logits, targets, temperature, with_entropy = inputs[:4]
+    backend = inputs[4] if len(inputs) > 4 else None
+    _, entropy, row_max, log_norm = output
+    ctx.save_for_backward(logits, targets, row_max, log_norm, entropy)
+    ctx.temperature = temperature
+    ctx.with_entropy = with_entropy
+    ctx.backend = backend
+    ctx.mark_non_differentiable(row_max, log_norm)
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, grad_logprob, grad_entropy, _grad_max, _grad_log_norm):
+    logits, targets, row_max, log_norm, entropy = ctx.saved_tensors
+    gl = _grad_vector(grad_logprob)
+    gh = _grad_vector(grad_entropy) if ctx.with_entropy else None
+    if gl is None and gh is None:
+        return None, None, None, None, None
+    grad = torch.ops.compass.token_logprobs_entropy_bwd(
+        logits, targets, row_max, log_norm, entropy, gl, gh, ctx.temperature, 0, ctx.backend
+    )
+    return grad, None, None, None, None
+
+
+def _grad_vector(g: torch.Tensor | None) -> torch.Tensor | None:
+    if g is None:
+        return None
+    g = g if g.dtype == torch.float32 else g.to(torch.float32)
+    return g if g.is_contiguous() else g.contiguous()
+
+
+torch.library.register_autograd(
+    "compass::token_logprobs_entropy", _backward, setup_context=_setup_context
+)
+
+
+# ------------------------------------------------------------- public API
+
+
+def _python_checks(validate: bool | None, device: torch.device, backend: str | None) -> bool:
+    """Whether to check the data (targets in range, logits finite) in Python: the cpp
+    kernels check it themselves for free; CUDA needs a host sync (opt-in)."""
+    if device.type == "cpu" and backend in (None, "cpp"):
+        return False
+    return bool(validate) if validate is not None else device.type == "cpu"
+
+
+def _check_targets(targets: torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
+    check_tensor("targets", targets, ndim=1, dtypes=INT_DTYPES, size=rows,
+                 size_what="one per token", device=device)  # fmt: skip
+    t = targets if targets.dtype == torch.int64 else targets.to(torch.int64)
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _check_targets_range(targets: torch.Tensor, vocab: int) -> None:
+    if targets.numel() == 0:
+        return
+    lo, hi = torch.aminmax(targets)
+    if int(lo) < 0 or int(hi) >= vocab:
+        bad = int(((targets < 0) | (targets >= vocab)).nonzero()[0, 0])
+        raise ValueError(
+            f"targets: expected token ids in [0, {vocab}), got targets[{bad}] = {int(targets[bad])}"
+        )
+
+
+def _check_temperature(temperature: float) -> float:
+    t = float(temperature)
+    if not (0.0 < t < float("inf")):
+        raise ValueError(f"temperature: expected a finite value > 0, got {temperature!r}")
+    return t
+
+
+def token_logprobs_entropy(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = True,
+    validate: bool | None = None,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob of each target token and the entropy of each full distribution.
+
+    Parameters
+    ----------
+    logits : [T, V] float32 | bfloat16, the vocab dimension contiguous (rows may
+        be strided, e.g. a slice of [B, L, V]). -inf entries are masked tokens.
+    targets : [T] integer token ids in [0, V).
+    temperature : float > 0; the distribution is softmax(logits / temperature).
+    with_entropy : compute the entropy (skipping it saves ~a third of the forward).
+    validate : check targets' range and that logits hold no NaN / +inf and no
+        all -inf row. The C++ (CPU) kernel always checks, at no extra cost; on
+        CUDA the checks need a host sync: off by default, on with validate=True.
+    backend : None (CPU: "cpp"; CUDA: "cuda", or "triton" with
+        COMPASS_CUDA_BACKEND=triton), "cpp", "cuda" or "triton".
+
+    Returns
+    -------
+    logprobs : [T] float32, log softmax(logits / T)[targets], never positive.
+    entropy : [T] float32 (None when with_entropy is False).
+
+    Both are differentiable with respect to ``logits``; the backward recomputes
+    the softmax from the saved float32 log-sum-exp (no [T, V] saved) and keeps
+    the gradient in float32 until the single store in logits' dtype.
+    Accumulation is float32 throughout: vs a float64 reference, |error| <~
+    1e-6 * max(1, |logit / T|) for float32 logits.
+    """
+    check_tensor("logits", logits, ndim=2, dtypes=_LOGITS_DTYPES)
+    if logits.shape[1] > 1 and logits.stride(1) != 1:
+        raise ValueError(
+            f"logits: expected a contiguous vocab dimension (stride 1), got {describe(logits)} "
+            f"with strides {logits.stride()}"
+        )
+    if logits.shape[1] == 0 and logits.shape[0] > 0:
+        raise ValueError(f"logits: expected a vocabulary of at least 1, got {describe(logits)}")
+    dev = logits.device
+    y = _check_targets(targets, logits.shape[0], dev)
+    temp = _check_temperature(temperature)
+    if _python_checks(validate, dev, backend):
+        _check_targets_range(y, logits.shape[1])
+        _check_logits_values(logits)
+    args = (logits, y, temp, bool(with_entropy))
+    if logits.requires_grad and torch.is_grad_enabled():
+        logp, ent, _, _ = torch.ops.compass.token_logprobs_entropy(*args, backend)
+    else:
+        logp, ent, _, _ = token_logprobs_entropy_op(*args, backend=backend)
+    return logp, (ent if with_entropy else None)
+
+
+def _check_logits_values(logits: torch.Tensor) -> None:
+    x = logits.detach()
+    bad = torch.isnan(x) | (x == float("inf"))
+    if bool(bad.any()):
+        t, j = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"logits: expected finite or -inf values, got {float(x[t, j])} at [{t}, {j}]"
+        )
+    if x.shape[1] > 0:
+        dead = (x == float("-inf")).all(dim=1)
+        if bool(dead.any()):
+            t = int(dead.nonzero()[0, 0])
+            raise ValueError(
+                f"logits: row {t} has every logit -inf (no distribution to take a log-prob of)"
+            )
+
+
+# ------------------------------------------------- fused linear + log-probs
+
+#: Default tile of the fused path: 1024 tokens x 8192 vocab entries = 32 MiB of
+#: float32 logits. Large enough that the matmuls run near their peak (the
+#: per-tile work is three GEMMs of 1024 x 8192 x H), small enough to stay far
+#: below [T, V] (4.6 GiB at T = 8192, V = 151,936).
+TOKEN_CHUNK = 1024
+VOCAB_CHUNK = 8192
+
+
+def _mm_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """a @ b with a float32 result (float32 accumulation) for float32 or half inputs."""
+    if a.dtype == torch.float32:
+        return torch.mm(a, b, out=out)
+    if a.is_cuda:
+        r = torch.mm(a, b, out_dtype=torch.float32)
+        return r if out is None else out.copy_(r)
+    return torch.mm(a.float(), b.float(), out=out)  # CPU has no mixed-dtype mm
+
+
+def _tp_info(tp_group) -> tuple[int, int]:
+    if tp_group is None:
+        return 0, 1
+    import torch.distributed as dist
+
+    return dist.get_rank(tp_group), dist.get_world_size(tp_group)
+
+
+def _finalize(state: torch.Tensor, inv_t: float, with_entropy: bool, tp_group):
+    """(row_max, log_norm, logp, entropy) [T] from the merged per-token state [4, T]
+    (m, s, a, z_target; m and z_target in raw-logit units). With a TP group, shards
+    merge with all-reduce MAX of m, then SUM of (s, a, z_target) rescaled to the
+    global max (compass/logprobs.h merge)."""
+    m, s, a, xt = state.unbind(0)
+    if tp_group is not None:
+        import torch.distributed as dist
+
+        big_m = m.clone()
+        dist.all_reduce(big_m, op=dist.ReduceOp.MAX, group=tp_group)
+        d = torch.clamp((m - big_m) * inv_t, min=-200.0)  # a shard of only -inf: d -> -200, c -> 0
+        c = torch.exp(d)
+        packed = torch.stack([c * s, c * (a + s * d), xt])
+        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=tp_group)
+        s, a, xt = packed.unbind(0)
+        m = big_m
+    log_s = torch.log(s)
+    logp = torch.clamp((xt - m) * inv_t - log_s, max=0.0)  # compass/logprobs.h logprob_of
+    entropy = torch.clamp(log_s - a / s, min=0.0) if with_entropy else None
+    return m, log_s, logp, entropy
+
+
+class _TileBuffer:
+    """One float32 logits tile reused by every (token, vocab) chunk; a smaller
+    edge tile is a contiguous prefix of it (mm's out= wants contiguous)."""
+
+    def __init__(self, like: torch.Tensor, token_chunk: int, vocab_chunk: int) -> None:
+        rows = min(token_chunk, like.shape[0])
+        self.flat = like.new_empty(rows * vocab_chunk, dtype=torch.float32)
+
+    def get(self, rows: int, cols: int) -> torch.Tensor:
+        return self.flat[: rows * cols].view(rows, cols)
+
+
+class _FusedLinearLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, with_entropy, tp_group, chunks, backend):
+        token_chunk, vocab_chunk = chunks
+        rows, vocab = hidden.shape[0], weight.shape[0]
+        rank, _ = _tp_info(tp_group)
+        shard_start = rank * vocab  # equal shards, contiguous (Megatron's vocab split)
+        state = hidden.new_empty((4, rows), dtype=torch.float32)
+        buf = _TileBuffer(hidden, token_chunk, vocab_chunk)
+        for t0 in range(0, rows, token_chunk):
+            t1 = min(t0 + token_chunk, rows)
+            st = hidden.new_empty((4, t1 - t0), dtype=torch.float32)
+            st[0].fill_(float("-inf"))
+            st[1:].zero_()
+            h = hidden[t0:t1]
+            y = targets[t0:t1]
+            for v0 in range(0, vocab, vocab_chunk):
+                v1 = min(v0 + vocab_chunk, vocab)
+                tile = _mm_f32(h, weight[v0:v1].T, out=buf.get(t1 - t0, v1 - v0))
+                logprobs_tile_stats_op(
+                    tile, y, shard_start + v0, temperature, with_entropy, st,
+                    backend=backend, out=(st,),
+                )  # fmt: skip
+            state[:, t0:t1] = st
+        m, log_s, logp, entropy = _finalize(state, 1.0 / temperature, with_entropy, tp_group)
+        ctx.save_for_backward(hidden, weight, targets, m, log_s, entropy if with_entropy else m)
+        ctx.cfg = (temperature, with_entropy, tp_group, chunks, backend, shard_start)
+        ctx.set_materialize_grads(False)
+        if not with_entropy:
+            return logp, None
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprob, grad_entropy):
+        hidden, weight, targets, m, log_s, entropy = ctx.saved_tensors
+        temperature, with_entropy, tp_group, (token_chunk, vocab_chunk), backend, shard = ctx.cfg
+        gl = _grad_vector(grad_logprob)
+        gh = _grad_vector(grad_entropy) if with_entropy else None
+        if gl is None and gh is None:
+            return (None,) * 8
+        rows, vocab = hidden.shape[0], weight.shape[0]
+        # float32 accumulators for the whole backward: the hidden and weight
+        # gradients sum over vocab tiles / token tiles and round once at the end.
+        want_h, want_w = ctx.needs_input_grad[:2]  # a frozen lm_head skips its GEMM
+        d_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+        d_weight = (
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        )
+        buf = _TileBuffer(hidden, token_chunk, vocab_chunk)
+        for t0 in range(0, rows, token_chunk):
+            t1 = min(t0 + token_chunk, rows)
+            h = hidden[t0:t1]
+            h32 = h if h.dtype == torch.float32 else h.float()
+            rows_args = (targets[t0:t1], m[t0:t1], log_s[t0:t1], entropy[t0:t1])
+            g_rows = (None if gl is None else gl[t0:t1], None if gh is None else gh[t0:t1])
+            for v0 in range(0, vocab, vocab_chunk):
+                v1 = min(v0 + vocab_chunk, vocab)
+                w = weight[v0:v1]
+                tile = _mm_f32(h, w.T, out=buf.get(t1 - t0, v1 - v0))
+                # d logits overwrite the tile in place (float32): no second buffer.
+                token_logprobs_entropy_bwd_op(
+                    tile, *rows_args, *g_rows, temperature, shard + v0,
+                    backend=backend, out=(tile,),
+                )  # fmt: skip
+                w32 = w if w.dtype == torch.float32 else w.float()
+                if want_h or tp_group is not None:
+                    d_hidden[t0:t1].addmm_(tile, w32)
+                if want_w:
+                    d_weight[v0:v1].addmm_(tile.T, h32)
+        if tp_group is not None:
+            import torch.distributed as dist
+
+            # Each rank holds the gradient through its vocab shard; the hidden
+            # states are replicated, so their gradient is the sum.
+            dist.all_reduce(d_hidden, op=dist.ReduceOp.SUM, group=tp_group)
+        d_h = d_hidden.to(hidden.dtype) if want_h else None
+        d_w = d_weight.to(weight.dtype) if want_w else None
+        return (d_h, d_w) + (None,) * 6
+
+
+def fused_linear_logprobs_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = True,
+    tp_group=None,
+    token_chunk: int = TOKEN_CHUNK,
+    vocab_chunk: int = VOCAB_CHUNK,
+    validate: bool | None = None,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs and entropy of ``hidden @ weight.T`` without building [T, V].
+
+    Parameters
+    ----------
+    hidden : [T, H] float32 | bfloat16 (the last hidden states, before lm_head).
+    weight : [V_local, H], hidden's dtype: the lm_head weight, or this rank's
+        contiguous vocab shard when ``tp_group`` is given (rank r holds rows
+        [r * V_local, (r + 1) * V_local) of the full vocabulary: equal shards,
+        as Megatron's vocab-parallel split).
+    targets : [T] integer ids in the full vocabulary [0, V_local * tp_size).
+    temperature : float > 0.
+    with_entropy : also return the entropy.
+    tp_group : a torch.distributed group over which the vocab is sharded:
+        per-token statistics are merged with one all-reduce MAX and one SUM
+        ([3, T] floats), the hidden-state gradient with one SUM.
+    token_chunk, vocab_chunk : the tile of float32 logits held at once.
+    validate : check targets' range and that hidden / weight are finite
+        (default: on for CPU tensors, off on CUDA where it costs a host sync).
+    backend : kernels of the per-tile statistics: None (CPU "cpp", CUDA "cuda"
+        or COMPASS_CUDA_BACKEND), "cpp", "cuda" or "triton".
+
+    Returns
+    -------
+    logprobs : [T] float32 (never positive), entropy : [T] float32 or None.
+    Differentiable w.r.t. hidden and weight (gradients in their dtypes).
+
+    Notes
+    -----
+    The backward recomputes each logits tile (one more GEMM than a loss that
+    knows its per-token gradients in the forward): the outputs are per-token
+    values whose upstream gradients are unknown until the backward, and
+    d_weight = sum_t g_t (onehot - p_t) h_t^T does not factor without them.
+    Peak extra memory: one [token_chunk, vocab_chunk] float32 tile plus float32
+    gradient accumulators of hidden's and weight's shapes.
+    """
+    check_tensor("hidden", hidden, ndim=2, dtypes=_LOGITS_DTYPES)
+    dev = hidden.device
+    check_tensor("weight", weight, ndim=2, dtypes=(hidden.dtype,), device=dev)
+    if weight.shape[1] != hidden.shape[1]:
+        raise ValueError(
+            f"weight: expected [V, {hidden.shape[1]}] (hidden size of hidden), got "
+            f"{describe(weight)}"
+        )
+    if weight.shape[0] == 0:
+        raise ValueError(f"weight: expected a vocabulary of at least 1, got {describe(weight)}")
+    y = _check_targets(targets, hidden.shape[0], dev)
+    temp = _check_temperature(temperature)
+    for name, c in (("token_chunk", token_chunk), ("vocab_chunk", vocab_chunk)):
+        if not (isinstance(c, int) and c > 0):
+            raise ValueError(f"{name}: expected a positive int, got {c!r}")
+    _, world = _tp_info(tp_group)
+    if validate if validate is not None else dev.type == "cpu":
+        _check_targets_range(y, weight.shape[0] * world)
+        for name, t in (("hidden", hidden), ("weight", weight)):
+            if not bool(torch.isfinite(t.detach()).all()):
+                raise ValueError(f"{name}: expected finite values, got NaN or inf")
+    h = hidden if hidden.is_contiguous() else hidden.contiguous()
+    w = weight if weight.is_contiguous() else weight.contiguous()
+    return _FusedLinearLogprobs.apply(
+        h, w, y, temp, bool(with_entropy), tp_group, (token_chunk, vocab_chunk), backend
+    )

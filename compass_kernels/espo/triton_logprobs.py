@@ -1,0 +1,273 @@
+"""Triton kernels of ck.espo's token log-probs and entropy.
+
+Same contract as the C++ kernels in csrc/logprobs (the spec is
+``reference_logprobs.py``; the state and formulas are compass/logprobs.h's):
+outputs are allocated by the caller and written here. They run on CUDA
+tensors, on CPU tensors under ``TRITON_INTERPRET=1`` (tests), and compile
+ahead of time for sm_90 (``aot_variants``).
+
+One program per token row, looping over the vocabulary in BLOCK-wide chunks
+with the float32 online state (m, s, a): the row is read once in the forward
+and once in the backward, any V works (151,936 included), and the grid is the
+token count on axis 0 (up to 2^31 - 1 programs: no 65,535 limit of axes 1/2),
+with int64 row offsets (T * V passes 2^31 at 65,536 x 32,768).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from compass_kernels._validate import check_tensor
+
+__all__ = [
+    "token_logprobs_entropy_triton",
+    "token_logprobs_entropy_bwd_triton",
+    "logprobs_tile_stats_triton",
+    "BLOCK",
+    "LAUNCH",
+    "aot_variants",
+]
+
+#: Vocabulary chunk per loop iteration: 2048 fp32 = 8 KiB per row in registers
+#: over 4 warps (16 values per thread); wide enough to saturate HBM with one
+#: program per row, small enough not to spill.
+BLOCK = 2048
+#: Launch options of every kernel here (tests/test_espo_logprobs_triton.py compiles with these).
+LAUNCH = {"num_warps": 4}
+_MIN_EXP = -200.0  # compass/logprobs.h kMinExponent
+
+
+@triton.jit
+def _row_stats(row_ptr, V, inv_t, m, s, a, ENT: tl.constexpr, BLOCK: tl.constexpr):
+    cols = tl.arange(0, BLOCK)
+    for v0 in range(0, V, BLOCK):
+        idx = v0 + cols
+        x = tl.load(row_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        # Only -inf so far: shift by 0 instead (every term is then exp(-200) = 0).
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        d = tl.maximum((m - m_safe) * inv_t, -200.0)
+        c = tl.exp(d)
+        a = c * (a + s * d)
+        s = c * s
+        dd = tl.maximum((x - m_safe) * inv_t, -200.0)
+        e = tl.exp(dd)
+        s += tl.sum(e, axis=0)
+        if ENT:
+            a += tl.sum(e * dd, axis=0)
+        m = m_new
+    return m, s, a
+
+
+@triton.jit
+def _fwd_kernel(
+    logits_ptr, targets_ptr, logp_ptr, entropy_ptr, max_ptr, log_norm_ptr, stride_row, V, inv_t,
+    ENT: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * stride_row
+    m = tl.full((), float("-inf"), tl.float32)
+    s = tl.zeros((), tl.float32)
+    a = tl.zeros((), tl.float32)
+    m, s, a = _row_stats(row_ptr, V, inv_t, m, s, a, ENT, BLOCK)
+    log_s = tl.log(s)
+    y = tl.load(targets_ptr + row)
+    xt = tl.load(row_ptr + y).to(tl.float32)
+    tl.store(max_ptr + row, m)
+    tl.store(log_norm_ptr + row, log_s)
+    tl.store(logp_ptr + row, tl.minimum((xt - m) * inv_t - log_s, 0.0))  # never positive
+    if ENT:
+        tl.store(entropy_ptr + row, tl.maximum(log_s - a / s, 0.0))
+    else:
+        tl.store(entropy_ptr + row, float("nan"))
+
+
+@triton.jit
+def _tile_kernel(
+    logits_ptr, targets_ptr, state_in_ptr, state_out_ptr, stride_row, T, V, vocab_start, inv_t,
+    ENT: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * stride_row
+    m = tl.load(state_in_ptr + row)
+    s = tl.load(state_in_ptr + T + row)
+    a = tl.load(state_in_ptr + 2 * T + row)
+    xt = tl.load(state_in_ptr + 3 * T + row)
+    y = tl.load(targets_ptr + row) - vocab_start
+    mine = (y >= 0) & (y < V)
+    xt_here = tl.load(row_ptr + tl.where(mine, y, 0)).to(tl.float32)
+    xt = tl.where(mine, xt_here, xt)
+    m, s, a = _row_stats(row_ptr, V, inv_t, m, s, a, ENT, BLOCK)
+    tl.store(state_out_ptr + row, m)
+    tl.store(state_out_ptr + T + row, s)
+    tl.store(state_out_ptr + 2 * T + row, a)
+    tl.store(state_out_ptr + 3 * T + row, xt)
+
+
+@triton.jit
+def _bwd_kernel(
+    logits_ptr, targets_ptr, max_ptr, log_norm_ptr, entropy_ptr, gl_ptr, gh_ptr, grad_ptr,
+    stride_row, stride_grad, V, vocab_start, inv_t,
+    HAS_GL: tl.constexpr, HAS_GH: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * stride_row
+    out_ptr = grad_ptr + row * stride_grad
+    m = tl.load(max_ptr + row)
+    log_s = tl.load(log_norm_ptr + row)
+    y = tl.load(targets_ptr + row) - vocab_start
+    gl = tl.load(gl_ptr + row) if HAS_GL else 0.0
+    if HAS_GH:
+        gh = tl.load(gh_ptr + row)
+        h = tl.load(entropy_ptr + row)
+    else:
+        gh = 0.0
+        h = 0.0
+    cols = tl.arange(0, BLOCK)
+    for v0 in range(0, V, BLOCK):
+        idx = v0 + cols
+        mask = idx < V
+        z = tl.load(row_ptr + idx, mask=mask, other=float("-inf")).to(tl.float32)
+        d = tl.maximum((z - m) * inv_t - log_s, -200.0)  # z - m exact near the max
+        p = tl.exp(d)
+        # float32 until the store: the one-hot is added to the float32 softmax term.
+        g = -p * (gl + gh * (d + h))
+        g = tl.where(idx == y, g + gl, g)
+        tl.store(out_ptr + idx, (g * inv_t).to(grad_ptr.dtype.element_ty), mask=mask)
+
+
+# ------------------------------------------------------------------ wrappers
+
+_LOGITS = (torch.float32, torch.bfloat16)
+
+
+def _check_logits(name: str, t: torch.Tensor) -> None:
+    check_tensor(name, t, ndim=2, dtypes=_LOGITS)
+    if t.shape[1] > 1 and t.stride(1) != 1:
+        raise ValueError(f"{name}: expected a contiguous vocab dimension, got strides {t.stride()}")
+
+
+def _check_rows(name: str, t: torch.Tensor, rows: int, dtype: torch.dtype, device) -> None:
+    check_tensor(name, t, ndim=1, dtypes=(dtype,), size=rows, size_what="one per token",
+                 device=device)  # fmt: skip
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
+
+
+def _inv_t(temperature: float) -> float:
+    if not (temperature > 0 and temperature < float("inf")):
+        raise ValueError(f"temperature: expected a finite value > 0, got {temperature}")
+    return 1.0 / temperature
+
+
+def token_logprobs_entropy_triton(
+    logits, targets, temperature, with_entropy, logp, entropy, row_max, log_norm, *,
+    block: int = BLOCK,
+) -> None:  # fmt: skip
+    """Forward: logp, entropy (NaN unless with_entropy), row_max, log_norm [T] float32
+    written in place (lse = row_max + log_norm, of logits / temperature).
+
+    logits [T, V] float32 | bfloat16 (vocab dim contiguous); targets [T] int64 in
+    [0, V) (trusted: the public API checks them on CPU)."""
+    _check_logits("logits", logits)
+    rows, dev = logits.shape[0], logits.device
+    _check_rows("targets", targets, rows, torch.int64, dev)
+    outs = (("logp", logp), ("entropy", entropy), ("row_max", row_max), ("log_norm", log_norm))
+    for name, t in outs:
+        _check_rows(name, t, rows, torch.float32, dev)
+    if rows == 0:
+        return
+    _fwd_kernel[(rows,)](
+        logits, targets, logp, entropy, row_max, log_norm, logits.stride(0), logits.shape[1],
+        _inv_t(temperature), ENT=bool(with_entropy), BLOCK=block, **LAUNCH,
+    )  # fmt: skip
+
+
+def logprobs_tile_stats_triton(
+    logits, targets, vocab_start, temperature, with_entropy, state_in, state_out, *,
+    block: int = BLOCK,
+) -> None:  # fmt: skip
+    """One vocab tile of the online statistics (see csrc/logprobs/logprobs_api.h)."""
+    _check_logits("logits", logits)
+    rows, dev = logits.shape[0], logits.device
+    _check_rows("targets", targets, rows, torch.int64, dev)
+    for name, t in (("state_in", state_in), ("state_out", state_out)):
+        check_tensor(name, t, ndim=2, dtypes=(torch.float32,), size=4, device=dev)
+        if t.shape[1] != rows or not t.is_contiguous():
+            raise ValueError(f"{name}: expected a contiguous [4, {rows}] tensor, got {t.shape}")
+    if vocab_start < 0:
+        raise ValueError(f"vocab_start: expected >= 0, got {vocab_start}")
+    if rows == 0:
+        return
+    _tile_kernel[(rows,)](
+        logits, targets, state_in, state_out, logits.stride(0), rows, logits.shape[1],
+        vocab_start, _inv_t(temperature), ENT=bool(with_entropy), BLOCK=block, **LAUNCH,
+    )  # fmt: skip
+
+
+def token_logprobs_entropy_bwd_triton(
+    logits, targets, row_max, log_norm, entropy, grad_logprob, grad_entropy, temperature,
+    vocab_start, grad_logits, *, block: int = BLOCK,
+) -> None:  # fmt: skip
+    """Backward: grad_logits [T, V] (logits' dtype) written in place."""
+    _check_logits("logits", logits)
+    rows, dev = logits.shape[0], logits.device
+    _check_rows("targets", targets, rows, torch.int64, dev)
+    _check_rows("row_max", row_max, rows, torch.float32, dev)
+    _check_rows("log_norm", log_norm, rows, torch.float32, dev)
+    _check_rows("entropy", entropy, rows, torch.float32, dev)
+    for name, t in (("grad_logprob", grad_logprob), ("grad_entropy", grad_entropy)):
+        if t is not None:
+            _check_rows(name, t, rows, torch.float32, dev)
+    check_tensor("grad_logits", grad_logits, ndim=2, dtypes=(logits.dtype,), device=dev)
+    if grad_logits.shape != logits.shape or (logits.shape[1] > 1 and grad_logits.stride(1) != 1):
+        raise ValueError(
+            f"grad_logits: expected shape {tuple(logits.shape)} with a contiguous vocab "
+            f"dimension, got {tuple(grad_logits.shape)} strides {grad_logits.stride()}"
+        )
+    if vocab_start < 0:
+        raise ValueError(f"vocab_start: expected >= 0, got {vocab_start}")
+    if rows == 0:
+        return
+    _bwd_kernel[(rows,)](
+        logits, targets, row_max, log_norm, entropy,
+        grad_logprob if grad_logprob is not None else entropy,  # unread when HAS_GL=False
+        grad_entropy if grad_entropy is not None else entropy,
+        grad_logits, logits.stride(0), grad_logits.stride(0), logits.shape[1], vocab_start,
+        _inv_t(temperature), HAS_GL=grad_logprob is not None, HAS_GH=grad_entropy is not None,
+        BLOCK=block, **LAUNCH,
+    )  # fmt: skip
+
+
+def aot_variants() -> list[tuple[object, dict[str, str], dict[str, object], dict[str, int]]]:
+    """(kernel, signature, constexprs, launch options) of every variant the wrappers
+    launch, for ahead-of-time compilation for sm_90."""
+    out = []
+    for dt in ("fp32", "bf16"):
+        fwd = {
+            "logits_ptr": f"*{dt}", "targets_ptr": "*i64", "logp_ptr": "*fp32",
+            "entropy_ptr": "*fp32", "max_ptr": "*fp32", "log_norm_ptr": "*fp32",
+            "stride_row": "i64", "V": "i32",
+            "inv_t": "fp32", "ENT": "constexpr", "BLOCK": "constexpr",
+        }  # fmt: skip
+        tile = {
+            "logits_ptr": f"*{dt}", "targets_ptr": "*i64", "state_in_ptr": "*fp32",
+            "state_out_ptr": "*fp32", "stride_row": "i64", "T": "i64", "V": "i32",
+            "vocab_start": "i64", "inv_t": "fp32", "ENT": "constexpr", "BLOCK": "constexpr",
+        }  # fmt: skip
+        bwd = {
+            "logits_ptr": f"*{dt}", "targets_ptr": "*i64", "max_ptr": "*fp32",
+            "log_norm_ptr": "*fp32", "entropy_ptr": "*fp32", "gl_ptr": "*fp32",
+            "gh_ptr": "*fp32", "grad_ptr": f"*{dt}",
+            "stride_row": "i64", "stride_grad": "i64", "V": "i32", "vocab_start": "i64",
+            "inv_t": "fp32", "HAS_GL": "constexpr", "HAS_GH": "constexpr", "BLOCK": "constexpr",
+        }  # fmt: skip
+        for ent in (True, False):
+            out.append((_fwd_kernel, fwd, {"ENT": ent, "BLOCK": BLOCK}, LAUNCH))
+            out.append((_tile_kernel, tile, {"ENT": ent, "BLOCK": BLOCK}, LAUNCH))
+        for gl, gh in ((True, True), (True, False), (False, True)):
+            const = {"HAS_GL": gl, "HAS_GH": gh, "BLOCK": BLOCK}
+            out.append((_bwd_kernel, bwd, const, LAUNCH))
+    return out

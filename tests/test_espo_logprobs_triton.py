@@ -1,0 +1,185 @@
+"""Triton kernels of ck.espo's token log-probs / entropy against the float64 reference.
+
+Runs on CPU tensors in the Triton interpreter (TRITON_INTERPRET=1, no GPU) or
+on CUDA tensors where a GPU is. Outputs are poisoned before each launch; sizes
+are odd and cross the kernels' vocab BLOCK (2048, and a 16-wide block to get
+many chunks per row at interpreter-friendly sizes). The sm_90 compile checks
+(no spills, bounded registers) of every launched variant are here too.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # conftest does this too; kept for --noconftest runs
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+import compass_kernels as ck  # noqa: E402
+from compass_kernels import aot  # noqa: E402
+from compass_kernels.espo import triton_logprobs as kt  # noqa: E402
+from compass_kernels.espo.reference_logprobs import token_logprobs_entropy_reference  # noqa: E402
+from compass_kernels.testing import assert_verbose_allclose, empty_poisoned  # noqa: E402
+from tests.test_espo_logprobs import (  # noqa: E402
+    GRAD_TOL,
+    TOL,
+    check_fused,
+    make_logits,
+    reference_grad,
+)
+from tests.tiers import INTERPRETER_ONLY  # noqa: E402
+
+INTERPRET = bool(triton.knobs.runtime.interpret)
+DEVICE = "cpu" if INTERPRET else "cuda"
+
+pytestmark = [
+    pytest.mark.triton,
+    pytest.mark.skipif(
+        not INTERPRET and not torch.cuda.is_available(),
+        reason="needs a CUDA device or TRITON_INTERPRET=1 before triton is imported",
+    ),
+]
+
+
+def _forward(logits, targets, temperature, with_entropy, block):
+    rows = logits.shape[0]
+    outs = [empty_poisoned(rows, torch.float32, DEVICE) for _ in range(4)]
+    kt.token_logprobs_entropy_triton(logits, targets, temperature, with_entropy, *outs, block=block)
+    return outs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape,block", [((1, 1), 16), ((7, 33), 16), ((13, 97), 16),
+                                         ((5, 2049), 2048), ((3, 4099), 2048)])  # fmt: skip
+def test_forward_and_backward(shape, block, dtype):
+    logits, targets = make_logits(*shape, seed=31 + sum(shape), dtype=dtype)
+    z, y = logits.to(DEVICE), targets.to(DEVICE)
+    for temperature, with_entropy in ((1.0, True), (0.7, True), (1.2, False)):
+        logp, ent, m, log_s = _forward(z, y, temperature, with_entropy, block)
+        ref_lp, ref_h = token_logprobs_entropy_reference(logits, targets, temperature)
+        tol = TOL[dtype]
+        assert_verbose_allclose(logp.cpu(), ref_lp.float(), name="logp", **tol)
+        assert bool((logp <= 0).all())
+        assert_verbose_allclose(m.cpu(), logits.float().amax(-1), name="row_max", atol=0, rtol=0)
+        ref_lse = torch.logsumexp(logits.double() / temperature, -1).float()
+        assert_verbose_allclose((m / temperature + log_s).cpu(), ref_lse, name="lse", **tol)
+        if with_entropy:
+            assert_verbose_allclose(ent.cpu(), ref_h.float(), name="entropy", **tol)
+        else:
+            assert bool(ent.isnan().all())
+    # backward, temperature 0.7
+    logp, ent, m, log_s = _forward(z, y, 0.7, True, block)
+    g = torch.Generator().manual_seed(5)
+    gl, gh = torch.randn(shape[0], generator=g), torch.randn(shape[0], generator=g)
+    for gls, ghs in ((gl, gh), (gl, None), (None, gh)):
+        grad = empty_poisoned(shape, dtype, DEVICE)
+        kt.token_logprobs_entropy_bwd_triton(
+            z, y, m, log_s, ent,
+            None if gls is None else gls.to(DEVICE), None if ghs is None else ghs.to(DEVICE),
+            0.7, 0, grad, block=block,
+        )  # fmt: skip
+        ref = reference_grad(logits, targets, 0.7, gls, ghs)
+        assert_verbose_allclose(grad.cpu(), ref.to(dtype), name="grad", **GRAD_TOL[dtype])
+
+
+def test_large_vocab_151936():
+    logits, targets = make_logits(2, 151936, seed=35, masked=False)
+    logp, ent, m, log_s = _forward(logits.to(DEVICE), targets.to(DEVICE), 1.0, True, kt.BLOCK)
+    ref_lp, ref_h = token_logprobs_entropy_reference(logits, targets)
+    assert_verbose_allclose(logp.cpu(), ref_lp.float(), **TOL[torch.float32])
+    assert_verbose_allclose(ent.cpu(), ref_h.float(), **TOL[torch.float32])
+
+
+def test_tile_stats_and_vocab_offset():
+    logits, targets = make_logits(9, 300, seed=32)
+    z, y = logits.to(DEVICE), targets.to(DEVICE)
+    state = torch.zeros(4, 9, device=DEVICE)
+    state[0] = float("-inf")
+    for v0, v1 in ((0, 100), (100, 101), (101, 300)):
+        out = empty_poisoned((4, 9), torch.float32, DEVICE)
+        kt.logprobs_tile_stats_triton(z[:, v0:v1], y, v0, 1.3, True, state, out, block=16)
+        state = out
+    m, s, a, zt = state.cpu()
+    ref_lp, ref_h = token_logprobs_entropy_reference(logits, targets, 1.3)
+    assert_verbose_allclose((zt - m) / 1.3 - s.log(), ref_lp.float(), **TOL[torch.float32])
+    assert_verbose_allclose(s.log() - a / s, ref_h.float(), **TOL[torch.float32])
+    # Backward of one tile with its vocab offset: the one-hot lands only where
+    # the target falls inside the tile.
+    logp, ent, m, log_s = _forward(z, y, 1.3, True, 16)
+    gl = torch.ones(9, device=DEVICE)
+    full = empty_poisoned((9, 300), torch.float32, DEVICE)
+    kt.token_logprobs_entropy_bwd_triton(z, y, m, log_s, ent, gl, None, 1.3, 0, full, block=16)
+    tile = empty_poisoned((9, 200), torch.float32, DEVICE)
+    kt.token_logprobs_entropy_bwd_triton(z[:, 100:], y, m, log_s, ent, gl, None, 1.3, 100, tile,
+                                         block=16)  # fmt: skip
+    assert_verbose_allclose(tile, full[:, 100:], atol=0, rtol=0)
+
+
+def test_public_api_and_autograd():
+    logits, targets = make_logits(11, 129, seed=33)
+    x = logits.to(DEVICE).requires_grad_()
+    logp, ent = ck.espo.token_logprobs_entropy(x, targets.to(DEVICE), temperature=0.9,
+                                               backend="triton")  # fmt: skip
+    (logp * 3 - ent).sum().backward()
+    ref = reference_grad(logits, targets, 0.9, torch.full((11,), 3.0), torch.full((11,), -1.0))
+    assert_verbose_allclose(x.grad.cpu(), ref.float(), **GRAD_TOL[torch.float32])
+
+
+def test_public_api_checks_data_for_triton_on_cpu():
+    if DEVICE != "cpu":
+        pytest.skip(INTERPRETER_ONLY)  # the default data checks are for CPU tensors
+    z = torch.randn(3, 10)
+    with pytest.raises(ValueError, match=r"targets: expected token ids in \[0, 10\)"):
+        ck.espo.token_logprobs_entropy(z, torch.tensor([0, 11, 1]), backend="triton")
+    z[1, 2] = float("nan")
+    with pytest.raises(ValueError, match="logits: expected finite or -inf values"):
+        ck.espo.token_logprobs_entropy(z, torch.tensor([0, 1, 1]), backend="triton")
+
+
+def test_fused_linear_triton_tiles():
+    check_fused(19, 12, 301, (8, 100), torch.float32, "triton", seed=7)
+
+
+def test_bad_inputs_triton_wrappers():
+    z, y = torch.randn(3, 10, device=DEVICE), torch.zeros(3, dtype=torch.int64, device=DEVICE)
+    outs = [torch.empty(3, device=DEVICE) for _ in range(4)]
+    with pytest.raises(ValueError, match="targets: expected dtype int64"):
+        kt.token_logprobs_entropy_triton(z, y.int(), 1.0, True, *outs)
+    with pytest.raises(ValueError, match="temperature: expected a finite value > 0"):
+        kt.token_logprobs_entropy_triton(z, y, 0.0, True, *outs)
+    with pytest.raises(ValueError, match="log_norm: expected 3 elements"):
+        kt.token_logprobs_entropy_triton(z, y, 1.0, True, *outs[:3], torch.empty(2, device=DEVICE))
+    with pytest.raises(ValueError, match="grad_logits: expected shape"):
+        kt.token_logprobs_entropy_bwd_triton(z, y, *outs[2:], outs[1], None, None, 1.0, 0,
+                                             torch.empty(3, 9, device=DEVICE))  # fmt: skip
+
+
+# ------------------------------------------------------------ sm_90 compile
+
+
+@pytest.mark.sm90
+def test_kernels_compile_for_sm90_without_spills():
+    arts = [aot.compile_triton(k, sig, const, **opts) for k, sig, const, opts in kt.aot_variants()]
+    assert len(arts) == 14
+    for art in arts:
+        aot.assert_no_spills(art.resource_usage)
+        aot.assert_registers_at_most(art.resource_usage, 128)
+    # The exps run on the SFU (ex2.approx), the row offsets in 64-bit.
+    assert "ex2.approx.f32" in arts[0].ptx
+    assert "mul.wide.s32" in arts[0].ptx or "mul.lo.s64" in arts[0].ptx
+
+
+@pytest.mark.gpu
+def test_gpu_large_shapes():
+    # 65,536 tokens (one program per token on grid axis 0) and a 151,936 vocab.
+    for rows, vocab in ((65536, 64), (5, 151936)):
+        logits, targets = make_logits(rows, vocab, seed=34, masked=False)
+        logp, ent = ck.espo.token_logprobs_entropy(logits.cuda(), targets.cuda())
+        ref_lp, ref_h = token_logprobs_entropy_reference(logits, targets)
+        assert_verbose_allclose(logp.cpu(), ref_lp.float(), **TOL[torch.float32])
+        assert_verbose_allclose(ent.cpu(), ref_h.float(), **TOL[torch.float32])
