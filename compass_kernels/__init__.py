@@ -6,8 +6,8 @@ was built and what can run here.
 
 from __future__ import annotations
 
-from compass_kernels import advantages
+from compass_kernels import advantages, fp8
 from compass_kernels._info import info
 
 __version__ = "0.1.0"
-__all__ = ["advantages", "info", "__version__"]
+__all__ = ["advantages", "fp8", "info", "__version__"]
