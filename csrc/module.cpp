@@ -17,6 +17,7 @@ namespace py = pybind11;
 // One line per capability: its bind() in csrc/<capability>/bindings.cpp.
 namespace compass {
 namespace advantages { void bind(py::module_& m); }
+namespace fp8 { void bind(py::module_& m); }
 namespace fp8_gemm { void bind(py::module_& m); }
 }  // namespace compass
 
@@ -66,5 +67,6 @@ PYBIND11_MODULE(_C, m) {
   m.def("build_info", &build_info, "what was compiled: version, compilers, CUDA archs");
   m.def("cuda_devices", &cuda_devices, "(count, reason) of usable CUDA devices");
   compass::advantages::bind(m);
+  compass::fp8::bind(m);
   compass::fp8_gemm::bind(m);
 }

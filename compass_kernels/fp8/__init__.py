@@ -1,3 +1,399 @@
-"""FP8 blockwise quantization and the FP8 grouped expert GEMM (ck.fp8)."""
+"""FP8 (e4m3fn) blockwise quantization and the fused MoE token permutation (ck.fp8).
 
-from compass_kernels.fp8.grouped_gemm import grouped_gemm  # noqa: F401
+- :func:`quantize_blockwise`: weights [N, K] (or [E, N, K]) in 128x128 blocks,
+  the convention of vLLM's ``per_block_cast_to_fp8`` / DeepGEMM (floor 1e-4,
+  ``x * (1 / s)``): what vLLM's block-FP8 models load as ``weight`` +
+  ``weight_scale_inv``.
+- :func:`quantize_token_groups`: activations [M, K] in 1x128 groups, the
+  convention of vLLM's CUDA ``per_token_group_fp8_quant`` (floor 1e-10,
+  ``x / s``), scales K-major, MN-major or TMA-aligned MN-major (DeepGEMM).
+- :func:`permute_quantize` / :func:`unpermute`: a stable sort of the top-k
+  slots by expert (no per-expert padding, int64 offsets) with the 1x128
+  quantization of the permuted rows in the same pass, and the inverse with the
+  top-k weighted combine. No host sync on the GPU path.
+- :func:`dequantize`.
+
+Every backend (C++ CPU, CUDA, Triton) gives the bits of ``reference.py``.
+Conventions and layouts: docs/design.md, section "FP8".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from compass_kernels._op import register_op
+from compass_kernels._validate import check_finite, check_tensor, describe
+from compass_kernels.fp8.grouped_gemm import grouped_gemm  # noqa: F401  (ck.fp8.grouped_gemm)
+
+__all__ = [
+    "quantize_blockwise",
+    "quantize_token_groups",
+    "dequantize",
+    "permute_quantize",
+    "unpermute",
+    "PermutedTokens",
+    "SCALE_LAYOUTS",
+    "WEIGHT_EPS",
+    "ACTIVATION_EPS",
+]
+
+#: Scale tensor layouts (all are logical [rows/br, cols/bc] float32 tensors):
+#: "k_major" row-major (vLLM ``weight_scale_inv``, its default activation
+#: scales); "mn_major" column-major (vLLM ``column_major_scales``);
+#: "mn_major_tma" column-major with the column stride rounded up to 4 floats
+#: (DeepGEMM's TMA-aligned activation scales, vLLM ``tma_aligned_scales``).
+SCALE_LAYOUTS = {"k_major": 0, "mn_major": 1, "mn_major_tma": 2}
+#: Scale floors: vLLM's per_block_cast_to_fp8 (DeepGEMM) clamps block amax at
+#: 1e-4; vLLM's per_token_group_fp8_quant starts its amax at eps = 1e-10.
+WEIGHT_EPS = 1e-4
+ACTIVATION_EPS = 1e-10
+TILE = 128
+_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _alloc_scales(rows: int, cols: int, layout: int, device) -> torch.Tensor:
+    if layout == 1:
+        return torch.empty(cols, rows, dtype=torch.float32, device=device).t()
+    if layout == 2:
+        aligned = -(-rows // 4) * 4
+        return torch.empty_strided((rows, cols), (1, aligned), dtype=torch.float32, device=device)
+    return torch.empty(rows, cols, dtype=torch.float32, device=device)
+
+
+def _quantize_outputs(x, block_rows, block_cols, eps, ue8m0, use_div, scale_layout):
+    rows, cols = x.shape
+    nb, kb = -(-rows // block_rows), -(-cols // block_cols)
+    return (
+        torch.empty_like(x, dtype=torch.float8_e4m3fn, memory_format=torch.contiguous_format),
+        _alloc_scales(nb, kb, scale_layout, x.device),
+    )
+
+
+quantize_op = register_op(
+    "fp8_quantize",
+    "(Tensor x, int block_rows, int block_cols, float eps, bool ue8m0, bool use_div,"
+    " int scale_layout) -> (Tensor, Tensor)",
+    outputs=_quantize_outputs,
+    kernels={
+        "cpp": "fp8.quantize_cpu",
+        "cuda": "fp8.quantize_cuda",
+        "triton": "compass_kernels.fp8.triton:quantize_triton",
+    },
+)
+
+
+def workspace_size(slots: int, num_experts: int) -> int:
+    """int32 elements of scratch the GPU permutation uses (csrc/fp8/fp8_api.h)."""
+    chunks = -(-slots // 256)
+    return slots + 2 * chunks * num_experts
+
+
+def _permute_outputs(x, topk_ids, num_experts, eps, ue8m0, scale_layout):
+    slots = topk_ids.shape[0] * topk_ids.shape[1]
+    cols, dev = x.shape[1], x.device
+    return (
+        torch.empty(slots, cols, dtype=torch.float8_e4m3fn, device=dev),
+        _alloc_scales(slots, -(-cols // TILE), scale_layout, dev),
+        torch.empty(num_experts + 1, dtype=torch.int64, device=dev),
+        torch.empty(slots, dtype=torch.int64, device=dev),
+        torch.empty(slots, dtype=torch.int64, device=dev),
+        torch.empty(workspace_size(slots, num_experts), dtype=torch.int32, device=dev),
+    )
+
+
+permute_op = register_op(
+    "fp8_permute_quantize",
+    "(Tensor x, Tensor topk_ids, int num_experts, float eps, bool ue8m0, int scale_layout)"
+    " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    outputs=_permute_outputs,
+    kernels={
+        "cpp": "fp8.permute_quantize_cpu",
+        "cuda": "fp8.permute_quantize_cuda",
+        "triton": "compass_kernels.fp8.triton:permute_quantize_triton",
+    },
+)
+
+unpermute_op = register_op(
+    "fp8_unpermute",
+    "(Tensor y, Tensor dst_index, Tensor topk_weights) -> Tensor",
+    outputs=lambda y, dst, w: (
+        torch.empty(w.shape[0], y.shape[1], dtype=y.dtype, device=y.device),
+    ),
+    kernels={
+        "cpp": "fp8.unpermute_cpu",
+        "cuda": "fp8.unpermute_cuda",
+        "triton": "compass_kernels.fp8.triton:unpermute_triton",
+    },
+)
+
+
+# ------------------------------------------------------------- public API
+
+
+def _layout(scale_layout: str) -> int:
+    code = SCALE_LAYOUTS.get(scale_layout)
+    if code is None:
+        raise ValueError(
+            f"scale_layout: expected one of {tuple(SCALE_LAYOUTS)}, got {scale_layout!r}"
+        )
+    return code
+
+
+def _check_eps(eps: float) -> float:
+    if not (isinstance(eps, (int, float)) and 1e-30 <= eps <= 1.0):
+        raise ValueError(
+            "eps: expected a float in [1e-30, 1] (the scale floor of an all-zero block), "
+            f"got {eps!r}"
+        )
+    return float(eps)
+
+
+def _data_checks(validate: bool | None, device: torch.device, backend: str | None) -> bool:
+    """Whether to check in Python the values the C++ CPU kernels check for free.
+    CUDA: opt-in (validate=True: a host sync). CPU tensors on another backend
+    (Triton interpreter, CUDA emulation): on unless validate=False."""
+    if validate is not None:
+        return bool(validate) and not (device.type == "cpu" and backend in (None, "cpp"))
+    return device.type == "cpu" and backend not in (None, "cpp")
+
+
+def _input(name: str, x: torch.Tensor, ndim: tuple[int, ...]) -> torch.Tensor:
+    check_tensor(name, x, dtypes=_INPUT_DTYPES)
+    if x.dim() not in ndim:
+        dims = " or ".join(map(str, ndim))
+        raise ValueError(f"{name}: expected a {dims}-d tensor, got {describe(x)}")
+    if x.requires_grad:
+        x = x.detach()
+    if x.dim() >= 2 and x.shape[-1] > 1 and x.stride(-1) != 1:
+        x = x.contiguous()
+    return x
+
+
+def quantize_blockwise(
+    w: torch.Tensor,
+    *,
+    block: tuple[int, int] = (TILE, TILE),
+    eps: float = WEIGHT_EPS,
+    ue8m0: bool = False,
+    scale_layout: str = "k_major",
+    validate: bool | None = None,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """128x128 blockwise FP8 quantization of a weight (vLLM block-FP8 layout).
+
+    Parameters
+    ----------
+    w : [N, K] or [E, N, K] float32 | bfloat16 | float16 (experts stacked);
+        quantize the bf16 values the trainer holds, never an fp32 master.
+        N, K need not be multiples of 128: edge blocks are partial (as zero
+        padding would give, and as vLLM's per_block_cast_to_fp8 does).
+    block : (128, 128) (the CUDA / Triton kernels' block; the C++ kernel and
+        the reference take any).
+    eps : floor of a block's amax (1e-4: per_block_cast_to_fp8 / DeepGEMM).
+    ue8m0 : round each scale up to a power of two (DeepGEMM's UE8M0 scales).
+    scale_layout : "k_major" (vLLM's weight_scale_inv), "mn_major", "mn_major_tma".
+    validate : check that w is finite. The C++ kernel always does (an error
+        names the first inf/NaN); on CUDA it is a host sync, off by default;
+        unchecked inf/NaN there give an unspecified block (fmaxf drops NaN).
+
+    Returns
+    -------
+    q : w's shape, float8_e4m3fn, ``q = e4m3(w * (1 / s))`` (RNE, saturating).
+    scales : [ceil(N/128), ceil(K/128)] (or [E, ...]) float32, ``w ~ q * s``
+        (the engines' ``weight_scale_inv``).
+    """
+    w = _input("w", w, (2, 3))
+    br, bc = _block(block)
+    layout = _layout(scale_layout)
+    eps = _check_eps(eps)
+    if _data_checks(validate, w.device, backend):
+        check_finite("w", w.reshape(-1))
+    if w.dim() == 3:
+        outs = [quantize_op(e, br, bc, eps, bool(ue8m0), False, layout, backend=backend) for e in w]
+        return torch.stack([o[0] for o in outs]), torch.stack([o[1] for o in outs])
+    return quantize_op(w, br, bc, eps, bool(ue8m0), False, layout, backend=backend)
+
+
+def _block(block) -> tuple[int, int]:
+    try:
+        br, bc = (int(b) for b in block)
+    except (TypeError, ValueError):
+        raise ValueError(f"block: expected a pair of positive ints, got {block!r}") from None
+    if br < 1 or bc < 1:
+        raise ValueError(f"block: expected a pair of positive ints, got {block!r}")
+    return br, bc
+
+
+def quantize_token_groups(
+    x: torch.Tensor,
+    *,
+    group: int = TILE,
+    eps: float = ACTIVATION_EPS,
+    ue8m0: bool = False,
+    scale_layout: str = "k_major",
+    validate: bool | None = None,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token 1x128 FP8 quantization of activations (vLLM / DeepGEMM layout).
+
+    Parameters
+    ----------
+    x : [M, K] float32 | bfloat16 | float16. K need not be a multiple of 128
+        (the last group is partial); the engines' GEMMs require it.
+    group : 128 (the CUDA / Triton kernels' group).
+    eps : amax floor (1e-10: vLLM's per_token_group_fp8_quant).
+    ue8m0 : power-of-two scales.
+    scale_layout : "k_major" [M, K/128] row-major; "mn_major" column-major;
+        "mn_major_tma" column-major with column stride ceil(M / 4) * 4 (DeepGEMM).
+    validate : as in :func:`quantize_blockwise`.
+
+    Returns
+    -------
+    q : [M, K] float8_e4m3fn, ``q = e4m3(x / s)`` (RNE, saturating).
+    scales : [M, ceil(K/128)] float32 in ``scale_layout``.
+    """
+    x = _input("x", x, (2,))
+    if not (isinstance(group, int) and group >= 1):
+        raise ValueError(f"group: expected a positive int, got {group!r}")
+    layout = _layout(scale_layout)
+    eps = _check_eps(eps)
+    if _data_checks(validate, x.device, backend):
+        check_finite("x", x.reshape(-1))
+    return quantize_op(x, 1, group, eps, bool(ue8m0), True, layout, backend=backend)
+
+
+def dequantize(
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    block: tuple[int, int] = (TILE, TILE),
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``q * s`` per block in float32, then cast to ``out_dtype``.
+
+    q : [R, C] or [E, R, C] float8_e4m3fn; scales : [ceil(R/br), ceil(C/bc)]
+    (or [E, ...]) float32, any layout; block : (br, bc), (1, 128) for token groups.
+    One fused elementwise expression in torch (an off-hot-path helper: quality
+    checks, weight round trips), exact in float32.
+    """
+    check_tensor("q", q, dtypes=(torch.float8_e4m3fn,))
+    check_tensor("scales", scales, dtypes=(torch.float32,), device=q.device)
+    br, bc = _block(block)
+    rows, cols = q.shape[-2:]
+    want = (*q.shape[:-2], -(-rows // br), -(-cols // bc))
+    if tuple(scales.shape) != want:
+        raise ValueError(f"scales: expected shape {list(want)} for q {describe(q)} and block "
+                         f"({br}, {bc}), got {describe(scales)}")  # fmt: skip
+    s = scales.repeat_interleave(br, -2)[..., :rows, :].repeat_interleave(bc, -1)[..., :cols]
+    return (q.to(torch.float32) * s).to(out_dtype)
+
+
+@dataclass(slots=True)
+class PermutedTokens:
+    """Output of :func:`permute_quantize` (all on the input's device).
+
+    q : [M*k, K] float8_e4m3fn, rows in expert order (no padding).
+    scales : [M*k, ceil(K/128)] float32 in the requested layout.
+    expert_offsets : [E+1] int64; expert e owns rows [offsets[e], offsets[e+1]).
+    src_index : [M*k] int64, row p holds slot src_index[p] = t*k + j (token t = src // k).
+    dst_index : [M*k] int64, slot t*k + j is row dst_index[t*k + j].
+    """
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    expert_offsets: torch.Tensor
+    src_index: torch.Tensor
+    dst_index: torch.Tensor
+
+
+def permute_quantize(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    *,
+    eps: float = ACTIVATION_EPS,
+    ue8m0: bool = False,
+    scale_layout: str = "k_major",
+    validate: bool | None = None,
+    backend: str | None = None,
+) -> PermutedTokens:
+    """Sort the top-k slots by expert (stable) and quantize the permuted rows (1x128).
+
+    Parameters
+    ----------
+    x : [M, K] float32 | bfloat16 | float16 hidden states.
+    topk_ids : [M, k] int32 | int64 expert ids in [0, num_experts).
+    num_experts : E (the CUDA path takes up to 1024).
+    eps, ue8m0, scale_layout : as in :func:`quantize_token_groups` (same bits).
+    validate : check ids in range and x finite. The C++ kernel always does; on
+        CUDA it is a host sync, off by default: unchecked out-of-range ids
+        are dropped (dst_index -1, no row; offsets[E] counts the rest, rows
+        past it are unwritten).
+
+    Returns
+    -------
+    :class:`PermutedTokens`. Three launches on the GPU, no host sync: the
+    output size M*k is known in advance.
+    """
+    x = _input("x", x, (2,))
+    check_tensor("topk_ids", topk_ids, ndim=2, dtypes=(torch.int32, torch.int64),
+                 size=x.shape[0], size_what="one row per token of x", device=x.device)  # fmt: skip
+    if not (isinstance(num_experts, int) and num_experts >= 1):
+        raise ValueError(f"num_experts: expected a positive int, got {num_experts!r}")
+    layout = _layout(scale_layout)
+    eps = _check_eps(eps)
+    ids = topk_ids.contiguous()
+    if _data_checks(validate, x.device, backend):
+        check_finite("x", x.reshape(-1))
+        if ids.numel():
+            lo, hi = torch.aminmax(ids)
+            if int(lo) < 0 or int(hi) >= num_experts:
+                raise ValueError(
+                    f"topk_ids: expected expert ids in [0, {num_experts}), got values in "
+                    f"[{int(lo)}, {int(hi)}]"
+                )
+    q, s, off, src, dst, _ = permute_op(x, ids, num_experts, eps, bool(ue8m0), layout,
+                                        backend=backend)  # fmt: skip
+    return PermutedTokens(q, s, off, src, dst)
+
+
+def unpermute(
+    y: torch.Tensor,
+    dst_index: torch.Tensor | PermutedTokens,
+    topk_weights: torch.Tensor,
+    *,
+    validate: bool | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Combine expert outputs back per token: ``out[t] = sum_j w[t,j] * y[dst[t*k+j]]``.
+
+    y : [P, N] float32 | bfloat16 expert outputs in permuted order (P >= max dst + 1).
+    dst_index : [M*k] int64 (or the :class:`PermutedTokens` it comes from); -1 = dropped.
+    topk_weights : [M, k] float (computed in float32).
+    Returns [M, N] in y's dtype (float32 accumulation in j order, unfused
+    multiply-add: the same bits on every backend). Deterministic: a gather per
+    token, no atomics. validate: check dst_index in [-1, P) (C++: always; CUDA:
+    host sync, opt-in; unchecked out-of-range indices there are undefined).
+    """
+    check_tensor("y", y, ndim=2, dtypes=(torch.float32, torch.bfloat16))
+    if isinstance(dst_index, PermutedTokens):
+        dst_index = dst_index.dst_index
+    check_tensor("topk_weights", topk_weights, ndim=2, dtypes=_INPUT_DTYPES + (torch.float64,),
+                 device=y.device)  # fmt: skip
+    m, k = topk_weights.shape
+    check_tensor("dst_index", dst_index, ndim=1, dtypes=(torch.int64,), size=m * k,
+                 size_what="tokens * top_k = topk_weights.numel()", device=y.device)  # fmt: skip
+    if y.requires_grad:
+        y = y.detach()
+    if y.shape[1] > 1 and y.stride(1) != 1:
+        y = y.contiguous()
+    w = topk_weights.detach().to(torch.float32).contiguous()
+    dst = dst_index.contiguous()
+    if _data_checks(validate, y.device, backend) and dst.numel():
+        lo, hi = torch.aminmax(dst)
+        if int(lo) < -1 or int(hi) >= y.shape[0]:
+            raise ValueError(f"dst_index: expected values in [-1, {y.shape[0]}) (rows of y), "
+                             f"got values in [{int(lo)}, {int(hi)}]")  # fmt: skip
+    return unpermute_op(y, dst, w, backend=backend)

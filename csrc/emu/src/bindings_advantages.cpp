@@ -3,7 +3,7 @@
 // catch (cmake/emu.cmake), one submodule each under `mutants.advantages`.
 #include "advantages/advantages_api.h"
 #include "bindings.h"
-#include "compass_emu_mutants.h"  // generated: COMPASS_EMU_MUTANTS(X)
+#include "compass_emu_mutants.h"  // generated: COMPASS_EMU_MUTANTS_advantages(X)
 #include "emu_pybind.h"
 
 namespace compass {
@@ -11,7 +11,7 @@ namespace advantages {
 #define COMPASS_EMU_DECLARE(name)                                                       \
   void group_advantages_cuda__##name(COMPASS_GROUP_ADVANTAGES_ARGS, uintptr_t stream); \
   void rl_zvp_cuda__##name(COMPASS_RL_ZVP_ARGS, uintptr_t stream);
-COMPASS_EMU_MUTANTS(COMPASS_EMU_DECLARE)
+COMPASS_EMU_MUTANTS_advantages(COMPASS_EMU_DECLARE)
 #undef COMPASS_EMU_DECLARE
 }  // namespace advantages
 
@@ -31,7 +31,7 @@ void bind_advantages(pybind11::module_& root) {
                     COMPASS_GROUP_ADVANTAGES_ARGS);                                      \
     COMPASS_EMU_DEF(sub, "rl_zvp_cuda", rl_zvp_cuda__##name, COMPASS_RL_ZVP_ARGS);       \
   }
-  COMPASS_EMU_MUTANTS(COMPASS_EMU_BIND)
+  COMPASS_EMU_MUTANTS_advantages(COMPASS_EMU_BIND)
 #undef COMPASS_EMU_BIND
 }
 

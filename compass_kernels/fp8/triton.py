@@ -1,0 +1,320 @@
+"""Triton kernels of ck.fp8: blockwise quantization, fused MoE permutation, unpermute.
+
+Same contract as the C++ / CUDA kernels in csrc/fp8 (spec: ``reference.py``,
+bit for bit); outputs are allocated by the caller and written here. The
+kernels run on CUDA tensors, on CPU tensors under ``TRITON_INTERPRET=1``
+(tests), and compile ahead of time for sm_90a (tests/test_aot.py).
+
+Bit-exactness choices:
+- fp32 -> e4m3 is integer bit arithmetic (:func:`_e4m3_bits`, the same
+  algorithm as csrc/include/compass/fp8.h), not ``.to(tl.float8e4nv)``: the
+  hardware cast (cvt.rn.satfinite) gives the same bits on sm_90, but the
+  interpreter's cast does not, and the bit form is what can be tested here.
+- divisions are ``tl.math.div_rn`` (IEEE); Triton's ``/`` lowers to the
+  approximate div.full.f32 on the GPU, which can move a value across an e4m3
+  rounding boundary.
+- every kernel compiles with ``enable_fp_fusion=False``: a contracted
+  multiply-add (unpermute's combine) would round differently from the CPU.
+- bf16 outputs are rounded by bit arithmetic too (round to nearest even).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["quantize_triton", "permute_quantize_triton", "unpermute_triton", "aot_variants"]
+
+#: Launch options of every kernel here (tests/test_aot.py compiles with these).
+LAUNCH = {"num_warps": 4, "enable_fp_fusion": False}
+#: Slots per chunk of the permutation (as the CUDA kernels: the workspace layout).
+CHUNK = 256
+#: Columns per group / block.
+TILE = 128
+#: Columns per program of the unpermute kernel.
+UNPERMUTE_BLOCK = 512
+
+
+@triton.jit
+def _e4m3_bits(y):
+    """fp32 tensor -> e4m3fn bits (int32 0..255): RNE, saturating, subnormals kept."""
+    u = y.to(tl.int32, bitcast=True)
+    sign = (u >> 24) & 0x80
+    a = u & 0x7FFFFFFF
+    n = a - (120 << 23)
+    normal = (n + 0x7FFFF + ((n >> 20) & 1)) >> 20
+    # |x| + 2^14 has an ulp of 2^-9: the add rounds to the e4m3 subnormal grid.
+    sub = (a.to(tl.float32, bitcast=True) + 16384.0).to(tl.int32, bitcast=True) - 0x46800000
+    r = tl.where(a < 0x3C800000, sub, normal)
+    r = tl.where(a >= 0x43E00000, 0x7E, r)
+    r = tl.where(a > 0x7F800000, 0x7F, r)
+    return sign | r
+
+
+@triton.jit
+def _block_scale(amax, eps, UE8M0: tl.constexpr):
+    s = tl.math.div_rn(tl.maximum(amax, eps), 448.0)
+    if UE8M0:
+        b = s.to(tl.int32, bitcast=True)
+        e = (b >> 23) + ((b & 0x7FFFFF) != 0).to(tl.int32)
+        s = (e << 23).to(tl.float32, bitcast=True)
+    return s
+
+
+@triton.jit
+def _quantize_values(x, s, USE_DIV: tl.constexpr):
+    if USE_DIV:
+        y = tl.math.div_rn(x, s)
+    else:
+        y = x * tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+    return _e4m3_bits(y).to(tl.uint8)
+
+
+@triton.jit
+def _quantize_block_kernel(
+    x_ptr, q_ptr, s_ptr, rows, cols, xs, qs, ss0, ss1, eps,
+    UE8M0: tl.constexpr, USE_DIV: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+):  # fmt: skip
+    """One program per BR x BC block (weights: 128 x 128)."""
+    i = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1).to(tl.int64)
+    r = i * BR + tl.arange(0, BR).to(tl.int64)
+    c = j * BC + tl.arange(0, BC).to(tl.int64)
+    m = (r[:, None] < rows) & (c[None, :] < cols)
+    x = tl.load(x_ptr + r[:, None] * xs + c[None, :], mask=m, other=0.0).to(tl.float32)
+    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+    s = _block_scale(amax, eps, UE8M0)
+    tl.store(s_ptr + i * ss0 + j * ss1, s)
+    sb = tl.full([BR, BC], 0.0, tl.float32) + s
+    tl.store(q_ptr + r[:, None] * qs + c[None, :], _quantize_values(x, sb, USE_DIV), mask=m)
+
+
+@triton.jit
+def _quantize_row_groups(x_ptr, row, cols, q_ptr, qrow, s_ptr, srow, ss1, eps,
+                         UE8M0: tl.constexpr, USE_DIV: tl.constexpr, NG: tl.constexpr,
+                         BC: tl.constexpr):  # fmt: skip
+    """Row ``row`` of x in groups of BC columns -> row ``qrow`` of q / ``srow`` of scales."""
+    g = tl.arange(0, NG).to(tl.int64)
+    c = g[:, None] * BC + tl.arange(0, BC).to(tl.int64)[None, :]
+    m = c < cols
+    x = tl.load(x_ptr + row + c, mask=m, other=0.0).to(tl.float32)
+    s = _block_scale(tl.max(tl.abs(x), axis=1), eps, UE8M0)
+    tl.store(s_ptr + srow + g * ss1, s, mask=g * BC < cols)
+    sb = tl.zeros([NG, BC], tl.float32) + s[:, None]
+    tl.store(q_ptr + qrow + c, _quantize_values(x, sb, USE_DIV), mask=m)
+
+
+@triton.jit
+def _quantize_groups_kernel(
+    x_ptr, q_ptr, s_ptr, rows, cols, xs, qs, ss0, ss1, eps,
+    UE8M0: tl.constexpr, USE_DIV: tl.constexpr, NG: tl.constexpr, BC: tl.constexpr,
+):  # fmt: skip
+    """One program per row (activations: 1 x 128 groups, NG >= groups per row)."""
+    r = tl.program_id(0).to(tl.int64)
+    _quantize_row_groups(x_ptr, r * xs, cols, q_ptr, r * qs, s_ptr, r * ss0, ss1, eps,
+                         UE8M0, USE_DIV, NG, BC)  # fmt: skip
+
+
+@triton.jit
+def _permute_rank_kernel(ids_ptr, slots, experts, rank_ptr, counts_ptr,
+                         CHUNK: tl.constexpr, EP: tl.constexpr):  # fmt: skip
+    """Per chunk: each slot's rank among the chunk's earlier slots of its expert
+    (a CHUNK x CHUNK comparison), and the chunk's per-expert counts."""
+    chunk = tl.program_id(0).to(tl.int64)
+    lanes = tl.arange(0, CHUNK)
+    s = chunk * CHUNK + lanes
+    e = tl.load(ids_ptr + s, mask=s < slots, other=-1).to(tl.int64)
+    valid = (e >= 0) & (e < experts)
+    e = tl.where(valid, e, -1)
+    same = (e[:, None] == e[None, :]) & (lanes[None, :] < lanes[:, None]) & valid[:, None]
+    rank = tl.sum(same.to(tl.int32), axis=1)
+    tl.store(rank_ptr + s, rank, mask=valid)
+    ex = tl.arange(0, EP).to(tl.int64)
+    counts = tl.sum((e[:, None] == ex[None, :]).to(tl.int32), axis=0)
+    tl.store(counts_ptr + chunk * experts + ex, counts, mask=ex < experts)
+
+
+@triton.jit
+def _permute_scan_kernel(counts_ptr, base_ptr, chunks, experts, offsets_ptr, EP: tl.constexpr):
+    """One program: per expert, the exclusive prefix over chunks, then the offsets."""
+    ex = tl.arange(0, EP).to(tl.int64)
+    em = ex < experts
+    run = tl.zeros([EP], tl.int32)
+    for c in range(chunks):
+        tl.store(base_ptr + c * experts + ex, run, mask=em)
+        run += tl.load(counts_ptr + c * experts + ex, mask=em, other=0)
+    total = tl.cumsum(run.to(tl.int64), axis=0)
+    tl.store(offsets_ptr + 1 + ex, total, mask=em)
+    tl.store(offsets_ptr + ex, tl.zeros([EP], tl.int64), mask=ex == 0)
+
+
+@triton.jit
+def _permute_scatter_kernel(
+    x_ptr, xs, cols, ids_ptr, k, experts, rank_ptr, base_ptr, offsets_ptr,
+    q_ptr, qs, s_ptr, ss0, ss1, src_ptr, dst_ptr, eps,
+    UE8M0: tl.constexpr, NG: tl.constexpr, BC: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    """One program per slot: its row, the index maps, the quantized row."""
+    slot = tl.program_id(0).to(tl.int64)
+    e = tl.load(ids_ptr + slot).to(tl.int64)
+    if (e >= 0) & (e < experts):
+        chunk = slot // CHUNK
+        p = (
+            tl.load(offsets_ptr + e)
+            + tl.load(base_ptr + chunk * experts + e)
+            + tl.load(rank_ptr + slot)
+        )
+        tl.store(src_ptr + p, slot)
+        tl.store(dst_ptr + slot, p)
+        _quantize_row_groups(x_ptr, (slot // k) * xs, cols, q_ptr, p * qs, s_ptr, p * ss0, ss1,
+                             eps, UE8M0, True, NG, BC)  # fmt: skip
+    else:  # unchecked bad id: dropped, no row written
+        tl.store(dst_ptr + slot, -1)
+
+
+@triton.jit
+def _unpermute_kernel(y_ptr, ys, cols, dst_ptr, w_ptr, k, out_ptr,
+                      OUT_BF16: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    cm = c < cols
+    acc = tl.zeros([BLOCK], tl.float32)
+    for j in range(k):
+        p = tl.load(dst_ptr + t * k + j)
+        w = tl.load(w_ptr + t * k + j)
+        y = tl.load(y_ptr + p * ys + c, mask=cm & (p >= 0), other=0.0).to(tl.float32)
+        acc = tl.where(p >= 0, acc + w * y, acc)
+    if OUT_BF16:
+        u = acc.to(tl.int32, bitcast=True)
+        rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+        nan = (u & 0x7FFFFFFF) > 0x7F800000
+        bits = tl.where(nan, (u >> 16) | 0x40, rounded)
+        tl.store(out_ptr + t * cols + c, bits.to(tl.int16), mask=cm)
+    else:
+        tl.store(out_ptr + t * cols + c, acc, mask=cm)
+
+
+# ------------------------------------------------------------------ wrappers
+
+
+def _groups_pow2(cols: int) -> int:
+    return triton.next_power_of_2(max(1, triton.cdiv(cols, TILE)))
+
+
+def quantize_triton(
+    x: torch.Tensor,
+    block_rows: int,
+    block_cols: int,
+    eps: float,
+    ue8m0: bool,
+    use_div: bool,
+    scale_layout: int,
+    q: torch.Tensor,
+    scales: torch.Tensor,
+) -> None:
+    """Blockwise quantization into ``q`` (float8_e4m3fn) and ``scales`` (float32,
+    any strides: the layout is the caller's). Blocks (1, 128) or (128, 128);
+    x [R, C] float32 | bfloat16 | float16 with unit column stride."""
+    if block_cols != TILE or block_rows not in (1, TILE):
+        raise ValueError(
+            f"block: the Triton kernels support (1, 128) and (128, 128), got ({block_rows}, "
+            f"{block_cols})"
+        )
+    rows, cols = x.shape
+    if rows == 0 or cols == 0:
+        return
+    if x.stride(1) != 1 and cols > 1:
+        raise ValueError(f"x: expected unit stride along the last dim, got strides {x.stride()}")
+    qb = q.view(torch.uint8)
+    args = (x, qb, scales, rows, cols, x.stride(0), q.stride(0), scales.stride(0), scales.stride(1))
+    if block_rows == TILE:
+        grid = (triton.cdiv(rows, TILE), triton.cdiv(cols, TILE))
+        _quantize_block_kernel[grid](
+            *args, float(eps), UE8M0=bool(ue8m0), USE_DIV=bool(use_div), BR=TILE, BC=TILE, **LAUNCH
+        )
+    else:
+        _quantize_groups_kernel[(rows,)](
+            *args, float(eps), UE8M0=bool(ue8m0), USE_DIV=bool(use_div),
+            NG=_groups_pow2(cols), BC=TILE, **LAUNCH,
+        )  # fmt: skip
+
+
+def permute_quantize_triton(
+    x, topk_ids, num_experts, eps, ue8m0, scale_layout, q, scales, expert_offsets, src_index,
+    dst_index, workspace,
+) -> None:  # fmt: skip
+    """The fused permutation + 1x128 quantization (argument contract: csrc/fp8/fp8_api.h)."""
+    m, k = topk_ids.shape
+    slots, cols = m * k, x.shape[1]
+    chunks = triton.cdiv(slots, CHUNK)
+    ep = triton.next_power_of_2(num_experts)
+    rank = workspace[:slots]
+    counts = workspace[slots : slots + chunks * num_experts]
+    base = workspace[slots + chunks * num_experts :]
+    if chunks:
+        _permute_rank_kernel[(chunks,)](
+            topk_ids, slots, num_experts, rank, counts, CHUNK=CHUNK, EP=ep, **LAUNCH
+        )
+    _permute_scan_kernel[(1,)](counts, base, chunks, num_experts, expert_offsets, EP=ep, **LAUNCH)
+    if slots == 0:
+        return
+    _permute_scatter_kernel[(slots,)](
+        x, x.stride(0), cols, topk_ids, k, num_experts, rank, base, expert_offsets,
+        q.view(torch.uint8), q.stride(0), scales, scales.stride(0), scales.stride(1),
+        src_index, dst_index, float(eps),
+        UE8M0=bool(ue8m0), NG=_groups_pow2(cols), BC=TILE, CHUNK=CHUNK, **LAUNCH,
+    )  # fmt: skip
+
+
+def unpermute_triton(y, dst_index, topk_weights, out) -> None:
+    """out[t] = sum_j w[t, j] * y[dst_index[t*k + j]] (fp32, j order, no FMA)."""
+    m, k = topk_weights.shape
+    cols = y.shape[1]
+    if m == 0 or cols == 0:
+        return
+    bf16 = out.dtype == torch.bfloat16
+    grid = (m, triton.cdiv(cols, UNPERMUTE_BLOCK))
+    _unpermute_kernel[grid](
+        y, y.stride(0), cols, dst_index, topk_weights, k, out.view(torch.int16) if bf16 else out,
+        OUT_BF16=bf16, BLOCK=UNPERMUTE_BLOCK, **LAUNCH,
+    )  # fmt: skip
+
+
+def aot_variants() -> list[tuple[object, dict[str, str], dict[str, object], dict[str, object]]]:
+    """(kernel, signature, constexprs, launch options) of each variant the wrappers
+    launch with bf16 inputs and the default flags (tests/test_aot.py compiles them)."""
+    quant = {
+        "x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp32", "rows": "i64", "cols": "i64",
+        "xs": "i64", "qs": "i64", "ss0": "i64", "ss1": "i64", "eps": "fp32",
+        "UE8M0": "constexpr", "USE_DIV": "constexpr",
+    }  # fmt: skip
+    out = []
+    for ue8m0 in (False, True):
+        block = quant | {"BR": "constexpr", "BC": "constexpr"}
+        const = {"UE8M0": ue8m0, "USE_DIV": False, "BR": TILE, "BC": TILE}
+        out.append((_quantize_block_kernel, block, const, LAUNCH))
+        groups = quant | {"NG": "constexpr", "BC": "constexpr"}
+        out.append((_quantize_groups_kernel, groups,
+                    {"UE8M0": ue8m0, "USE_DIV": True, "NG": 64, "BC": TILE}, LAUNCH))  # fmt: skip
+    rank = {"ids_ptr": "*i32", "slots": "i64", "experts": "i64", "rank_ptr": "*i32",
+            "counts_ptr": "*i32", "CHUNK": "constexpr", "EP": "constexpr"}  # fmt: skip
+    out.append((_permute_rank_kernel, rank, {"CHUNK": CHUNK, "EP": 128}, LAUNCH))
+    scan = {"counts_ptr": "*i32", "base_ptr": "*i32", "chunks": "i64", "experts": "i64",
+            "offsets_ptr": "*i64", "EP": "constexpr"}  # fmt: skip
+    out.append((_permute_scan_kernel, scan, {"EP": 128}, LAUNCH))
+    scatter = {
+        "x_ptr": "*bf16", "xs": "i64", "cols": "i64", "ids_ptr": "*i32", "k": "i64",
+        "experts": "i64", "rank_ptr": "*i32", "base_ptr": "*i32", "offsets_ptr": "*i64",
+        "q_ptr": "*u8", "qs": "i64", "s_ptr": "*fp32", "ss0": "i64", "ss1": "i64",
+        "src_ptr": "*i64", "dst_ptr": "*i64", "eps": "fp32", "UE8M0": "constexpr",
+        "NG": "constexpr", "BC": "constexpr", "CHUNK": "constexpr",
+    }  # fmt: skip
+    out.append((_permute_scatter_kernel, scatter,
+                {"UE8M0": False, "NG": 64, "BC": TILE, "CHUNK": CHUNK}, LAUNCH))  # fmt: skip
+    unperm = {
+        "y_ptr": "*bf16", "ys": "i64", "cols": "i64", "dst_ptr": "*i64", "w_ptr": "*fp32",
+        "k": "i64", "out_ptr": "*i16", "OUT_BF16": "constexpr", "BLOCK": "constexpr",
+    }  # fmt: skip
+    out.append((_unpermute_kernel, unperm, {"OUT_BF16": True, "BLOCK": UNPERMUTE_BLOCK}, LAUNCH))
+    return out
