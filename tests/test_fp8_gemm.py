@@ -139,3 +139,18 @@ def test_opcheck():
     utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
     torch.library.opcheck(torch.ops.compass.fp8_grouped_gemm.default, (*args, 0, None),
                           test_utils=utils)  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("scale_layout", ["k_major", "mn_major_tma"])
+def test_consumes_permute_quantize_output(backend, scale_layout):
+    """ck.fp8.permute_quantize's output (token-packed, int64 offsets, each scale
+    layout it produces) feeds the GEMM directly."""
+    g = torch.Generator().manual_seed(4)
+    tokens, experts, top_k, n, k = 37, 6, 2, 72, 256
+    x = torch.randn(tokens, k, generator=g)
+    topk = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    p = ck.fp8.permute_quantize(x, topk, experts, scale_layout=scale_layout)
+    b_q, b_s = ck.fp8.quantize_blockwise(torch.randn(experts, n, k, generator=g))
+    args = (p.q, p.scales, b_q, b_s, p.expert_offsets)
+    check_close(ck.fp8.grouped_gemm(*args, backend=backend), args)

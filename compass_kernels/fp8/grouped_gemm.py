@@ -14,7 +14,7 @@ import torch
 from compass_kernels._op import register_op
 from compass_kernels._validate import check_offsets, check_tensor, describe
 
-__all__ = ["grouped_gemm", "grouped_gemm_op", "OUT_DTYPES"]
+__all__ = ["grouped_gemm", "grouped_gemm_op", "grouped_args_op", "OUT_DTYPES", "PTR_ROWS"]
 
 #: Output dtypes and their codes at the kernel boundary.
 OUT_DTYPES = {torch.bfloat16: 0, torch.float32: 1}
@@ -37,6 +37,31 @@ grouped_gemm_op = register_op(
         "cpp": "fp8_gemm.grouped_gemm_cpu",
         "triton": "compass_kernels.fp8.triton_gemm:grouped_gemm_triton",
     },
+)
+
+
+#: Rows of the pointer arrays the argument builder writes (compass/fp8_gemm.h: PtrRow).
+PTR_ROWS = ("a", "b", "a_scales", "b_scales", "out")
+
+
+def _args_outputs(a_q, a_scales, b_q, b_scales, expert_offsets, out):
+    e = b_q.shape[0]
+    return (
+        a_q.new_empty((e, 3), dtype=torch.int32),
+        a_q.new_empty((len(PTR_ROWS), e), dtype=torch.int64),
+    )
+
+
+# The device-side argument builder of a pointer-array grouped GEMM (CUTLASS's
+# problem shapes and ptr_A/B/SFA/SFB/D arrays) from the expert offsets: no
+# host sync, CUDA-graph safe. Internal; tested on CPU (cpp) and under the CUDA
+# emulation (tests/test_fp8_gemm_args.py).
+grouped_args_op = register_op(
+    "fp8_grouped_gemm_args",
+    "(Tensor a_q, Tensor a_scales, Tensor b_q, Tensor b_scales, Tensor expert_offsets,"
+    " Tensor out) -> (Tensor, Tensor)",
+    outputs=_args_outputs,
+    kernels={"cpp": "fp8_gemm.grouped_args_cpu", "cuda": "fp8_gemm.grouped_args_cuda"},
 )
 
 

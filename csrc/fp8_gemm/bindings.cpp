@@ -10,6 +10,12 @@ void bind(pybind11::module_& root) {
   COMPASS_DEF_NOGIL(m, grouped_gemm_cpu,
                     "(a_q, a_scales, b_q, b_scales, expert_offsets, out_dtype, out): writes out "
                     "in place");
+  const char* args = "(a_q, a_scales, b_q, b_scales, expert_offsets, out, shapes, ptrs[, stream]): "
+                     "per-expert problem shapes [E, 3] and pointer arrays [5, E] in place";
+  COMPASS_DEF_NOGIL(m, grouped_args_cpu, args);
+#ifdef COMPASS_WITH_CUDA
+  COMPASS_DEF(m, grouped_args_cuda, args);
+#endif
 }
 
 }  // namespace fp8_gemm

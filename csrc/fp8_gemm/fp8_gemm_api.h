@@ -23,6 +23,14 @@ namespace fp8_gemm {
   TensorView a_q, TensorView a_scales, TensorView b_q, TensorView b_scales,             \
       TensorView expert_offsets, int64_t out_dtype, TensorView out
 
+// The device-side argument builder (grouped_args.cu; CPU twin in
+// grouped_args_cpu.cpp): the GEMM's operands as above (out_dtype implied by
+// out), plus outputs shapes [E, 3] int32 (M_e, N, K) and ptrs [5, E] int64
+// (rows PtrRow: A, B, SFA, SFB, D addresses per expert).
+#define COMPASS_FP8_GROUPED_ARGS_ARGS                                                   \
+  TensorView a_q, TensorView a_scales, TensorView b_q, TensorView b_scales,             \
+      TensorView expert_offsets, TensorView out, TensorView shapes, TensorView ptrs
+
 enum OutDType : int64_t { kOutBF16 = 0, kOutF32 = 1 };
 
 // Shared by every backend (views named by the caller's COMPASS_NAME_ARGS):
@@ -33,6 +41,17 @@ void check_grouped_gemm_args(COMPASS_FP8_GROUPED_GEMM_ARGS);
 void check_offsets_data(const TensorView& expert_offsets, int64_t rows);
 
 void grouped_gemm_cpu(COMPASS_FP8_GROUPED_GEMM_ARGS);
+
+// Checks of the builder's arguments, and the layout (base addresses, byte
+// strides) it reads: shared by the CPU and CUDA entry points.
+void check_grouped_args(COMPASS_FP8_GROUPED_ARGS_ARGS);
+GroupedLayout grouped_layout(const TensorView& a_q, const TensorView& a_scales,
+                             const TensorView& b_q, const TensorView& b_scales,
+                             const TensorView& out);
+void grouped_args_cpu(COMPASS_FP8_GROUPED_ARGS_ARGS);
+#if defined(COMPASS_WITH_CUDA) || defined(COMPASS_EMULATION)  // emulated: csrc/emu
+void grouped_args_cuda(COMPASS_FP8_GROUPED_ARGS_ARGS, uintptr_t stream);
+#endif
 
 }  // namespace fp8_gemm
 }  // namespace compass

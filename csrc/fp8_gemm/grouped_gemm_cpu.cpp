@@ -33,7 +33,7 @@ constexpr int64_t kParallelMinMacs = int64_t{1} << 22;
 struct E4M3Table {
   float v[256];
   E4M3Table() {
-    for (int i = 0; i < 256; ++i) v[i] = fp8::f32_from_e4m3(static_cast<uint8_t>(i));
+    for (int i = 0; i < 256; ++i) v[i] = fp8_math::f32_from_e4m3(static_cast<uint8_t>(i));
   }
 };
 const E4M3Table& e4m3_table() {
@@ -158,7 +158,7 @@ void grouped_gemm_cpu(COMPASS_FP8_GROUPED_GEMM_ARGS) {
                           sb_blk[q * b_scales.strides[2]]);
           }
           if (out_dtype == kOutBF16) {
-            out.ptr<uint16_t>()[row * out.strides[0] + col] = fp8::bf16_from_f32(acc);
+            out.ptr<uint16_t>()[row * out.strides[0] + col] = fp8_math::bf16_from_f32(acc);
           } else {
             out.ptr<float>()[row * out.strides[0] + col] = acc;
           }
