@@ -65,6 +65,8 @@ def test_libstdcxx_is_shared():
 @needs_cuda_build
 def test_sm90a_kernels_are_built_without_spills():
     usage = aot.resource_usage(_C.__file__, arch="sm_90a")
+    # This test covers the advantages kernels; other capabilities check their own.
+    usage = {k: v for k, v in usage.items() if "7compass10advantages" in k}
     names = {re.search(r"(group_kernel|zvp_kernel)I(\w+?)E", k).group(0) for k in usage}
     # 2 reward dtypes for the group kernel; 2 x 2 (rewards, advantages) for RL-ZVP
     assert names == {
@@ -119,3 +121,16 @@ def test_cutlass_headers_from_the_wheel_compile_for_sm90a(tmp_path):
            "-o", str(cubin), str(src)]  # fmt: skip
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     aot.assert_sass_contains(aot.sass_of(cubin), r"F2FP\.SATFINITE\.E4M3", kernel="to_e4m3")
+
+
+@pytest.mark.sm90
+@needs_cuda_build
+def test_fp8_gemm_argument_builder_is_built_without_spills():
+    """ck.fp8.grouped_gemm's device-side argument builder: in the sm_90a build,
+    no spills or stack, registers reported."""
+    usage = aot.resource_usage(_C.__file__, arch="sm_90a")
+    mine = {k: v for k, v in usage.items() if "grouped_args_kernel" in k}
+    assert len(mine) == 1, sorted(usage)
+    aot.assert_no_spills(mine)
+    aot.assert_registers_at_most(mine, 64)
+    print({k: v["registers"] for k, v in mine.items()})
