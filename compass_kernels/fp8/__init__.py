@@ -210,10 +210,17 @@ def quantize_blockwise(
     eps = _check_eps(eps)
     if _data_checks(validate, w.device, backend):
         check_finite("w", w.reshape(-1))
-    if w.dim() == 3:
-        outs = [quantize_op(e, br, bc, eps, bool(ue8m0), False, layout, backend=backend) for e in w]
-        return torch.stack([o[0] for o in outs]), torch.stack([o[1] for o in outs])
-    return quantize_op(w, br, bc, eps, bool(ue8m0), False, layout, backend=backend)
+    try:
+        if w.dim() == 3:
+            outs = [quantize_op(e, br, bc, eps, bool(ue8m0), False, layout, backend=backend)
+                    for e in w]  # fmt: skip
+            return torch.stack([o[0] for o in outs]), torch.stack([o[1] for o in outs])
+        return quantize_op(w, br, bc, eps, bool(ue8m0), False, layout, backend=backend)
+    except ValueError as err:  # the kernel names its argument x; this function's is w
+        msg = str(err)
+        if msg.startswith("x: "):
+            raise ValueError("w: " + msg[3:]) from None
+        raise
 
 
 def _block(block) -> tuple[int, int]:

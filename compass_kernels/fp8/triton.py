@@ -181,10 +181,11 @@ def _unpermute_kernel(y_ptr, ys, cols, dst_ptr, w_ptr, k, out_ptr,
     cm = c < cols
     acc = tl.zeros([BLOCK], tl.float32)
     for j in range(k):
-        p = tl.load(dst_ptr + t * k + j)
+        p = tl.load(dst_ptr + t * k + j) + tl.zeros([BLOCK], tl.int64)
         w = tl.load(w_ptr + t * k + j)
-        y = tl.load(y_ptr + p * ys + c, mask=cm & (p >= 0), other=0.0).to(tl.float32)
-        acc = tl.where(p >= 0, acc + w * y, acc)
+        keep = p >= 0
+        y = tl.load(y_ptr + p * ys + c, mask=cm & keep, other=0.0).to(tl.float32)
+        acc = tl.where(keep, acc + w * y, acc)
     if OUT_BF16:
         u = acc.to(tl.int32, bitcast=True)
         rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16

@@ -40,8 +40,10 @@ using InputTypes = Types<float, fp8_math::Bf16Bits, fp8_math::F16Bits>;
 // and scales [M*k, ceil(K/128)] float32 (scale_layout as above) in expert order (stable:
 // ties keep the flat slot order t*k + j), expert_offsets [E+1] int64 (no
 // padding), src_index [M*k] int64 (permuted row -> slot t*k + j), dst_index
-// [M*k] int64 (slot -> permuted row), workspace int32 (permute_workspace_size)
-// used by the CUDA kernels (scratch, contents unspecified after the call).
+// [M*k] int64 (slot -> permuted row), workspace int32 (permute_workspace_size):
+// the sort's intermediates, the same numbers on every backend: rank [M*k]
+// (within a chunk of kPermuteChunk slots), chunk counts [chunks, E], chunk
+// bases [chunks, E] (exclusive prefix over chunks per expert).
 #define COMPASS_FP8_PERMUTE_ARGS                                                       \
   TensorView x, TensorView topk_ids, int64_t num_experts, double eps, bool ue8m0,        \
       int64_t scale_layout, TensorView q, TensorView scales, TensorView expert_offsets, TensorView src_index, \

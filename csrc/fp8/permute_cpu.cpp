@@ -5,6 +5,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -20,26 +21,34 @@ namespace {
 constexpr int64_t kParallelMinElements = int64_t{1} << 16;
 constexpr int64_t kGroup = 128;
 
+// The stable counting sort, in the CUDA kernels' terms (so the workspace holds
+// the same numbers on every backend): per chunk of kPermuteChunk slots, each
+// slot's rank among the chunk's earlier slots of its expert and the chunk's
+// per-expert counts; per expert, the exclusive prefix over chunks (base) and
+// the offsets; slot s of expert e goes to row offsets[e] + base[chunk, e] + rank[s].
 template <typename I>
-void count_experts(const I* ids, int64_t slots, int64_t experts, int64_t* offsets,
-                   const char* name) {
-  std::fill(offsets, offsets + experts + 1, 0);
+void sort_slots(const I* ids, int64_t slots, int64_t experts, int64_t* offsets, int32_t* rank,
+                int32_t* counts, int32_t* base, int64_t* src, int64_t* dst, const char* name) {
+  const int64_t chunks = (slots + kPermuteChunk - 1) / kPermuteChunk;
+  std::fill(counts, counts + chunks * experts, 0);
   for (int64_t s = 0; s < slots; ++s) {
     const int64_t e = static_cast<int64_t>(ids[s]);
     COMPASS_CHECK(e >= 0 && e < experts, name, ": expected expert ids in [0, ", experts,
                   "), got ", e, " at flat index ", s);
-    ++offsets[e + 1];
+    rank[s] = counts[(s / kPermuteChunk) * experts + e]++;
   }
-  for (int64_t e = 0; e < experts; ++e) offsets[e + 1] += offsets[e];
-}
-
-// Stable placement: slot s goes after every earlier slot of its expert.
-template <typename I>
-void place(const I* ids, int64_t slots, int64_t experts, const int64_t* offsets, int64_t* src,
-           int64_t* dst) {
-  std::vector<int64_t> cursor(offsets, offsets + experts);
+  std::vector<int64_t> run(static_cast<size_t>(experts), 0);
+  for (int64_t c = 0; c < chunks; ++c) {
+    for (int64_t e = 0; e < experts; ++e) {
+      base[c * experts + e] = static_cast<int32_t>(run[e]);
+      run[e] += counts[c * experts + e];
+    }
+  }
+  offsets[0] = 0;
+  for (int64_t e = 0; e < experts; ++e) offsets[e + 1] = offsets[e] + run[e];
   for (int64_t s = 0; s < slots; ++s) {
-    const int64_t p = cursor[static_cast<int64_t>(ids[s])]++;
+    const int64_t e = static_cast<int64_t>(ids[s]);
+    const int64_t p = offsets[e] + base[(s / kPermuteChunk) * experts + e] + rank[s];
     src[p] = s;
     dst[s] = p;
   }
@@ -116,10 +125,16 @@ void permute_quantize_cpu(COMPASS_FP8_PERMUTE_ARGS) {
   int64_t* off = expert_offsets.ptr<int64_t>();
   int64_t* src = src_index.ptr<int64_t>();
   int64_t* dst = dst_index.ptr<int64_t>();
+  COMPASS_CHECK(slots < INT32_MAX, "topk_ids: at most 2^31 - 1 slots (tokens * top_k), got ",
+                slots);
+  const int64_t chunks = (slots + kPermuteChunk - 1) / kPermuteChunk;
+  int32_t* rank = workspace.ptr<int32_t>();
+  int32_t* counts = rank + slots;
+  int32_t* base = counts + chunks * num_experts;
   dispatch(topk_ids, Types<int32_t, int64_t>{}, [&](auto tag) {
     using I = decltype(tag);
-    count_experts(topk_ids.ptr<I>(), slots, num_experts, off, topk_ids.name);
-    place(topk_ids.ptr<I>(), slots, num_experts, off, src, dst);
+    sort_slots(topk_ids.ptr<I>(), slots, num_experts, off, rank, counts, base, src, dst,
+               topk_ids.name);
   });
   if (slots == 0 || x.shape[1] == 0) return;
   const float e = static_cast<float>(eps);
