@@ -154,3 +154,16 @@ def test_consumes_permute_quantize_output(backend, scale_layout):
     b_q, b_s = ck.fp8.quantize_blockwise(torch.randn(experts, n, k, generator=g))
     args = (p.q, p.scales, b_q, b_s, p.expert_offsets)
     check_close(ck.fp8.grouped_gemm(*args, backend=backend), args)
+
+
+# ------------------------------------------------------------------ GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_gpu_backends_match_reference(backend):
+    args = make_problem(COUNTS, 256, 512, seed=8)
+    dev = [t.cuda() for t in args]
+    out = empty_poisoned((args[0].shape[0], 256), torch.bfloat16, "cuda")
+    grouped_gemm_op.run((*dev, 0), backend, (out,))
+    check_close(out.cpu(), args)

@@ -3,14 +3,19 @@
 Token-packed: the rows of expert ``e`` are ``[expert_offsets[e],
 expert_offsets[e+1])`` of the permuted activations, with no padding between
 experts (the layout ``ck.fp8``'s fused permute + 1x128 quantization produces).
-Kernels: ``cpp`` (csrc/fp8_gemm, CPU tensors), ``triton`` (``triton_gemm.py``,
-CUDA tensors, or CPU tensors in the interpreter). Spec: ``reference_gemm.py``.
+Kernels: ``cpp`` (csrc/fp8_gemm, CPU tensors), ``cuda`` (CUTLASS sm_90a
+pointer-array grouped GEMM with blockwise scaling, its arguments built on the
+device), ``triton`` (``triton_gemm.py``, CUDA tensors, or CPU tensors in the
+interpreter). Spec: ``reference_gemm.py``.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from compass_kernels._ext import BackendUnavailableError, load
 from compass_kernels._op import register_op
 from compass_kernels._validate import check_offsets, check_tensor, describe
 
@@ -28,6 +33,35 @@ def _outputs(a_q, a_scales, b_q, b_scales, expert_offsets, out_dtype):
     return (a_q.new_empty((a_q.shape[0], b_q.shape[1]), dtype=_FROM_CODE[out_dtype]),)
 
 
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def grouped_gemm_cutlass(a_q, a_scales, b_q, b_scales, expert_offsets, out_dtype, out, stream):
+    """The ``cuda`` backend: CUTLASS sm_90a (csrc/fp8_gemm/grouped_gemm_sm90_m128.cu).
+
+    Two launches on ``stream``, no host sync: the argument builder (problem
+    shapes and pointer arrays from the offsets, on the device), then the
+    grouped GEMM. Needs K % 16 == 0, N % 8 == 0, bf16 output and K-major
+    contiguous scales (checked, with a clear error, at the C++ boundary)."""
+    ext = load().fp8_gemm
+    if not hasattr(ext, "grouped_gemm_sm90_cuda"):
+        raise BackendUnavailableError(
+            "fp8_grouped_gemm: compass_kernels._C was built without the CUTLASS kernel: rebuild "
+            "with nvcc and COMPASS_CUTLASS_INCLUDE (pip install --no-deps nvidia-cutlass), or "
+            "pass backend='triton'"
+        )
+    e = b_q.shape[0]
+    shapes = torch.empty((e, 3), dtype=torch.int32, device=a_q.device)
+    ptrs = torch.empty((len(PTR_ROWS), e), dtype=torch.int64, device=a_q.device)
+    ext.grouped_args_cuda(a_q, a_scales, b_q, b_scales, expert_offsets, out, shapes, ptrs, stream)
+    sms = _sm_count(a_q.device.index or 0)
+    ws = torch.empty(ext.grouped_gemm_sm90_workspace(e, sms), dtype=torch.uint8, device=a_q.device)
+    ext.grouped_gemm_sm90_cuda(a_q, a_scales, b_q, b_scales, expert_offsets, out_dtype, out,
+                               shapes, ptrs, ws, sms, stream)  # fmt: skip
+
+
 grouped_gemm_op = register_op(
     "fp8_grouped_gemm",
     "(Tensor a_q, Tensor a_scales, Tensor b_q, Tensor b_scales, Tensor expert_offsets,"
@@ -35,6 +69,7 @@ grouped_gemm_op = register_op(
     outputs=_outputs,
     kernels={
         "cpp": "fp8_gemm.grouped_gemm_cpu",
+        "cuda": "compass_kernels.fp8.grouped_gemm:grouped_gemm_cutlass",
         "triton": "compass_kernels.fp8.triton_gemm:grouped_gemm_triton",
     },
 )
@@ -120,7 +155,9 @@ def grouped_gemm(
         at no cost; on CUDA the check needs a host sync: off by default (bad
         offsets are undefined behaviour, as in every varlen kernel), on with
         validate=True. CPU tensors on another backend are checked unless False.
-    backend : None (default dispatch), "cpp" or "triton".
+    backend : None (default dispatch: cpp on CPU, cuda = CUTLASS on CUDA), "cpp",
+        "cuda" or "triton". The CUTLASS kernel needs bf16 output, K % 16 == 0,
+        N % 8 == 0 and K-major contiguous scales; the Triton kernel takes any.
     out : [M, N] output to write (tests pass poisoned buffers).
 
     K and N need not be multiples of 128 (partial last blocks use their own

@@ -15,6 +15,10 @@ void bind(pybind11::module_& root) {
   COMPASS_DEF_NOGIL(m, grouped_args_cpu, args);
 #ifdef COMPASS_WITH_CUDA
   COMPASS_DEF(m, grouped_args_cuda, args);
+  COMPASS_DEF(m, grouped_gemm_sm90_workspace, "(experts, sm_count) -> workspace bytes");
+  COMPASS_DEF(m, grouped_gemm_sm90_cuda,
+              "(a_q, a_scales, b_q, b_scales, expert_offsets, out_dtype, out, shapes, ptrs, "
+              "workspace, sm_count, stream): CUTLASS sm_90a blockwise grouped GEMM");
 #endif
 }
 

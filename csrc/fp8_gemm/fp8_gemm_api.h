@@ -52,6 +52,14 @@ void grouped_args_cpu(COMPASS_FP8_GROUPED_ARGS_ARGS);
 #if defined(COMPASS_WITH_CUDA) || defined(COMPASS_EMULATION)  // emulated: csrc/emu
 void grouped_args_cuda(COMPASS_FP8_GROUPED_ARGS_ARGS, uintptr_t stream);
 #endif
+#ifdef COMPASS_WITH_CUDA  // CUTLASS sm_90a (grouped_gemm_sm90_m128.cu)
+// Bytes of workspace the CUTLASS grouped GEMM needs for E experts on sm_count SMs.
+int64_t grouped_gemm_sm90_workspace(int64_t experts, int64_t sm_count);
+// The GEMM's arguments, then the builder's shapes / ptrs (already filled on the
+// device by grouped_args_cuda), a uint8 workspace, the SM count, the stream.
+void grouped_gemm_sm90_cuda(COMPASS_FP8_GROUPED_GEMM_ARGS, TensorView shapes, TensorView ptrs,
+                            TensorView workspace, int64_t sm_count, uintptr_t stream);
+#endif
 
 }  // namespace fp8_gemm
 }  // namespace compass
