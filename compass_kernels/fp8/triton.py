@@ -30,8 +30,12 @@ __all__ = ["quantize_triton", "permute_quantize_triton", "unpermute_triton", "ao
 LAUNCH = {"num_warps": 4, "enable_fp_fusion": False}
 #: Slots per chunk of the permutation (as the CUDA kernels: the workspace layout).
 CHUNK = 256
+#: Slots compared per step of the rank kernel.
+RANK_STEP = 16
 #: Columns per group / block.
 TILE = 128
+#: Rows per step of the 128x128 weight-block kernel.
+BLOCK_ROWS_PER_STEP = 32
 #: Columns per program of the unpermute kernel.
 UNPERMUTE_BLOCK = 512
 
@@ -75,19 +79,28 @@ def _quantize_values(x, s, USE_DIV: tl.constexpr):
 def _quantize_block_kernel(
     x_ptr, q_ptr, s_ptr, rows, cols, xs, qs, ss0, ss1, eps,
     UE8M0: tl.constexpr, USE_DIV: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+    RB: tl.constexpr,
 ):  # fmt: skip
-    """One program per BR x BC block (weights: 128 x 128)."""
+    """One program per BR x BC block (weights: 128 x 128), RB rows at a time: a
+    whole block live at once spills (ptxas: 2 KB with 4 warps); the second
+    pass re-reads the block from L2 (32 KB of bf16), not HBM."""
     i = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1).to(tl.int64)
-    r = i * BR + tl.arange(0, BR).to(tl.int64)
     c = j * BC + tl.arange(0, BC).to(tl.int64)
-    m = (r[:, None] < rows) & (c[None, :] < cols)
-    x = tl.load(x_ptr + r[:, None] * xs + c[None, :], mask=m, other=0.0).to(tl.float32)
-    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-    s = _block_scale(amax, eps, UE8M0)
+    amax = tl.zeros([BC], tl.float32)
+    for r0 in range(0, BR, RB):
+        r = i * BR + r0 + tl.arange(0, RB).to(tl.int64)
+        m = (r[:, None] < rows) & (c[None, :] < cols)
+        x = tl.load(x_ptr + r[:, None] * xs + c[None, :], mask=m, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=0))
+    s = _block_scale(tl.max(amax, axis=0), eps, UE8M0)
     tl.store(s_ptr + i * ss0 + j * ss1, s)
-    sb = tl.full([BR, BC], 0.0, tl.float32) + s
-    tl.store(q_ptr + r[:, None] * qs + c[None, :], _quantize_values(x, sb, USE_DIV), mask=m)
+    sb = tl.full([RB, BC], 0.0, tl.float32) + s
+    for r0 in range(0, BR, RB):
+        r = i * BR + r0 + tl.arange(0, RB).to(tl.int64)
+        m = (r[:, None] < rows) & (c[None, :] < cols)
+        x = tl.load(x_ptr + r[:, None] * xs + c[None, :], mask=m, other=0.0).to(tl.float32)
+        tl.store(q_ptr + r[:, None] * qs + c[None, :], _quantize_values(x, sb, USE_DIV), mask=m)
 
 
 @triton.jit
@@ -118,20 +131,26 @@ def _quantize_groups_kernel(
 
 @triton.jit
 def _permute_rank_kernel(ids_ptr, slots, experts, rank_ptr, counts_ptr,
-                         CHUNK: tl.constexpr, EP: tl.constexpr):  # fmt: skip
+                         CHUNK: tl.constexpr, EP: tl.constexpr, SUB: tl.constexpr):  # fmt: skip
     """Per chunk: each slot's rank among the chunk's earlier slots of its expert
-    (a CHUNK x CHUNK comparison), and the chunk's per-expert counts."""
+    (CHUNK x SUB comparisons per step: a CHUNK x CHUNK tile at once spills), and
+    the chunk's per-expert counts (a histogram)."""
     chunk = tl.program_id(0).to(tl.int64)
     lanes = tl.arange(0, CHUNK)
     s = chunk * CHUNK + lanes
     e = tl.load(ids_ptr + s, mask=s < slots, other=-1).to(tl.int64)
     valid = (e >= 0) & (e < experts)
     e = tl.where(valid, e, -1)
-    same = (e[:, None] == e[None, :]) & (lanes[None, :] < lanes[:, None]) & valid[:, None]
-    rank = tl.sum(same.to(tl.int32), axis=1)
+    rank = tl.zeros([CHUNK], tl.int32)
+    for b in range(0, CHUNK, SUB):
+        cols = b + tl.arange(0, SUB)
+        sc = chunk * CHUNK + cols
+        ec = tl.load(ids_ptr + sc, mask=sc < slots, other=-1).to(tl.int64)
+        same = (e[:, None] == ec[None, :]) & (cols[None, :] < lanes[:, None])
+        rank += tl.sum(same.to(tl.int32), axis=1)
     tl.store(rank_ptr + s, rank, mask=valid)
+    counts = tl.histogram(tl.where(valid, e, 0).to(tl.int32), EP, mask=valid)
     ex = tl.arange(0, EP).to(tl.int64)
-    counts = tl.sum((e[:, None] == ex[None, :]).to(tl.int32), axis=0)
     tl.store(counts_ptr + chunk * experts + ex, counts, mask=ex < experts)
 
 
@@ -232,8 +251,9 @@ def quantize_triton(
     if block_rows == TILE:
         grid = (triton.cdiv(rows, TILE), triton.cdiv(cols, TILE))
         _quantize_block_kernel[grid](
-            *args, float(eps), UE8M0=bool(ue8m0), USE_DIV=bool(use_div), BR=TILE, BC=TILE, **LAUNCH
-        )
+            *args, float(eps), UE8M0=bool(ue8m0), USE_DIV=bool(use_div), BR=TILE, BC=TILE,
+            RB=BLOCK_ROWS_PER_STEP, **LAUNCH,
+        )  # fmt: skip
     else:
         _quantize_groups_kernel[(rows,)](
             *args, float(eps), UE8M0=bool(ue8m0), USE_DIV=bool(use_div),
@@ -255,7 +275,15 @@ def permute_quantize_triton(
     base = workspace[slots + chunks * num_experts :]
     if chunks:
         _permute_rank_kernel[(chunks,)](
-            topk_ids, slots, num_experts, rank, counts, CHUNK=CHUNK, EP=ep, **LAUNCH
+            topk_ids,
+            slots,
+            num_experts,
+            rank,
+            counts,
+            CHUNK=CHUNK,
+            EP=ep,
+            SUB=RANK_STEP,
+            **LAUNCH,
         )
     _permute_scan_kernel[(1,)](counts, base, chunks, num_experts, expert_offsets, EP=ep, **LAUNCH)
     if slots == 0:
@@ -291,16 +319,18 @@ def aot_variants() -> list[tuple[object, dict[str, str], dict[str, object], dict
         "UE8M0": "constexpr", "USE_DIV": "constexpr",
     }  # fmt: skip
     out = []
-    for ue8m0 in (False, True):
-        block = quant | {"BR": "constexpr", "BC": "constexpr"}
-        const = {"UE8M0": ue8m0, "USE_DIV": False, "BR": TILE, "BC": TILE}
+    for ue8m0 in (False, True):  # the weight sync's scales, DeepGEMM's UE8M0 scales
+        block = quant | {"BR": "constexpr", "BC": "constexpr", "RB": "constexpr"}
+        const = {"UE8M0": ue8m0, "USE_DIV": False, "BR": TILE, "BC": TILE,
+                 "RB": BLOCK_ROWS_PER_STEP}  # fmt: skip
         out.append((_quantize_block_kernel, block, const, LAUNCH))
         groups = quant | {"NG": "constexpr", "BC": "constexpr"}
         out.append((_quantize_groups_kernel, groups,
                     {"UE8M0": ue8m0, "USE_DIV": True, "NG": 64, "BC": TILE}, LAUNCH))  # fmt: skip
     rank = {"ids_ptr": "*i32", "slots": "i64", "experts": "i64", "rank_ptr": "*i32",
-            "counts_ptr": "*i32", "CHUNK": "constexpr", "EP": "constexpr"}  # fmt: skip
-    out.append((_permute_rank_kernel, rank, {"CHUNK": CHUNK, "EP": 128}, LAUNCH))
+            "counts_ptr": "*i32", "CHUNK": "constexpr", "EP": "constexpr",
+            "SUB": "constexpr"}  # fmt: skip
+    out.append((_permute_rank_kernel, rank, {"CHUNK": CHUNK, "EP": 256, "SUB": RANK_STEP}, LAUNCH))
     scan = {"counts_ptr": "*i32", "base_ptr": "*i32", "chunks": "i64", "experts": "i64",
             "offsets_ptr": "*i64", "EP": "constexpr"}  # fmt: skip
     out.append((_permute_scan_kernel, scan, {"EP": 128}, LAUNCH))

@@ -39,10 +39,11 @@ __device__ __forceinline__ float warp_amax(float m) { return warp_max(m); }
 // Weights: one CTA per 128x128 block (ragged edges masked); warp w holds rows
 // w, w + 8, ..., lane l columns l, l + 32, l + 64, l + 96: every load and
 // store instruction of a warp touches consecutive addresses. The block stays
-// in registers (64 values per thread) between the amax and the quantization:
-// x is read once.
+// in registers (64 values per thread, kept in the input type: 32 registers for
+// bf16) between the amax and the quantization: x is read once. Under 128
+// registers, two CTAs (16 warps) fit per SM.
 template <typename T, bool kDiv>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 2)
     quantize_block_kernel(const T* __restrict__ x, int64_t rows, int64_t cols, int64_t xs,
                           uint8_t* __restrict__ q, int64_t qs, float* __restrict__ s,
                           int64_t ss0, int64_t ss1, float eps, bool ue8m0) {
@@ -50,7 +51,7 @@ __global__ void __launch_bounds__(kThreads)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kTile;
   const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kTile;
-  float v[kRowsPerWarp][4];
+  T v[kRowsPerWarp][4];
   float m = 0.0f;
 #pragma unroll
   for (int i = 0; i < kRowsPerWarp; ++i) {
@@ -58,8 +59,8 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int64_t c = c0 + lane + 32 * j;
-      v[i][j] = (r < rows && c < cols) ? load_value(x + r * xs + c) : 0.0f;
-      m = fmaxf(m, fabsf(v[i][j]));
+      v[i][j] = (r < rows && c < cols) ? x[r * xs + c] : T{};
+      m = fmaxf(m, fabsf(Elem<T>::value(v[i][j])));
     }
   }
   __shared__ float partial[kWarps];
@@ -77,7 +78,9 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int64_t c = c0 + lane + 32 * j;
-      if (r < rows && c < cols) q[r * qs + c] = quantize_value(v[i][j], scale, inv, kDiv);
+      if (r < rows && c < cols) {
+        q[r * qs + c] = quantize_value(Elem<T>::value(v[i][j]), scale, inv, kDiv);
+      }
     }
   }
 }

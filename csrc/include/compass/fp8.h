@@ -69,9 +69,14 @@ COMPASS_HD uint8_t e4m3_from_f32(float x) {
   const float shifted = f32_from_bits(a) + 16384.0f;
 #endif
   const uint32_t sub = f32_bits(shifted) - 0x46800000u;
-  uint32_t r = a < 0x3c800000u ? sub : normal;  // 0x3c800000 = 2^-6
-  r = a >= 0x43e00000u ? 0x7eu : r;             // >= 448 (and inf): saturate
-  r = a > kF32Inf ? 0x7fu : r;                  // NaN
+  // Selects as masks: GCC if-converts ?: here only partly, and then does not
+  // vectorize the CPU loop at all ("control flow in loop").
+  const uint32_t is_sub = 0u - static_cast<uint32_t>(a < 0x3c800000u);  // < 2^-6
+  const uint32_t is_sat = 0u - static_cast<uint32_t>(a >= 0x43e00000u);  // >= 448, inf
+  const uint32_t is_nan = 0u - static_cast<uint32_t>(a > kF32Inf);
+  uint32_t r = (sub & is_sub) | (normal & ~is_sub);
+  r = (0x7eu & is_sat) | (r & ~is_sat);
+  r = (0x7fu & is_nan) | (r & ~is_nan);
   return static_cast<uint8_t>(sign | r);
 }
 
