@@ -17,11 +17,12 @@ endif()
 
 # Plain CUDA (no wgmma / TMA / clusters / CUTLASS) that runs under emulation.
 set(COMPASS_EMU_KERNELS csrc/advantages/advantages.cu csrc/routing/replay.cu csrc/espo/espo_loss.cu
-    csrc/logprobs/logprobs.cu csrc/packing/pack.cu csrc/fp8/fp8.cu)
+    csrc/logprobs/logprobs.cu csrc/packing/pack.cu csrc/fp8/fp8.cu csrc/fp8_gemm/grouped_args.cu)
 # Host code the entry points call (argument checks, DLPack views).
 set(COMPASS_EMU_HOST_SOURCES csrc/advantages/advantages_cpu.cpp csrc/routing/replay_cpu.cpp
     csrc/espo/espo_loss_cpu.cpp csrc/logprobs/logprobs_cpu.cpp csrc/packing/pack_cpu.cpp
-    csrc/fp8/fp8_cpu.cpp csrc/fp8/permute_cpu.cpp csrc/dlpack_view.cpp)
+    csrc/fp8/fp8_cpu.cpp csrc/fp8/permute_cpu.cpp csrc/fp8_gemm/grouped_gemm_cpu.cpp
+    csrc/fp8_gemm/grouped_args_cpu.cpp csrc/dlpack_view.cpp)
 
 set(_emu_gen ${CMAKE_BINARY_DIR}/emu)
 file(MAKE_DIRECTORY ${_emu_gen})
@@ -212,6 +213,17 @@ if(COMPASS_EMU_MUTANTS)
   compass_emu_mutant(lp_sum_no_barrier KERNEL ${_lp} FILE ${_lp} ENTRIES ${_lp_entries}
     FIND "partial[threadIdx.x / 32] = v<semicolon>\n  __syncthreads()<semicolon>\n"
     REPLACE "partial[threadIdx.x / 32] = v<semicolon>\n")
+
+  # ck.fp8.grouped_gemm's argument builder (tests/test_fp8_gemm_args.py: MUTANTS).
+  set(_fp8g csrc/fp8_gemm/grouped_args.cu)
+  compass_emu_mutant(fp8_gemm_args_guard_off_by_one KERNEL ${_fp8g} FILE ${_fp8g}
+    ENTRIES grouped_args_cuda
+    FIND "if (e >= experts) return"
+    REPLACE "if (e > experts) return")
+  compass_emu_mutant(fp8_gemm_args_runs_to_end KERNEL ${_fp8g} FILE ${_fp8g}
+    ENTRIES grouped_args_cuda
+    FIND "off[e], off[e + 1], shapes"
+    REPLACE "off[e], off[experts], shapes")
 endif()
 # COMPASS_EMU_MUTANTS_<CAP>(X): the mutants of one capability's kernels;
 # COMPASS_EMU_MUTANTS(X) is advantages' list under its first name.
@@ -239,7 +251,8 @@ set_target_properties(compass_emu_kernels PROPERTIES POSITION_INDEPENDENT_CODE O
 # NO_EXTRAS: no strip, so the line tables below survive.
 pybind11_add_module(_C_emu MODULE NO_EXTRAS
   csrc/emu/src/module.cpp csrc/emu/src/bindings_advantages.cpp csrc/emu/src/bindings_routing.cpp
-  csrc/emu/src/bindings_espo.cpp csrc/emu/src/bindings_packing.cpp csrc/emu/src/bindings_fp8.cpp csrc/emu/src/bindings_logprobs.cpp
+  csrc/emu/src/bindings_espo.cpp csrc/emu/src/bindings_logprobs.cpp csrc/emu/src/bindings_packing.cpp
+  csrc/emu/src/bindings_fp8.cpp csrc/emu/src/bindings_fp8_gemm.cpp
   csrc/emu/src/bindings_selftest.cpp csrc/emu/src/runtime.cpp csrc/emu/src/memcheck.cpp
   csrc/emu/src/fiber.cpp
   ${COMPASS_EMU_HOST_SOURCES} $<TARGET_OBJECTS:compass_emu_kernels>)

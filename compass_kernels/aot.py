@@ -536,6 +536,7 @@ def compile_triton(
     arch: int = 90,
     num_warps: int = 4,
     num_stages: int = 3,
+    divisible_by_16: tuple[str, ...] = (),
     **options: Any,
 ) -> CompiledArtifacts:
     """Compile a ``@triton.jit`` kernel for an NVIDIA target without a GPU.
@@ -553,6 +554,9 @@ def compile_triton(
         SM number; 90 compiles for ``sm_90a`` (wgmma, TMA).
     num_warps, num_stages : int, optional
         Launch / pipelining options, as in a launch.
+    divisible_by_16 : tuple of str, optional
+        Parameters to compile as multiples of 16 (``tt.divisibility``), as Triton's
+        launcher specializes aligned pointers and strides at a real launch.
     **options
         Further Triton compile options (e.g. ``maxnreg``, ``enable_fp_fusion``).
 
@@ -573,7 +577,8 @@ def compile_triton(
     opts.setdefault("enable_fp_fusion", True)
     with _compilable():
         jit = _as_jit_function(fn)
-        src = ASTSource(jit, dict(signature), dict(constexprs or {}))
+        attrs = {(jit.arg_names.index(p),): [["tt.divisibility", 16]] for p in divisible_by_16}
+        src = ASTSource(jit, dict(signature), dict(constexprs or {}), attrs)
         kernel = triton.compile(src, target=_gpu_target(arch), options=opts)
     metadata = kernel.metadata._asdict()
     return CompiledArtifacts(

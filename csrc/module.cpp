@@ -22,6 +22,7 @@ namespace espo { void bind(py::module_& m); }
 namespace packing { void bind(py::module_& m); }
 namespace fp8 { void bind(py::module_& m); }
 namespace logprobs { void bind(py::module_& m); }
+namespace fp8_gemm { void bind(py::module_& m); }
 }  // namespace compass
 
 namespace {
@@ -75,4 +76,5 @@ PYBIND11_MODULE(_C, m) {
   compass::packing::bind(m);
   compass::fp8::bind(m);
   compass::logprobs::bind(m);
+  compass::fp8_gemm::bind(m);
 }

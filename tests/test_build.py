@@ -122,3 +122,35 @@ def test_cutlass_headers_from_the_wheel_compile_for_sm90a(tmp_path):
            "-o", str(cubin), str(src)]  # fmt: skip
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     aot.assert_sass_contains(aot.sass_of(cubin), r"F2FP\.SATFINITE\.E4M3", kernel="to_e4m3")
+
+
+@pytest.mark.sm90
+@needs_cuda_build
+def test_fp8_gemm_argument_builder_is_built_without_spills():
+    """ck.fp8.grouped_gemm's device-side argument builder: in the sm_90a build,
+    no spills or stack, registers reported."""
+    usage = aot.resource_usage(_C.__file__, arch="sm_90a")
+    mine = {k: v for k, v in usage.items() if "grouped_args_kernel" in k}
+    assert len(mine) == 1, sorted(usage)
+    aot.assert_no_spills(mine)
+    aot.assert_registers_at_most(mine, 64)
+    print({k: v["registers"] for k, v in mine.items()})
+
+
+@pytest.mark.sm90
+@needs_cuda_build
+def test_fp8_gemm_cutlass_kernel_uses_qgmma_without_spills():
+    """ck.fp8.grouped_gemm's CUTLASS sm_90a kernel (grouped_gemm_sm90_m128.cu) is in
+    the build: FP8 tensor-core MMA (QGMMA) in its SASS, no spills or stack, its
+    registers reported, no device asserts. Its dynamic shared memory (not in the
+    report) is bounded by a static_assert in the source (<= 232448 bytes)."""
+    usage = aot.resource_usage(_C.__file__, arch="sm_90a")
+    gemm = [k for k in usage if "KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise" in k]
+    assert len(gemm) == 1, "the CUTLASS fp8 grouped GEMM is not in the sm_90a build"
+    row = usage[gemm[0]]
+    aot.assert_no_spills({gemm[0]: row})
+    aot.assert_registers_at_most({gemm[0]: row}, 168)  # 2 consumer warpgroups + producer
+    sass = aot.sass_of(_C.__file__, function=gemm[0])
+    aot.assert_sass_contains(sass, r"QGMMA\.64x128x32\.F32\.E4M3\.E4M3", kernel="fp8 grouped GEMM")
+    assert "__assertfail" not in sass
+    print(f"fp8 grouped GEMM (CUTLASS, sm_90a): {row['registers']} registers")

@@ -25,6 +25,7 @@ import torch
 
 from compass_kernels._op import register_op
 from compass_kernels._validate import check_finite, check_tensor, describe
+from compass_kernels.fp8.grouped_gemm import grouped_gemm  # noqa: F401  (ck.fp8.grouped_gemm)
 
 __all__ = [
     "quantize_blockwise",

@@ -11,6 +11,7 @@ void bind_espo(pybind11::module_& root);
 void bind_packing(pybind11::module_& root);
 void bind_fp8(pybind11::module_& root);
 void bind_logprobs(pybind11::module_& root);
+void bind_fp8_gemm(pybind11::module_& root);
 void bind_selftest(pybind11::module_& root);
 }  // namespace emu
 }  // namespace compass

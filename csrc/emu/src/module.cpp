@@ -82,5 +82,6 @@ PYBIND11_MODULE(_C_emu, m) {
   compass::emu::bind_packing(m);
   compass::emu::bind_fp8(m);
   compass::emu::bind_logprobs(m);
+  compass::emu::bind_fp8_gemm(m);
   compass::emu::bind_selftest(m);
 }

@@ -1,0 +1,186 @@
+"""FP8 grouped expert GEMM with blockwise scales (``ck.fp8.grouped_gemm``).
+
+Token-packed: the rows of expert ``e`` are ``[expert_offsets[e],
+expert_offsets[e+1])`` of the permuted activations, with no padding between
+experts (the layout ``ck.fp8``'s fused permute + 1x128 quantization produces).
+Kernels: ``cpp`` (csrc/fp8_gemm, CPU tensors), ``cuda`` (CUTLASS sm_90a
+pointer-array grouped GEMM with blockwise scaling, its arguments built on the
+device), ``triton`` (``triton_gemm.py``, CUDA tensors, or CPU tensors in the
+interpreter). Spec: ``reference_gemm.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from compass_kernels._ext import BackendUnavailableError, load
+from compass_kernels._op import register_op
+from compass_kernels._validate import check_offsets, check_tensor, describe
+
+__all__ = ["grouped_gemm", "grouped_gemm_op", "grouped_args_op", "OUT_DTYPES", "PTR_ROWS"]
+
+#: Output dtypes and their codes at the kernel boundary.
+OUT_DTYPES = {torch.bfloat16: 0, torch.float32: 1}
+_FROM_CODE = {v: k for k, v in OUT_DTYPES.items()}
+_FP8 = (torch.float8_e4m3fn,)
+_F32 = (torch.float32,)
+
+
+def _outputs(a_q, a_scales, b_q, b_scales, expert_offsets, out_dtype):
+    # Also the fake: shapes from metadata only.
+    return (a_q.new_empty((a_q.shape[0], b_q.shape[1]), dtype=_FROM_CODE[out_dtype]),)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def grouped_gemm_cutlass(a_q, a_scales, b_q, b_scales, expert_offsets, out_dtype, out, stream):
+    """The ``cuda`` backend: CUTLASS sm_90a (csrc/fp8_gemm/grouped_gemm_sm90_m128.cu).
+
+    Two launches on ``stream``, no host sync: the argument builder (problem
+    shapes and pointer arrays from the offsets, on the device), then the
+    grouped GEMM. Needs K % 16 == 0, N % 8 == 0, bf16 output and K-major
+    contiguous scales (checked, with a clear error, at the C++ boundary)."""
+    ext = load().fp8_gemm
+    if not hasattr(ext, "grouped_gemm_sm90_cuda"):
+        raise BackendUnavailableError(
+            "fp8_grouped_gemm: compass_kernels._C was built without the CUTLASS kernel: rebuild "
+            "with nvcc and COMPASS_CUTLASS_INCLUDE (pip install --no-deps nvidia-cutlass), or "
+            "pass backend='triton'"
+        )
+    e = b_q.shape[0]
+    shapes = torch.empty((e, 3), dtype=torch.int32, device=a_q.device)
+    ptrs = torch.empty((len(PTR_ROWS), e), dtype=torch.int64, device=a_q.device)
+    ext.grouped_args_cuda(a_q, a_scales, b_q, b_scales, expert_offsets, out, shapes, ptrs, stream)
+    sms = _sm_count(a_q.device.index or 0)
+    ws = torch.empty(ext.grouped_gemm_sm90_workspace(e, sms), dtype=torch.uint8, device=a_q.device)
+    ext.grouped_gemm_sm90_cuda(a_q, a_scales, b_q, b_scales, expert_offsets, out_dtype, out,
+                               shapes, ptrs, ws, sms, stream)  # fmt: skip
+
+
+grouped_gemm_op = register_op(
+    "fp8_grouped_gemm",
+    "(Tensor a_q, Tensor a_scales, Tensor b_q, Tensor b_scales, Tensor expert_offsets,"
+    " int out_dtype) -> Tensor",
+    outputs=_outputs,
+    kernels={
+        "cpp": "fp8_gemm.grouped_gemm_cpu",
+        "cuda": "compass_kernels.fp8.grouped_gemm:grouped_gemm_cutlass",
+        "triton": "compass_kernels.fp8.triton_gemm:grouped_gemm_triton",
+    },
+)
+
+
+#: Rows of the pointer arrays the argument builder writes (compass/fp8_gemm.h: PtrRow).
+PTR_ROWS = ("a", "b", "a_scales", "b_scales", "out")
+
+
+def _args_outputs(a_q, a_scales, b_q, b_scales, expert_offsets, out):
+    e = b_q.shape[0]
+    return (
+        a_q.new_empty((e, 3), dtype=torch.int32),
+        a_q.new_empty((len(PTR_ROWS), e), dtype=torch.int64),
+    )
+
+
+# The device-side argument builder of a pointer-array grouped GEMM (CUTLASS's
+# problem shapes and ptr_A/B/SFA/SFB/D arrays) from the expert offsets: no
+# host sync, CUDA-graph safe. Internal; tested on CPU (cpp) and under the CUDA
+# emulation (tests/test_fp8_gemm_args.py).
+grouped_args_op = register_op(
+    "fp8_grouped_gemm_args",
+    "(Tensor a_q, Tensor a_scales, Tensor b_q, Tensor b_scales, Tensor expert_offsets,"
+    " Tensor out) -> (Tensor, Tensor)",
+    outputs=_args_outputs,
+    kernels={"cpp": "fp8_gemm.grouped_args_cpu", "cuda": "fp8_gemm.grouped_args_cuda"},
+)
+
+
+def _check_shapes(a_q, a_scales, b_q, b_scales, expert_offsets) -> None:
+    check_tensor("a_q", a_q, ndim=2, dtypes=_FP8)
+    m, k = a_q.shape
+    dev = a_q.device
+    check_tensor("b_q", b_q, ndim=3, dtypes=_FP8, device=dev)
+    e, n, kb_ = b_q.shape
+    if kb_ != k:
+        raise ValueError(f"b_q: expected K = {k} (a_q.shape[1]) in dim 2, got {describe(b_q)}")
+    if k == 0 or e == 0:
+        raise ValueError(f"a_q, b_q: expected K >= 1 and E >= 1, got {describe(a_q)}, "
+                         f"{describe(b_q)}")  # fmt: skip
+    if (a_q.stride(1) != 1 and k > 1) or (b_q.stride(2) != 1 and k > 1):
+        raise ValueError(f"a_q, b_q: expected unit stride along K, got strides {a_q.stride()} "
+                         f"and {b_q.stride()}")  # fmt: skip
+    kb, nb = -(-k // 128), -(-n // 128)
+    check_tensor("a_scales", a_scales, ndim=2, dtypes=_F32, device=dev)
+    if tuple(a_scales.shape) != (m, kb):
+        raise ValueError(f"a_scales: expected shape [{m}, {kb}] = [M, ceil(K/128)], got "
+                         f"{describe(a_scales)}")  # fmt: skip
+    check_tensor("b_scales", b_scales, ndim=3, dtypes=_F32, device=dev)
+    if tuple(b_scales.shape) != (e, nb, kb):
+        raise ValueError(f"b_scales: expected shape [{e}, {nb}, {kb}] = [E, ceil(N/128), "
+                         f"ceil(K/128)], got {describe(b_scales)}")  # fmt: skip
+    check_tensor("expert_offsets", expert_offsets, ndim=1, dtypes=(torch.int64,), size=e + 1,
+                 size_what="E + 1", device=dev)  # fmt: skip
+
+
+def grouped_gemm(
+    a_q: torch.Tensor,
+    a_scales: torch.Tensor,
+    b_q: torch.Tensor,
+    b_scales: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+    validate: bool | None = None,
+    backend: str | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``out[m] = dequant(a_q[m]) @ dequant(b_q[e]).T`` for the rows m of each expert e.
+
+    Parameters
+    ----------
+    a_q : [M, K] float8_e4m3fn, unit stride along K; rows sorted by expert.
+    a_scales : [M, ceil(K/128)] float32, one scale per row and 128 of K; any
+        strides (K-major, or the MN-major / TMA-aligned column layouts).
+    b_q : [E, N, K] float8_e4m3fn, unit stride along K.
+    b_scales : [E, ceil(N/128), ceil(K/128)] float32 (128x128 blocks), any strides.
+    expert_offsets : [E+1] int64, 0 = o[0] <= o[1] <= ... <= o[E] = M. Experts
+        with no rows cost nothing.
+    out_dtype : torch.bfloat16 (default) or torch.float32.
+    validate : check the offsets' contents. The C++ (CPU) kernel always checks,
+        at no cost; on CUDA the check needs a host sync: off by default (bad
+        offsets are undefined behaviour, as in every varlen kernel), on with
+        validate=True. CPU tensors on another backend are checked unless False.
+    backend : None (default dispatch: cpp on CPU, cuda = CUTLASS on CUDA), "cpp",
+        "cuda" or "triton". The CUTLASS kernel needs bf16 output, K % 16 == 0,
+        N % 8 == 0 and K-major contiguous scales; the Triton kernel takes any.
+    out : [M, N] output to write (tests pass poisoned buffers).
+
+    K and N need not be multiples of 128 (partial last blocks use their own
+    scales, as the quantizer's ragged blocks do).
+
+    Returns
+    -------
+    out : [M, N] ``out_dtype``; fp32 accumulation promoted every 128 of K.
+    """
+    _check_shapes(a_q, a_scales, b_q, b_scales, expert_offsets)
+    code = OUT_DTYPES.get(out_dtype)
+    if code is None:
+        raise ValueError(f"out_dtype: expected torch.bfloat16 or torch.float32, got {out_dtype}")
+    dev = a_q.device
+    if validate if validate is not None else (dev.type == "cpu" and backend not in (None, "cpp")):
+        if not (dev.type == "cpu" and backend in (None, "cpp")):
+            check_offsets("expert_offsets", expert_offsets, a_q.shape[0], exact=True)
+    if out is not None:
+        check_tensor("out", out, ndim=2, dtypes=(out_dtype,), device=dev)
+        m, n = a_q.shape[0], b_q.shape[1]
+        if tuple(out.shape) != (m, n) or (out.stride(1) != 1 and n > 1):
+            raise ValueError(f"out: expected shape [{m}, {n}] with unit stride along N, got "
+                             f"{describe(out)} strides {out.stride()}")  # fmt: skip
+        out = (out,)
+    return grouped_gemm_op(a_q, a_scales, b_q, b_scales, expert_offsets, code, backend=backend,
+                           out=out)  # fmt: skip

@@ -1,0 +1,26 @@
+// ck.fp8.grouped_gemm entry points: one line per backend.
+#include "compass_pybind.h"
+#include "fp8_gemm/fp8_gemm_api.h"
+
+namespace compass {
+namespace fp8_gemm {
+
+void bind(pybind11::module_& root) {
+  auto m = root.def_submodule("fp8_gemm", "FP8 grouped expert GEMM (blockwise scales)");
+  COMPASS_DEF_NOGIL(m, grouped_gemm_cpu,
+                    "(a_q, a_scales, b_q, b_scales, expert_offsets, out_dtype, out): writes out "
+                    "in place");
+  const char* args = "(a_q, a_scales, b_q, b_scales, expert_offsets, out, shapes, ptrs[, stream]): "
+                     "per-expert problem shapes [E, 3] and pointer arrays [5, E] in place";
+  COMPASS_DEF_NOGIL(m, grouped_args_cpu, args);
+#ifdef COMPASS_WITH_CUDA
+  COMPASS_DEF(m, grouped_args_cuda, args);
+  COMPASS_DEF(m, grouped_gemm_sm90_workspace, "(experts, sm_count) -> workspace bytes");
+  COMPASS_DEF(m, grouped_gemm_sm90_cuda,
+              "(a_q, a_scales, b_q, b_scales, expert_offsets, out_dtype, out, shapes, ptrs, "
+              "workspace, sm_count, stream): CUTLASS sm_90a blockwise grouped GEMM");
+#endif
+}
+
+}  // namespace fp8_gemm
+}  // namespace compass

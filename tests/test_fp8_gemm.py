@@ -1,0 +1,169 @@
+"""ck.fp8.grouped_gemm: every backend against the float64 reference.
+
+Backends on CPU tensors: cpp (csrc/fp8_gemm) and triton (the interpreter).
+Problems come from ck.fp8's reference quantizer, token-packed with empty
+experts, 1 / 127 / 128 / 129 tokens, K and N not multiples of 128, both
+activation-scale layouts; outputs are poisoned (NaN) before each kernel runs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import compass_kernels as ck
+from compass_kernels._ext import load
+from compass_kernels.fp8.grouped_gemm import OUT_DTYPES, grouped_gemm_op
+from compass_kernels.testing import empty_poisoned
+from tests.fp8_gemm_cases import COUNTS, check_close, make_problem, offsets_of
+
+BACKENDS = ["cpp", pytest.param("triton", marks=pytest.mark.triton)]
+
+
+def _run(args, backend, out_dtype=torch.bfloat16):
+    m, n = args[0].shape[0], args[2].shape[1]
+    out = empty_poisoned((m, n), out_dtype)
+    grouped_gemm_op.run((*args, OUT_DTYPES[out_dtype]), backend, (out,))
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    "counts,n,k",
+    [(COUNTS, 160, 300), ((5,), 128, 128), ((0, 3, 0), 37, 129), ((0, 0), 64, 256)],
+)
+def test_matches_reference(backend, out_dtype, counts, n, k):
+    args = make_problem(counts, n, k, seed=n + k)
+    check_close(_run(args, backend, out_dtype), args)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mn_major_activation_scales(backend):
+    args = make_problem((2, 0, 70), 96, 384, seed=3, mn_major=True)
+    assert args[1].stride(0) == 1  # column-major [M, K/128]
+    check_close(_run(args, backend, torch.float32), args)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_public_api(backend):
+    args = make_problem((1, 9), 40, 200, seed=5)
+    out = ck.fp8.grouped_gemm(*args, backend=backend)
+    assert out.dtype == torch.bfloat16 and out.shape == (10, 40)
+    check_close(out, args)
+    mine = empty_poisoned((10, 40), torch.float32)
+    assert ck.fp8.grouped_gemm(*args, out_dtype=torch.float32, backend=backend, out=mine) is mine
+    check_close(mine, args)
+
+
+def test_cpp_parallel_path_matches_reference():
+    # Past the OpenMP threshold (2^22 multiply-adds): the parallel tile loop.
+    args = make_problem((300, 0, 45), 200, 640, seed=9)
+    check_close(_run(args, "cpp", torch.float32), args)
+
+
+# ------------------------------------------------------------------ bad input
+
+_GOOD = make_problem((2, 3), 16, 130, seed=1)
+
+
+def _bad(**change):
+    names = ("a_q", "a_scales", "b_q", "b_scales", "expert_offsets")
+    args = dict(zip(names, _GOOD, strict=True))
+    args.update(change)
+    return [args[k] for k in names]
+
+
+BAD = [
+    ({"a_q": _GOOD[0].to(torch.float32)}, "a_q: expected dtype float8_e4m3fn"),
+    ({"b_q": _GOOD[2][:, :, :128]}, "b_q: expected K = 130"),
+    ({"a_scales": _GOOD[1][:, :1]}, "a_scales: expected shape"),
+    ({"b_scales": _GOOD[3].to(torch.float64)}, "b_scales: expected dtype float32"),
+    ({"b_scales": _GOOD[3][:, :, :1]}, "b_scales: expected shape"),
+    ({"expert_offsets": _GOOD[4].to(torch.int32)}, "expert_offsets: expected dtype int64"),
+    ({"expert_offsets": _GOOD[4][:2]}, "expert_offsets: expected 3 elements"),
+]
+BAD_DATA = [
+    (torch.tensor([0, 3, 2], dtype=torch.int64), "expert_offsets: expected non-decreasing"),
+    (torch.tensor([1, 2, 5], dtype=torch.int64), r"expected expert_offsets\[0\] == 0"),
+    (torch.tensor([0, 2, 4], dtype=torch.int64), r"expert_offsets: expected expert_offsets\[-1\]"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("change,match", BAD)
+def test_bad_input_names_the_argument(backend, change, match):
+    with pytest.raises(ValueError, match=match):
+        ck.fp8.grouped_gemm(*_bad(**change), backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("offsets,match", BAD_DATA)
+def test_bad_offsets_are_rejected(backend, offsets, match):
+    with pytest.raises(ValueError, match=match):
+        ck.fp8.grouped_gemm(*_bad(expert_offsets=offsets), backend=backend)
+
+
+def test_bad_out_dtype_and_out():
+    with pytest.raises(ValueError, match="out_dtype: expected"):
+        ck.fp8.grouped_gemm(*_GOOD, out_dtype=torch.float16)
+    with pytest.raises(ValueError, match="out: expected dtype bfloat16"):
+        ck.fp8.grouped_gemm(*_GOOD, out=torch.empty(5, 16))
+
+
+@pytest.mark.parametrize(
+    "i,bad,match",
+    [
+        (0, _GOOD[0].view(torch.uint8), "a_q: expected dtype float8_e4m3fn"),
+        (1, _GOOD[1].t(), r"a_scales: expected size 5 \(M = a_q.shape\[0\]\) in dim 0"),
+        (2, _GOOD[2].transpose(1, 2).contiguous().transpose(1, 2), "b_q: expected unit stride"),
+        (4, torch.tensor([0, 4, 3], dtype=torch.int64), "expert_offsets: expected non-decreasing"),
+        (5, 2, "out_dtype: expected 0"),
+    ],
+)
+def test_cpp_boundary_checks(i, bad, match):
+    args = [*_GOOD, 0, torch.empty(5, 16, dtype=torch.bfloat16)]
+    args[i] = bad
+    with pytest.raises(ValueError, match=match):
+        load().fp8_gemm.grouped_gemm_cpu(*args)
+
+
+def test_offsets_from_counts_helper():
+    assert offsets_of((0, 2, 0, 3)).tolist() == [0, 0, 2, 2, 5]
+
+
+def test_opcheck():
+    args = make_problem((3, 0, 2), 24, 140, seed=2)
+    # test_schema is left out: torch's schema checker multiplies the inputs,
+    # which CPU torch does not implement for float8_e4m3fn (NotImplementedError).
+    utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(torch.ops.compass.fp8_grouped_gemm.default, (*args, 0, None),
+                          test_utils=utils)  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("scale_layout", ["k_major", "mn_major_tma"])
+def test_consumes_permute_quantize_output(backend, scale_layout):
+    """ck.fp8.permute_quantize's output (token-packed, int64 offsets, each scale
+    layout it produces) feeds the GEMM directly."""
+    g = torch.Generator().manual_seed(4)
+    tokens, experts, top_k, n, k = 37, 6, 2, 72, 256
+    x = torch.randn(tokens, k, generator=g)
+    topk = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    p = ck.fp8.permute_quantize(x, topk, experts, scale_layout=scale_layout)
+    b_q, b_s = ck.fp8.quantize_blockwise(torch.randn(experts, n, k, generator=g))
+    args = (p.q, p.scales, b_q, b_s, p.expert_offsets)
+    check_close(ck.fp8.grouped_gemm(*args, backend=backend), args)
+
+
+# ------------------------------------------------------------------ GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_gpu_backends_match_reference(backend):
+    args = make_problem(COUNTS, 256, 512, seed=8)
+    dev = [t.cuda() for t in args]
+    out = empty_poisoned((args[0].shape[0], 256), torch.bfloat16, "cuda")
+    grouped_gemm_op.run((*dev, 0), backend, (out,))
+    check_close(out.cpu(), args)
