@@ -33,11 +33,28 @@ namespace {
 // Counting arrays are used for id ranges up to this wide (O(n + range)).
 int64_t compact_range_limit(int64_t n) { return std::max<int64_t>(4 * n, 65536); }
 
+// One pass over the ids: whether they are sorted, their min and the width of
+// their range, hi - lo, as uint64 (no signed overflow for ids spanning the
+// whole int64 range).
+struct IdScan {
+  bool sorted;
+  int64_t lo;
+  uint64_t span;
+};
+
 template <typename I>
-bool ids_sorted(const I* ids, int64_t n) {
-  bool sorted = true;
-  for (int64_t i = 1; i < n; ++i) sorted &= !(ids[i] < ids[i - 1]);
-  return sorted;
+IdScan scan_ids(const I* ids, int64_t n) {
+  I mn = ids[0], mx = ids[0];
+  bool unsorted = false;
+  for (int64_t i = 1; i < n; ++i) {
+    mn = std::min(mn, ids[i]);
+    mx = std::max(mx, ids[i]);
+    unsorted |= ids[i] < ids[i - 1];
+  }
+  const int64_t lo = static_cast<int64_t>(mn);
+  const uint64_t span =
+      static_cast<uint64_t>(static_cast<int64_t>(mx)) - static_cast<uint64_t>(lo);
+  return {!unsorted, lo, span};
 }
 
 // Sorted ids: the groups are the runs (order is the identity, not written).
@@ -53,14 +70,6 @@ int64_t runs_plan(const I* ids, int64_t n, int64_t* offsets, int64_t* unique) {
   }
   offsets[groups] = n;
   return groups;
-}
-
-// hi - lo as uint64 (no signed overflow for ids spanning the whole int64 range).
-template <typename I>
-uint64_t id_span(const I* ids, int64_t n, int64_t* lo) {
-  const auto [lo_it, hi_it] = std::minmax_element(ids, ids + n);
-  *lo = static_cast<int64_t>(*lo_it);
-  return static_cast<uint64_t>(static_cast<int64_t>(*hi_it)) - static_cast<uint64_t>(*lo);
 }
 
 // Counting pass over a compact range: count[v] = members with id lo + v, then
@@ -88,12 +97,11 @@ template <typename I>
 int64_t plan_impl(const I* ids, int64_t n, int64_t* order, int64_t* offsets, int64_t* unique) {
   offsets[0] = 0;
   if (n == 0) return 0;
-  if (ids_sorted(ids, n)) {
+  const auto [sorted, lo, span] = scan_ids(ids, n);
+  if (sorted) {
     std::iota(order, order + n, int64_t{0});
     return runs_plan(ids, n, offsets, unique);
   }
-  int64_t lo = 0;
-  const uint64_t span = id_span(ids, n, &lo);
   if (span < static_cast<uint64_t>(compact_range_limit(n))) {
     std::vector<int64_t> start(span + 2, 0);
     const int64_t groups = count_groups(ids, n, lo, start, offsets, unique);
@@ -170,21 +178,6 @@ int64_t by_value(const R* r, const I* ids, int64_t n, int64_t lo, int64_t range,
   return groups;
 }
 
-// One pass over the ids: whether they are sorted, and their min and max.
-template <typename I>
-bool scan_ids(const I* ids, int64_t n, int64_t* lo, int64_t* hi) {
-  I mn = ids[0], mx = ids[0];
-  bool unsorted = false;
-  for (int64_t i = 1; i < n; ++i) {
-    mn = std::min(mn, ids[i]);
-    mx = std::max(mx, ids[i]);
-    unsorted |= ids[i] < ids[i - 1];
-  }
-  *lo = static_cast<int64_t>(mn);
-  *hi = static_cast<int64_t>(mx);
-  return !unsorted;
-}
-
 template <typename R, typename I>
 int64_t ids_impl(const TensorView& rewards, const I* ids, int64_t mode, double eps, double tol,
                  const TensorView& adv, const TensorView& zero_var, double* group_mean,
@@ -195,16 +188,16 @@ int64_t ids_impl(const TensorView& rewards, const I* ids, int64_t mode, double e
   if (n == 0) return 0;
   GroupPtrs p{r, nullptr, offsets, adv.data, zero_var.ptr<bool>(), group_mean, group_std,
               n, 0, static_cast<int32_t>(mode), eps, tol};
-  int64_t lo = 0, hi = 0;
-  if (scan_ids(ids, n, &lo, &hi)) {  // sorted: the groups are the runs
+  const IdScan scan = scan_ids(ids, n);
+  const int64_t lo = scan.lo;  // a plain variable: the lambda below captures it
+  const uint64_t span = scan.span;
+  if (scan.sorted) {  // the groups are the runs
     expect_finite(r, n, "rewards");
     p.groups = runs_plan(ids, n, offsets, unique);
     std::copy(offsets, offsets + p.groups, first);
     group_impl<R>(p, /*contiguous=*/true);
     return p.groups;
   }
-  // hi - lo as uint64: no signed overflow for ids spanning the whole int64 range.
-  const uint64_t span = static_cast<uint64_t>(hi) - static_cast<uint64_t>(lo);
   if (span < static_cast<uint64_t>(std::max<int64_t>(n, 65536))) {
     const int64_t range = static_cast<int64_t>(span) + 1;
     auto run = [&](auto kmode) {
