@@ -18,6 +18,8 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
+import compass_kernels as ck  # noqa: E402
+from integration.fp8_sync import is_block_fp8_weight  # noqa: E402
 from integration.megatron_convert import (  # noqa: E402
     hf_to_megatron,
     load_hf_state_dict,
@@ -187,3 +189,59 @@ def test_refuses_a_state_dict_that_is_not_the_checkpoint(engine, trained, tiny_m
     with pytest.raises(TypeError, match="state_dict must be a mapping"):
         sync_to_vllm(llm, list(layout.items()))
     assert set(checkpoint_shapes(tiny_moe_path)) == set(layout)
+
+
+def _fp8_values(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes as uint8, per-element scale, q * scale) of a bf16 weight."""
+    q, s = ck.fp8.quantize_blockwise(w)
+    per_elem = s.repeat_interleave(128, 0)[: w.shape[0]].repeat_interleave(128, 1)[:, : w.shape[1]]
+    return q.view(torch.uint8), per_elem, ck.fp8.dequantize(q, s)
+
+
+def test_fp8_dequantized_sync_and_swallowed_report(engine, trained, tiny_moe_path, probe):
+    """fp8="dequantized": the engine computes with q * scale of the trainer's
+    bf16 weights (what a block-FP8 W8A16 engine multiplies by); its log-probs
+    equal transformers' forward of those values. The second sync reports what
+    the FP8 rounding swallowed of the Adam step, recounted here by hand."""
+    from transformers import AutoModelForCausalLM
+
+    llm, _ = engine
+    _, layout1, _ = trained
+    layout0 = {k: v.to(torch.bfloat16) for k, v in load_hf_state_dict(tiny_moe_path).items()}
+    first = sync_to_vllm(llm, layout0, fp8="dequantized")
+    assert first.fp8 == "dequantized" and first.swallowed_fraction is None
+    report = sync_to_vllm(llm, layout1, fp8="dequantized")
+    fp8_names = [k for k in layout1 if is_block_fp8_weight(k)]
+    assert report.fp8_report.quantized == len(fp8_names) == 3 * (4 + 8 * 3)
+    assert report.tensors == len(layout1)  # dequantized: no scale tensors travel
+
+    changed = swallowed = 0
+    deq = {}
+    for k, w1 in layout1.items():
+        if k not in fp8_names:
+            deq[k] = w1.float()
+            continue
+        q0, s0, _ = _fp8_values(layout0[k])
+        q1, s1, deq[k] = _fp8_values(w1)
+        moved = w1 != layout0[k]
+        changed += int(moved.sum())
+        swallowed += int((moved & (q0 == q1) & (s0 == s1)).sum())
+    r = report.fp8_report
+    assert (r.changed, r.swallowed) == (changed, swallowed) and 0 < swallowed < changed
+    print(f"\nFP8 rounding swallowed {r.swallowed_fraction:.1%} of the changed weights "
+          f"({r.swallowed_update_fraction:.1%} of sum |dw|) of the Adam step")  # fmt: skip
+
+    cfg = trained[2].config
+    ref = AutoModelForCausalLM.from_pretrained(tiny_moe_path, dtype=torch.float32).eval()
+    ref.load_state_dict(megatron_to_hf(hf_to_megatron(deq, cfg), cfg, fused_experts=True))
+    want = _hf_logprobs(ref, probe)
+    err = (_vllm_logprobs(llm, probe) - want).abs().max()
+    fp8_effect = (want - _hf_logprobs(trained[2], probe)).abs().max()
+    print(f"FP8-dequantized sync: max |dlogp| vs transformers {float(err):.3e} "
+          f"(FP8 vs bf16 weights: {float(fp8_effect):.3e})")  # fmt: skip
+    assert err <= TOL and fp8_effect > 100 * TOL
+
+    with pytest.raises(ValueError, match=r"is torch.float32; the FP8 sync quantizes the bf16"):
+        sync_to_vllm(llm, {k: v.float() for k, v in layout1.items()}, fp8="dequantized")
+    with pytest.raises(ValueError, match='fp8 must be False, True or "dequantized"'):
+        sync_to_vllm(llm, layout1, fp8="e4m3")
