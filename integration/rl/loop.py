@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import argparse
 import csv
-import math
+import json
 import os
 import sys
 import time
@@ -75,9 +75,9 @@ COLUMNS = (
     "replayed_rows", "fallback_rows", "replay_layers", "gap_replay", "gap_native", "k3_replay",
     "k3_native", "ln2_replay", "ln2_native", "maxgap_replay", "maxgap_native", "train_replay",
     "loss", "grad_norm", "clip_frac", "ratio_mean", "entropy_mean", "probe_gap", "probe_k3",
-    "probe_tokens", "weights_checked", "weights_max_diff", "sync_bytes", "t_rollout",
-    "t_generate", "t_score_busy", "t_reward_tail", "overlap_s", "overlap_frac", "t_collect",
-    "t_pack", "t_old", "t_train", "t_sync", "t_probe", "t_step",
+    "probe_tokens", "probe_gap_before", "weights_checked", "weights_max_diff", "sync_bytes",
+    "t_rollout", "t_generate", "t_score_busy", "t_reward_tail", "overlap_s", "overlap_frac",
+    "t_collect", "t_pack", "t_old", "t_train", "t_sync", "t_probe", "t_step",
 )  # fmt: skip
 
 
@@ -90,25 +90,44 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--steps", type=int, default=3, help="RL steps (default 3)")
     p.add_argument("--out", default="rl_out", help="folder for steps.csv and steps.png")
-    p.add_argument("--model-dir", default=None,
-                   help="HF Qwen3-MoE checkpoint folder (default: generate the tiny one)")
-    p.add_argument("--no-replay", action="store_true",
-                   help="train with native routing (ablation; the gap is still measured both ways)")
+    p.add_argument(
+        "--model-dir",
+        default=None,
+        help="HF Qwen3-MoE checkpoint folder (default: generate the tiny one)",
+    )
+    p.add_argument(
+        "--no-replay",
+        action="store_true",
+        help="train with native routing (ablation; the gap is still measured both ways)",
+    )
     p.add_argument("--prompts", type=int, default=8, help="prompts per step")
     p.add_argument("--n", type=int, default=4, help="samples per prompt (N)")
-    p.add_argument("--resample-n", type=int, default=8,
-                   help="samples per zero-variance prompt in the resampling round (stage 1)")
-    p.add_argument("--resample-budget", type=int, default=16,
-                   help="most extra samples per step for stage 1")
+    p.add_argument(
+        "--resample-n",
+        type=int,
+        default=8,
+        help="samples per zero-variance prompt in the resampling round (stage 1)",
+    )
+    p.add_argument(
+        "--resample-budget", type=int, default=16, help="most extra samples per step for stage 1"
+    )
     p.add_argument("--pool", type=int, default=48, help="prompts in the task's pool")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--dp", type=int, default=2, help="data-parallel ranks of the packing plan")
     p.add_argument("--max-tokens", type=int, default=512, help="token cap of one micro-batch")
     p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--rollout-dtype", default="bfloat16", choices=("bfloat16", "float32"),
-                   help="vLLM dtype (the trainer is float32)")
-    p.add_argument("--reward-latency-ms", type=float, default=20.0,
-                   help="per-response latency of the reward-model stand-in (a remote RM call)")
+    p.add_argument(
+        "--rollout-dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float32"),
+        help="vLLM dtype (the trainer is float32)",
+    )
+    p.add_argument(
+        "--reward-latency-ms",
+        type=float,
+        default=20.0,
+        help="per-response latency of the reward-model stand-in (a remote RM call)",
+    )
     p.add_argument("--reward-workers", type=int, default=2)
     p.add_argument("--schedule", default="longest-first", choices=("longest-first", "fifo"))
     p.add_argument("--seed", type=int, default=0)
@@ -190,9 +209,7 @@ def _probe(rollout: Any, trainer: Any, probe_prompts: list[Any]) -> dict[str, fl
         lp_gen = float(comp.logprobs[0][tok].logprob)
         plp = [float(d[t].logprob) for d, t in zip(out.prompt_logprobs[1:], p.token_ids[1:],
                                                        strict=True)]  # fmt: skip
-        samples.append(
-            Sample(p, 9, (tok,), np.array([lp_gen], dtype=np.float32), "probe", trace)
-        )
+        samples.append(Sample(p, 9, (tok,), np.array([lp_gen], dtype=np.float32), "probe", trace))
         infer.append(torch.tensor(plp + [lp_gen], dtype=torch.float32))
     batch = Batch.from_samples(samples)
     # every position predicts a token the engine scored: prompt tokens 1.. and the generated one
@@ -306,12 +323,16 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     header_printed = True
                 tqdm.write(_table_row(row))
             _write_csv(out_dir / "steps.csv", rows)
+            (out_dir / "steps.json").write_text(json.dumps(rows, indent=1, default=float))
         bar.close()
     finally:
         if rollout is not None:
             rollout.close()
         if trainer is not None:
             trainer.close()
+            from integration import megatron_cpu
+
+            megatron_cpu.destroy_single_process_gloo()  # before vLLM's default group goes
         shutdown_vllm(llm)
     if not args.no_plot:
         plot(rows, out_dir / "steps.png", title=_title(args, hf_config))
@@ -394,6 +415,7 @@ def _step(step, args, rng, pool, cfg, rollout, trainer, llm, probe_prompts, T, c
     row["replayed_rows"] = int(sum(s["replayed_rows"] for s in replay_stats.values()))
     row["fallback_rows"] = int(rows_total - cand)
     row["replay_layers"] = len(replay_stats)
+    row["replay_old"] = {str(k): v for k, v in replay_stats.items()}
     infer = _gather_masked_infer_lp(pack)
     g_rep = gap_stats(_gather_masked(pack, "replay_logprobs"), infer)
     g_nat = gap_stats(_gather_masked(pack, "native_logprobs"), infer)
@@ -423,9 +445,13 @@ def _step(step, args, rng, pool, cfg, rollout, trainer, llm, probe_prompts, T, c
     t0 = time.perf_counter()
     m = trainer.train_step(pack, num_sequences=batch.num_sequences)
     row["t_train"] = time.perf_counter() - t0
+    row["replay_train"] = {str(k): v for k, v in m["replay"].items()}
     row.update(loss=m["loss"], grad_norm=m["grad_norm"], clip_frac=m.get("clip_frac", 0.0),
-               ratio_mean=m.get("ratio_mean", 1.0), entropy_mean=m.get("entropy_mean", 0.0))  # fmt: skip
-    # 6. weight sync, verified
+               ratio_mean=m.get("ratio_mean", 1.0),
+               entropy_mean=m.get("entropy_mean", 0.0))  # fmt: skip
+    # 6. weight sync, verified on the probe batch (before: the engine still has the
+    # old weights; after: it must agree with the trainer to numerics)
+    row["probe_gap_before"] = _probe(rollout, trainer, probe_prompts)["probe_gap"]
     t0 = time.perf_counter()
     hf_sd = trainer.hf_state_dict()
     report = sync_to_vllm(llm, hf_sd)
@@ -505,8 +531,9 @@ def plot(rows: list[dict[str, Any]], path: Path, *, title: str = "") -> None:
     a.set_xlabel("step")
     a.legend()
     a = ax[0, 1]
-    for key, label in (("zv_initial", "initial"), ("zv_resample", "after resample"),
-                       ("zv_penalty", "after penalties"), ("zv_rlzvp", "after RL-ZVP")):  # fmt: skip
+    stages = (("zv_initial", "initial"), ("zv_resample", "after resample"),
+              ("zv_penalty", "after penalties"), ("zv_rlzvp", "after RL-ZVP"))  # fmt: skip
+    for key, label in stages:
         a.plot(steps, [r[key] for r in rows], "o-", label=label)
     a.set_title("zero-variance groups (fraction)")
     a.set_xlabel("step")

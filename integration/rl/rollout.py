@@ -189,7 +189,9 @@ class Rollout:
             lps = comp.logprobs
             toks = tuple(int(t) for t in comp.token_ids)
             if lps is None or len(lps) != len(toks):
-                raise RuntimeError(f"rollout: request {out.request_id} returned no per-token logprobs")
+                raise RuntimeError(
+                    f"rollout: request {out.request_id} returned no per-token logprobs"
+                )
             lp = np.array([lps[j][t].logprob for j, t in enumerate(toks)], dtype=np.float32)
             samples.append(
                 Sample(

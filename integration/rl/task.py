@@ -67,7 +67,7 @@ class TaskConfig:
     min_prompt: int = 8
     max_prompt: int = 24
     max_new_tokens: int = 32
-    stop_fraction: float = 1.0 / 20
+    stop_fraction: float = 1.0 / 12
     pass_fraction: float = 0.34
     min_answer: int = 4
     # reward composition
@@ -89,7 +89,9 @@ class TaskConfig:
                 f"TaskConfig.max_prompt ({self.max_prompt}) < min_prompt ({self.min_prompt})"
             )
         if not 0.0 <= self.stop_fraction < 0.5:
-            raise ValueError(f"TaskConfig.stop_fraction: expected in [0, 0.5), got {self.stop_fraction}")
+            raise ValueError(
+                f"TaskConfig.stop_fraction: expected in [0, 0.5), got {self.stop_fraction}"
+            )
         if not 0 < self.overlong_cache <= self.max_new_tokens:
             raise ValueError(
                 f"TaskConfig.overlong_cache: expected in (0, max_new_tokens={self.max_new_tokens}]"
@@ -141,9 +143,7 @@ def _answer(response: tuple[int, ...] | list[int], stops: frozenset[int]) -> lis
     return resp
 
 
-def verify(
-    cfg: TaskConfig, prompt: Prompt, response, stops: frozenset[int]
-) -> tuple[bool, int]:
+def verify(cfg: TaskConfig, prompt: Prompt, response, stops: frozenset[int]) -> tuple[bool, int]:
     """(correct, answer length) of one response (the verifiable signal)."""
     ans = _answer(response, stops)
     if len(ans) < cfg.min_answer:

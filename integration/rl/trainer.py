@@ -85,9 +85,10 @@ class Batch:
             lp = torch.zeros(n, dtype=torch.float32)
             lp[p - 1 : n - 1] = torch.from_numpy(s.logprobs)
             if s.trace is None or s.trace.num_tokens != n - 1:
+                rows = None if s.trace is None else s.trace.num_tokens
                 raise ValueError(
-                    f"sample {i}: routing trace with {None if s.trace is None else s.trace.num_tokens}"
-                    f" rows, expected {n - 1} (prompt + response - 1)"
+                    f"sample {i}: routing trace with {rows} rows, expected {n - 1} "
+                    "(prompt + response - 1)"
                 )
             toks.append(ids)
             tgts.append(tgt)
