@@ -523,7 +523,11 @@ def plot(rows: list[dict[str, Any]], path: Path, *, title: str = "") -> None:
     import matplotlib.pyplot as plt
 
     steps = [r["step"] for r in rows]
+    from matplotlib.ticker import MaxNLocator
+
     fig, ax = plt.subplots(2, 2, figsize=(12, 8))
+    for a in ax.flat:
+        a.xaxis.set_major_locator(MaxNLocator(integer=True))
     a = ax[0, 0]
     a.plot(steps, [r["reward_mean"] for r in rows], "o-", label="reward (guarded)")
     a.plot(steps, [r["accuracy"] for r in rows], "s-", label="accuracy")
