@@ -140,6 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
     sizes.add_argument("--moe-intermediate-size", type=int, default=None)
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--quiet", action="store_true", help="no per-step table")
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="keep vLLM's INFO logs and the engines' Python warnings",
+    )
     return p  # fmt: skip
 
 
@@ -589,6 +594,13 @@ def _summary(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if not args.verbose:
+        import warnings
+
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        warnings.filterwarnings("ignore", category=UserWarning)
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
     run(args)
     return 0
 
