@@ -181,12 +181,12 @@ def _check_args(args: argparse.Namespace) -> None:
         raise SystemExit(f"compass-rl: --resample-budget must be >= 0, got {args.resample_budget}")
 
 
-def _group_rates(values: torch.Tensor, gids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(zero_var per sample, zero_var per group) of ``values`` grouped by prompt."""
+def _zero_var_groups(values: torch.Tensor, gids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(group ids, zero-variance flag per group) of ``values`` grouped by prompt."""
     import compass_kernels as ck
 
-    _, zv, stats = ck.advantages.group_advantages(values.to(torch.float64), gids)
-    return zv, stats.group_zero_var
+    _, _, stats = ck.advantages.group_advantages(values.to(torch.float64), gids)
+    return stats.group_ids, stats.group_zero_var
 
 
 def _gather_masked(pack: Any, name: str) -> torch.Tensor:
@@ -361,8 +361,8 @@ def _step(step, args, rng, pool, cfg, rollout, trainer, llm, probe_prompts, T, c
         return T.compose(cfg, c, g, torch.zeros(len(ss)), torch.zeros(len(ss))), gid
 
     r0, gid0 = stage0(samples)
-    _, zv_groups = _group_rates(r0, gid0)
-    zv_ids = torch.unique(gid0)[zv_groups]  # group ids ascend in GroupStats
+    group_ids, zv_groups = _zero_var_groups(r0, gid0)
+    zv_ids = group_ids[zv_groups]
     row["zv_initial"] = float(zv_groups.double().mean())
     # 3a. stage 1: resample zero-variance prompts with a larger N, within the budget
     k = min(len(zv_ids), args.resample_budget // args.resample_n)
@@ -375,7 +375,7 @@ def _step(step, args, rng, pool, cfg, rollout, trainer, llm, probe_prompts, T, c
     rollout.end_step()
     row["resampled_prompts"], row["resampled_samples"] = len(again), len(again) * args.resample_n
     r1, gid = stage0(samples)
-    row["zv_resample"] = float(_group_rates(r1, gid)[1].double().mean())
+    row["zv_resample"] = float(_zero_var_groups(r1, gid)[1].double().mean())
     row["t_rollout"] = time.perf_counter() - t0
     row.update(t_generate=timing.generate_s, t_score_busy=timing.score_busy_s,
                t_reward_tail=timing.tail_s, overlap_s=timing.overlap_s,
