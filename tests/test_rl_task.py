@@ -142,3 +142,21 @@ def test_task_config_rejects_bad_values():
         T.TaskConfig(vocab_size=1024, overlong_cache=64)
     with pytest.raises(ValueError, match="vocab_size"):
         T.TaskConfig(vocab_size=0)
+
+
+def test_cli_rejects_bad_arguments(tmp_path):
+    from integration.rl import loop
+
+    parser = loop.build_parser()
+    for argv, match in (
+        (["--n", "1"], "--n must be >= 2"),
+        (["--steps", "0"], "--steps must be >= 1"),
+        (["--prompts", "9", "--pool", "8"], r"--prompts \(9\) > --pool \(8\)"),
+        (["--lr", "0"], "--lr must be > 0"),
+        (["--resample-budget", "-1"], "--resample-budget must be >= 0"),
+    ):
+        with pytest.raises(SystemExit, match=match):
+            loop._check_args(parser.parse_args(argv))
+    with pytest.raises(SystemExit, match="no config.json"):
+        loop._model_dir(parser.parse_args(["--model-dir", str(tmp_path)]))
+    loop._check_args(parser.parse_args([]))  # the defaults are valid

@@ -150,7 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _model_dir(args: argparse.Namespace) -> Path:
     if args.model_dir:
-        return Path(args.model_dir)
+        path = Path(args.model_dir)
+        if not (path / "config.json").is_file():
+            raise SystemExit(
+                f"compass-rl: --model-dir {path} is not an HF checkpoint folder (no config.json)"
+            )
+        return path
     from integration.tiny_moe import cached_tiny_qwen3_moe
 
     overrides = {
@@ -177,6 +182,11 @@ def _check_args(args: argparse.Namespace) -> None:
         raise SystemExit(f"compass-rl: --n must be >= 2 (a group needs two samples), got {args.n}")
     if args.prompts > args.pool:
         raise SystemExit(f"compass-rl: --prompts ({args.prompts}) > --pool ({args.pool})")
+    if not (args.lr > 0 and args.reward_latency_ms >= 0):
+        raise SystemExit(
+            f"compass-rl: --lr must be > 0 and --reward-latency-ms >= 0, got {args.lr} and "
+            f"{args.reward_latency_ms}"
+        )
     if args.resample_budget < 0:
         raise SystemExit(f"compass-rl: --resample-budget must be >= 0, got {args.resample_budget}")
 

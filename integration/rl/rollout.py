@@ -33,7 +33,7 @@ class Sample:
     """One generated response and everything the loop learns about it."""
 
     prompt: Prompt
-    round: int  # 0: the first N samples; 1: resampled (stage 1)
+    round: int  # 0: the first N samples; 1: resampled (stage 1); -1: probe batch
     response: tuple[int, ...]
     logprobs: np.ndarray  # float32 [len(response)]: the engine's log-prob of each sampled token
     finish_reason: str
