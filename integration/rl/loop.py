@@ -77,7 +77,7 @@ COLUMNS = (
     "loss", "grad_norm", "clip_frac", "ratio_mean", "entropy_mean", "probe_gap", "probe_k3",
     "probe_tokens", "probe_gap_before", "weights_checked", "weights_max_diff", "sync_bytes",
     "t_rollout", "t_generate", "t_score_busy", "t_reward_tail", "overlap_s", "overlap_frac",
-    "t_collect", "t_pack", "t_old", "t_train", "t_sync", "t_probe", "t_step",
+    "t_collect", "length_pred_corr", "t_pack", "t_old", "t_train", "t_sync", "t_probe", "t_step",
 )  # fmt: skip
 
 
@@ -390,7 +390,8 @@ def _step(step, args, rng, pool, cfg, rollout, trainer, llm, probe_prompts, T, c
     row.update(t_generate=timing.generate_s, t_score_busy=timing.score_busy_s,
                t_reward_tail=timing.tail_s, overlap_s=timing.overlap_s,
                overlap_frac=timing.overlap_s / timing.score_busy_s if timing.score_busy_s else 0.0,
-               t_collect=timing.collect_s)  # fmt: skip
+               t_collect=timing.collect_s,
+               length_pred_corr=timing.prediction_corr)  # fmt: skip
     # 3b. stage 2: overlong + repetition penalties, guarded composition
     correct = torch.tensor([s.score.correct for s in samples])
     grade = torch.tensor([s.score.grade for s in samples], dtype=torch.float64)

@@ -57,6 +57,16 @@ class RoundTiming:
     requests: int = 0
     tokens: int = 0
     order: list[int] = field(default_factory=list)
+    predicted: list[float] = field(default_factory=list)  # scheduler's length prediction
+    actual: list[int] = field(default_factory=list)  # response lengths, request order
+
+    @property
+    def prediction_corr(self) -> float:
+        """Pearson correlation of log predicted vs log actual lengths (nan when constant)."""
+        p, a = np.log(np.asarray(self.predicted)), np.log(np.maximum(self.actual, 1))
+        if p.size < 2 or p.std() == 0 or a.std() == 0:
+            return float("nan")
+        return float(np.corrcoef(p, a)[0, 1])
 
     @property
     def overlap_s(self) -> float:
@@ -66,6 +76,8 @@ class RoundTiming:
     def add(self, other: RoundTiming) -> None:
         for name in ("generate_s", "score_busy_s", "tail_s", "collect_s", "requests", "tokens"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.predicted += other.predicted
+        self.actual += other.actual
 
 
 class Rollout:
@@ -146,9 +158,10 @@ class Rollout:
         timing = RoundTiming(requests=len(flat))
         if not flat:
             return [], timing
+        predicted = self.predictor.predict_many([p.index for p in flat])
+        timing.predicted = predicted.tolist()
         if self.schedule == "longest-first":
-            order = longest_first(self.predictor.predict_many([p.index for p in flat]))
-            order = [int(i) for i in order]
+            order = [int(i) for i in longest_first(predicted)]
         else:
             order = list(range(len(flat)))
         timing.order = order
@@ -206,6 +219,7 @@ class Rollout:
                 )
             )
             timing.tokens += len(toks)
+            timing.actual.append(len(toks))
         for s in samples:
             if s.response:
                 self.predictor.observe(s.prompt.index, len(s.response))
