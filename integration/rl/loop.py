@@ -423,6 +423,13 @@ def _step(step, args, rng, pool, cfg, rollout, trainer, llm, probe_prompts, T, c
     adv_naive, _, _ = ck.advantages.group_advantages(naive, gid)
     row["inversions_naive"] = T.count_inversions(adv_naive, correct, gid)
     row["inversions_guard"] = T.count_inversions(adv, correct, gid)
+    row["sample_detail"] = {  # steps.json only: lets a reader recount the inversions
+        "group": gid.tolist(),
+        "correct": correct.tolist(),
+        "reward": rewards.tolist(),
+        "advantage": adv.tolist(),
+        "advantage_naive": adv_naive.tolist(),
+    }
     row.update(prompts=len(chosen), samples=len(samples), guard_capped=capped,
                reward_mean=float(rewards.mean()), reward_naive_mean=float(naive.mean()),
                accuracy=float(correct.double().mean()),
