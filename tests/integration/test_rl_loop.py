@@ -125,6 +125,11 @@ def test_guard_leaves_no_advantage_inversion(run):
         assert r["inversions_guard"] == 0 and r["guard_capped"] == 0
         # the unguarded composition's count, recounted from its advantages
         assert _inversions(d["advantage_naive"], d["correct"], d["group"]) == r["inversions_naive"]
+        # the composition orders every correct answer above every incorrect one (so no
+        # group can invert, whatever its grades and penalties)
+        good = [x for x, c in zip(d["reward"], d["correct"], strict=True) if c]
+        bad = [x for x, c in zip(d["reward"], d["correct"], strict=True) if not c]
+        assert all(x <= 0 for x in bad) and all(x > 0 for x in good), (bad, good)
         triples = list(zip(d["reward"], d["correct"], d["group"], strict=True))
         for g in set(d["group"]):
             good = [x for x, c, gg in triples if gg == g and c]
