@@ -97,6 +97,7 @@ class WeightSyncReport:
         (None without FP8); ``swallowed_fraction`` /
         ``swallowed_update_fraction`` are set from the second sync on.
     reset_moe_layers : MoE layers whose kernel was rebuilt (re-prepacked).
+    per_layer_bytes : bytes handed over per group ("embed", "layer<i>", "head").
     """
 
     tensors: int = 0
