@@ -13,6 +13,7 @@ Knobs (environment variables):
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -51,7 +52,7 @@ class CMakeBuild(build_ext):
 
         t0 = time.perf_counter()
         out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
-        build_temp = Path(self.build_temp).resolve() / ext.name
+        build_temp = _build_dir(ext.name)
         build_temp.mkdir(parents=True, exist_ok=True)
 
         cuda_mode = os.environ.get("COMPASS_CUDA", "AUTO").upper()
@@ -76,19 +77,42 @@ class CMakeBuild(build_ext):
         cutlass = _cutlass_include()
         if cutlass:
             args.append(f"-DCOMPASS_CUTLASS_INCLUDE={cutlass}")
-        ninja = shutil.which("ninja") or _py_ninja()
+        # The build tools from the Python environment first (pyproject's build
+        # requirements), not whatever PATH lists first: with another cmake or
+        # ninja the same build folder is regenerated and recompiled from scratch
+        # (seen: setup_env's activated venv vs a bare `make build`).
+        ninja = _py_ninja() or shutil.which("ninja")
+        cmake = _py_cmake() or shutil.which("cmake")
+        if cmake is None:
+            raise RuntimeError("cmake not found: pip install 'cmake>=3.25' (a build requirement)")
         if ninja:
             args += ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}"]
         jobs = os.environ.get("MAX_JOBS") or str(os.cpu_count() or 1)
 
-        subprocess.check_call(["cmake", str(ROOT), *args], cwd=build_temp)
-        subprocess.check_call(["cmake", "--build", ".", "--parallel", jobs], cwd=build_temp)
+        subprocess.check_call([cmake, str(ROOT), *args], cwd=build_temp)
+        subprocess.check_call([cmake, "--build", ".", "--parallel", jobs], cwd=build_temp)
         _check_shared_libstdcxx(Path(self.get_ext_fullpath(ext.name)))
         print(
             f"[compass_kernels] built {ext.name} in {time.perf_counter() - t0:.1f} s "
             f"(CUDA: {'nvcc ' + nvcc if nvcc else 'off'}, MAX_JOBS={jobs})",
             flush=True,
         )
+
+
+def _build_dir(ext_name: str) -> Path:
+    """The CMake/ninja build folder: persistent, so every build after the first is incremental.
+
+    setuptools hands editable installs and wheel builds a fresh temporary
+    build_temp, which recompiled everything (the CUTLASS translation units
+    included, minutes each) on every `pip install -e .`. One folder per Python
+    interpreter under build/ (COMPASS_BUILD_DIR overrides it): `make build`,
+    `setup.py build_ext --inplace` and `pip wheel --no-build-isolation` from the
+    same venv (sys.prefix) share it, and ninja rebuilds only what changed.
+    """
+    if os.environ.get("COMPASS_BUILD_DIR"):
+        return Path(os.environ["COMPASS_BUILD_DIR"]).resolve() / ext_name
+    tag = hashlib.sha256(os.path.abspath(sys.prefix).encode()).hexdigest()[:10]
+    return ROOT / "build" / f"cmake-py{sys.version_info[0]}{sys.version_info[1]}-{tag}" / ext_name
 
 
 def _check_shared_libstdcxx(so: Path) -> None:
@@ -119,6 +143,16 @@ def _py_ninja() -> str | None:
         path = os.path.join(ninja.BIN_DIR, "ninja")
         return path if os.path.exists(path) else None
     except ImportError:
+        return None
+
+
+def _py_cmake() -> str | None:
+    try:
+        import cmake
+
+        path = os.path.join(cmake.CMAKE_BIN_DIR, "cmake")
+        return path if os.path.exists(path) else None
+    except (ImportError, AttributeError):
         return None
 
 

@@ -47,9 +47,14 @@ print(s.submodule_search_locations[0] if s else '')"
 COMPASS_CUTLASS_INCLUDE="$(cutlass_dir)/source/include"
 export COMPASS_CUTLASS_INCLUDE
 
-# Everything else in one resolve; the build runs in pip's isolated build env
-# (csrc needs no torch headers, only pybind11 + cmake + ninja).
-pip install -q -e ".[$EXTRAS]"
+# The build requirements (pyproject's [build-system]) go into the venv and the
+# build runs without isolation: the same interpreter and pybind11 as `make
+# build`, so they share setup.py's persistent build folder and later builds are
+# incremental (an isolated build env has a new pybind11 path each time, and
+# CMake would reconfigure and recompile everything). csrc needs no torch headers.
+pip install -q "setuptools>=69" wheel "pybind11>=2.13" "cmake>=3.25" ninja
+# Everything else in one resolve.
+pip install -q --no-build-isolation -e ".[$EXTRAS]"
 # Bench-only baseline (bench/bench_espo_logprobs.py): Liger-Kernel's fused
 # linear GRPO loss. Pure Python; --no-deps keeps the torch / triton above.
 python -c "import liger_kernel" 2>/dev/null || pip install -q --no-deps "liger-kernel==0.8.5"
