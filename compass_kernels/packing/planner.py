@@ -1,9 +1,11 @@
 """The packing planner: sequences -> data-parallel ranks -> micro-batches.
 
-The search runs in C++ (csrc/packing/plan_cpu.cpp: LPT and Karmarkar-Karp
-seeds, swap refinement, first-fit-decreasing micro-batch counts, capped LPT
-packing); this module checks arguments, builds the cost, and wraps the result
-in a :class:`Plan` with its statistics.
+Everything per sequence runs in C++ (csrc/packing/plan_cpu.cpp: padding,
+cost, radix order, LPT with exchange refinement to the lower bound and a
+Karmarkar-Karp seed where it is missed, capped LPT micro-batches with first
+fit where LPT cannot fit); this module checks the scalar arguments, picks the
+cost coefficients, and wraps the result in a :class:`Plan` (tensors and
+statistics built on first access).
 """
 
 from __future__ import annotations
