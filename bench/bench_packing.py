@@ -3,25 +3,30 @@
 Baseline: Karmarkar-Karp (largest differencing) in Python, the algorithm RL
 frameworks run to balance sequence lengths over data-parallel ranks (verl's
 seqlen_balancing.karmarkar_karp), re-expressed from the algorithm in
-``compass_kernels.packing.reference.karmarkar_karp`` (its sets sort by a key
-tuple, at least as fast as verl's comparison methods):
+``compass_kernels.packing.reference.karmarkar_karp``: the same partitions as
+verl's code, ties included, and 1.3-3.8x faster than it (heap entries are
+tuples compared in C, sets are lists; see its docstring), so the baseline is
+the careful Python a framework could ship, not verl's slower classes:
 
 - ``kk_equal (python)``: equal-size mode, the one verl's batch balancing uses;
   the baseline of every case.
 - ``kk_exact (python)``: unequal-size mode; better balance, O(n * k) memory
   and time, so only where it runs in well under a second.
-- ``compass.plan``: the public API with default options, including building
-  ``Plan.assignment`` (nested Python lists, as KK returns). It also packs
-  every rank into micro-batches under the cap (KK does not: frameworks run a
-  second pass for that), so the comparison favours the baseline.
+- ``compass.plan``: the public API with default options, returning its
+  :class:`Plan` (index tensors: order and offsets, what pack() consumes; the
+  nested lists KK returns are built only by ``--check``). It also packs every
+  rank into micro-batches under the cap (KK does not: frameworks run a second
+  pass for that), so the comparison favours the baseline.
 
 ``--check`` verifies, for every candidate, that its output is a partition of
 all sequences into dp non-empty parts, and for ours that its rank max/mean is
 no worse than the baseline's (the `!=` of :class:`Partition`).
 
-``python -m bench.bench_packing`` prints the balance table (rank max/mean of
-each method, micro-batches, cap) on lognormal (mu 8, sigma 1.1, clipped
-100..65536) and bimodal lengths, n = 256..64k, dp = 8..256.
+``python -m bench.bench_packing`` prints the speed table in thread CPU time
+(interleaved, median; with ``--balance``: the balance table, exact KK too)
+with the quality columns (rank max/mean of KK and ours, max over the lower
+bound, micro-batches, largest micro-batch) on lognormal (mu 8, sigma 1.1,
+clipped 100..65536) and bimodal lengths, n = 256..64k, dp = 8..256.
 """
 
 from __future__ import annotations
@@ -49,9 +54,15 @@ class Partition:
     """
 
     def __init__(self, parts, values, claims_balance: bool = False):
-        self.parts = parts
+        self._parts = parts  # lists, or a Plan (flattened on first use)
         self.values = values
         self.claims_balance = claims_balance
+
+    @property
+    def parts(self) -> list[list[int]]:
+        if not isinstance(self._parts, list):
+            self._parts = [[i for mb in mbs for i in mb] for mbs in self._parts.assignment]
+        return self._parts
 
     def imbalance(self) -> float:
         return ref.imbalance(self.values, self.parts)
@@ -75,9 +86,7 @@ class Partition:
 
 
 def _ours(lengths: np.ndarray, dp: int) -> Partition:
-    p = ck.packing.plan(lengths, dp_size=dp, max_tokens=MAX_TOKENS)
-    parts = [[i for mb in mbs for i in mb] for mbs in p.assignment]
-    return Partition(parts, lengths, claims_balance=True)
+    return Partition(ck.packing.plan(lengths, dp_size=dp, max_tokens=MAX_TOKENS), lengths, True)
 
 
 def case(dist: str, n: int, dp: int) -> Case:
@@ -103,6 +112,70 @@ def case(dist: str, n: int, dp: int) -> Case:
 def cases(quick: bool) -> list[Case]:
     shapes = QUICK_SHAPES if quick else SHAPES
     return [case(d, n, dp) for d in ref.DISTRIBUTIONS for n, dp in shapes]
+
+
+def _cpu_times(fns: dict, reps: int, min_sample_s: float = 2e-3) -> dict[str, float]:
+    """Median thread CPU seconds per call of each fn, interleaved repetitions,
+    garbage collector paused (the harness's method, CPU time instead of wall
+    time: on a shared host whose load average is several times its core count,
+    wall time measures the scheduler, not the code)."""
+    import gc
+    import statistics
+    import time
+
+    inner = {}
+    for name, fn in fns.items():  # warm up; calls per sample
+        t = time.thread_time()
+        fn()
+        inner[name] = max(1, int(min_sample_s / max(time.thread_time() - t, 1e-7)))
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(reps):
+            for name, fn in fns.items():
+                t = time.thread_time()
+                for _ in range(inner[name]):
+                    fn()
+                samples[name].append((time.thread_time() - t) / inner[name])
+    finally:
+        if was:
+            gc.enable()
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def speed_table(shapes=SHAPES, reps: int = 7) -> str:
+    """Per (dist, n, dp): median thread CPU time of Python KK (equal-size) and
+    of ck.packing.plan, their ratio, and the quality columns: rank max/mean of
+    KK and ours (default and equal_samples), ours over the lower bound, the
+    micro-batch count and the largest micro-batch (cap 65536)."""
+    head = (
+        f"{'dist':9} {'n':>6} {'dp':>4} {'kk (ms)':>9} {'plan (ms)':>9} {'ratio':>7} "
+        f"{'kk max/mean':>11} {'ours':>9} {'ours(eq)':>9} {'max/LB':>9} {'M':>4} {'max_mb':>7}"
+    )
+    lines = [head]
+    for dist, gen in ref.DISTRIBUTIONS.items():
+        for n, dp in shapes:
+            L = gen(n, n + dp)
+            as_list = L.tolist()
+            t = _cpu_times(
+                {
+                    "kk": lambda a=as_list, k=dp: ref.karmarkar_karp(a, k, True),
+                    "plan": lambda x=L, k=dp: ck.packing.plan(x, dp_size=k, max_tokens=MAX_TOKENS),
+                },
+                reps,
+            )
+            kk = ref.imbalance(L, ref.karmarkar_karp(as_list, dp, True))
+            p = ck.packing.plan(L, dp_size=dp, max_tokens=MAX_TOKENS)
+            q = ck.packing.plan(L, dp_size=dp, max_tokens=MAX_TOKENS, equal_samples=True)
+            s = p.stats
+            lines.append(
+                f"{dist:9} {n:6d} {dp:4d} {t['kk'] * 1e3:9.3f} {t['plan'] * 1e3:9.3f} "
+                f"{t['kk'] / t['plan']:6.1f}x {kk:11.6f} {s['imbalance']:9.6f} "
+                f"{q.stats['imbalance']:9.6f} {s['max_over_lower_bound']:9.6f} "
+                f"{s['num_micro_batches']:4d} {s['max_mb_tokens']:7d}"
+            )
+    return "\n".join(lines)
 
 
 def balance_table(shapes=SHAPES) -> str:
@@ -131,4 +204,6 @@ def balance_table(shapes=SHAPES) -> str:
 
 
 if __name__ == "__main__":
-    print(balance_table())
+    import sys
+
+    print(balance_table() if "--balance" in sys.argv else speed_table())

@@ -113,17 +113,30 @@ def test_balance_beats_exact_karmarkar_karp(n, dp):
 
 
 def test_compiled_karmarkar_karp_matches_the_reference():
-    """The planner's KK seed is the algorithm the Python reference runs."""
-    for seed in range(5):
+    """The planner's KK seed is the algorithm the Python reference runs, ties
+    included: the same partitions."""
+    for seed in range(6):
         n, k = 64 * (seed + 1), 4 << seed % 3
         vals = np.random.default_rng(seed).permutation(np.arange(1, n + 1) * 37 % 1009 + 1)
         rank = torch.empty(n, dtype=torch.int64)
         C.karmarkar_karp_cpu(torch.from_numpy(vals.astype(np.float64)), k, rank)
-        ours = sorted(float(vals[rank.numpy() == r].sum()) for r in range(k))
-        theirs = sorted(sum(vals[i] for i in part) for part in ref.karmarkar_karp(
-            vals.tolist(), k, equal_size=True))  # fmt: skip
+        ours = sorted(np.flatnonzero(rank.numpy() == r).tolist() for r in range(k))
+        theirs = sorted(ref.karmarkar_karp(vals.tolist(), k, equal_size=True))
         assert ours == theirs
         assert np.bincount(rank.numpy(), minlength=k).tolist() == [n // k] * k
+
+
+def test_reference_karmarkar_karp_small_cases():
+    """The textbook case: largest differencing on [8, 7, 6, 5, 4] in 2 parts
+    ends with difference 2 (8-7 -> 1, 6-5 -> 1, 4-1 -> 3, 3-1 -> 2: {8, 6} /
+    {7, 5, 4}), where 15 / 15 exists; equal-size with 4 values: consecutive
+    pairs merged largest with smallest."""
+    parts = ref.karmarkar_karp([8, 7, 6, 5, 4], 2, equal_size=False)
+    assert sorted(parts) == [[0, 2], [1, 3, 4]]
+    parts = ref.karmarkar_karp([1, 2, 3, 4], 2, equal_size=True)
+    assert sorted(parts) == [[0, 3], [1, 2]]
+    with pytest.raises(ValueError, match="do not split into 2 equal parts"):
+        ref.karmarkar_karp([1, 2, 3], 2, equal_size=True)
 
 
 def test_attention_cost_from_model_config():
@@ -218,15 +231,51 @@ def test_errors_name_the_argument():
 
 
 def test_cpp_boundary_errors():
-    tok = torch.tensor([3, 4], dtype=torch.int64)
-    order, off = torch.empty(2, dtype=torch.int64), torch.empty(3, dtype=torch.int64)
-    with pytest.raises(ValueError, match="cost: expected dtype float64"):
-        C.plan_cpu(tok, tok, None, 1, 10, 1, False, -1, order, off)
+    L = np.array([3, 4], dtype=np.int64)
+    order, off = np.empty(2, dtype=np.int64), np.empty(3, dtype=np.int64)
+    args = (None, 1, 10, 1, False, 1, 1.0, 0.0, -1)
+    with pytest.raises(ValueError, match="lengths: expected dtype int64"):
+        C.plan_cpu(L.astype(np.int32), *args, order, off)
     with pytest.raises(ValueError, match=r"offsets: expected size 3 \(len\(lengths\) \+ 1\)"):
-        C.plan_cpu(tok, tok.double(), None, 1, 10, 1, False, -1, order, off[:2])
-    with pytest.raises(ValueError, match=r"cost: expected finite positive values, got cost\[1\]"):
-        nan = torch.tensor([1.0, float("nan")], dtype=torch.float64)
-        C.plan_cpu(tok, nan, None, 1, 10, 1, False, -1, order, off)
+        C.plan_cpu(L, *args, order, off[:2])
+    with pytest.raises(ValueError, match=r"group_ids: expected size 2"):
+        C.plan_cpu(L, np.zeros(3, dtype=np.int64), *args[1:], order, off)
+    with pytest.raises(ValueError, match=r"cost_a: expected a finite value > 0"):
+        C.plan_cpu(L, None, 1, 10, 1, False, 1, float("nan"), 0.0, -1, order, off)
+    with pytest.raises(ValueError, match=r"cost_b: expected a finite value >= 0"):
+        C.plan_cpu(L, None, 1, 10, 1, False, 1, 1.0, -1.0, -1, order, off)
+    with pytest.raises(ValueError, match=r"pad_multiple: expected >= 1"):
+        C.plan_cpu(L, None, 1, 10, 1, False, 0, 1.0, 0.0, -1, order, off)
+    with pytest.raises(ValueError, match=r"the cost of sequence 0 .* overflows float64"):
+        C.plan_cpu(L, None, 1, 10, 1, False, 1, 1.0, 1e308, -1, order, off)
+    with pytest.raises(ValueError, match="total token count overflows int64"):
+        big = np.full(5, 2**61, dtype=np.int64)
+        o, f = np.empty(5, dtype=np.int64), np.empty(6, dtype=np.int64)
+        C.plan_cpu(big, None, 1, 2**62, 1, False, 1, 1.0, 0.0, -1, o, f)
+
+
+def test_token_cost_reaches_the_exact_optimum():
+    """Integer token costs: the heaviest rank lands on max(ceil(total / dp),
+    largest sequence) where ~64+ sequences per rank leave room to, the
+    provable optimum (no other method can do better there)."""
+    for n, dp in [(4096, 64), (8192, 8), (16384, 128)]:
+        for dist in ("lognormal", "bimodal"):
+            lengths = ref.DISTRIBUTIONS[dist](n, n + dp)
+            p = ck.packing.plan(lengths, dp_size=dp, max_tokens=65536)
+            opt = max(-(-int(lengths.sum()) // dp), int(lengths.max()))
+            assert int(p.stats["rank_tokens"].max()) == opt, (dist, n, dp)
+
+
+def test_micro_batch_count_grows_when_lpt_cannot_fit():
+    """Sequences just over a third of the cap: LPT at the ceil(tokens / cap)
+    bound fails, first fit sets the count, and every bin stays under the cap."""
+    g = np.random.default_rng(3)
+    lengths = g.integers(340, 420, 600)
+    p = ck.packing.plan(lengths, dp_size=4, max_tokens=1000)
+    ref.check_plan(p, lengths, dp_size=4, max_tokens=1000)
+    need = -(-p.stats["rank_tokens"].max() // 1000)
+    assert p.num_micro_batches > need  # at most 2 per bin: the token bound is not reachable
+    assert p.num_micro_batches == -(-150 // 2)  # 150 per rank, 2 per micro-batch
 
 
 def test_large_batch_fast_and_balanced():

@@ -110,3 +110,41 @@ def test_reorder_hook_sees_pending_queue():
     S.simulate([S.Request(0, 1, 2), S.Request(0, 1, 3)], [[0, 1]], m, reorder=reorder)
     assert seen == [(0, [1]), (1, [])]
     assert np.isfinite(m.step_time(3))
+
+
+def test_submission_plan_and_record_rollout():
+    from compass_kernels.packing.schedule import record_rollout, submission_plan
+
+    pred = S.LengthPredictor(default=100.0)
+    record_rollout(pred, ["a", "a", "b"], [500, 700, 50])
+    plan = submission_plan(["b", "a", "c", "a"], pred)
+    # a: geometric mean of 500 and 700; c (new): mean of every length seen; b: 50
+    assert plan.predicted[1] == pytest.approx((500 * 700) ** 0.5)
+    assert plan.predicted[2] == pytest.approx((500 + 700 + 50) / 3)
+    assert plan.order.tolist() == [1, 3, 2, 0]  # ties (the two a's) in input order
+    assert plan.priority == [3, 0, 2, 1]  # each request's position in the order
+    # a request already this long is never predicted shorter
+    assert submission_plan(["b"], pred, generated=[900]).predicted[0] == 901
+    with pytest.raises(ValueError, match="generated: expected 2 values"):
+        submission_plan(["a", "b"], pred, generated=[1])
+    with pytest.raises(ValueError, match="lengths: expected 2 values"):
+        record_rollout(pred, ["a", "b"], [3])
+
+
+def test_generate_length_aware_checks_the_engine():
+    """mode="priority" refuses an engine that schedules first come, first
+    served (vLLM would ignore the priorities); bad arguments name themselves.
+    No vLLM needed: the engine is a stand-in."""
+    from types import SimpleNamespace
+
+    from integration.vllm_rollout import generate_length_aware
+
+    cfg = SimpleNamespace(scheduler_config=SimpleNamespace(policy="fcfs"))
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=cfg))
+    pred = S.LengthPredictor()
+    with pytest.raises(ValueError, match="needs an engine started with scheduling_policy"):
+        generate_length_aware(llm, ["x"], None, prompt_keys=["k"], predictor=pred)
+    with pytest.raises(ValueError, match="prompt_keys: expected 1 keys"):
+        generate_length_aware(llm, ["x"], None, prompt_keys=[], predictor=pred)
+    with pytest.raises(ValueError, match='mode: expected "priority" or "order"'):
+        generate_length_aware(llm, ["x"], None, prompt_keys=["k"], predictor=pred, mode="fifo")

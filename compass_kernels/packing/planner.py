@@ -1,9 +1,11 @@
 """The packing planner: sequences -> data-parallel ranks -> micro-batches.
 
-The search runs in C++ (csrc/packing/plan_cpu.cpp: LPT and Karmarkar-Karp
-seeds, swap refinement, first-fit-decreasing micro-batch counts, capped LPT
-packing); this module checks arguments, builds the cost, and wraps the result
-in a :class:`Plan` with its statistics.
+Everything per sequence runs in C++ (csrc/packing/plan_cpu.cpp: padding,
+cost, radix order, LPT with exchange refinement to the lower bound and a
+Karmarkar-Karp seed where it is missed, capped LPT micro-batches with first
+fit where LPT cannot fit); this module checks the scalar arguments, picks the
+cost coefficients, and wraps the result in a :class:`Plan` (tensors and
+statistics built on first access).
 """
 
 from __future__ import annotations
@@ -118,21 +120,57 @@ class Plan:
     order : [n] int64, sequence indices rank-major, then micro-batch.
     offsets : [dp_size * num_micro_batches + 1] int64; micro-batch j of rank r
         is ``order[offsets[r*M + j] : offsets[r*M + j + 1]]``.
+    lengths : [n] int64, the lengths planned.
     tokens : [n] int64 lengths after padding to pad_multiple (what the cap counts).
     cost : [n] float64, what was balanced.
+
+    The tensors share memory with the planner's NumPy output and are built on
+    first access (the planner itself does no per-sequence work in Python).
     """
 
-    def __init__(self, order, offsets, dp_size, num_micro_batches, lengths, tokens, cost,
-                 max_tokens, lower_bound):  # fmt: skip
-        self.order = order
-        self.offsets = offsets
+    def __init__(self, order: np.ndarray, offsets: np.ndarray, dp_size: int,
+                 num_micro_batches: int, lengths: np.ndarray, pad_multiple: int,
+                 cost_ab: tuple[float, float], max_tokens: int, lower_bound: float):  # fmt: skip
+        self._order = order
+        self._offsets = offsets
+        self._lengths = lengths
+        self._pad = pad_multiple
+        self._cost_ab = cost_ab
         self.dp_size = dp_size
         self.num_micro_batches = num_micro_batches
-        self.lengths = lengths
-        self.tokens = tokens
-        self.cost = cost
         self.max_tokens = max_tokens
         self._lower_bound = lower_bound
+
+    @cached_property
+    def order(self) -> torch.Tensor:
+        return torch.from_numpy(self._order)
+
+    @cached_property
+    def offsets(self) -> torch.Tensor:
+        return torch.from_numpy(self._offsets)
+
+    @cached_property
+    def lengths(self) -> torch.Tensor:
+        return torch.from_numpy(self._lengths)
+
+    @cached_property
+    def _tokens(self) -> np.ndarray:
+        p = self._pad
+        return self._lengths if p == 1 else (self._lengths + (p - 1)) // p * p
+
+    @cached_property
+    def tokens(self) -> torch.Tensor:
+        return torch.from_numpy(self._tokens)
+
+    @cached_property
+    def _cost(self) -> np.ndarray:
+        a, b = self._cost_ab
+        t = self._tokens.astype(np.float64)
+        return t * a + t * t * b if b else t * a
+
+    @cached_property
+    def cost(self) -> torch.Tensor:
+        return torch.from_numpy(self._cost)
 
     def micro_batch(self, rank: int, j: int) -> torch.Tensor:
         """[m] int64 sequence indices of micro-batch j on ``rank``."""
@@ -142,13 +180,21 @@ class Plan:
                 f"j < {self.num_micro_batches}"
             )
         k = rank * self.num_micro_batches + j
-        return self.order[int(self.offsets[k]) : int(self.offsets[k + 1])]
+        return self.order[int(self._offsets[k]) : int(self._offsets[k + 1])]
+
+    def rank_indices(self, rank: int) -> np.ndarray:
+        """[m] int64 sequence indices of every micro-batch of ``rank``, in order
+        (a view of the plan's NumPy output)."""
+        if not 0 <= rank < self.dp_size:
+            raise IndexError(f"rank_indices({rank}): expected rank < {self.dp_size}")
+        M = self.num_micro_batches
+        return self._order[self._offsets[rank * M] : self._offsets[(rank + 1) * M]]
 
     @cached_property
     def assignment(self) -> list[list[list[int]]]:
         """assignment[rank][micro_batch] = list of sequence indices (ascending)."""
-        order = self.order.numpy().tolist()  # NumPy's tolist: ~3x faster than torch's
-        off = self.offsets.numpy().tolist()
+        order = self._order.tolist()  # NumPy's tolist: ~3x faster than torch's
+        off = self._offsets.tolist()
         M = self.num_micro_batches
         return [
             [order[off[r * M + j] : off[r * M + j + 1]] for j in range(M)]
@@ -166,12 +212,12 @@ class Plan:
         (dp * M * max_tokens); padding_tokens = tokens added by pad_multiple;
         idle_tokens = sum over ranks of (max rank tokens - rank tokens).
         """
-        order = self.order.numpy()
-        off = self.offsets.numpy()
+        order = self._order
+        off = self._offsets
         k, M = self.dp_size, self.num_micro_batches
         starts = off[:-1]
-        c = np.add.reduceat(self.cost.numpy()[order], starts).reshape(k, M)
-        t = np.add.reduceat(self.tokens.numpy()[order], starts).reshape(k, M)
+        c = np.add.reduceat(self._cost[order], starts).reshape(k, M)
+        t = np.add.reduceat(self._tokens[order], starts).reshape(k, M)
         rc, rt = c.sum(1), t.sum(1)
         mean = rc.mean()
         total_tokens = int(t.sum())
@@ -189,13 +235,13 @@ class Plan:
             "mb_imbalance": float(c.max() / c.mean()),
             "max_mb_tokens": int(t.max()),
             "utilization": total_tokens / (k * M * self.max_tokens),
-            "padding_tokens": total_tokens - int(self.lengths.sum()),
+            "padding_tokens": total_tokens - int(self._lengths.sum()),
             "idle_tokens": int((rt.max() - rt).sum()),
         }
 
     def __repr__(self) -> str:
         return (
-            f"Plan(n={self.order.numel()}, dp_size={self.dp_size}, "
+            f"Plan(n={self._order.size}, dp_size={self.dp_size}, "
             f"num_micro_batches={self.num_micro_batches}, max_tokens={self.max_tokens})"
         )
 
@@ -204,6 +250,8 @@ def _as_int64(name: str, x) -> np.ndarray:
     # The host path works on NumPy arrays (they cross into C++ by DLPack too):
     # a handful of small torch ops here cost more than the whole C++ search
     # when torch's intra-op threads contend with other work on the host.
+    if type(x) is np.ndarray and x.dtype == np.int64 and x.ndim == 1 and x.flags.c_contiguous:
+        return x  # the common case, in ~0.2 us
     if isinstance(x, torch.Tensor):
         if x.dim() != 1 or x.dtype not in INT_DTYPES:
             raise ValueError(f"{name}: expected a 1-d integer tensor, got {describe(x)}")
@@ -262,10 +310,14 @@ def plan(
     """
     L = _as_int64("lengths", lengths)
     n = L.size
-    dp_size = _positive_int("dp_size", dp_size)
-    max_tokens = _positive_int("max_tokens", max_tokens)
-    micro_batch_multiple = _positive_int("micro_batch_multiple", micro_batch_multiple)
-    pad_multiple = _positive_int("pad_multiple", pad_multiple)
+    if type(dp_size) is not int or dp_size < 1:
+        dp_size = _positive_int("dp_size", dp_size)
+    if type(max_tokens) is not int or max_tokens < 1:
+        max_tokens = _positive_int("max_tokens", max_tokens)
+    if micro_batch_multiple != 1:
+        micro_batch_multiple = _positive_int("micro_batch_multiple", micro_batch_multiple)
+    if pad_multiple != 1:
+        pad_multiple = _positive_int("pad_multiple", pad_multiple)
     if n == 0:
         raise ValueError("lengths: expected at least one sequence, got none")
     gid = None
@@ -273,30 +325,33 @@ def plan(
         gid = _as_int64("group_ids", group_ids)
         if gid.size != n:
             raise ValueError(f"group_ids: expected {n} elements (one per sequence), got {gid.size}")
-    if pad_multiple > 1:
-        tokens = (L + (pad_multiple - 1)) // pad_multiple * pad_multiple
+    if cost == "tokens":
+        cost_ab = (1.0, 0.0)
+    elif cost == "attention":
+        if model_config is None:
+            raise ValueError(
+                'cost="attention" needs model_config (a ModelConfig: hidden, FFN, layers, '
+                "MoE top-k, heads), which gives its coefficients"
+            )
+        cost_ab = cost_coefficients(model_config)
     else:
-        tokens = L
-    c = sequence_cost(tokens, cost, model_config)
+        raise ValueError(f'cost: expected "tokens" or "attention", got {cost!r}')
     order = np.empty(n, dtype=np.int64)
     offsets = np.empty(n + 1, dtype=np.int64)
     iters = -1 if refine_iters is None else int(refine_iters)
-    M = load().packing.plan_cpu(
-        tokens, c, gid, dp_size, max_tokens, micro_batch_multiple, bool(equal_samples), iters,
-        order, offsets,
+    M, lower_bound = _C().plan_cpu(
+        L, gid, dp_size, max_tokens, micro_batch_multiple, bool(equal_samples), pad_multiple,
+        cost_ab[0], cost_ab[1], iters, order, offsets,
     )  # fmt: skip
-    lower_bound = _lower_bound(c, gid, dp_size)
-    t = torch.from_numpy
-    return Plan(t(order), t(offsets[: dp_size * M + 1]), dp_size, M, t(L), t(tokens), t(c),
+    return Plan(order, offsets[: dp_size * M + 1], dp_size, M, L, pad_multiple, cost_ab,
                 max_tokens, lower_bound)  # fmt: skip
 
 
-def _lower_bound(c: np.ndarray, gid: np.ndarray | None, k: int) -> float:
-    """max(total / k, the largest item): no assignment has a lighter heaviest rank."""
-    total = float(c.sum())
-    if gid is None:
-        biggest = float(c.max())
-    else:
-        _, inv = np.unique(gid, return_inverse=True)
-        biggest = float(np.bincount(inv, weights=c).max())
-    return max(total / k, biggest)
+_packing_module = None
+
+
+def _C():
+    global _packing_module
+    if _packing_module is None:
+        _packing_module = load().packing
+    return _packing_module

@@ -32,6 +32,9 @@ __all__ = [
     "LengthPredictor",
     "Request",
     "SimResult",
+    "SubmissionPlan",
+    "record_rollout",
+    "submission_plan",
     "longest_first",
     "lpt_assign",
     "compare_policies",
@@ -148,6 +151,67 @@ def over_provision(num_groups: int, *, extra: float = 0.25, carried: int = 0) ->
             f"{carried}"
         )
     return max(0, math.ceil(num_groups * (1 + extra)) - carried)
+
+
+# ------------------------------------------------- engine-facing submission API
+
+
+@dataclass(frozen=True)
+class SubmissionPlan:
+    """How to submit one rollout step's requests to an inference engine.
+
+    order : [n] int64, request indices, longest predicted first (ties: input
+        order). Submit in this order to an engine that schedules first come,
+        first served (vLLM's default policy).
+    priority : [n] ints, per request in input order: its position in
+        ``order``. vLLM with ``scheduling_policy="priority"`` runs the lowest
+        value first (ties by arrival): ``llm.generate(prompts, params,
+        priority=plan.priority)`` keeps the caller's order and runs ours.
+    predicted : [n] float64, the predicted response lengths.
+    """
+
+    order: np.ndarray
+    priority: list[int]
+    predicted: np.ndarray
+
+
+def submission_plan(prompt_keys: Sequence[Hashable], predictor: LengthPredictor,
+                    generated: Sequence[int] | None = None) -> SubmissionPlan:  # fmt: skip
+    """Longest-predicted-first submission for requests ``prompt_keys`` (one key
+    per request; the n samples of one prompt share its key).
+
+    ``generated``: tokens each request already produced (partial rollout
+    carry-over), a floor under its prediction.
+    """
+    n = len(prompt_keys)
+    if generated is not None and len(generated) != n:
+        raise ValueError(f"generated: expected {n} values (one per request), got {len(generated)}")
+    if generated is None:
+        predicted = predictor.predict_many(prompt_keys)
+    else:
+        predicted = np.array(
+            [predictor.predict(k, int(g)) for k, g in zip(prompt_keys, generated, strict=True)],
+            dtype=np.float64,
+        )
+    order = longest_first(predicted)
+    priority = np.empty(n, dtype=np.int64)
+    priority[order] = np.arange(n)
+    return SubmissionPlan(order=order, priority=priority.tolist(), predicted=predicted)
+
+
+def record_rollout(predictor: LengthPredictor, prompt_keys: Sequence[Hashable],
+                   lengths: Sequence[int], *, end_step: bool = True) -> None:  # fmt: skip
+    """After a rollout: feed each request's observed response length (tokens
+    generated, >= 1) to ``predictor`` and, by default, close the step (the
+    lengths join each prompt's history)."""
+    if len(lengths) != len(prompt_keys):
+        raise ValueError(
+            f"lengths: expected {len(prompt_keys)} values (one per request), got {len(lengths)}"
+        )
+    for key, length in zip(prompt_keys, lengths, strict=True):
+        predictor.observe(key, int(length))
+    if end_step:
+        predictor.end_step()
 
 
 # ------------------------------------------------------------------ simulator

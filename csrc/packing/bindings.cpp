@@ -8,8 +8,9 @@ namespace packing {
 void bind(pybind11::module_& root) {
   auto m = root.def_submodule("packing", "length-aware packing: planner, THD pack / unpack");
   COMPASS_DEF_NOGIL(m, plan_cpu,
-                    "(tokens, cost, group_ids|None, dp_size, max_tokens, micro_batch_multiple, "
-                    "equal_samples, refine_iters, order, offsets) -> micro-batches per rank");
+                    "(lengths, group_ids|None, dp_size, max_tokens, micro_batch_multiple, "
+                    "equal_samples, pad_multiple, cost_a, cost_b, refine_iters, order, offsets) "
+                    "-> (micro-batches per rank, lower bound)");
   COMPASS_DEF_NOGIL(m, karmarkar_karp_cpu,
                     "(cost, k, rank_of): equal-size largest differencing, rank_of in place");
   const char* pack = "(src, seq_start, seqlens, out_offsets, cp_size, cp_rank, fill, total, out"

@@ -1,35 +1,69 @@
 // The packing planner (ck.packing.plan): sequences -> data-parallel ranks ->
 // micro-batches, every constraint at once.
 //
+// 0. Input: lengths, padded here to pad_multiple (what the cap counts), and the
+//    cost balanced: the padded tokens themselves (int64 arithmetic throughout:
+//    balances are exact) or a*P + b*P^2 (float64). Both grow with P, so one
+//    order by decreasing tokens is also decreasing cost.
 // 1. Items: a group (group_ids) or a single sequence; items never split across
-//    ranks.
-// 2. Ranks: two seeds, each refined by local search, the better kept:
-//    - LPT (largest cost first onto the least-loaded rank; with equal_samples
-//      a rank takes at most ceil(G/k) items and only G % k ranks that many);
-//    - Karmarkar-Karp largest differencing in equal-size mode (what RL
-//      frameworks run), so the result is never worse than KK's on the same
-//      cost;
-//    refinement: the heaviest rank against the others, lightest first, takes
-//    the single move or pairwise swap whose cost difference is closest to half
-//    their gap; repeated until the heaviest rank cannot be lowered or it sits
-//    at the lower bound max(total / k, largest item). Swaps keep item counts,
-//    so equal_samples holds throughout.
-// 3. Micro-batches: M = max over ranks of the first-fit-decreasing bin count
-//    under max_tokens, rounded up to micro_batch_multiple; every rank is then
-//    packed into exactly M bins: LPT by cost among the bins with room (falls
-//    back to FFD plus splitting its heaviest bins), then the same move / swap
-//    refinement between bins, never breaking the cap.
+//    ranks. Sequences are ordered by a stable LSD radix sort on the integer
+//    lengths (decreasing, ties by index), O(n); items are relabelled by that
+//    order, so item j is at least as heavy as item j + 1 and an id comparison
+//    is a cost comparison.
+// 2. Ranks: LPT (largest first onto the least-loaded rank, a binary heap:
+//    O(n log dp); with equal_samples a rank takes at most ceil(G/k) items and
+//    only G % k ranks that many), then refinement: the heaviest rank against
+//    the lightest (then the next lightest ...) takes the single move or pairwise
+//    swap whose cost difference is closest to half their gap, found by one
+//    two-pointer scan of both ranks' sorted members (O(m) per step), until the
+//    heaviest rank is at the lower bound: max(ceil(total / k), largest item) for
+//    token costs (provably optimal, no other method can do better), within
+//    1e-9 of max(total / k, largest item) for float costs. Only when that bound
+//    is not reached does Karmarkar-Karp (largest differencing in equal-size
+//    mode, what RL frameworks run) seed a second candidate, refined the same
+//    way, and the better one is kept: so the result is never worse than KK's.
+//    Swaps keep item counts, so equal_samples holds throughout.
+// 3. Micro-batches: M = the largest per-rank lower bound (ceil(tokens / cap), or
+//    the number of sequences longer than cap / 2, each needing its own), rounded
+//    up to micro_batch_multiple; every rank is packed into exactly M bins by
+//    LPT on cost among the bins with room. Where that fails, first-fit
+//    decreasing (a max-tree over bin room, O(m log m)) gives a feasible count:
+//    M grows to the largest such count and ranks LPT cannot pack use FFD plus
+//    splitting of their heaviest bins. Then the same move / swap refinement
+//    between bins (bounded: partners and steps), never breaking the cap.
 // Deterministic: every tie is broken by index. Serial: a host step that runs
-// once per training step, where waking an OpenMP team on a busy host cost more
-// than it saved (measured: 8192 sequences / 8 ranks 3 ms serial, 44 ms with
-// two threads on two loaded cores).
+// once per training step, where waking an OpenMP team on a busy host costs
+// more than it saves.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <limits>
 #include <numeric>
-#include <queue>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "packing/packing_api.h"
+
+#ifdef COMPASS_PLAN_PROFILE  // per-phase thread CPU time on stderr (a profiling build only)
+#include <time.h>
+#include <cstdio>
+inline void compass_phase(const char* name) {
+  static double last = 0.0;
+  timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  const double now = ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
+  std::fprintf(stderr, "  %-14s %8.3f ms\n", name, now - last);
+  last = now;
+}
+#define COMPASS_PHASE(name) compass_phase(name)
+#define COMPASS_NOINLINE __attribute__((noinline))
+#else
+#define COMPASS_NOINLINE
+#define COMPASS_PHASE(name) \
+  do {                      \
+  } while (0)
+#endif
 
 namespace compass {
 namespace packing {
@@ -44,145 +78,386 @@ constexpr int64_t kBinPartners = 8;
 // is a pipeline-bubble concern, and the last fractions of a percent cost most
 // of the planner's time at 64k sequences.
 constexpr double kBinTolerance = 5e-3;
-// Ranks stop within 1e-6 of the lower bound max(total / dp, largest item): the
-// imbalance is then 1.000001 at worst, and the tail of ever smaller swaps that
-// a tighter target buys cost 5x the planner's time at 16k sequences / 128 ranks.
-constexpr double kRankTolerance = 1e-6;
+// Float costs: ranks stop within 1e-9 of the lower bound max(total / k,
+// largest item) (token costs are integers and stop at the exact optimum).
+constexpr double kRankTolerance = 1e-9;
 
+// ------------------------------------------------------------------ sorting
+// Stable LSD radix sort: out = 0..n-1 ordered by increasing key (ties by
+// index). 11-bit digits at most, as few passes as the key range needs (two
+// for lengths up to 2^22). Short inputs: a comparison sort.
+void radix_order(const uint64_t* key, int64_t n, std::vector<int64_t>& out,
+                 std::vector<int64_t>& tmp) {
+  out.resize(n);
+  std::iota(out.begin(), out.end(), int64_t{0});
+  uint64_t hi = 0;
+  for (int64_t i = 0; i < n; ++i) hi |= key[i];
+  if (hi == 0 || n < 2) return;
+  if (n <= 64) {
+    std::stable_sort(out.begin(), out.end(), [key](int64_t a, int64_t b) { return key[a] < key[b]; });
+    return;
+  }
+  const int bits = 64 - __builtin_clzll(hi);
+  const int passes = (bits + 10) / 11;
+  const int d = (bits + passes - 1) / passes;
+  const uint64_t mask = (uint64_t{1} << d) - 1;
+  std::vector<int64_t> count(size_t{1} << d);
+  tmp.resize(n);
+  for (int p = 0; p < passes; ++p) {
+    const int shift = p * d;
+    std::fill(count.begin(), count.end(), 0);
+    for (int64_t i = 0; i < n; ++i) ++count[(key[out[i]] >> shift) & mask];
+    int64_t sum = 0;
+    for (int64_t& c : count) {
+      const int64_t v = c;
+      c = sum;
+      sum += v;
+    }
+    for (int64_t i = 0; i < n; ++i) tmp[count[(key[out[i]] >> shift) & mask]++] = out[i];
+    out.swap(tmp);
+  }
+}
+
+// Indices by decreasing value, ties by index.
+template <typename C>
+void order_desc(const C* v, int64_t n, std::vector<int64_t>& out, std::vector<int64_t>& tmp) {
+  if constexpr (std::is_integral_v<C>) {
+    C top = v[0];
+    for (int64_t i = 1; i < n; ++i) top = std::max(top, v[i]);
+    std::vector<uint64_t> key(n);
+    for (int64_t i = 0; i < n; ++i) key[i] = static_cast<uint64_t>(top) - static_cast<uint64_t>(v[i]);
+    radix_order(key.data(), n, out, tmp);
+  } else {
+    std::vector<std::pair<C, int64_t>> kv(n);
+    for (int64_t i = 0; i < n; ++i) kv[i] = {-v[i], i};
+    std::sort(kv.begin(), kv.end());
+    out.resize(n);
+    for (int64_t i = 0; i < n; ++i) out[i] = kv[i].second;
+  }
+}
+
+// ------------------------------------------------------------------- items
+// Items relabelled by decreasing cost: w[j] >= w[j + 1]. The sequences of item
+// j are member[start[j] : start[j + 1]] (ascending index).
+template <typename C>
 struct Items {
-  std::vector<double> cost;
-  std::vector<int64_t> start;   // members of item j: member[start[j] : start[j+1]]
-  std::vector<int64_t> member;  // sequence indices
-  int64_t size() const { return static_cast<int64_t>(cost.size()); }
+  std::vector<C> w;
+  std::vector<int64_t> start, member;
+  int64_t size() const { return static_cast<int64_t>(w.size()); }
 };
 
-Items build_items(const double* cost, const int64_t* gid, int64_t n) {
-  Items it;
-  it.member.resize(n);
-  std::iota(it.member.begin(), it.member.end(), int64_t{0});
-  if (gid == nullptr) {
-    it.cost.assign(cost, cost + n);
-    it.start.resize(n + 1);
-    std::iota(it.start.begin(), it.start.end(), int64_t{0});
-    return it;
+// ------------------------------------------------------------------- bins
+// Bins (ranks, or micro-batches of one rank) of items; each bin's members are
+// kept by decreasing id, that is by increasing cost.
+template <typename C>
+struct Bins {
+  std::vector<std::vector<int64_t>> mem;
+  std::vector<C> load;
+  void reset(int64_t nb) {
+    mem.resize(nb);
+    for (auto& m : mem) m.clear();
+    load.assign(nb, C{0});
   }
-  std::stable_sort(it.member.begin(), it.member.end(),
-                   [gid](int64_t a, int64_t b) { return gid[a] < gid[b]; });
-  it.start.push_back(0);
-  for (int64_t j = 0; j < n; ++j) {
-    if (j > 0 && gid[it.member[j]] != gid[it.member[j - 1]]) {
-      it.start.push_back(j);
-      it.cost.push_back(0.0);
+  int64_t size() const { return static_cast<int64_t>(load.size()); }
+  C max_load() const { return *std::max_element(load.begin(), load.end()); }
+};
+
+void erase_id(std::vector<int64_t>& m, int64_t x) {
+  m.erase(std::lower_bound(m.begin(), m.end(), x, std::greater<int64_t>()));
+}
+void insert_id(std::vector<int64_t>& m, int64_t x) {
+  m.insert(std::lower_bound(m.begin(), m.end(), x, std::greater<int64_t>()), x);
+}
+
+// The exchange between bins h and r that lowers the larger of the two loads
+// the most: x leaves h and y (or nothing, y = -1) leaves r, with difference
+// d = w[x] - w[y] in (0, gap) closest to gap / 2. xs and ys are by increasing
+// cost, so for each x (increasing) the y closest to w[x] - gap / 2 only moves
+// forward: one two-pointer scan, O(|xs| + |ys|). Scores are |2d - gap|,
+// exact for integer costs. fits(x, y) filters (cap, counts).
+template <typename C>
+struct Exchange {
+  int64_t x = -1, y = -1;
+  C score{};
+};
+
+template <typename C, typename Fits>
+COMPASS_NOINLINE Exchange<C> best_exchange(const std::vector<int64_t>& xs, const std::vector<int64_t>& ys,
+                          const C* w, C gap, Fits&& fits) {
+  Exchange<C> best;
+  best.score = gap;  // a candidate must beat it: d strictly inside (0, gap)
+  auto consider = [&](int64_t x, int64_t y, C d) {
+    if (d <= C{0} || d >= gap) return;
+    C s = 2 * d - gap;
+    if (s < C{0}) s = -s;
+    if (s < best.score && fits(x, y)) best.x = x, best.y = y, best.score = s;
+  };
+  const int64_t nx = static_cast<int64_t>(xs.size()), ny = static_cast<int64_t>(ys.size());
+  {  // moves: the x closest to gap / 2
+    int64_t lo = 0, hi = nx;  // first x with 2 w[x] >= gap
+    while (lo < hi) {
+      const int64_t mid = (lo + hi) / 2;
+      if (2 * w[xs[mid]] < gap) lo = mid + 1;
+      else hi = mid;
     }
-    if (j == 0) it.cost.push_back(0.0);
-    it.cost.back() += cost[it.member[j]];
+    for (int64_t p = std::max<int64_t>(lo - 2, 0); p < std::min(lo + 2, nx); ++p) {
+      consider(xs[p], int64_t{-1}, w[xs[p]]);
+    }
   }
-  it.start.push_back(n);
-  return it;
+  int64_t j = 0;
+  for (int64_t i = 0; i < nx && best.score > C{0}; ++i) {
+    const int64_t x = xs[i];
+    const C t = 2 * w[x] - gap;  // want 2 w[y] close to t
+    while (j < ny && 2 * w[ys[j]] < t) ++j;
+    for (int64_t q = std::max<int64_t>(j - 2, 0); q < std::min(j + 2, ny); ++q) {
+      consider(x, ys[q], w[x] - w[ys[q]]);
+    }
+  }
+  return best;
 }
 
-// Indices by decreasing value, ties by index: a sort of (-value, index) pairs
-// (contiguous keys: ~2x faster than sorting indices through the values).
-std::vector<int64_t> sort_desc(const double* v, int64_t n) {
-  std::vector<std::pair<double, int64_t>> kv(n);
-  for (int64_t i = 0; i < n; ++i) kv[i] = {-v[i], i};
-  std::sort(kv.begin(), kv.end());
-  std::vector<int64_t> out(n);
-  for (int64_t i = 0; i < n; ++i) out[i] = kv[i].second;
-  return out;
+// Until the heaviest bin is at `target` or cannot be lowered: the heaviest bin
+// h exchanges with the lightest bin that offers an exchange (lightest first,
+// at most max_partners tried). fits(h, r, x, y) says whether the exchange keeps
+// both bins feasible; applied(h, r, x, y) is told of each change made.
+// Returns the steps taken.
+template <typename C, typename Fits, typename Applied>
+int64_t refine(Bins<C>& b, const C* w, C target, int64_t max_iter, int64_t max_partners,
+               Fits&& fits, Applied&& applied, std::vector<int64_t>& scratch) {
+  const int64_t nb = b.size();
+  if (nb < 2) return 0;
+  auto attempt = [&](int64_t h, int64_t r) -> bool {
+    const C gap = b.load[h] - b.load[r];
+    if (gap <= C{0}) return false;
+    const Exchange<C> e = best_exchange(b.mem[h], b.mem[r], w, gap,
+                                        [&](int64_t x, int64_t y) { return fits(h, r, x, y); });
+    if (e.x < 0) return false;
+    if constexpr (!std::is_integral_v<C>) {
+      // the pair's larger load drops by (gap - score) / 2: no float crumbs
+      if (gap - e.score <= b.load[h] * 1e-13) return false;
+    }
+    erase_id(b.mem[h], e.x);
+    insert_id(b.mem[r], e.x);
+    C d = w[e.x];
+    if (e.y >= 0) {
+      erase_id(b.mem[r], e.y);
+      insert_id(b.mem[h], e.y);
+      d -= w[e.y];
+    }
+    b.load[h] -= d;
+    b.load[r] += d;
+    applied(h, r, e.x, e.y);
+    return true;
+  };
+  int64_t iter = 0;
+  for (; iter < max_iter; ++iter) {
+    int64_t h = 0, l = -1;
+    for (int64_t j = 1; j < nb; ++j) {
+      if (b.load[j] > b.load[h]) h = j;
+    }
+    if (b.load[h] <= target) break;
+    for (int64_t j = 0; j < nb; ++j) {
+      if (j != h && (l < 0 || b.load[j] < b.load[l])) l = j;
+    }
+    if (attempt(h, l)) continue;
+    bool improved = false;
+    if (max_partners > 1 && nb > 2) {
+      scratch.clear();
+      for (int64_t j = 0; j < nb; ++j) {
+        if (j != h && j != l) scratch.push_back(j);
+      }
+      const int64_t keep = std::min<int64_t>(max_partners - 1, scratch.size());
+      auto lighter = [&](int64_t x, int64_t y) {
+        return b.load[x] != b.load[y] ? b.load[x] < b.load[y] : x < y;
+      };
+      std::partial_sort(scratch.begin(), scratch.begin() + keep, scratch.end(), lighter);
+      for (int64_t p = 0; p < keep && !improved; ++p) improved = attempt(h, scratch[p]);
+    }
+    if (!improved) break;
+  }
+  return iter;
 }
 
-// ------------------------------------------------------------------ seeds
-// LPT. With `card`, the count constraint of equal_samples: floor(G/k) or
-// ceil(G/k) items per rank, exactly G % k ranks at the ceiling.
-std::vector<int32_t> lpt(const std::vector<double>& c, const std::vector<int64_t>& desc, int64_t k,
-                         bool card) {
-  const int64_t g = static_cast<int64_t>(c.size());
-  using Entry = std::pair<double, int64_t>;  // (load, rank): min-heap, ties lowest rank
-  std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>> heap;
-  for (int64_t r = 0; r < k; ++r) heap.emplace(0.0, r);
+// ------------------------------------------------------------ rank seeds
+// The least-loaded bin, ties to the lower index: a tournament (winner) tree
+// over the bins, LPT's one operation per item. Updating a leaf recomputes the
+// minima on its path to the root: log2(k) levels whose addresses are known in
+// advance, so the loads overlap and only a chain of branch-free minima
+// remains (a binary heap's sift chases data-dependent addresses). Integer
+// loads pack (load, index) into one uint64 key whenever the total fits beside
+// the index bits; float loads use (load, index) pairs. A bin set aside (no
+// room, or full under equal_samples) gets the largest key.
+template <typename C>
+struct MinTree {
+  bool packed = false;
+  int shift = 0;
+  uint64_t mask = 0;
+  int64_t leaves = 1;
+  std::vector<uint64_t> tk;               // packed: [2 * leaves], root at 1
+  std::vector<std::pair<C, int64_t>> tp;  // pairs
+
+  // k bins at load 0; `total`: the most any load can reach
+  void init(int64_t k, C total) {
+    leaves = 1;
+    while (leaves < k) leaves *= 2;
+    packed = false;
+    if constexpr (std::is_integral_v<C>) {
+      shift = leaves > 1 ? 64 - __builtin_clzll(static_cast<uint64_t>(leaves - 1)) : 1;
+      mask = (uint64_t{1} << shift) - 1;
+      packed = static_cast<uint64_t>(total) < (uint64_t{1} << (63 - shift));
+    }
+    if (packed) {
+      tk.assign(2 * leaves, ~uint64_t{0});
+      for (int64_t r = 0; r < k; ++r) tk[leaves + r] = static_cast<uint64_t>(r);
+      for (int64_t i = leaves - 1; i >= 1; --i) tk[i] = std::min(tk[2 * i], tk[2 * i + 1]);
+    } else {
+      tp.assign(2 * leaves, {std::numeric_limits<C>::max(), std::numeric_limits<int64_t>::max()});
+      for (int64_t r = 0; r < k; ++r) tp[leaves + r] = {C{0}, r};
+      for (int64_t i = leaves - 1; i >= 1; --i) tp[i] = std::min(tp[2 * i], tp[2 * i + 1]);
+    }
+  }
+  bool empty() const {
+    return packed ? tk[1] == ~uint64_t{0}
+                  : tp[1].second == std::numeric_limits<int64_t>::max();
+  }
+  int64_t top() const { return packed ? static_cast<int64_t>(tk[1] & mask) : tp[1].second; }
+  C top_load() const { return packed ? static_cast<C>(tk[1] >> shift) : tp[1].first; }
+  template <typename K>
+  static void replay(std::vector<K>& t, int64_t i) {
+    for (i >>= 1; i >= 1; i >>= 1) t[i] = std::min(t[2 * i], t[2 * i + 1]);
+  }
+  void set(int64_t r, C load) {  // bin r's load is now `load`
+    const int64_t i = leaves + r;
+    if (packed) {
+      tk[i] = (static_cast<uint64_t>(load) << shift) | static_cast<uint64_t>(r);
+      replay(tk, i);
+    } else {
+      tp[i] = {load, r};
+      replay(tp, i);
+    }
+  }
+  void set_aside(int64_t r) {
+    const int64_t i = leaves + r;
+    if (packed) {
+      tk[i] = ~uint64_t{0};
+      replay(tk, i);
+    } else {
+      tp[i] = {std::numeric_limits<C>::max(), std::numeric_limits<int64_t>::max()};
+      replay(tp, i);
+    }
+  }
+  void add_top(C d) {
+    const int64_t r = top();
+    set(r, top_load() + d);
+  }
+};
+
+// LPT over items 0..g-1 (decreasing cost). With `card` (equal_samples):
+// floor(g/k) or ceil(g/k) items per rank, exactly g % k ranks at the ceiling.
+template <typename C>
+COMPASS_NOINLINE void lpt_ranks(const std::vector<C>& w, int64_t k, bool card, Bins<C>& b) {
+  const int64_t g = static_cast<int64_t>(w.size());
+  b.reset(k);
+  C total{0};
+  for (C v : w) total += v;
+  MinTree<C> heap;
+  heap.init(k, total);
   const int64_t lo = g / k, rem = g % k;
   std::vector<int64_t> count(k, 0);
   int64_t at_hi = 0;
-  std::vector<int32_t> rank(g);
-  for (int64_t j : desc) {
-    Entry e;
-    for (;;) {
-      e = heap.top();
-      heap.pop();
-      const int64_t cnt = count[e.second];
-      if (!card || cnt < lo || (cnt == lo && at_hi < rem)) break;
+  for (int64_t j = 0; j < g; ++j) {
+    if (card) {
+      for (;;) {  // ranks that can take no more leave the heap for good
+        const int64_t c = count[heap.top()];
+        if (c < lo || (c == lo && at_hi < rem)) break;
+        heap.set_aside(heap.top());
+      }
     }
-    const int64_t r = e.second;
-    rank[j] = static_cast<int32_t>(r);
+    const int64_t r = heap.top();
+    b.mem[r].push_back(j);
     if (card && ++count[r] == lo + 1) ++at_hi;
-    heap.emplace(e.first + c[j], r);
+    heap.add_top(w[j]);
   }
-  return rank;
+  for (int64_t r = 0; r < k; ++r) {
+    std::reverse(b.mem[r].begin(), b.mem[r].end());  // decreasing id
+    for (int64_t j : b.mem[r]) b.load[r] += w[j];
+  }
 }
 
 // Karmarkar-Karp largest differencing, equal-size mode: items sorted
 // ascending, taken k at a time as partial solutions of k one-item sets;
 // repeatedly merge the two with the largest spread (largest set of one with
-// the smallest of the other). G not a multiple of k gets zero-cost fillers, so
+// the smallest of the other). g not a multiple of k gets zero-cost fillers, so
 // counts differ by at most one. Sets are linked lists: O(1) concatenation.
+// Ties as verl's code breaks them (and Python's reference): sets by (sum,
+// count, first item), larger first; partial solutions by spread, then their
+// top sets in that order. Returns the rank of each item;
+// `ascending` lists the items by increasing cost (ties: any fixed order).
+template <typename C>
 struct KKSet {
-  double sum;
+  C sum;
   int64_t count, head, tail;
 };
 
-std::vector<int32_t> karmarkar_karp(const std::vector<double>& c, const std::vector<int64_t>& desc,
-                                   int64_t k) {
-  const int64_t g = static_cast<int64_t>(c.size());
+template <typename C>
+std::vector<int32_t> karmarkar_karp(const C* c, const std::vector<int64_t>& ascending, int64_t k) {
+  const int64_t g = static_cast<int64_t>(ascending.size());
   const int64_t p = (g + k - 1) / k * k;  // padded with fillers g..p-1 (cost 0)
-  std::vector<int64_t> idx(p);             // ascending: the fillers, then desc reversed
+  std::vector<int64_t> idx(p);             // ascending: the fillers, then the items
   std::iota(idx.begin(), idx.begin() + (p - g), g);
-  std::reverse_copy(desc.begin(), desc.end(), idx.begin() + (p - g));
-  auto val = [&](int64_t i) { return i < g ? c[i] : 0.0; };
+  std::copy(ascending.begin(), ascending.end(), idx.begin() + (p - g));
+  auto val = [&](int64_t i) { return i < g ? c[i] : C{0}; };
   const int64_t states = p / k;
-  std::vector<KKSet> sets(p);
+  std::vector<KKSet<C>> sets(p);
   std::vector<int64_t> next(p, -1);
-  auto set_less = [](const KKSet& a, const KKSet& b) {  // descending order wants a > b first
+  auto set_before = [](const KKSet<C>& a, const KKSet<C>& b) {  // decreasing set order
     if (a.sum != b.sum) return a.sum > b.sum;
     if (a.count != b.count) return a.count > b.count;
-    return a.head < b.head;
+    return a.head > b.head;
   };
   for (int64_t s = 0; s < states; ++s) {
-    KKSet* st = &sets[s * k];
+    KKSet<C>* st = &sets[s * k];
     for (int64_t i = 0; i < k; ++i) {  // the chunk is ascending: reversed, it is in set order
       const int64_t item = idx[s * k + k - 1 - i];
       st[i] = {val(item), 1, item, item};
     }
+    std::sort(st, st + k, set_before);  // equal sums: by count, then head
   }
   auto spread = [&](int64_t s) { return sets[s * k].sum - sets[s * k + k - 1].sum; };
-  auto heap_less = [&](int64_t a, int64_t b) {  // true: a pops after b
-    const double sa = spread(a), sb = spread(b);
+  auto pops_after = [&](int64_t a, int64_t b) {
+    const C sa = spread(a), sb = spread(b);
     if (sa != sb) return sa < sb;
-    const KKSet &x = sets[a * k], &y = sets[b * k];
-    if (x.sum != y.sum) return x.sum < y.sum;
+    const KKSet<C>&ta = sets[a * k], &tb = sets[b * k];  // then the top sets, as set order
+    if (ta.sum != tb.sum) return ta.sum < tb.sum;
+    if (ta.count != tb.count) return ta.count < tb.count;
+    if (ta.head != tb.head) return ta.head < tb.head;
     return a > b;
   };
-  std::priority_queue<int64_t, std::vector<int64_t>, decltype(heap_less)> heap(heap_less);
-  for (int64_t s = 0; s < states; ++s) heap.push(s);
+  std::vector<int64_t> heap(states);
+  std::iota(heap.begin(), heap.end(), int64_t{0});
+  std::make_heap(heap.begin(), heap.end(), pops_after);
   while (heap.size() > 1) {
-    const int64_t a = heap.top();
-    heap.pop();
-    const int64_t b = heap.top();
-    heap.pop();
-    KKSet* x = &sets[a * k];
-    const KKSet* y = &sets[b * k];
+    std::pop_heap(heap.begin(), heap.end(), pops_after);
+    const int64_t a = heap.back();
+    heap.pop_back();
+    std::pop_heap(heap.begin(), heap.end(), pops_after);
+    const int64_t b = heap.back();
+    heap.pop_back();
+    KKSet<C>* x = &sets[a * k];
+    const KKSet<C>* y = &sets[b * k];
     for (int64_t i = 0; i < k; ++i) {
-      const KKSet& o = y[k - 1 - i];
+      const KKSet<C>& o = y[k - 1 - i];
       next[x[i].tail] = o.head;
       x[i].tail = o.tail;
       x[i].sum += o.sum;
       x[i].count += o.count;
     }
-    std::sort(x, x + k, set_less);
-    heap.push(a);
+    std::sort(x, x + k, set_before);
+    heap.push_back(a);
+    std::push_heap(heap.begin(), heap.end(), pops_after);
   }
   std::vector<int32_t> rank(g);
-  const KKSet* fin = &sets[heap.top() * k];
+  const KKSet<C>* fin = &sets[heap[0] * k];
   for (int64_t r = 0; r < k; ++r) {
     for (int64_t i = fin[r].head; i != -1; i = next[i]) {
       if (i < g) rank[i] = static_cast<int32_t>(r);
@@ -191,142 +466,17 @@ std::vector<int32_t> karmarkar_karp(const std::vector<double>& c, const std::vec
   return rank;
 }
 
-// ------------------------------------------------------------- refinement
-// Bins (ranks, or micro-batches of one rank) of weighted elements; the
-// heaviest bin gives one element to, or swaps one with, a lighter bin so that
-// the pair's larger load drops the most (difference closest to half the gap),
-// until the heaviest is at `target` or cannot be lowered.
-// `fits(h, r, x, y)` says whether moving x (h -> r) and y (r -> h, y < 0: no y)
-// keeps both bins feasible (token cap, counts); `applied(h, r, x, y)` is told
-// of each change made, to keep that state current.
-struct Bins {
-  std::vector<std::vector<int64_t>> members;  // element ids per bin
-  std::vector<double> load;
-};
-
-template <typename Fits, typename Applied>
-void refine(Bins& b, const std::vector<double>& w, double target, int64_t max_iter,
-            int64_t max_partners, Fits fits, Applied applied) {
-  const int64_t nb = static_cast<int64_t>(b.load.size());
-  if (nb < 2) return;
-  std::vector<std::vector<int64_t>> sorted(nb);  // members by weight, rebuilt when dirty
-  std::vector<char> dirty(nb, 1);
-  auto sorted_of = [&](int64_t r) -> const std::vector<int64_t>& {
-    if (dirty[r]) {
-      sorted[r] = b.members[r];
-      std::sort(sorted[r].begin(), sorted[r].end(),
-                [&](int64_t x, int64_t y) { return w[x] != w[y] ? w[x] < w[y] : x < y; });
-      dirty[r] = 0;
-    }
-    return sorted[r];
-  };
-  std::vector<int64_t> by_load;
-  for (int64_t iter = 0; iter < max_iter; ++iter) {
-    const int64_t h = std::max_element(b.load.begin(), b.load.end()) - b.load.begin();
-    const double top = b.load[h];
-    if (top <= target) return;
-    by_load.resize(nb);
-    std::iota(by_load.begin(), by_load.end(), int64_t{0});
-    // only the lightest max_partners + 1 (h may be among them) are ever tried
-    const int64_t keep = std::min(nb, max_partners + 1);
-    std::partial_sort(by_load.begin(), by_load.begin() + keep, by_load.end(),
-                      [&](int64_t x, int64_t y) {
-                        return b.load[x] != b.load[y] ? b.load[x] < b.load[y] : x < y;
-                      });
-    by_load.resize(keep);
-    const std::vector<int64_t>& hs = sorted_of(h);
-    bool improved = false;
-    int64_t partners = 0;
-    for (int64_t r : by_load) {
-      if (r == h) continue;
-      if (++partners > max_partners) break;
-      const double gap = top - b.load[r];
-      if (gap <= top * 1e-12) break;
-      const double half = 0.5 * gap;
-      double best = gap;  // |d - gap/2| must beat gap/2 strictly: d in (0, gap)
-      int64_t bx = -1, by = -1;
-      // moves: x in h with w[x] closest to gap/2
-      {
-        auto it = std::lower_bound(hs.begin(), hs.end(), half,
-                                   [&](int64_t x, double v) { return w[x] < v; });
-        for (int step = 0; step < 4; ++step) {  // two neighbours each side
-          const int64_t pos = (it - hs.begin()) + (step % 2 ? -(step / 2 + 1) : step / 2);
-          if (pos < 0 || pos >= static_cast<int64_t>(hs.size())) continue;
-          const int64_t x = hs[pos];
-          const double d = w[x];
-          if (d <= 0.0 || d >= gap) continue;
-          const double score = std::abs(d - half);
-          if (score < best && fits(h, r, x, int64_t{-1})) best = score, bx = x, by = -1;
-        }
-      }
-      // swaps: for each x in h, y in r with w[x] - w[y] closest to gap/2
-      const std::vector<int64_t>& rs = sorted_of(r);
-      for (int64_t x : hs) {
-        const double target = w[x] - half;
-        auto it = std::lower_bound(rs.begin(), rs.end(), target,
-                                   [&](int64_t y, double v) { return w[y] < v; });
-        for (int step = 0; step < 4; ++step) {
-          const int64_t pos = (it - rs.begin()) + (step % 2 ? -(step / 2 + 1) : step / 2);
-          if (pos < 0 || pos >= static_cast<int64_t>(rs.size())) continue;
-          const int64_t y = rs[pos];
-          const double d = w[x] - w[y];
-          if (d <= 0.0 || d >= gap) continue;
-          const double score = std::abs(d - half);
-          if (score < best && fits(h, r, x, y)) best = score, bx = x, by = y;
-        }
-      }
-      if (bx < 0 || gap - 2.0 * best <= top * 1e-12) continue;  // no real drop of the pair max
-      auto& hm = b.members[h];
-      auto& rm = b.members[r];
-      hm.erase(std::find(hm.begin(), hm.end(), bx));
-      rm.push_back(bx);
-      double d = w[bx];
-      if (by >= 0) {
-        rm.erase(std::find(rm.begin(), rm.end(), by));
-        hm.push_back(by);
-        d -= w[by];
-      }
-      b.load[h] -= d;
-      b.load[r] += d;
-      dirty[h] = dirty[r] = 1;
-      applied(h, r, bx, by);
-      improved = true;
-      break;
-    }
-    if (!improved) return;
-  }
-}
-
-double max_load(const Bins& b) { return *std::max_element(b.load.begin(), b.load.end()); }
-
-Bins bins_from(const std::vector<int32_t>& rank, const std::vector<double>& w, int64_t k) {
-  Bins b;
-  b.members.assign(k, {});
-  b.load.assign(k, 0.0);
-  for (int64_t j = 0; j < static_cast<int64_t>(rank.size()); ++j) {
-    b.members[rank[j]].push_back(j);
-    b.load[rank[j]] += w[j];
-  }
-  return b;
-}
-
 // ------------------------------------------------------- micro-batches
-// A rank's sequences arrive in decreasing cost order, which is decreasing
-// length for both cost models (L and a*L + b*L^2 grow with L): one global
-// sort serves every rank, no per-rank sort.
-
-// First fit with a max-tree over bin room: O(m log m). Returns the bin count;
-// bin_of[i] is the bin of seqs[i].
-int64_t first_fit(const std::vector<int64_t>& seqs, const int64_t* tokens, int64_t cap,
-                  std::vector<int64_t>& bin_of) {
-  const int64_t m = static_cast<int64_t>(seqs.size());
+// First fit with a max-tree over bin room: O(m log m). tokens[0..m) in
+// decreasing order; returns the bin count, bin_of[i] the bin of item i.
+COMPASS_NOINLINE int64_t first_fit(const int64_t* tokens, int64_t m, int64_t cap, std::vector<int64_t>& bin_of) {
   int64_t size = 1;
   while (size < m) size *= 2;
   std::vector<int64_t> room(2 * size, cap);
   bin_of.assign(m, -1);
   int64_t used = 0;
   for (int64_t i = 0; i < m; ++i) {
-    const int64_t t = tokens[seqs[i]];
+    const int64_t t = tokens[i];
     int64_t node = 1;  // the root has room: m bins always suffice (each t <= cap)
     while (node < size) node = room[2 * node] >= t ? 2 * node : 2 * node + 1;
     const int64_t bin = node - size;
@@ -338,115 +488,356 @@ int64_t first_fit(const std::vector<int64_t>& seqs, const int64_t* tokens, int64
   return used;
 }
 
-// Pack one rank's sequences (decreasing cost) into exactly `nbins` bins
-// (nbins <= seqs.size()): LPT among the bins with room, else first fit plus
-// splitting; then refinement under the cap. Bins come out heaviest first,
-// members ascending.
-Bins pack_rank(const std::vector<int64_t>& seqs, const int64_t* tokens, const double* cost,
-               int64_t cap, int64_t nbins, int64_t max_iter) {
-  const int64_t m = static_cast<int64_t>(seqs.size());
-  std::vector<double> w(m);
-  std::vector<int64_t> tok(m);
-  for (int64_t i = 0; i < m; ++i) w[i] = cost[seqs[i]], tok[i] = tokens[seqs[i]];
-  Bins b;
-  b.members.assign(nbins, {});
-  b.load.assign(nbins, 0.0);
-  std::vector<int64_t> room(nbins, cap);
-  // LPT: the lightest bin that has room (a min-heap; bins without room for this
-  // sequence are set aside and put back, usually none).
-  using Entry = std::pair<double, int64_t>;
-  std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>> heap;
-  for (int64_t j = 0; j < nbins; ++j) heap.emplace(0.0, j);
-  std::vector<Entry> aside;
-  bool ok = true;
-  for (int64_t i = 0; i < m && ok; ++i) {
-    while (!heap.empty() && room[heap.top().second] < tok[i]) {
-      aside.push_back(heap.top());
-      heap.pop();
-    }
-    if (heap.empty()) {
-      ok = false;
-      break;
-    }
-    const int64_t j = heap.top().second;
-    heap.pop();
-    b.members[j].push_back(i);
-    b.load[j] += w[i];
-    room[j] -= tok[i];
-    heap.emplace(b.load[j], j);
-    for (const Entry& e : aside) heap.push(e);
-    aside.clear();
-  }
-  if (!ok) {  // first fit (fits in <= nbins), then split the heaviest bins until nbins
-    std::vector<int64_t> local(m), bin_of;
-    std::iota(local.begin(), local.end(), int64_t{0});
-    const int64_t used = first_fit(local, tok.data(), cap, bin_of);
-    b.members.assign(used, {});
-    b.load.assign(used, 0.0);
-    room.assign(used, cap);
+// One rank's packing state, reused across ranks (no allocation per rank).
+template <typename C>
+struct RankPacker {
+  std::vector<C> w;          // local id (decreasing cost) -> cost
+  std::vector<int64_t> tok;  // local id -> tokens
+  std::vector<int64_t> room, bin_of, scratch;
+  Bins<C> b;
+  MinTree<C> heap;
+  std::vector<std::pair<C, int64_t>> aside;
+  C total{};  // of the rank's costs
+
+  // LPT by cost among the bins with room for the sequence (bins set aside while
+  // they lack room, usually none). False when some sequence fits nowhere.
+  COMPASS_NOINLINE bool lpt(int64_t m, int64_t nbins, int64_t cap) {
+    b.reset(nbins);
+    room.assign(nbins, cap);
+    heap.init(nbins, total);
     for (int64_t i = 0; i < m; ++i) {
-      b.members[bin_of[i]].push_back(i);
+      while (!heap.empty() && room[heap.top()] < tok[i]) {
+        aside.emplace_back(heap.top_load(), heap.top());
+        heap.set_aside(heap.top());
+      }
+      if (heap.empty()) {
+        aside.clear();
+        return false;
+      }
+      const int64_t j = heap.top();
+      b.mem[j].push_back(i);
+      room[j] -= tok[i];
+      heap.add_top(w[i]);
+      for (const auto& e : aside) heap.set(e.second, e.first);
+      aside.clear();
+    }
+    for (int64_t j = 0; j < nbins; ++j) {
+      std::reverse(b.mem[j].begin(), b.mem[j].end());
+      for (int64_t i : b.mem[j]) b.load[j] += w[i];
+    }
+    return true;
+  }
+
+  // The first-fit-decreasing packing of bin_of (first_fit's output, `used`
+  // bins).
+  void from_first_fit(int64_t m, int64_t used, int64_t cap) {
+    b.reset(used);
+    room.assign(used, cap);
+    for (int64_t i = m - 1; i >= 0; --i) {  // decreasing id within each bin
+      b.mem[bin_of[i]].push_back(i);
       b.load[bin_of[i]] += w[i];
       room[bin_of[i]] -= tok[i];
     }
-    while (static_cast<int64_t>(b.load.size()) < nbins) {
+  }
+
+  // Split the heaviest bin with two or more members in two (alternating by
+  // cost; subsets of a feasible bin stay feasible) until there are nbins. The
+  // rank holds >= nbins sequences, so some bin can always be split.
+  COMPASS_NOINLINE void split_to(int64_t nbins, int64_t cap) {
+    std::vector<int64_t> all;
+    while (b.size() < nbins) {
       int64_t h = -1;
-      for (int64_t j = 0; j < static_cast<int64_t>(b.load.size()); ++j) {
-        if (b.members[j].size() >= 2 && (h < 0 || b.load[j] > b.load[h])) h = j;
+      for (int64_t j = 0; j < b.size(); ++j) {
+        if (b.mem[j].size() >= 2 && (h < 0 || b.load[j] > b.load[h])) h = j;
       }
-      std::vector<int64_t> all = std::move(b.members[h]);  // decreasing cost already
-      b.members[h].clear();
-      b.members.emplace_back();
-      b.load[h] = 0.0;
-      b.load.push_back(0.0);
+      all.swap(b.mem[h]);  // decreasing id
+      b.mem[h].clear();
+      b.mem.emplace_back();
+      b.load[h] = C{0};
+      b.load.push_back(C{0});
       room[h] = cap;
       room.push_back(cap);
-      const int64_t other = static_cast<int64_t>(b.load.size()) - 1;
-      for (int64_t x : all) {  // subsets of a feasible bin stay feasible
-        const int64_t to = (b.members[other].empty() || b.load[other] < b.load[h]) ? other : h;
-        b.members[to].push_back(x);
+      const int64_t other = b.size() - 1;
+      for (auto it = all.rbegin(); it != all.rend(); ++it) {  // heaviest first
+        const int64_t x = *it;
+        const int64_t to = (b.mem[other].empty() || b.load[other] < b.load[h]) ? other : h;
+        b.mem[to].push_back(x);
         b.load[to] += w[x];
         room[to] -= tok[x];
       }
+      std::reverse(b.mem[h].begin(), b.mem[h].end());
+      std::reverse(b.mem[other].begin(), b.mem[other].end());
     }
   }
-  double total = 0.0;
-  for (double v : w) total += v;
-  const double lb = std::max(total / static_cast<double>(nbins), w[0]);
-  refine(
-      b, w, lb * (1.0 + kBinTolerance), max_iter, kBinPartners,
-      [&](int64_t h, int64_t r, int64_t x, int64_t y) {
-        if (y < 0) return b.members[h].size() >= 2 && room[r] >= tok[x];
-        return room[r] + tok[y] >= tok[x] && room[h] + tok[x] >= tok[y];
-      },
-      [&](int64_t h, int64_t r, int64_t x, int64_t y) {
-        const int64_t d = tok[x] - (y >= 0 ? tok[y] : 0);
-        room[h] += d;
-        room[r] -= d;
-      });
-  for (auto& mem : b.members) {
-    for (int64_t& x : mem) x = seqs[x];
-    std::sort(mem.begin(), mem.end());
+
+  COMPASS_NOINLINE void balance(int64_t nbins, int64_t cap, int64_t max_iter) {
+    C target;
+    if constexpr (std::is_integral_v<C>) {
+      const C lb = std::max<C>((total + nbins - 1) / nbins, w[0]);
+      target = lb + static_cast<C>(static_cast<double>(lb) * kBinTolerance);
+    } else {
+      target = std::max(total / static_cast<C>(nbins), w[0]) * (1.0 + kBinTolerance);
+    }
+    refine(
+        b, w.data(), target, max_iter, kBinPartners,
+        [&](int64_t h, int64_t r, int64_t x, int64_t y) {
+          if (y < 0) return b.mem[h].size() >= 2 && room[r] >= tok[x];
+          return room[r] + tok[y] >= tok[x] && room[h] + tok[x] >= tok[y];
+        },
+        [&](int64_t h, int64_t r, int64_t x, int64_t y) {
+          const int64_t d = tok[x] - (y >= 0 ? tok[y] : 0);
+          room[h] += d;
+          room[r] -= d;
+        },
+        scratch);
   }
-  std::vector<int64_t> ord(nbins);  // heaviest micro-batch first; ties by first sequence
-  std::iota(ord.begin(), ord.end(), int64_t{0});
-  std::sort(ord.begin(), ord.end(), [&](int64_t x, int64_t y) {
-    if (b.load[x] != b.load[y]) return b.load[x] > b.load[y];
-    return b.members[x].front() < b.members[y].front();
-  });
-  Bins out;
-  for (int64_t j : ord) out.members.push_back(std::move(b.members[j])), out.load.push_back(b.load[j]);
-  return out;
+};
+
+template <typename C>
+C ceil_div(C a, int64_t k) {
+  if constexpr (std::is_integral_v<C>) return (a + k - 1) / k;
+  else return a / static_cast<C>(k);
+}
+
+// ------------------------------------------------------------------- plan
+struct Input {
+  const int64_t* tok;  // padded lengths
+  const int64_t* gid;  // or nullptr
+  int64_t n, k, cap, mbm, iters;
+  bool equal;
+};
+
+template <typename C>
+std::pair<int64_t, double> plan_impl(const Input& in, const C* cost, int64_t* ord, int64_t* off) {
+  const int64_t n = in.n, k = in.k;
+  COMPASS_PHASE("start");
+  std::vector<int64_t> seq_desc, tmp;
+  order_desc(in.tok, n, seq_desc, tmp);  // decreasing tokens = decreasing cost
+  COMPASS_PHASE("sort");
+
+  // ---- items, relabelled by decreasing cost
+  Items<C> it;
+  if (in.gid == nullptr) {
+    it.w.resize(n);
+    for (int64_t j = 0; j < n; ++j) it.w[j] = cost[seq_desc[j]];
+    it.start.resize(n + 1);
+    std::iota(it.start.begin(), it.start.end(), int64_t{0});
+    it.member = seq_desc;
+  } else {
+    const int64_t* gid = in.gid;
+    int64_t gmin = gid[0];
+    for (int64_t i = 1; i < n; ++i) gmin = std::min(gmin, gid[i]);
+    std::vector<uint64_t> key(n);
+    for (int64_t i = 0; i < n; ++i) key[i] = static_cast<uint64_t>(gid[i]) - static_cast<uint64_t>(gmin);
+    std::vector<int64_t> by_gid;
+    radix_order(key.data(), n, by_gid, tmp);  // ascending group id, then index
+    std::vector<int64_t> gstart{0};
+    std::vector<C> gw;
+    for (int64_t j = 0; j < n; ++j) {
+      if (j > 0 && gid[by_gid[j]] != gid[by_gid[j - 1]]) gstart.push_back(j);
+      if (static_cast<int64_t>(gstart.size()) > static_cast<int64_t>(gw.size())) gw.push_back(C{0});
+      gw.back() += cost[by_gid[j]];
+    }
+    gstart.push_back(n);
+    const int64_t g = static_cast<int64_t>(gw.size());
+    COMPASS_CHECK(g >= k, "group_ids: need at least dp_size = ", k,
+                  " groups so that every rank gets one, got ", g);
+    if (in.equal) {
+      int64_t lo = n, hi = 0;
+      for (int64_t j = 0; j < g; ++j) {
+        lo = std::min(lo, gstart[j + 1] - gstart[j]);
+        hi = std::max(hi, gstart[j + 1] - gstart[j]);
+      }
+      COMPASS_CHECK(lo == hi, "group_ids: equal_samples needs groups of one size, got sizes ", lo,
+                    "..", hi);
+    }
+    std::vector<int64_t> gdesc;
+    order_desc(gw.data(), g, gdesc, tmp);
+    it.w.resize(g);
+    it.start.assign(1, 0);
+    it.member.reserve(n);
+    for (int64_t j = 0; j < g; ++j) {
+      const int64_t q = gdesc[j];
+      it.w[j] = gw[q];
+      it.member.insert(it.member.end(), by_gid.begin() + gstart[q], by_gid.begin() + gstart[q + 1]);
+      it.start.push_back(static_cast<int64_t>(it.member.size()));
+    }
+  }
+  const int64_t g = it.size();
+  COMPASS_CHECK(g >= k, "lengths: need at least dp_size = ", k,
+                " sequences so that every rank gets one, got ", g);
+  COMPASS_PHASE("items");
+
+  // ---- ranks: LPT + refinement; KK + refinement only if the bound is missed
+  C total{0};
+  for (C v : it.w) total += v;
+  const double lb = std::max(static_cast<double>(total) / static_cast<double>(k),
+                             static_cast<double>(it.w[0]));
+  C target;
+  if constexpr (std::is_integral_v<C>) {
+    target = std::max<C>(ceil_div(total, k), it.w[0]);
+  } else {
+    target = static_cast<C>(lb * (1.0 + kRankTolerance));
+  }
+  const int64_t iters = in.iters >= 0 ? in.iters : 16 * k + 256;
+  std::vector<int64_t> count_of, scratch;
+  auto refine_ranks = [&](Bins<C>& b) {
+    count_of.assign(k, 0);
+    for (int64_t r = 0; r < k; ++r) count_of[r] = static_cast<int64_t>(b.mem[r].size());
+    refine(
+        b, it.w.data(), target, iters, k,
+        [&](int64_t h, int64_t r, int64_t, int64_t y) {
+          if (y >= 0) return true;  // swaps keep every count
+          return in.equal ? count_of[h] > count_of[r] : count_of[h] > 1;
+        },
+        [&](int64_t h, int64_t r, int64_t, int64_t y) {
+          if (y < 0) --count_of[h], ++count_of[r];
+        },
+        scratch);
+  };
+  Bins<C> best;
+  lpt_ranks(it.w, k, in.equal, best);
+  COMPASS_PHASE("lpt");
+  refine_ranks(best);
+  COMPASS_PHASE("refine");
+  if (best.max_load() > target) {
+    std::vector<int64_t> ascending(g);  // ids g-1 .. 0
+    for (int64_t j = 0; j < g; ++j) ascending[j] = g - 1 - j;
+    const std::vector<int32_t> rank = karmarkar_karp(it.w.data(), ascending, k);
+    Bins<C> other;
+    other.reset(k);
+    for (int64_t j = g - 1; j >= 0; --j) {  // decreasing id within each rank
+      other.mem[rank[j]].push_back(j);
+      other.load[rank[j]] += it.w[j];
+    }
+    refine_ranks(other);
+    if (other.max_load() < best.max_load()) best = std::move(other);
+    COMPASS_PHASE("kk+refine");
+  }
+
+  // ---- each rank's sequences, by decreasing tokens (rank-major)
+  std::vector<int64_t> base(k + 1, 0), by_rank(n);
+  if (in.gid == nullptr) {  // item ids are positions in seq_desc: a rank's, reversed
+    for (int64_t r = 0; r < k; ++r) {
+      const auto& mem = best.mem[r];
+      int64_t* out = by_rank.data() + base[r];
+      for (size_t i = 0; i < mem.size(); ++i) out[i] = seq_desc[mem[mem.size() - 1 - i]];
+      base[r + 1] = base[r] + static_cast<int64_t>(mem.size());
+    }
+  } else {
+    std::vector<int32_t> rank_of(n);
+    for (int64_t r = 0; r < k; ++r) {
+      for (int64_t j : best.mem[r]) {
+        for (int64_t s = it.start[j]; s < it.start[j + 1]; ++s) rank_of[it.member[s]] = r;
+        base[r + 1] += it.start[j + 1] - it.start[j];
+      }
+    }
+    for (int64_t r = 0; r < k; ++r) base[r + 1] += base[r];
+    std::vector<int64_t> cursor(base.begin(), base.end() - 1);
+    for (int64_t s : seq_desc) by_rank[cursor[rank_of[s]]++] = s;
+  }
+  std::vector<int64_t> rank_tok(k, 0), big(k, 0);
+  for (int64_t r = 0; r < k; ++r) {
+    for (int64_t i = base[r]; i < base[r + 1]; ++i) {
+      const int64_t t = in.tok[by_rank[i]];
+      rank_tok[r] += t;
+      big[r] += 2 * t > in.cap;
+    }
+  }
+  COMPASS_PHASE("by_rank");
+
+  // ---- micro-batches: nb = the largest per-rank lower bound, grown to the
+  // largest first-fit count if LPT cannot pack some rank into it and first
+  // fit needs more; each rank packed (LPT, else first fit + splitting),
+  // refined, written
+  auto round_up = [&](int64_t v) { return (v + in.mbm - 1) / in.mbm * in.mbm; };
+  int64_t nb = 1;
+  for (int64_t r = 0; r < k; ++r) nb = std::max({nb, (rank_tok[r] + in.cap - 1) / in.cap, big[r]});
+  nb = round_up(nb);
+  auto check_counts = [&]() {
+    for (int64_t r = 0; r < k; ++r) {
+      COMPASS_CHECK(base[r + 1] - base[r] >= nb, "rank ", r, " holds ", base[r + 1] - base[r],
+                    " sequences but every rank needs ", nb,
+                    " non-empty micro-batches (the most any rank needs under max_tokens = ",
+                    in.cap, ", rounded up to micro_batch_multiple = ", in.mbm,
+                    "): give more sequences, a larger max_tokens or a smaller "
+                    "micro_batch_multiple");
+    }
+  };
+  check_counts();
+  RankPacker<C> pk;
+  auto load_rank = [&](int64_t r) {
+    const int64_t m = base[r + 1] - base[r];
+    pk.w.resize(m);
+    pk.tok.resize(m);
+    pk.total = C{0};
+    for (int64_t i = 0; i < m; ++i) {
+      const int64_t s = by_rank[base[r] + i];
+      pk.w[i] = cost[s];
+      pk.tok[i] = in.tok[s];
+      pk.total += pk.w[i];
+    }
+    return m;
+  };
+  // Ranks are packed and written one by one. If one needs more bins than nb
+  // (LPT fails and first fit needs more), nb grows and the ranks written so
+  // far are packed again at the new nb: by LPT, else first fit, else the LPT
+  // packing that worked at their smaller nb, split.
+  std::vector<int64_t> mb_order, lpt_ok_at(k, 0), written_at(k, 0);
+  for (bool grown = true; grown;) {
+    grown = false;
+    mb_order.resize(nb);
+    const int64_t mb_iters = 2 * nb + 32;
+    for (int64_t r = 0; r < k; ++r) {
+      if (written_at[r] == nb) continue;
+      const int64_t m = load_rank(r);
+      if (pk.lpt(m, nb, in.cap)) {
+        lpt_ok_at[r] = nb;
+      } else {
+        const int64_t used = first_fit(pk.tok.data(), m, in.cap, pk.bin_of);
+        if (used <= nb) {
+          pk.from_first_fit(m, used, in.cap);
+        } else if (lpt_ok_at[r] > 0) {
+          pk.lpt(m, lpt_ok_at[r], in.cap);
+        } else {
+          nb = round_up(used);
+          check_counts();
+          grown = true;
+          break;
+        }
+        pk.split_to(nb, in.cap);
+      }
+      pk.balance(nb, in.cap, mb_iters);
+      Bins<C>& b = pk.b;
+      for (auto& mem : b.mem) {  // local ids -> sequences, ascending
+        for (int64_t& x : mem) x = by_rank[base[r] + x];
+        std::sort(mem.begin(), mem.end());
+      }
+      std::iota(mb_order.begin(), mb_order.end(), int64_t{0});  // heaviest first, ties by first sequence
+      std::sort(mb_order.begin(), mb_order.end(), [&](int64_t x, int64_t y) {
+        if (b.load[x] != b.load[y]) return b.load[x] > b.load[y];
+        return b.mem[x].front() < b.mem[y].front();
+      });
+      int64_t pos = base[r];
+      for (int64_t j = 0; j < nb; ++j) {
+        off[r * nb + j] = pos;
+        for (int64_t s : b.mem[mb_order[j]]) ord[pos++] = s;
+      }
+      written_at[r] = nb;
+    }
+  }
+  off[k * nb] = n;
+  COMPASS_PHASE("micro-batches");
+  return {nb, lb};
 }
 
 }  // namespace
 
-int64_t plan_cpu(COMPASS_PLAN_ARGS) {
-  COMPASS_NAME_ARGS(tokens, cost, group_ids, order, offsets);
-  const int64_t n = tokens.numel();
-  tokens.expect_vector().expect_dtype(DType::kInt64).expect_device(DeviceType::kCPU);
-  cost.expect_vector().expect_dtype(DType::kFloat64).expect_device(DeviceType::kCPU);
-  cost.expect_size(0, n, "one per sequence");
+std::pair<int64_t, double> plan_cpu(COMPASS_PLAN_ARGS) {
+  COMPASS_NAME_ARGS(lengths, group_ids, order, offsets);
+  lengths.expect_vector().expect_dtype(DType::kInt64).expect_device(DeviceType::kCPU);
+  const int64_t n = lengths.numel();
+  COMPASS_CHECK(n >= 1, "lengths: expected at least one sequence, got none");
   if (group_ids) {
     group_ids->expect_vector().expect_dtype(DType::kInt64).expect_device(DeviceType::kCPU);
     group_ids->expect_size(0, n, "one per sequence");
@@ -459,106 +850,51 @@ int64_t plan_cpu(COMPASS_PLAN_ARGS) {
   COMPASS_CHECK(max_tokens >= 1, "max_tokens: expected >= 1, got ", max_tokens);
   COMPASS_CHECK(micro_batch_multiple >= 1, "micro_batch_multiple: expected >= 1, got ",
                 micro_batch_multiple);
-  const int64_t* tok = tokens.ptr<int64_t>();
-  const double* cst = cost.ptr<double>();
+  COMPASS_CHECK(pad_multiple >= 1, "pad_multiple: expected >= 1, got ", pad_multiple);
+  COMPASS_CHECK(std::isfinite(cost_a) && cost_a > 0.0, "cost_a: expected a finite value > 0, got ",
+                cost_a);
+  COMPASS_CHECK(std::isfinite(cost_b) && cost_b >= 0.0,
+                "cost_b: expected a finite value >= 0, got ", cost_b);
+  const int64_t* len = lengths.ptr<int64_t>();
+  std::vector<int64_t> tok(n);
+  const int64_t room = max_tokens / pad_multiple;  // padded <= max_tokens iff ceil(L / pad) <= room
+  int64_t total = 0;
   for (int64_t i = 0; i < n; ++i) {
-    COMPASS_CHECK(tok[i] >= 1, "lengths: expected every sequence non-empty, got lengths[", i,
-                  "] = ", tok[i]);
-    COMPASS_CHECK(tok[i] <= max_tokens, "lengths: sequence ", i, " has ", tok[i],
-                  " tokens (after padding), more than max_tokens = ", max_tokens,
-                  ": no micro-batch can hold it");
-    COMPASS_CHECK(std::isfinite(cst[i]) && cst[i] > 0.0, "cost: expected finite positive values, "
-                  "got cost[", i, "] = ", cst[i]);
-  }
-  const Items it = build_items(cst, group_ids ? group_ids->ptr<int64_t>() : nullptr, n);
-  const int64_t g = it.size(), k = dp_size;
-  COMPASS_CHECK(g >= k, group_ids ? "group_ids: " : "lengths: ", "need at least dp_size = ", k,
-                group_ids ? " groups" : " sequences", " so that every rank gets one, got ", g);
-  if (equal_samples && group_ids) {
-    int64_t lo = n, hi = 0;
-    for (int64_t j = 0; j < g; ++j) {
-      lo = std::min(lo, it.start[j + 1] - it.start[j]);
-      hi = std::max(hi, it.start[j + 1] - it.start[j]);
+    const int64_t L = len[i];
+    COMPASS_CHECK(L >= 1, "lengths: expected every sequence non-empty, got lengths[", i, "] = ", L);
+    const int64_t q = (L - 1) / pad_multiple + 1;
+    if (q > room) {
+      if (q <= std::numeric_limits<int64_t>::max() / pad_multiple) {
+        fail("lengths: sequence ", i, " has ", q * pad_multiple,
+             " tokens (after padding), more than max_tokens = ", max_tokens,
+             ": no micro-batch can hold it");
+      }
+      fail("lengths: sequence ", i, " has ", L, " tokens, more than max_tokens = ", max_tokens,
+           ": no micro-batch can hold it");
     }
-    COMPASS_CHECK(lo == hi, "group_ids: equal_samples needs groups of one size, got sizes ", lo,
-                  "..", hi);
+    tok[i] = q * pad_multiple;
+    // (tokens <= max_tokens each; int64 totals and the doubled loads the
+    // refinement compares must not overflow)
+    COMPASS_CHECK(total <= std::numeric_limits<int64_t>::max() / 4 - tok[i],
+                  "lengths: the total token count overflows int64");
+    total += tok[i];
   }
-
-  // ---- one sort: sequences by decreasing cost
-  std::vector<int64_t> seq_desc = sort_desc(cst, n);
-  std::vector<int64_t> item_desc;
-  if (group_ids) {
-    item_desc = sort_desc(it.cost.data(), g);
-  }
-  const std::vector<int64_t>& desc = group_ids ? item_desc : seq_desc;
-
-  // ---- ranks: KK seed refined; LPT seed refined too unless KK is already
-  // within 1e-4 of the lower bound.
-  const int64_t iters = refine_iters >= 0 ? refine_iters : 16 * k + 256;
-  double total = 0.0;
-  for (double v : it.cost) total += v;
-  const double lb = std::max(total / static_cast<double>(k), it.cost[desc[0]]);
-  std::vector<int64_t> count_of;  // items per rank, kept current for the move check
-  auto refine_ranks = [&](Bins& b) {
-    count_of.assign(k, 0);
-    for (int64_t r = 0; r < k; ++r) count_of[r] = static_cast<int64_t>(b.members[r].size());
-    refine(
-        b, it.cost, lb * (1.0 + kRankTolerance), iters, k,
-        [&](int64_t h, int64_t r, int64_t, int64_t y) {
-          if (y >= 0) return true;  // swaps keep every count
-          return equal_samples ? count_of[h] > count_of[r] : count_of[h] > 1;
-        },
-        [&](int64_t h, int64_t r, int64_t, int64_t y) {
-          if (y < 0) --count_of[h], ++count_of[r];
-        });
-  };
-  Bins best = bins_from(karmarkar_karp(it.cost, desc, k), it.cost, k);
-  refine_ranks(best);
-  if (max_load(best) > lb * (1.0 + 1e-4)) {
-    Bins other = bins_from(lpt(it.cost, desc, k, equal_samples), it.cost, k);
-    refine_ranks(other);
-    if (max_load(other) < max_load(best)) best = std::move(other);
-  }
-
-  // ---- micro-batches: each rank's sequences in decreasing cost order
-  std::vector<int32_t> rank_of(n);
-  for (int64_t r = 0; r < k; ++r) {
-    for (int64_t j : best.members[r]) {
-      for (int64_t s = it.start[j]; s < it.start[j + 1]; ++s) rank_of[it.member[s]] = r;
-    }
-  }
-  std::vector<std::vector<int64_t>> seqs(k);
-  for (int64_t r = 0; r < k; ++r) seqs[r].reserve(n / k + 1);
-  for (int64_t s : seq_desc) seqs[rank_of[s]].push_back(s);
-  std::vector<int64_t> need(k);
-  for (int64_t r = 0; r < k; ++r) {
-    std::vector<int64_t> bin_of;
-    need[r] = first_fit(seqs[r], tok, max_tokens, bin_of);
-  }
-  int64_t nb = *std::max_element(need.begin(), need.end());
-  nb = (nb + micro_batch_multiple - 1) / micro_batch_multiple * micro_batch_multiple;
-  for (int64_t r = 0; r < k; ++r) {
-    COMPASS_CHECK(static_cast<int64_t>(seqs[r].size()) >= nb, "rank ", r, " holds ",
-                  seqs[r].size(), " sequences but every rank needs ", nb,
-                  " non-empty micro-batches (the most any rank needs under max_tokens = ",
-                  max_tokens, ", rounded up to micro_batch_multiple = ", micro_batch_multiple,
-                  "): give more sequences, a larger max_tokens or a smaller micro_batch_multiple");
-  }
-  std::vector<int64_t> base(k + 1, 0);
-  for (int64_t r = 0; r < k; ++r) base[r + 1] = base[r] + static_cast<int64_t>(seqs[r].size());
+  const Input in{tok.data(), group_ids ? group_ids->ptr<int64_t>() : nullptr, n, dp_size,
+                 max_tokens, micro_batch_multiple, refine_iters, equal_samples};
   int64_t* ord = order.ptr<int64_t>();
   int64_t* off = offsets.ptr<int64_t>();
-  const int64_t mb_iters = 2 * nb + 32;
-  for (int64_t r = 0; r < k; ++r) {
-    const Bins b = pack_rank(seqs[r], tok, cst, max_tokens, nb, mb_iters);
-    int64_t pos = base[r];
-    for (int64_t j = 0; j < nb; ++j) {
-      off[r * nb + j] = pos;
-      for (int64_t s : b.members[j]) ord[pos++] = s;
-    }
+  if (cost_b == 0.0) {  // a*P: balancing P is the same problem, in exact integers
+    auto r = plan_impl<int64_t>(in, tok.data(), ord, off);
+    return {r.first, r.second * cost_a};
   }
-  off[k * nb] = n;
-  return nb;
+  std::vector<double> cost(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const double p = static_cast<double>(tok[i]);
+    cost[i] = cost_a * p + cost_b * p * p;
+    COMPASS_CHECK(std::isfinite(cost[i]), "cost_a, cost_b: the cost of sequence ", i, " (",
+                  tok[i], " tokens) overflows float64");
+  }
+  return plan_impl<double>(in, cost.data(), ord, off);
 }
 
 void karmarkar_karp_cpu(TensorView cost, int64_t k, TensorView rank_of) {
@@ -567,12 +903,13 @@ void karmarkar_karp_cpu(TensorView cost, int64_t k, TensorView rank_of) {
   rank_of.expect_vector().expect_dtype(DType::kInt64).expect_device(DeviceType::kCPU);
   rank_of.expect_size(0, cost.numel(), "one per item");
   COMPASS_CHECK(k >= 1, "k: expected >= 1, got ", k);
-  std::vector<double> c(cost.ptr<double>(), cost.ptr<double>() + cost.numel());
-  std::vector<int64_t> desc(c.size());
-  std::iota(desc.begin(), desc.end(), int64_t{0});
-  std::sort(desc.begin(), desc.end(),
-            [&](int64_t x, int64_t y) { return c[x] != c[y] ? c[x] > c[y] : x < y; });
-  const std::vector<int32_t> r = karmarkar_karp(c, desc, k);
+  const int64_t n = cost.numel();
+  const double* c = cost.ptr<double>();
+  // ascending by cost, ties by index (the order Python's sorted((v, i)) gives)
+  std::vector<int64_t> asc(n);
+  std::iota(asc.begin(), asc.end(), int64_t{0});
+  std::sort(asc.begin(), asc.end(), [&](int64_t x, int64_t y) { return c[x] != c[y] ? c[x] < c[y] : x < y; });
+  const std::vector<int32_t> r = karmarkar_karp(c, asc, k);
   std::copy(r.begin(), r.end(), rank_of.ptr<int64_t>());
 }
 
