@@ -12,11 +12,13 @@ from compass_kernels.espo.logprobs import (
     fused_linear_logprobs_entropy,
     token_logprobs_entropy,
 )
+from compass_kernels.espo.fused_loss import fused_linear_espo_loss
 from compass_kernels.espo.loss import EspoMetrics, entropy_thresholds, espo_loss
 
 __all__ = [
     "token_logprobs_entropy",
     "fused_linear_logprobs_entropy",
+    "fused_linear_espo_loss",
     "espo_loss",
     "entropy_thresholds",
     "EspoMetrics",
