@@ -152,3 +152,13 @@ def test_bad_inputs():
         f(*args, mode="grpo", entropy_coef=float("nan"))
     with pytest.raises(TypeError, match="unexpected"):
         f(*args, mode="grpo", epsilon=0.2)
+
+
+def test_second_backward_refused():
+    h, w, y, old, old_ent, adv, cu, mask = make_batch((5, 6), 0, 8, 50, seed=5)
+    hq = h.clone().requires_grad_()
+    loss, _, _, _ = ck.espo.fused_linear_espo_loss(hq, w, y, old, old_ent, adv, cu, mask,
+                                                   mode="grpo")  # fmt: skip
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="once per forward"):
+        loss.backward()

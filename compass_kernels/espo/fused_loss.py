@@ -63,19 +63,27 @@ _LOSS_KEYS = ("mode", "rho", "alpha", "clip", "vocab_size", "grouping", "num_gro
 
 
 class _StoredGrad(torch.autograd.Function):
-    """loss with gradients computed in the forward: backward = scale."""
+    """loss with gradients computed in the forward: the backward scales them in
+    place (no second copy of a [V, H] gradient), so it runs once per forward."""
 
     @staticmethod
     def forward(ctx, loss, hidden, weight, d_hidden, d_weight):
         ctx.save_for_backward(d_hidden, d_weight)
+        ctx.used = False
         return loss.clone()
 
     @staticmethod
     def backward(ctx, grad):
+        if ctx.used:
+            raise RuntimeError(
+                "fused_linear_espo_loss: the gradients computed in the forward were already "
+                "returned (backward runs once per forward; strategy='recompute' allows more)"
+            )
+        ctx.used = True
         d_hidden, d_weight = ctx.saved_tensors
         g = grad.to(torch.float32)
-        d_h = None if d_hidden is None else (d_hidden * g).to(d_hidden.dtype)
-        d_w = None if d_weight is None else (d_weight * g).to(d_weight.dtype)
+        d_h = None if d_hidden is None else d_hidden.mul_(g)
+        d_w = None if d_weight is None else d_weight.mul_(g)
         return None, d_h, d_w, None, None
 
 
