@@ -105,7 +105,7 @@ class _Problem:
         self.y = torch.randint(0, vocab, (rows,), generator=g)
         with torch.no_grad():
             lp, ent = ck.espo.fused_linear_logprobs_entropy(self.h, self.w, self.y)
-        self.old = (lp.view(seqs, seq_len) + torch.randn(seqs, seq_len, generator=g) * 0.1)
+        self.old = lp.view(seqs, seq_len) + torch.randn(seqs, seq_len, generator=g) * 0.1
         self.old_ent = ent + torch.rand(rows, generator=g) * 0.2
         self.adv = torch.randn(seqs, generator=g)
         self.mask = torch.ones(seqs, seq_len)

@@ -123,8 +123,9 @@ def test_frozen_weight_and_auto_strategy():
     grads = []
     for chunk in (32, 8):  # 32: grad_in_forward; 8: the 20-token sequence does not fit
         hq = h.clone().requires_grad_()
-        loss, _, _, _ = ck.espo.fused_linear_espo_loss(hq, w, y, old, old_ent, adv, cu, mask,
-                                                       mode="espo", clip=0.2, token_chunk=chunk)  # fmt: skip
+        loss, _, _, _ = ck.espo.fused_linear_espo_loss(
+            hq, w, y, old, old_ent, adv, cu, mask, mode="espo", clip=0.2, token_chunk=chunk
+        )
         loss.backward()
         grads.append(hq.grad)
     assert_verbose_allclose(grads[0], grads[1], name="d_hidden auto", **TOL)
@@ -162,3 +163,30 @@ def test_second_backward_refused():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="once per forward"):
         loss.backward()
+
+
+def test_grpo_matches_liger():
+    """mode="grpo" equals Liger-Kernel's LigerFusedLinearGRPOLoss (loss_type
+    "grpo", seq-mean-token-mean; a bench dependency installed by setup_env.sh)."""
+    from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+    seqs, seq_len, hidden, vocab = 3, 11, 13, 211
+    h, w, y, old, old_ent, adv, cu, _ = make_batch([seq_len] * seqs, 0, hidden, vocab, seed=9)
+    mask = torch.ones(seqs, seq_len)
+    mask[0, 7:] = 0
+    mask[2, 4:] = 0
+    liger = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, compiled=False,
+                                     loss_type="grpo", epsilon_low=0.2, epsilon_high=0.2,
+                                     chunk_size=1)  # fmt: skip
+    hl, wl = h.clone().requires_grad_(), w.clone().requires_grad_()
+    ref, _ = liger(hl.view(seqs, seq_len, hidden), wl, y.view(seqs, seq_len), mask, adv,
+                   old_per_token_logps=old.view(seqs, seq_len))  # fmt: skip
+    ref.backward()
+    hq, wq = h.clone().requires_grad_(), w.clone().requires_grad_()
+    loss, _, _, _ = ck.espo.fused_linear_espo_loss(hq, wq, y, old, old_ent, adv, cu,
+                                                   mask.view(-1).bool(), mode="grpo",
+                                                   token_chunk=8)  # fmt: skip
+    loss.backward()
+    assert_verbose_allclose(loss, ref.float(), name="loss", atol=1e-6, rtol=1e-5)
+    assert_verbose_allclose(hq.grad, hl.grad, name="d_hidden", **TOL)
+    assert_verbose_allclose(wq.grad, wl.grad, name="d_weight", **TOL)

@@ -182,7 +182,8 @@ def fused_linear_espo_loss(
     opts.setdefault("vocab_size", w.shape[0] * world)
     cfg = loss_config.resolve(**opts)
     total = h.shape[0]
-    check_tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=(torch.int32, torch.int64), device=h.device)
+    check_tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=(torch.int32, torch.int64),
+                 device=h.device)  # fmt: skip
     common = dict(num_sequences=num_sequences, advantages_per_token=advantages_per_token,
                   validate=validate, backend=backend, **opts)  # fmt: skip
     # Validates every loss input (shapes, dtypes, ranges, options) before any GEMM.
@@ -196,9 +197,11 @@ def fused_linear_espo_loss(
     if rows is None:
         rows = max(16, min(4096, CHUNK_BYTES // (4 * w.shape[0])))
     cu_host: list[int] | None = None
+    longest = 0
     if strategy != "recompute" and not cfg.token_groups:
         cu_host = cu.tolist()  # whole-sequence chunks are planned on the host
-    fits = cu_host is None or max((b - a for a, b in zip(cu_host, cu_host[1:])), default=0) <= rows
+        longest = max((b - a for a, b in zip(cu_host[:-1], cu_host[1:], strict=True)), default=0)
+    fits = longest <= rows
     distributed = tp_group is not None or cp_group is not None
     if strategy == "grad_in_forward" and (distributed or not fits):
         raise ValueError(
