@@ -190,3 +190,16 @@ def test_grpo_matches_liger():
     assert_verbose_allclose(loss, ref.float(), name="loss", atol=1e-6, rtol=1e-5)
     assert_verbose_allclose(hq.grad, hl.grad, name="d_hidden", **TOL)
     assert_verbose_allclose(wq.grad, wl.grad, name="d_weight", **TOL)
+
+
+def test_no_grad_forward_only():
+    """Under no_grad only the logits GEMM runs; loss and log-probs are unchanged."""
+    h, w, y, old, old_ent, adv, cu, mask = make_batch((5, 6, 2), 1, 8, 70, seed=6)
+    ref_loss, ref_lp, _, _, _ = reference(h, w, y, old, old_ent, adv, cu, mask, 0.0, 1.0,
+                                          {"mode": "grpo"})  # fmt: skip
+    with torch.no_grad():
+        loss, _, lp, _ = ck.espo.fused_linear_espo_loss(h.requires_grad_(), w, y, old, old_ent,
+                                                        adv, cu, mask, mode="grpo")  # fmt: skip
+    assert loss.grad_fn is None
+    assert_verbose_allclose(loss.double(), ref_loss, name="loss", atol=1e-6, rtol=1e-5)
+    assert_verbose_allclose(lp, ref_lp.float(), name="logprobs", **TOL)

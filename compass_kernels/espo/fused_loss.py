@@ -223,10 +223,13 @@ def fused_linear_espo_loss(
             metrics = _with_entropy_term(metrics, term)
         return loss, metrics, logp.detach(), ent.detach()
 
+    grad_on = torch.is_grad_enabled()
+    want_h = grad_on and hidden.requires_grad
+    want_w = grad_on and weight.requires_grad
     with torch.no_grad():
         logp, ent, d_h, d_w = _grad_in_forward(
             h, w, y, temp, old_logprobs, old_entropy, advantages, cu, mask, cfg, G,
-            float(entropy_coef), rows, cu_host, common,
+            float(entropy_coef), rows, cu_host, common, want_h, want_w,
         )  # fmt: skip
         loss, metrics = espo_loss(logp, old_logprobs, old_entropy, advantages, cu_seqlens, mask,
                                   **common)  # fmt: skip
@@ -235,8 +238,6 @@ def fused_linear_espo_loss(
             term = (ent * ent_w).sum()
             loss = loss - entropy_coef * term
             metrics = _with_entropy_term(metrics, term)
-    want_h = hidden.requires_grad
-    want_w = weight.requires_grad
     if want_h or want_w:
         loss = _StoredGrad.apply(
             loss.to(torch.float32), hidden, weight,
@@ -252,8 +253,9 @@ def _with_entropy_term(metrics, term):
 
 
 def _grad_in_forward(h, w, y, temp, old_lp, old_ent, adv, cu, mask, cfg, G, ent_coef, rows,
-                     cu_host, common):  # fmt: skip
-    """Forward statistics and both gradients, 3 GEMMs per chunk (module docstring)."""
+                     cu_host, common, want_h, want_w):  # fmt: skip
+    """Forward statistics and the wanted gradients: up to 3 GEMMs per chunk
+    (module docstring); 1 when no gradient is wanted (no_grad, frozen inputs)."""
     total, vocab = h.shape[0], w.shape[0]
     dev = h.device
     seq, valid, counts, tok_w = _token_weights(cu, mask, total, G)
@@ -284,8 +286,8 @@ def _grad_in_forward(h, w, y, temp, old_lp, old_ent, adv, cu, mask, cfg, G, ent_
     h32 = h if h.dtype == f32 else h.to(f32)
     logp = torch.empty(total, dtype=f32, device=dev)
     ent = torch.empty(total, dtype=f32, device=dev)
-    d_h = torch.empty(total, h.shape[1], dtype=f32, device=dev)
-    d_w = torch.zeros(vocab, h.shape[1], dtype=f32, device=dev)
+    d_h = torch.empty(total, h.shape[1], dtype=f32, device=dev) if want_h else None
+    d_w = torch.zeros(vocab, h.shape[1], dtype=f32, device=dev) if want_w else None
     max_rows = max((b - a for a, b in chunks), default=0)
     flat = torch.empty(max_rows * vocab, dtype=f32, device=dev)
     state = torch.empty(4 * max_rows, dtype=f32, device=dev)
@@ -303,12 +305,16 @@ def _grad_in_forward(h, w, y, temp, old_lp, old_ent, adv, cu, mask, cfg, G, ent_
         m, log_s, lp_c, ent_c = _finalize(st, 1.0 / temp, True, None)
         logp[a:b] = lp_c
         ent[a:b] = ent_c
+        if not (want_h or want_w):
+            continue
         gl = _chunk_coef(lp_c, old_lp, old_ent, adv_tok, cu, mask, thr, a, b, G, opts)
         gh = None if gh_all is None else gh_all[a:b].contiguous()
         token_logprobs_entropy_bwd_op(tile, y[a:b], m, log_s, ent_c, gl, gh, temp, 0,
                                       backend=common["backend"], out=(tile,))  # fmt: skip
-        torch.mm(tile, w32, out=d_h[a:b])
-        d_w.addmm_(tile.T, hc)
+        if want_h:
+            torch.mm(tile, w32, out=d_h[a:b])
+        if want_w:
+            d_w.addmm_(tile.T, hc)
     return logp, ent, d_h, d_w
 
 
