@@ -5,16 +5,20 @@ Cases (every provider runs forward + backward, entropy included):
 - ``espo_logprobs`` (from logits [T, V] float32): torch eager (log_softmax +
   gather + entropy, autograd through both) vs ``ck.espo.token_logprobs_entropy``;
   the loss is sum(g_l * logp + g_h * entropy) with fixed random g.
-- ``espo_fused_linear`` (from hidden [T, H] and lm_head [V, H] float32, a
-  GRPO loss on top: token ratio exp(logp - old), clip 0.2, per-sequence token
-  mean, mean over sequences): torch eager (materialised logits, entropy under
-  no_grad) vs Liger-Kernel's LigerFusedLinearGRPOLoss (loss_type "grpo", no
-  entropy: it has none) vs ``ck.espo.fused_linear_logprobs_entropy`` + the same
-  loss in torch. ``--check`` verifies equal loss and gradients.
+- ``espo_fused_linear`` (from hidden [T, H] and lm_head [V, H] float32, mode
+  grpo: token ratio exp(logp - old), clip 0.2, per-sequence token mean, mean
+  over sequences): torch eager (materialised logits, entropy under no_grad) vs
+  Liger-Kernel's LigerFusedLinearGRPOLoss (loss_type "grpo"; it has no
+  entropy) vs ``ck.espo.fused_linear_espo_loss(mode="grpo")`` with
+  strategy grad_in_forward (3 GEMMs) and recompute (4 GEMMs). ``--check``
+  verifies equal loss and gradients (Liger's included).
+- ``espo_fused_linear_espo`` (mode espo, clip 0.2): torch eager logits +
+  log_softmax + entropy + ``ck.espo.espo_loss`` vs the fused loss, recompute
+  and grad_in_forward (whole 1024-token sequences per chunk).
 - ``espo_matmul_floor``: the three GEMMs every fused implementation must run
-  (logits, d_hidden, d_weight) at the fused case's shape, alone: the floor the
-  fused rows are compared with. ck's backward recomputes the logits tiles (a
-  4th GEMM, see fused_linear_logprobs_entropy's notes).
+  (logits, d_hidden, d_weight) at the same shape, with the GRPO problem's true
+  d loss / d logits precomputed (so its outputs are the real gradients), vs
+  the grad-in-forward loss: the ratio is floor / ours.
 
 ``python -m bench.bench_espo_logprobs --model`` prints the H100 roofline model
 (bytes, FLOPs) at V = 151,936, H = 7,168: a model, not a measurement.
@@ -76,7 +80,7 @@ def logits_case(rows: int, vocab: int) -> Case:
     )
 
 
-# ------------------------------------------------- fused linear + GRPO loss
+# ------------------------------------------------- fused linear + policy loss
 
 
 def _grpo_loss(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor):
@@ -87,116 +91,177 @@ def _grpo_loss(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, mask: t
     return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
 
 
-def fused_case(seqs: int, seq_len: int, hidden: int, vocab: int) -> Case:
-    rows = seqs * seq_len
-    g = _gen(1)
-    h = torch.randn(rows, hidden, generator=g)
-    w = torch.randn(vocab, hidden, generator=g) / math.sqrt(hidden) * 2
-    y = torch.randint(0, vocab, (rows,), generator=g)
-    with torch.no_grad():  # old log-probs near the current ones: ratios around 1, some clipped
-        old = torch.log_softmax(h @ w.T, -1).gather(-1, y[:, None]).view(seqs, seq_len)
-        old += torch.randn(seqs, seq_len, generator=g) * 0.1
-    adv = torch.randn(seqs, generator=g)
-    mask = torch.ones(seqs, seq_len)
-    mask[0, seq_len // 2 :] = 0  # one shorter response
+class _Problem:
+    """A packed batch of ``seqs`` responses of ``seq_len`` tokens (the first one
+    half masked), hidden states, lm_head, old log-probs near the current ones
+    (ratios around 1, some clipped) and the old policy's entropy."""
 
-    def eager():
-        hq, wq = h.detach().requires_grad_(), w.detach().requires_grad_()
-        logp_all = torch.log_softmax(hq @ wq.T, dim=-1)
-        logp = logp_all.gather(-1, y[:, None]).view(seqs, seq_len)
+    def __init__(self, seqs: int, seq_len: int, hidden: int, vocab: int) -> None:
+        rows = seqs * seq_len
+        g = _gen(1)
+        self.shape = (seqs, seq_len, hidden, vocab)
+        self.h = torch.randn(rows, hidden, generator=g)
+        self.w = torch.randn(vocab, hidden, generator=g) / math.sqrt(hidden) * 2
+        self.y = torch.randint(0, vocab, (rows,), generator=g)
         with torch.no_grad():
-            entropy = -(logp_all.exp() * logp_all).sum(-1)
-        loss = _grpo_loss(logp, old, adv, mask)
-        loss.backward()
-        del entropy
-        return loss.detach(), hq.grad, wq.grad
+            lp, ent = ck.espo.fused_linear_logprobs_entropy(self.h, self.w, self.y)
+        self.old = lp.view(seqs, seq_len) + torch.randn(seqs, seq_len, generator=g) * 0.1
+        self.old_ent = ent + torch.rand(rows, generator=g) * 0.2
+        self.adv = torch.randn(seqs, generator=g)
+        self.mask = torch.ones(seqs, seq_len)
+        self.mask[0, seq_len // 2 :] = 0  # one shorter response
+        self.cu = torch.arange(0, rows + 1, seq_len)
 
-    def ours():
-        hq, wq = h.detach().requires_grad_(), w.detach().requires_grad_()
-        logp, entropy = ck.espo.fused_linear_logprobs_entropy(hq, wq, y)
-        loss = _grpo_loss(logp.view(seqs, seq_len), old, adv, mask)
-        loss.backward()
-        return loss.detach(), hq.grad, wq.grad
+    def leaves(self):
+        return self.h.detach().requires_grad_(), self.w.detach().requires_grad_()
 
-    providers = {"torch eager": eager}
-    try:
-        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
-    except ImportError as err:  # a bench-only dependency: an error row, never a silent gap
-        missing = err
+    def ours(self, mode: str, strategy: str, grads_only: bool = False):
+        def run():
+            hq, wq = self.leaves()
+            loss, _, _, _ = ck.espo.fused_linear_espo_loss(
+                hq, wq, self.y, self.old.view(-1), self.old_ent, self.adv, self.cu,
+                self.mask.view(-1).bool(), mode=mode, clip=EPS, strategy=strategy,
+            )  # fmt: skip
+            loss.backward()
+            return (hq.grad, wq.grad) if grads_only else (loss.detach(), hq.grad, wq.grad)
 
-        def liger():
-            raise ImportError(
-                f"liger-kernel is not installed ({missing}): "
-                "pip install --no-deps liger-kernel==0.8.5 (scripts/setup_env.sh does)"
-            )
+        return run
 
-    else:
+    def eager(self, mode: str):
+        seqs, seq_len, _, _ = self.shape
+
+        def run():
+            hq, wq = self.leaves()
+            logp_all = torch.log_softmax(hq @ wq.T, dim=-1)
+            logp = logp_all.gather(-1, self.y[:, None]).view(-1)
+            with torch.no_grad():
+                entropy = -(logp_all.exp() * logp_all).sum(-1)
+            if mode == "grpo":
+                loss = _grpo_loss(logp.view(seqs, seq_len), self.old, self.adv, self.mask)
+            else:  # logits materialised, then the same loss op as ours
+                loss, _ = ck.espo.espo_loss(
+                    logp, self.old.view(-1), self.old_ent, self.adv, self.cu,
+                    self.mask.view(-1).bool(), mode=mode, clip=EPS,
+                )  # fmt: skip
+            loss.backward()
+            del entropy
+            return loss.detach(), hq.grad, wq.grad
+
+        return run
+
+    def liger(self):
+        seqs, seq_len, hidden, _ = self.shape
+        try:
+            from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+        except ImportError as err:  # a bench-only dependency: an error row, never a silent gap
+            missing = err
+
+            def unavailable():
+                raise ImportError(
+                    f"liger-kernel is not installed ({missing}): "
+                    "pip install --no-deps liger-kernel==0.8.5 (scripts/setup_env.sh does)"
+                )
+
+            return unavailable
         liger_loss = LigerFusedLinearGRPOLoss(
             beta=0.0, use_ref_model=False, compiled=False, loss_type="grpo",
             epsilon_low=EPS, epsilon_high=EPS, chunk_size=1,
         )  # fmt: skip
 
-        def liger():
-            hq, wq = h.detach().requires_grad_(), w.detach().requires_grad_()
+        def run():
+            hq, wq = self.leaves()
             loss, _ = liger_loss(
-                hq.view(seqs, seq_len, hidden), wq, y.view(seqs, seq_len), mask, adv,
-                old_per_token_logps=old,
+                hq.view(seqs, seq_len, hidden), wq, self.y.view(seqs, seq_len), self.mask,
+                self.adv, old_per_token_logps=self.old,
             )  # fmt: skip
             loss.backward()
             return loss.detach(), hq.grad, wq.grad
 
-    providers["liger GRPO"] = liger
-    providers["ck.espo fused"] = ours
-    gemm = 2 * rows * hidden * vocab
-    # H100 model, bf16 inputs: 4 GEMMs (forward logits, recomputed logits,
-    # d_hidden, d_weight) on tensor cores; HBM traffic of the weight and hidden
-    # states (each read per GEMM) and the fp32 gradient accumulators.
-    model = Model(
-        bytes=4 * (vocab * hidden * 2 + rows * hidden * 2) + (vocab + rows) * hidden * 4,
-        flops=4 * gemm,
+        return run
+
+    def floor(self):
+        """The three GEMMs of the GRPO problem (logits, d_hidden, d_weight) with its
+        true d loss / d logits precomputed: outputs equal to the real gradients."""
+        hq, wq = self.leaves()
+        logits = hq @ wq.T
+        loss = _grpo_loss(
+            torch.log_softmax(logits, -1).gather(-1, self.y[:, None]).view(self.old.shape),
+            self.old, self.adv, self.mask,
+        )  # fmt: skip
+        (grad,) = torch.autograd.grad(loss, logits)
+        del logits, loss
+        h, w = self.h, self.w
+        out_logits = torch.empty(grad.shape)
+
+        def run():
+            torch.mm(h, w.T, out=out_logits)
+            return grad @ w, grad.T @ h
+
+        return run
+
+
+def _fused_model(rows: int, hidden: int, vocab: int, gemms: int) -> Model:
+    # H100 model, bf16 inputs: GEMMs on tensor cores; HBM traffic of the weight
+    # and hidden states (read per GEMM) and the fp32 gradient accumulators.
+    return Model(
+        bytes=gemms * (vocab * hidden * 2 + rows * hidden * 2) + (vocab + rows) * hidden * 4,
+        flops=gemms * 2 * rows * hidden * vocab,
         precision="bf16",
-        kernels=4,
-    )
-    return Case(
-        name="espo_fused_linear",
-        shape={"T": rows, "H": hidden, "V": vocab},
-        providers=providers,
-        baseline="torch eager",
-        atol=1e-4,
-        rtol=1e-3,
-        model=model,
+        kernels=gemms,
     )
 
 
-def floor_case(rows: int, hidden: int, vocab: int) -> Case:
-    g = _gen(2)
-    h = torch.randn(rows, hidden, generator=g)
-    w = torch.randn(vocab, hidden, generator=g)
-    grad = torch.randn(rows, vocab, generator=g)
-
-    def three_gemms():
-        logits = h @ w.T
-        d_hidden = grad @ w
-        d_weight = grad.T @ h
-        return logits.shape, d_hidden.shape, d_weight.shape
-
-    return Case(
-        name="espo_matmul_floor",
-        shape={"T": rows, "H": hidden, "V": vocab},
-        providers={"3 GEMMs (floor)": three_gemms},
-        baseline="3 GEMMs (floor)",
-        model=Model(bytes=0, flops=3 * 2 * rows * hidden * vocab, precision="bf16", kernels=3),
-    )
+def fused_cases(seqs: int, seq_len: int, hidden: int, vocab: int) -> list[Case]:
+    """Three cases on one problem: mode grpo (vs eager and Liger), mode espo (vs
+    eager logits + the same loss op), and the 3-GEMM floor vs grad-in-forward."""
+    p = _Problem(seqs, seq_len, hidden, vocab)
+    rows = seqs * seq_len
+    shape = {"T": rows, "H": hidden, "V": vocab}
+    tol = {"atol": 1e-4, "rtol": 1e-3}
+    return [
+        Case(
+            name="espo_fused_linear",
+            shape=shape,
+            providers={
+                "torch eager": p.eager("grpo"),
+                "liger GRPO (no entropy)": p.liger(),
+                "ck grpo grad-in-fwd": p.ours("grpo", "grad_in_forward"),
+                "ck grpo recompute": p.ours("grpo", "recompute"),
+            },
+            baseline="torch eager",
+            model=_fused_model(rows, hidden, vocab, 3),
+            **tol,
+        ),
+        Case(
+            name="espo_fused_linear_espo",
+            shape=shape,
+            providers={
+                "torch eager + espo_loss": p.eager("espo"),
+                "ck espo recompute": p.ours("espo", "recompute"),
+                "ck espo grad-in-fwd": p.ours("espo", "grad_in_forward"),
+            },
+            baseline="torch eager + espo_loss",
+            model=_fused_model(rows, hidden, vocab, 3),
+            **tol,
+        ),
+        Case(
+            name="espo_matmul_floor",
+            shape=shape,
+            providers={
+                "3 GEMMs (floor)": p.floor(),
+                "ck grpo grad-in-fwd": p.ours("grpo", "grad_in_forward", grads_only=True),
+            },
+            baseline="3 GEMMs (floor)",
+            model=_fused_model(rows, hidden, vocab, 3),
+            **tol,
+        ),
+    ]
 
 
 def cases(quick: bool) -> list[Case]:
     if quick:
-        return [logits_case(256, 4096), fused_case(4, 64, 64, 2048), floor_case(256, 64, 2048)]
-    return [
-        logits_case(8192, 32768),
-        fused_case(8, 1024, 1024, 32768),
-        floor_case(8192, 1024, 32768),
-    ]
+        return [logits_case(256, 4096), *fused_cases(4, 64, 64, 2048)]
+    return [logits_case(8192, 32768), *fused_cases(8, 1024, 1024, 32768)]
 
 
 # ------------------------------------------------------------- GPU model
@@ -213,9 +278,9 @@ def gpu_model(rows: int = 8192, hidden: int = 7168, vocab: int = 151936) -> str:
                   kernels=8)  # fmt: skip
     gemm = 2 * rows * hidden * vocab
     w_bytes, h_bytes = vocab * hidden * 2, rows * hidden * 2
-    # As implemented (token chunks of TOKEN_CHUNK): each of the 4 GEMMs reads
-    # the weight once per token chunk, and the fp32 d_weight accumulator is
-    # read and written once per token chunk.
+    # As implemented by the recompute strategy (token chunks of TOKEN_CHUNK):
+    # each of the 4 GEMMs reads the weight once per token chunk, and the fp32
+    # d_weight accumulator is read and written once per token chunk.
     chunks = math.ceil(rows / TOKEN_CHUNK)
     fused = Model(
         bytes=4 * (chunks * w_bytes + h_bytes) + chunks * vocab * hidden * 4 * 2,
@@ -227,7 +292,7 @@ def gpu_model(rows: int = 8192, hidden: int = 7168, vocab: int = 151936) -> str:
     for name, m in (
         ("token_logprobs_entropy fwd+bwd (1 read fwd, 1 read + 1 write bwd)", logits),
         ("eager log_softmax+gather+entropy fwd+bwd (fp32 [T,V] temporaries)", eager),
-        ("fused_linear fwd+bwd as tiled (4 GEMMs: logits, recomputed logits, dH, dW)", fused),
+        ("fused_linear recompute fwd+bwd as tiled (4 GEMMs: logits, again, dH, dW)", fused),
         ("3-GEMM floor", floor),
     ):
         lines.append(

@@ -8,6 +8,7 @@ modules; the specs in ``reference_logprobs.py`` and ``reference_loss.py``.
 
 from __future__ import annotations
 
+from compass_kernels.espo.fused_loss import fused_linear_espo_loss
 from compass_kernels.espo.logprobs import (
     fused_linear_logprobs_entropy,
     token_logprobs_entropy,
@@ -17,6 +18,7 @@ from compass_kernels.espo.loss import EspoMetrics, entropy_thresholds, espo_loss
 __all__ = [
     "token_logprobs_entropy",
     "fused_linear_logprobs_entropy",
+    "fused_linear_espo_loss",
     "espo_loss",
     "entropy_thresholds",
     "EspoMetrics",

@@ -416,6 +416,18 @@ def fused_linear_logprobs_entropy(
     Peak extra memory: one [token_chunk, vocab_chunk] float32 tile plus float32
     gradient accumulators of hidden's and weight's shapes.
     """
+    h, w, y, temp = check_linear_inputs(hidden, weight, targets, temperature, tp_group, validate)
+    for name, c in (("token_chunk", token_chunk), ("vocab_chunk", vocab_chunk)):
+        if not (isinstance(c, int) and c > 0):
+            raise ValueError(f"{name}: expected a positive int, got {c!r}")
+    return _FusedLinearLogprobs.apply(
+        h, w, y, temp, bool(with_entropy), tp_group, (token_chunk, vocab_chunk), backend
+    )
+
+
+def check_linear_inputs(hidden, weight, targets, temperature, tp_group, validate):
+    """Validate the inputs of the fused-linear ops; (hidden, weight, targets as
+    int64, temperature), all contiguous."""
     check_tensor("hidden", hidden, ndim=2, dtypes=_LOGITS_DTYPES)
     dev = hidden.device
     check_tensor("weight", weight, ndim=2, dtypes=(hidden.dtype,), device=dev)
@@ -428,9 +440,6 @@ def fused_linear_logprobs_entropy(
         raise ValueError(f"weight: expected a vocabulary of at least 1, got {describe(weight)}")
     y = _check_targets(targets, hidden.shape[0], dev)
     temp = _check_temperature(temperature)
-    for name, c in (("token_chunk", token_chunk), ("vocab_chunk", vocab_chunk)):
-        if not (isinstance(c, int) and c > 0):
-            raise ValueError(f"{name}: expected a positive int, got {c!r}")
     _, world = _tp_info(tp_group)
     if validate if validate is not None else dev.type == "cpu":
         _check_targets_range(y, weight.shape[0] * world)
@@ -439,6 +448,4 @@ def fused_linear_logprobs_entropy(
                 raise ValueError(f"{name}: expected finite values, got NaN or inf")
     h = hidden if hidden.is_contiguous() else hidden.contiguous()
     w = weight if weight.is_contiguous() else weight.contiguous()
-    return _FusedLinearLogprobs.apply(
-        h, w, y, temp, bool(with_entropy), tp_group, (token_chunk, vocab_chunk), backend
-    )
+    return h, w, y, temp

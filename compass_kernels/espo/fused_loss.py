@@ -1,0 +1,333 @@
+"""lm_head + log-probs + entropy + ESPO / GSPO / GRPO loss in one call
+(``ck.espo.fused_linear_espo_loss``), from hidden states, never holding [T, V].
+
+Two strategies, the same loss and gradients (tests/test_espo_fused_loss.py):
+
+- ``"grad_in_forward"`` (3 GEMMs per token chunk: logits, d_hidden, d_weight).
+  Each chunk's logits [rows, V] are computed once, in float32, and overwritten
+  in place: statistics (log-sum-exp, target logit, entropy; C++ one read pass),
+  then d loss / d logits (one read + write pass) once the per-token upstream
+  coefficients are known, then the two gradient GEMMs. The coefficients are
+  known in the forward when the loss separates over the chunk:
+  * mode "grpo": every token is its own group; the chunks are any token
+    ranges. A sequence cut by a chunk boundary keeps its weight 1/(G n_i)
+    by scaling each token's advantage by n_i(chunk) / n_i (PPO's clip decision
+    depends on the sign of A only, so the gradient scales exactly).
+  * modes "espo" and "gspo": a group ratio needs every token of its sequence,
+    and groups never cross sequences (the entropy boundaries come from the old
+    policy's entropy, known in advance): chunks hold whole sequences. Possible
+    when the longest sequence fits in ``token_chunk`` and no CP group splits
+    sequences over ranks.
+  * the entropy bonus: its per-token weight -entropy_coef / (G n_i) is fixed.
+  The loss's backward only scales the stored gradients by the upstream scalar.
+- ``"recompute"`` (4 GEMMs): ``fused_linear_logprobs_entropy`` (forward: logits
+  tiles -> statistics; backward: recomputed tiles -> d logits -> d_hidden,
+  d_weight) then ``espo_loss``. Needed with a context-parallel group (group
+  sums are all-reduced over ranks before any token's coefficient is known),
+  with a vocab tensor-parallel group (this implementation), and for espo/gspo
+  sequences longer than ``token_chunk``. Never below 4/3 of the 3-GEMM floor.
+
+``strategy="auto"`` picks grad_in_forward whenever it applies.
+
+The per-chunk coefficients come from ``espo_loss`` itself (its kernels' own
+d loss / d logprobs on the chunk's tokens, with the batch's G, entropy
+boundaries and per-sequence counts), and the returned loss and metrics from
+one more ``espo_loss`` call over all tokens (O(T), no GEMM): one definition of
+the loss for both strategies and for the unfused path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from compass_kernels._validate import check_tensor
+from compass_kernels.espo import loss_config
+from compass_kernels.espo.logprobs import (
+    _finalize,
+    _tp_info,
+    check_linear_inputs,
+    fused_linear_logprobs_entropy,
+    logprobs_tile_stats_op,
+    token_logprobs_entropy_bwd_op,
+)
+from compass_kernels.espo.loss import entropy_thresholds, espo_loss
+
+__all__ = ["fused_linear_espo_loss", "STRATEGIES"]
+
+STRATEGIES = ("auto", "grad_in_forward", "recompute")
+#: float32 logits held per chunk by grad_in_forward when token_chunk is None:
+#: 128 MiB (1024 rows at V = 32,768; 220 at V = 151,936).
+CHUNK_BYTES = 1 << 27
+_LOSS_KEYS = ("mode", "rho", "alpha", "clip", "vocab_size", "grouping", "num_groups",
+              "quantiles", "drop_low", "ratio_form", "dual_clip")  # fmt: skip
+
+
+class _StoredGrad(torch.autograd.Function):
+    """loss with gradients computed in the forward: the backward scales them in
+    place (no second copy of a [V, H] gradient), so it runs once per forward."""
+
+    @staticmethod
+    def forward(ctx, loss, hidden, weight, d_hidden, d_weight):
+        ctx.save_for_backward(d_hidden, d_weight)
+        ctx.used = False
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.used:
+            raise RuntimeError(
+                "fused_linear_espo_loss: the gradients computed in the forward were already "
+                "returned (backward runs once per forward; strategy='recompute' allows more)"
+            )
+        ctx.used = True
+        d_hidden, d_weight = ctx.saved_tensors
+        g = grad.to(torch.float32)
+        d_h = None if d_hidden is None else d_hidden.mul_(g)
+        d_w = None if d_weight is None else d_weight.mul_(g)
+        return None, d_h, d_w, None, None
+
+
+def _token_weights(cu: torch.Tensor, mask: torch.Tensor | None, total: int, G: int):
+    """Per token: sequence id (n for tokens after cu[-1]), valid flag, and the
+    seq-mean-token-mean weight 1 / (G n_i) (0 where invalid). No host sync."""
+    n = cu.shape[0] - 1
+    pos = torch.arange(total, device=cu.device)
+    seq = torch.searchsorted(cu[1:], pos, right=True)  # [0, n]
+    valid = seq < n
+    if mask is not None:
+        valid &= mask
+    counts = torch.zeros(n + 1, dtype=torch.float32, device=cu.device)
+    counts.index_add_(0, seq, valid.to(torch.float32))
+    weight = torch.where(valid, 1.0 / (G * counts.clamp(min=1.0))[seq], 0.0)
+    return seq, valid, counts, weight
+
+
+def _chunks_by_tokens(total: int, rows: int) -> list[tuple[int, int]]:
+    return [(a, min(a + rows, total)) for a in range(0, total, rows)]
+
+
+def _chunks_by_sequences(cu_host: list[int], total: int, rows: int) -> list[tuple[int, int]]:
+    """Greedy runs of whole sequences of at most ``rows`` tokens, then the
+    padding tail (no loss) in chunks of ``rows``."""
+    out: list[tuple[int, int]] = []
+    a = 0
+    for b0, b1 in zip(cu_host[:-1], cu_host[1:], strict=True):
+        if b1 - a > rows and b0 > a:
+            out.append((a, b0))
+            a = b0
+    if cu_host[-1] > a:
+        out.append((a, cu_host[-1]))
+    return out + [(a, b) for a, b in _chunks_by_tokens(total - cu_host[-1], rows)
+                  for a, b in [(a + cu_host[-1], b + cu_host[-1])]]  # fmt: skip
+
+
+def fused_linear_espo_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    old_entropy: torch.Tensor,
+    advantages: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    entropy_coef: float = 0.0,
+    temperature: float = 1.0,
+    strategy: str = "auto",
+    token_chunk: int | None = None,
+    num_sequences: int | None = None,
+    advantages_per_token: bool | None = None,
+    tp_group=None,
+    cp_group=None,
+    validate: bool | None = None,
+    backend: str | None = None,
+    **loss_options,
+):
+    """ESPO / GSPO / GRPO loss of the policy ``softmax(hidden @ weight.T / temperature)``.
+
+    Parameters
+    ----------
+    hidden, weight, targets, temperature, tp_group, validate, backend : as
+        :func:`fused_linear_logprobs_entropy` (hidden [T, H], weight [V, H]).
+    old_logprobs, old_entropy, advantages, cu_seqlens, mask, num_sequences,
+    advantages_per_token, cp_group, **loss_options : as :func:`espo_loss`
+        (mode, rho, alpha, clip, grouping, num_groups, quantiles, drop_low,
+        ratio_form, dual_clip; ``vocab_size`` defaults to the full vocabulary).
+    entropy_coef : the loss adds ``-entropy_coef * H``, H the current policy's
+        entropy, seq-mean-token-mean over the loss's tokens (verl's entropy
+        bonus); 0 (default): entropy computed and returned, not in the loss.
+    strategy : "auto" | "grad_in_forward" | "recompute" (module docstring).
+    token_chunk : tokens per chunk (default: 128 MiB of float32 logits for
+        grad_in_forward, 1024 for recompute).
+
+    Returns
+    -------
+    loss : 0-d float32, differentiable w.r.t. hidden and weight.
+    metrics : ``espo_loss``'s metrics (a Mapping; a dict with "entropy_loss_term"
+        added when entropy_coef is set).
+    logprobs, entropy : [T] float32, detached (the current policy's).
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy: expected one of {STRATEGIES}, got {strategy!r}")
+    unknown = set(loss_options) - set(_LOSS_KEYS)
+    if unknown:
+        raise TypeError(f"fused_linear_espo_loss: unexpected keyword argument(s) {sorted(unknown)}")
+    h, w, y, temp = check_linear_inputs(hidden, weight, targets, temperature, tp_group, validate)
+    if token_chunk is not None and not (isinstance(token_chunk, int) and token_chunk > 0):
+        raise ValueError(f"token_chunk: expected a positive int or None, got {token_chunk!r}")
+    if not (isinstance(entropy_coef, int | float) and abs(entropy_coef) < float("inf")):
+        raise ValueError(f"entropy_coef: expected a finite float, got {entropy_coef!r}")
+    _, world = _tp_info(tp_group)
+    opts = dict(loss_options)
+    opts.setdefault("vocab_size", w.shape[0] * world)
+    cfg = loss_config.resolve(**opts)
+    total = h.shape[0]
+    check_tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=(torch.int32, torch.int64),
+                 device=h.device)  # fmt: skip
+    common = dict(num_sequences=num_sequences, advantages_per_token=advantages_per_token,
+                  validate=validate, backend=backend, **opts)  # fmt: skip
+    # Validates every loss input (shapes, dtypes, ranges, options) before any GEMM.
+    # (logprobs: zeros, one per row of hidden.)
+    espo_loss(h.new_zeros(total, dtype=torch.float32), old_logprobs, old_entropy, advantages,
+              cu_seqlens, mask, cp_group=cp_group, **common)  # fmt: skip
+    cu = cu_seqlens.to(torch.int64)
+    n = cu.shape[0] - 1
+    G = n if num_sequences is None else num_sequences
+    rows = token_chunk
+    if rows is None:
+        rows = max(16, min(4096, CHUNK_BYTES // (4 * w.shape[0])))
+    cu_host: list[int] | None = None
+    longest = 0
+    if strategy != "recompute" and not cfg.token_groups:
+        cu_host = cu.tolist()  # whole-sequence chunks are planned on the host
+        longest = max((b - a for a, b in zip(cu_host[:-1], cu_host[1:], strict=True)), default=0)
+    fits = longest <= rows
+    distributed = tp_group is not None or cp_group is not None
+    if strategy == "grad_in_forward" and (distributed or not fits):
+        raise ValueError(
+            "strategy='grad_in_forward': needs no tp_group / cp_group and, for modes espo and "
+            f"gspo, every sequence within token_chunk={rows} tokens; use 'recompute' or 'auto'"
+        )
+    ent_w = None
+    if strategy == "recompute" or distributed or not fits:
+        logp, ent = fused_linear_logprobs_entropy(
+            h, w, y, temperature=temp, tp_group=tp_group,
+            token_chunk=token_chunk or 1024, validate=False, backend=backend,
+        )  # fmt: skip
+        loss, metrics = espo_loss(logp, old_logprobs, old_entropy, advantages, cu_seqlens, mask,
+                                  cp_group=cp_group, **common)  # fmt: skip
+        if entropy_coef:
+            _, _, _, ent_w = _token_weights(cu, mask, total, G)
+            term = (ent * ent_w).sum()
+            loss = loss - entropy_coef * term
+            metrics = _with_entropy_term(metrics, term)
+        return loss, metrics, logp.detach(), ent.detach()
+
+    grad_on = torch.is_grad_enabled()
+    want_h = grad_on and hidden.requires_grad
+    want_w = grad_on and weight.requires_grad
+    with torch.no_grad():
+        logp, ent, d_h, d_w = _grad_in_forward(
+            h, w, y, temp, old_logprobs, old_entropy, advantages, cu, mask, cfg, G,
+            float(entropy_coef), rows, cu_host, common, want_h, want_w,
+        )  # fmt: skip
+        loss, metrics = espo_loss(logp, old_logprobs, old_entropy, advantages, cu_seqlens, mask,
+                                  **common)  # fmt: skip
+        if entropy_coef:
+            _, _, _, ent_w = _token_weights(cu, mask, total, G)
+            term = (ent * ent_w).sum()
+            loss = loss - entropy_coef * term
+            metrics = _with_entropy_term(metrics, term)
+    if want_h or want_w:
+        loss = _StoredGrad.apply(
+            loss.to(torch.float32), hidden, weight,
+            d_h.to(hidden.dtype) if want_h else None, d_w.to(weight.dtype) if want_w else None,
+        )  # fmt: skip
+    return loss, metrics, logp, ent
+
+
+def _with_entropy_term(metrics, term):
+    out = dict(metrics)
+    out["entropy_loss_term"] = term.detach()
+    return out
+
+
+def _grad_in_forward(h, w, y, temp, old_lp, old_ent, adv, cu, mask, cfg, G, ent_coef, rows,
+                     cu_host, common, want_h, want_w):  # fmt: skip
+    """Forward statistics and the wanted gradients: up to 3 GEMMs per chunk
+    (module docstring); 1 when no gradient is wanted (no_grad, frozen inputs)."""
+    total, vocab = h.shape[0], w.shape[0]
+    dev = h.device
+    seq, valid, counts, tok_w = _token_weights(cu, mask, total, G)
+    n = cu.shape[0] - 1
+    per_tok = common["advantages_per_token"]
+    if per_tok is None:
+        per_tok = adv.shape[0] == total and adv.shape[0] != n
+    adv32 = adv.detach().to(torch.float32)
+    # Per-token advantages (0 after cu[-1]): every chunk passes advantages per token.
+    adv_tok = adv32 if per_tok else torch.cat([adv32, adv32.new_zeros(1)])[seq]
+    thr = None
+    if cfg.num_groups > 1 and not cfg.per_sequence:
+        thr = entropy_thresholds(old_ent.detach(), cu, mask, levels=cfg.levels).reshape(-1)
+    if cfg.token_groups:
+        chunks = _chunks_by_tokens(total, rows)
+        # Tokens of sequence i in this chunk / in all: keeps 1/(G n_i) exact when a
+        # chunk cuts a sequence (see the module docstring).
+        cid = torch.arange(total, device=dev) // rows
+        key = seq * len(chunks) + cid
+        part = torch.zeros((n + 1) * len(chunks), dtype=torch.float32, device=dev)
+        part.index_add_(0, key, valid.to(torch.float32))
+        adv_tok = adv_tok * (part[key] / counts[seq].clamp(min=1.0))
+    else:
+        chunks = _chunks_by_sequences(cu_host, total, rows)
+    opts = {k: v for k, v in common.items() if k not in ("num_sequences", "advantages_per_token")}
+    f32 = torch.float32
+    w32 = w if w.dtype == f32 else w.to(f32)
+    h32 = h if h.dtype == f32 else h.to(f32)
+    logp = torch.empty(total, dtype=f32, device=dev)
+    ent = torch.empty(total, dtype=f32, device=dev)
+    d_h = torch.empty(total, h.shape[1], dtype=f32, device=dev) if want_h else None
+    d_w = torch.zeros(vocab, h.shape[1], dtype=f32, device=dev) if want_w else None
+    max_rows = max((b - a for a, b in chunks), default=0)
+    flat = torch.empty(max_rows * vocab, dtype=f32, device=dev)
+    state = torch.empty(4 * max_rows, dtype=f32, device=dev)
+    gh_all = -ent_coef * tok_w if ent_coef else None
+    for a, b in chunks:
+        r = b - a
+        tile = flat[: r * vocab].view(r, vocab)
+        hc = h32[a:b]
+        torch.mm(hc, w32.T, out=tile)
+        st = state[: 4 * r].view(4, r)
+        st[0].fill_(float("-inf"))
+        st[1:].zero_()
+        logprobs_tile_stats_op(tile, y[a:b], 0, temp, True, st, backend=common["backend"],
+                               out=(st,))  # fmt: skip
+        m, log_s, lp_c, ent_c = _finalize(st, 1.0 / temp, True, None)
+        logp[a:b] = lp_c
+        ent[a:b] = ent_c
+        if not (want_h or want_w):
+            continue
+        gl = _chunk_coef(lp_c, old_lp, old_ent, adv_tok, cu, mask, thr, a, b, G, opts)
+        gh = None if gh_all is None else gh_all[a:b].contiguous()
+        token_logprobs_entropy_bwd_op(tile, y[a:b], m, log_s, ent_c, gl, gh, temp, 0,
+                                      backend=common["backend"], out=(tile,))  # fmt: skip
+        if want_h:
+            torch.mm(tile, w32, out=d_h[a:b])
+        if want_w:
+            d_w.addmm_(tile.T, hc)
+    return logp, ent, d_h, d_w
+
+
+def _chunk_coef(lp_c, old_lp, old_ent, adv_tok, cu, mask, thr, a, b, G, opts):
+    """d loss / d logprobs of tokens [a, b) by espo_loss on the chunk (the
+    sequences clipped to it, the batch's G and entropy boundaries)."""
+    cu_c = cu.clamp(a, b) - a
+    lp = lp_c.detach().clone().requires_grad_()
+    with torch.enable_grad():
+        loss_c, _ = espo_loss(
+            lp, old_lp[a:b], old_ent[a:b], adv_tok[a:b], cu_c,
+            None if mask is None else mask[a:b], num_sequences=G,
+            entropy_threshold=thr, advantages_per_token=True, **opts,
+        )  # fmt: skip
+        (g,) = torch.autograd.grad(loss_c, lp)
+    return g.to(torch.float32).contiguous()

@@ -1,0 +1,205 @@
+"""ck.espo.fused_linear_espo_loss (lm_head + log-probs + entropy + ESPO / GSPO /
+GRPO loss; grad-in-forward and recompute strategies) vs the float64 reference:
+fused_linear_logprobs_entropy_reference -> espo_loss_reference (+ entropy
+bonus), gradients w.r.t. hidden and weight by autograd in float64. Packed
+batches with odd sizes, a padding tail, masked tokens, chunks that cut
+sequences (grpo) or hold several whole sequences (espo / gspo)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import compass_kernels as ck
+from compass_kernels.espo.reference_logprobs import fused_linear_logprobs_entropy_reference
+from compass_kernels.espo.reference_loss import espo_loss_reference
+from compass_kernels.testing import assert_verbose_allclose, make_generator
+
+TOL = {"atol": 2e-5, "rtol": 1e-4}  # float32 GEMMs and statistics vs float64
+
+
+def make_batch(lengths, tail, hidden, vocab, seed, per_token_adv=False, dtype=torch.float32):
+    g = make_generator(seed)
+    total = sum(lengths) + tail
+    h = (torch.randn(total, hidden, generator=g) * 1.5).to(dtype)
+    w = (torch.randn(vocab, hidden, generator=g) / math.sqrt(hidden) * 3).to(dtype)
+    y = torch.randint(0, vocab, (total,), generator=g)
+    with torch.no_grad():
+        lp, ent = fused_linear_logprobs_entropy_reference(h, w, y)
+    # old policy near the current one: ratios around 1, some clipped on both sides
+    old = (lp + torch.randn(total, generator=g) * 0.15).float()
+    old_ent = (ent + torch.rand(total, generator=g) * 0.3).float()
+    n = len(lengths)
+    adv = torch.randn(total if per_token_adv else n, generator=g)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    mask = torch.rand(total, generator=g) > 0.15
+    return h, w, y, old, old_ent, adv, cu, mask
+
+
+def reference(h, w, y, old, old_ent, adv, cu, mask, entropy_coef, temperature, opts):
+    hh = h.detach().double().requires_grad_()
+    ww = w.detach().double().requires_grad_()
+    lp, ent = fused_linear_logprobs_entropy_reference(hh, ww, y, temperature)
+    loss, _ = espo_loss_reference(lp, old, old_ent, adv, cu, mask, **opts)
+    if entropy_coef:
+        n, total = cu.numel() - 1, y.numel()
+        cl = cu.tolist()
+        wt = torch.zeros(total, dtype=torch.float64)
+        for i in range(n):
+            seg = torch.zeros(total, dtype=torch.bool)
+            seg[cl[i] : cl[i + 1]] = True
+            seg &= mask
+            if seg.any():
+                wt[seg] = 1.0 / (n * int(seg.sum()))
+        loss = loss - entropy_coef * (ent * wt).sum()
+    loss.backward()
+    return loss.detach(), lp.detach(), ent.detach(), hh.grad, ww.grad
+
+
+CASES = [
+    # lengths, padding tail, H, V, token_chunk, options
+    ((7, 13, 1, 9), 3, 17, 301, 8, {"mode": "grpo"}),  # chunks cut sequences
+    ((5, 11, 4), 0, 9, 517, 3, {"mode": "grpo", "clip": (0.2, 0.28), "dual_clip": 3.0}),
+    ((6, 9, 4, 12, 3), 2, 11, 257, 16, {"mode": "espo", "clip": 0.1}),
+    ((6, 9, 4, 12, 3), 2, 11, 257, 12, {"mode": "espo", "grouping": "sequence"}),
+    ((10, 3, 8), 1, 13, 129, 11, {"mode": "gspo", "clip": (0.05, 0.06)}),
+    ((4, 17), 0, 7, 1031, 17, {"mode": "espo", "num_groups": 3, "drop_low": True}),
+]
+
+
+@pytest.mark.parametrize("strategy", ["grad_in_forward", "recompute"])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_matches_reference(case, strategy):
+    lengths, tail, hidden, vocab, chunk, opts = CASES[case]
+    per_tok = case == 1
+    h, w, y, old, old_ent, adv, cu, mask = make_batch(lengths, tail, hidden, vocab, seed=case,
+                                                      per_token_adv=per_tok)  # fmt: skip
+    coef = 0.01 if case % 2 == 0 else 0.0
+    temp = 0.9 if case == 2 else 1.0
+    ref_opts = dict(opts)
+    if opts["mode"] == "espo" and "clip" not in opts:
+        ref_opts["vocab_size"] = vocab
+    ref_loss, ref_lp, ref_ent, ref_dh, ref_dw = reference(
+        h, w, y, old, old_ent, adv, cu, mask, coef, temp,
+        dict(ref_opts, advantages_per_token=per_tok),
+    )  # fmt: skip
+    hq, wq = h.clone().requires_grad_(), w.clone().requires_grad_()
+    loss, metrics, lp, ent = ck.espo.fused_linear_espo_loss(
+        hq, wq, y, old, old_ent, adv, cu, mask, entropy_coef=coef, temperature=temp,
+        strategy=strategy, token_chunk=chunk, advantages_per_token=per_tok, **opts,
+    )  # fmt: skip
+    (loss * 3.0).backward()  # a non-unit upstream gradient: the stored grads scale
+    assert_verbose_allclose(lp, ref_lp.float(), name="logprobs", **TOL)
+    assert_verbose_allclose(ent, ref_ent.float(), name="entropy", **TOL)
+    assert_verbose_allclose(loss.double(), ref_loss, name="loss", atol=1e-6, rtol=1e-5)
+    assert_verbose_allclose(hq.grad, 3 * ref_dh.float(), name="d_hidden", **TOL)
+    assert_verbose_allclose(wq.grad, 3 * ref_dw.float(), name="d_weight", **TOL)
+    assert float(metrics["tokens"]) == float(mask[: int(cu[-1])].sum())
+    if coef:
+        assert "entropy_loss_term" in metrics
+
+
+def test_bf16_grad_in_forward():
+    h, w, y, old, old_ent, adv, cu, mask = make_batch((9, 14), 1, 16, 300, seed=7,
+                                                      dtype=torch.bfloat16)  # fmt: skip
+    ref_loss, _, _, ref_dh, ref_dw = reference(h, w, y, old, old_ent, adv, cu, mask, 0.0, 1.0,
+                                               {"mode": "grpo"})  # fmt: skip
+    hq, wq = h.clone().requires_grad_(), w.clone().requires_grad_()
+    loss, _, _, _ = ck.espo.fused_linear_espo_loss(hq, wq, y, old, old_ent, adv, cu, mask,
+                                                   mode="grpo", token_chunk=5)  # fmt: skip
+    loss.backward()
+    assert hq.grad.dtype == torch.bfloat16 and wq.grad.dtype == torch.bfloat16
+    assert_verbose_allclose(loss.double(), ref_loss, name="loss", atol=1e-5, rtol=1e-4)
+    assert_verbose_allclose(hq.grad.float(), ref_dh.float(), name="d_hidden", atol=1e-4, rtol=2e-2)
+    assert_verbose_allclose(wq.grad.float(), ref_dw.float(), name="d_weight", atol=1e-4, rtol=2e-2)
+
+
+def test_frozen_weight_and_auto_strategy():
+    """Only hidden requires grad; "auto" falls back to recompute for an espo
+    sequence longer than token_chunk and gives the same gradient."""
+    h, w, y, old, old_ent, adv, cu, mask = make_batch((3, 20), 0, 8, 100, seed=3)
+    grads = []
+    for chunk in (32, 8):  # 32: grad_in_forward; 8: the 20-token sequence does not fit
+        hq = h.clone().requires_grad_()
+        loss, _, _, _ = ck.espo.fused_linear_espo_loss(
+            hq, w, y, old, old_ent, adv, cu, mask, mode="espo", clip=0.2, token_chunk=chunk
+        )
+        loss.backward()
+        grads.append(hq.grad)
+    assert_verbose_allclose(grads[0], grads[1], name="d_hidden auto", **TOL)
+
+
+def test_bad_inputs():
+    h, w, y, old, old_ent, adv, cu, mask = make_batch((3, 20), 0, 8, 100, seed=4)
+    f = ck.espo.fused_linear_espo_loss
+    args = (h, w, y, old, old_ent, adv, cu, mask)
+    with pytest.raises(ValueError, match="strategy"):
+        f(*args, strategy="fast")
+    with pytest.raises(ValueError, match="grad_in_forward"):
+        f(*args, mode="espo", clip=0.2, token_chunk=8, strategy="grad_in_forward")
+    with pytest.raises(ValueError, match="token_chunk"):
+        f(*args, mode="grpo", token_chunk=0)
+    with pytest.raises(ValueError, match="mode"):
+        f(*args, mode="ppo")
+    with pytest.raises(ValueError, match="old_logprobs"):
+        f(h, w, y, old[:-1], old_ent, adv, cu, mask, mode="grpo")
+    with pytest.raises(ValueError, match="weight"):
+        f(h, w[:, :-1], y, old, old_ent, adv, cu, mask, mode="grpo")
+    with pytest.raises(ValueError, match="targets"):
+        f(h, w, y + 100, old, old_ent, adv, cu, mask, mode="grpo")
+    with pytest.raises(ValueError, match="entropy_coef"):
+        f(*args, mode="grpo", entropy_coef=float("nan"))
+    with pytest.raises(TypeError, match="unexpected"):
+        f(*args, mode="grpo", epsilon=0.2)
+
+
+def test_second_backward_refused():
+    h, w, y, old, old_ent, adv, cu, mask = make_batch((5, 6), 0, 8, 50, seed=5)
+    hq = h.clone().requires_grad_()
+    loss, _, _, _ = ck.espo.fused_linear_espo_loss(hq, w, y, old, old_ent, adv, cu, mask,
+                                                   mode="grpo")  # fmt: skip
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="once per forward"):
+        loss.backward()
+
+
+def test_grpo_matches_liger():
+    """mode="grpo" equals Liger-Kernel's LigerFusedLinearGRPOLoss (loss_type
+    "grpo", seq-mean-token-mean; a bench dependency installed by setup_env.sh)."""
+    from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+    seqs, seq_len, hidden, vocab = 3, 11, 13, 211
+    h, w, y, old, old_ent, adv, cu, _ = make_batch([seq_len] * seqs, 0, hidden, vocab, seed=9)
+    mask = torch.ones(seqs, seq_len)
+    mask[0, 7:] = 0
+    mask[2, 4:] = 0
+    liger = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, compiled=False,
+                                     loss_type="grpo", epsilon_low=0.2, epsilon_high=0.2,
+                                     chunk_size=1)  # fmt: skip
+    hl, wl = h.clone().requires_grad_(), w.clone().requires_grad_()
+    ref, _ = liger(hl.view(seqs, seq_len, hidden), wl, y.view(seqs, seq_len), mask, adv,
+                   old_per_token_logps=old.view(seqs, seq_len))  # fmt: skip
+    ref.backward()
+    hq, wq = h.clone().requires_grad_(), w.clone().requires_grad_()
+    loss, _, _, _ = ck.espo.fused_linear_espo_loss(hq, wq, y, old, old_ent, adv, cu,
+                                                   mask.view(-1).bool(), mode="grpo",
+                                                   token_chunk=8)  # fmt: skip
+    loss.backward()
+    assert_verbose_allclose(loss, ref.float(), name="loss", atol=1e-6, rtol=1e-5)
+    assert_verbose_allclose(hq.grad, hl.grad, name="d_hidden", **TOL)
+    assert_verbose_allclose(wq.grad, wl.grad, name="d_weight", **TOL)
+
+
+def test_no_grad_forward_only():
+    """Under no_grad only the logits GEMM runs; loss and log-probs are unchanged."""
+    h, w, y, old, old_ent, adv, cu, mask = make_batch((5, 6, 2), 1, 8, 70, seed=6)
+    ref_loss, ref_lp, _, _, _ = reference(h, w, y, old, old_ent, adv, cu, mask, 0.0, 1.0,
+                                          {"mode": "grpo"})  # fmt: skip
+    with torch.no_grad():
+        loss, _, lp, _ = ck.espo.fused_linear_espo_loss(h.requires_grad_(), w, y, old, old_ent,
+                                                        adv, cu, mask, mode="grpo")  # fmt: skip
+    assert loss.grad_fn is None
+    assert_verbose_allclose(loss.double(), ref_loss, name="loss", atol=1e-6, rtol=1e-5)
+    assert_verbose_allclose(lp, ref_lp.float(), name="logprobs", **TOL)
