@@ -220,3 +220,43 @@ def test_gpu_backends_match_reference(backend):
     dev = [a.cuda() for a in args]
     out = ck.fp8.moe_mlp(*dev, backend=backend)
     check_moe(out, args)
+
+
+# ------------------------------------------------------------------ grouped_mlp
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_grouped_mlp_matches_reference(backend):
+    """Rows already grouped by expert (Megatron's experts interface): each row
+    is the reference layer with one expert and weight 1."""
+    counts = (2, 0, 129, 1)
+    x, _, _, w13, s13, w2, s2 = make_layer(5, 200, 72, len(counts), 1, seed=12)
+    g = make_generator(3)
+    rows = torch.randn(sum(counts), 200, generator=g).to(torch.bfloat16)
+    off = torch.zeros(len(counts) + 1, dtype=torch.int64)
+    off[1:] = torch.tensor(counts).cumsum(0)
+    got = ck.fp8.grouped_mlp(rows, off, w13, s13, w2, s2, backend=backend)
+    assert got.dtype == torch.bfloat16 and got.shape == rows.shape
+    ids = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))[:, None]
+    check_moe(got, (rows, ids, torch.ones(ids.shape), w13, s13, w2, s2))
+
+
+def test_moe_mlp_is_unpermute_of_grouped_mlp():
+    args = make_layer(COUNTS, 136, 40, len(COUNTS), 2, seed=4)
+    x, ids, w = args[:3]
+    p = ck.fp8.permute_quantize(x, ids, len(COUNTS))
+    y = ck.fp8.grouped_mlp(x[p.src_index // 2], p.expert_offsets, *args[3:])
+    assert torch.equal(ck.fp8.unpermute(y, p, w), ck.fp8.moe_mlp(*args))
+
+
+def test_grouped_mlp_bad_input():
+    x, _, _, w13, s13, w2, s2 = _GOOD
+    off = torch.tensor([0, 2, 2, 5, 6])
+    with pytest.raises(ValueError, match="expert_offsets: expected 5 elements in dim 0"):
+        ck.fp8.grouped_mlp(x, off[:4], w13, s13, w2, s2)
+    with pytest.raises(ValueError, match="expert_offsets: expected non-decreasing"):
+        ck.fp8.grouped_mlp(x, torch.tensor([0, 3, 2, 5, 6]), w13, s13, w2, s2)
+    with pytest.raises(ValueError, match=r"expert_offsets: expected expert_offsets\[-1\] == 6"):
+        ck.fp8.grouped_mlp(x, torch.tensor([0, 2, 2, 5, 5]), w13, s13, w2, s2)
+    with pytest.raises(ValueError, match=r"w13_weight: expected H = 32 \(x.shape\[1\]\)"):
+        ck.fp8.grouped_mlp(x[:, :32], off, w13, s13, w2, s2)

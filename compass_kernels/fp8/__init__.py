@@ -32,6 +32,7 @@ __all__ = [
     "quantize_token_groups",
     "dequantize",
     "moe_mlp",
+    "grouped_mlp",
     "permute_quantize",
     "unpermute",
     "PermutedTokens",
@@ -408,4 +409,4 @@ def unpermute(
 
 
 # The MoE layer composes the ops above (imported last: it uses this module).
-from compass_kernels.fp8.moe import moe_mlp  # noqa: E402, F401
+from compass_kernels.fp8.moe import grouped_mlp, moe_mlp  # noqa: E402, F401

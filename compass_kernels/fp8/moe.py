@@ -31,9 +31,9 @@ from __future__ import annotations
 import torch
 
 from compass_kernels import fp8 as _fp8
-from compass_kernels._validate import check_tensor, describe
+from compass_kernels._validate import check_offsets, check_tensor, describe
 
-__all__ = ["moe_mlp", "check_moe_weights"]
+__all__ = ["moe_mlp", "grouped_mlp", "check_moe_weights"]
 
 _HIDDEN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FP8 = (torch.float8_e4m3fn,)
@@ -51,6 +51,7 @@ def check_moe_weights(
     w2_scale: torch.Tensor,
     *,
     hidden_size: int | None = None,
+    hidden_name: str = "hidden",
 ) -> tuple[int, int, int]:
     """Check vLLM's block-FP8 expert layout; returns (E, H, I).
 
@@ -68,8 +69,10 @@ def check_moe_weights(
             f"(gate rows then up rows), got {describe(w13_weight)}"
         )
     if hidden_size is not None and h != hidden_size:
-        raise ValueError(f"w13_weight: expected H = {hidden_size} (hidden.shape[1]) in dim 2, "
-                         f"got {describe(w13_weight)}")  # fmt: skip
+        raise ValueError(
+            f"w13_weight: expected H = {hidden_size} ({hidden_name}.shape[1]) in dim 2, got "
+            f"{describe(w13_weight)}"
+        )
     inter = two_i // 2
     check_tensor("w2_weight", w2_weight, ndim=3, dtypes=_FP8, device=dev)
     if tuple(w2_weight.shape) != (e, h, inter):
@@ -146,11 +149,8 @@ def moe_mlp(
         if tuple(out.shape) != (t, h):
             raise ValueError(f"out: expected shape [{t}, {h}], got {describe(out)}")
     p = _fp8.permute_quantize(hidden, topk_ids, e, validate=validate, backend=backend)
-    gate_up = _fp8.grouped_gemm(p.q, p.scales, w13_weight, w13_scale, p.expert_offsets,
-                                backend=backend)  # fmt: skip
-    act = torch.nn.functional.silu(gate_up[:, :inter].float()) * gate_up[:, inter:].float()
-    a_q, a_s = _fp8.quantize_token_groups(act, validate=False, backend=backend)
-    y = _fp8.grouped_gemm(a_q, a_s, w2_weight, w2_scale, p.expert_offsets, backend=backend)
+    y = _experts(p.q, p.scales, p.expert_offsets, w13_weight, w13_scale, w2_weight, w2_scale,
+                 inter, backend)  # fmt: skip
     # bf16 tokens: combine straight from the bf16 expert outputs into a bf16
     # result; other dtypes combine the widened outputs into float32, cast once.
     y = y if hidden.dtype == torch.bfloat16 else y.float()
@@ -162,3 +162,61 @@ def moe_mlp(
     if out is not None:
         return out.copy_(res)
     return res.to(hidden.dtype)
+
+
+def _experts(a_q, a_scales, offsets, w13, s13, w2, s2, inter, backend):
+    """The stages between the permutation and the combine: [P, H] fp8 rows in
+    expert order -> [P, H] bf16 expert outputs."""
+    gate_up = _fp8.grouped_gemm(a_q, a_scales, w13, s13, offsets, backend=backend)
+    act = torch.nn.functional.silu(gate_up[:, :inter].float()) * gate_up[:, inter:].float()
+    h_q, h_s = _fp8.quantize_token_groups(act, validate=False, backend=backend)
+    return _fp8.grouped_gemm(h_q, h_s, w2, s2, offsets, backend=backend)
+
+
+def grouped_mlp(
+    x: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    w13_weight: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_weight: torch.Tensor,
+    w2_scale: torch.Tensor,
+    *,
+    validate: bool | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """The expert MLPs on rows already grouped by expert (Megatron's experts
+    interface: its token dispatcher permutes and combines).
+
+    Parameters
+    ----------
+    x : [P, H] bfloat16 | float16 | float32, expert e's rows are
+        ``[expert_offsets[e], expert_offsets[e+1])`` (no padding).
+    expert_offsets : [E+1] int64, 0 = o[0] <= ... <= o[E] = P.
+    w13_weight, w13_scale, w2_weight, w2_scale : as :func:`moe_mlp`.
+    validate, backend : as :func:`moe_mlp` (validate also checks the offsets).
+
+    Returns
+    -------
+    [P, H] bfloat16: ``MLP_e(x[p])`` for each row p of expert e, with the
+    quantization points of :func:`moe_mlp` (1x128 x, bf16 gate/up, 1x128
+    SiLU-mul, bf16 out), so ``unpermute(grouped_mlp(...))`` is :func:`moe_mlp`
+    bit for bit.
+    """
+    check_tensor("x", x, ndim=2, dtypes=_HIDDEN_DTYPES)
+    if x.requires_grad and torch.is_grad_enabled():
+        raise ValueError(
+            "x: grouped_mlp is forward-only (FP8 inference) and gives no gradient; call it "
+            "under torch.no_grad() or pass a detached tensor"
+        )
+    e, _, inter = check_moe_weights(w13_weight, w13_scale, w2_weight, w2_scale,
+                                    hidden_size=x.shape[1], hidden_name="x")  # fmt: skip
+    if w13_weight.device != x.device:
+        raise ValueError(f"w13_weight: expected a tensor on {x.device} (x's device), got "
+                         f"{describe(w13_weight)}")  # fmt: skip
+    check_tensor("expert_offsets", expert_offsets, ndim=1, dtypes=(torch.int64,), size=e + 1,
+                 size_what="E + 1", device=x.device)  # fmt: skip
+    if validate or (validate is None and x.device.type == "cpu"):
+        check_offsets("expert_offsets", expert_offsets, x.shape[0], exact=True)
+    a_q, a_s = _fp8.quantize_token_groups(x, validate=validate, backend=backend)
+    return _experts(a_q, a_s, expert_offsets, w13_weight, w13_scale, w2_weight, w2_scale, inter,
+                    backend)  # fmt: skip
