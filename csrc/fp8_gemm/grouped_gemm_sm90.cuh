@@ -1,9 +1,10 @@
 // ck.fp8.grouped_gemm on Hopper with CUTLASS: a pointer-array grouped GEMM
-// with blockwise scaling (KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise,
+// with blockwise scaling (KernelPtrArrayTmaWarpSpecialized{Cooperative,Pingpong}FP8Blockwise,
 // 1x128 activation / 128x128 weight scales, fp32 promotion in the mainloop),
-// bf16 out. One tile configuration per translation unit (this one: 128x128x128,
-// cluster 1x1x1, the prefill configuration); each TU costs minutes and ~4 GB
-// to compile.
+// bf16 out. This header holds the kernel template; each tile configuration is
+// instantiated in its own translation unit (grouped_gemm_sm90_m64.cu,
+// grouped_gemm_sm90_m128.cu: ~1 min and ~4 GB of compiler each), chosen at
+// run time by sm90_tiles.h.
 //
 // Token-packed: group e is rows [off[e], off[e+1]) of A and D, M_e as is (TMA
 // bounds the last tile; nothing is padded); an expert with M_e = 0 has no tiles.
@@ -15,6 +16,8 @@
 // ceil(N/128), ceil(K/128)] contiguous). The CUTLASS 4.2 mainloop rebuilds each
 // group's scale layout from (M_e, N, K), so a token-packed MN-major activation
 // scale array (column stride M, not M_e) cannot be described to it.
+#pragma once
+
 #include <cuda_runtime.h>
 
 #include "cute/tensor.hpp"
@@ -42,79 +45,87 @@ using LayoutB = cutlass::layout::ColumnMajor;  // [K, N] column-major = b_q[e] [
 using LayoutD = cutlass::layout::RowMajor;     // [M_e, N]
 constexpr int kAlignA = 16, kAlignB = 16, kAlignD = 8;  // 16 bytes (TMA)
 
-using TileShape = Shape<_128, _128, _128>;
-using ClusterShape = Shape<_1, _1, _1>;
 using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128, cute::GMMA::Major::K,
                                                               cute::GMMA::Major::K>;
 using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
 using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
 
-using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-    cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD*, kAlignD,
-    ElementD, LayoutD*, kAlignD, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
-    cutlass::epilogue::fusion::LinearCombination<ElementD, float, void>>::CollectiveOp;
+// One tile configuration: tile shape, cluster shape, mainloop and epilogue schedules.
+template <class TileShape_, class ClusterShape_, class MainloopSchedule, class EpilogueSchedule>
+struct Config {
+  using TileShape = TileShape_;
+  using ClusterShape = ClusterShape_;
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD*, kAlignD,
+      ElementD, LayoutD*, kAlignD, EpilogueSchedule,
+      cutlass::epilogue::fusion::LinearCombination<ElementD, float, void>>::CollectiveOp;
 
-using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA,
-    cute::tuple<LayoutA*, LayoutSFA*>, kAlignA, ElementB, cute::tuple<LayoutB*, LayoutSFB*>,
-    kAlignB, float, TileShape, ClusterShape,
-    cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
-        sizeof(typename CollectiveEpilogue::SharedStorage))>,
-    cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>::CollectiveOp;
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA,
+      cute::tuple<LayoutA*, LayoutSFA*>, kAlignA, ElementB, cute::tuple<LayoutB*, LayoutSFB*>,
+      kAlignB, float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      MainloopSchedule>::CollectiveOp;
 
-using GemmKernel =
-    cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
-using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
-using StrideA = typename GemmKernel::InternalStrideA;
-using StrideB = typename GemmKernel::InternalStrideB;
-using StrideD = typename GemmKernel::InternalStrideD;
+  using GemmKernel =
+      cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
+  using StrideA = typename GemmKernel::InternalStrideA;
+  using StrideB = typename GemmKernel::InternalStrideB;
+  using StrideD = typename GemmKernel::InternalStrideD;
 
-// Dynamic shared memory is not in ptxas' report: the sm_90 opt-in limit is
-// 227 KB per block (232448 bytes).
-static_assert(GemmKernel::SharedStorageSize <= 232448, "shared memory beyond the sm_90 limit");
+  // Dynamic shared memory is not in ptxas' report: the sm_90 opt-in limit is
+  // 227 KB per block (232448 bytes).
+  static_assert(GemmKernel::SharedStorageSize <= 232448, "shared memory beyond the sm_90 limit");
+};
 
 // Per-group strides and scale layouts, all groups alike (the mainloop rebuilds
 // the scale layouts from M_e anyway; they are filled for can_implement and for
 // future CUTLASS versions that read them).
+template <class Cfg>
 __global__ void fill_group_layouts(const int32_t* shapes, int64_t groups, int64_t lda,
-                                   int64_t ldd, StrideA* sa, StrideB* sb, StrideD* sd,
+                                   int64_t ldd, typename Cfg::StrideA* sa,
+                                   typename Cfg::StrideB* sb, typename Cfg::StrideD* sd,
                                    LayoutSFA* lsfa, LayoutSFB* lsfb) {
   const int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (g >= groups) return;
   const int m = shapes[3 * g], n = shapes[3 * g + 1], k = shapes[3 * g + 2];
-  sa[g] = StrideA{lda, Int<1>{}, Int<0>{}};
-  sb[g] = StrideB{static_cast<int64_t>(k), Int<1>{}, Int<0>{}};
-  sd[g] = StrideD{ldd, Int<1>{}, Int<0>{}};
+  sa[g] = typename Cfg::StrideA{lda, Int<1>{}, Int<0>{}};
+  sb[g] = typename Cfg::StrideB{static_cast<int64_t>(k), Int<1>{}, Int<0>{}};
+  sd[g] = typename Cfg::StrideD{ldd, Int<1>{}, Int<0>{}};
   lsfa[g] = ScaleConfig::tile_atom_to_shape_SFA(make_shape(m, n, k, 1));
   lsfb[g] = ScaleConfig::tile_atom_to_shape_SFB(make_shape(m, n, k, 1));
 }
 
-}  // namespace sm90
-
-// Bytes of `workspace` grouped_gemm_sm90_cuda needs for E experts on this
-// device: the per-group strides and layouts, then CUTLASS's own workspace.
-int64_t grouped_gemm_sm90_workspace(int64_t experts, int64_t sm_count) {
-  using namespace sm90;
-  const int64_t per_group =
-      sizeof(StrideA) + sizeof(StrideB) + sizeof(StrideD) + sizeof(LayoutSFA) + sizeof(LayoutSFB);
-  typename Gemm::Arguments args;
+// Bytes of workspace run<Cfg> needs for E experts on sm_count SMs: the
+// per-group strides and layouts, then CUTLASS's own workspace.
+template <class Cfg>
+int64_t workspace_bytes(int64_t experts, int64_t sm_count) {
+  const int64_t per_group = sizeof(typename Cfg::StrideA) + sizeof(typename Cfg::StrideB) +
+                            sizeof(typename Cfg::StrideD) + sizeof(LayoutSFA) + sizeof(LayoutSFB);
+  typename Cfg::Gemm::Arguments args;
   args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
   args.problem_shape = {static_cast<int>(experts), nullptr, nullptr};
   args.hw_info.sm_count = static_cast<int>(sm_count);
-  return 256 + per_group * experts + static_cast<int64_t>(Gemm::get_workspace_size(args));
+  return 256 + per_group * experts + static_cast<int64_t>(Cfg::Gemm::get_workspace_size(args));
 }
 
-void grouped_gemm_sm90_cuda(COMPASS_FP8_GROUPED_GEMM_ARGS, TensorView shapes, TensorView ptrs,
-                            TensorView workspace, int64_t sm_count, uintptr_t stream_handle) {
-  using namespace sm90;
+template <class Cfg>
+void run(COMPASS_FP8_GROUPED_GEMM_ARGS, TensorView shapes, TensorView ptrs, TensorView workspace,
+         int64_t sm_count, uintptr_t stream_handle, const char* name) {
+  using StrideA = typename Cfg::StrideA;
+  using StrideB = typename Cfg::StrideB;
+  using StrideD = typename Cfg::StrideD;
+  using Gemm = typename Cfg::Gemm;
   COMPASS_NAME_ARGS(a_q, a_scales, b_q, b_scales, expert_offsets, out, shapes, ptrs, workspace);
   check_grouped_args(a_q, a_scales, b_q, b_scales, expert_offsets, out, shapes, ptrs);
   a_q.expect_device(DeviceType::kCUDA);
   COMPASS_CHECK(out_dtype == kOutBF16, "out_dtype: the CUTLASS kernel writes bfloat16 (0), got ",
                 out_dtype);
   const int64_t e = b_q.size(0), n = b_q.size(1), k = a_q.size(1);
-  const int64_t kb = cdiv(k, kScaleBlock), nb = cdiv(n, kScaleBlock);
+  const int64_t kb = cdiv(k, kScaleBlock);
   COMPASS_CHECK(k % 16 == 0 && n % 8 == 0 && a_q.strides[0] % 16 == 0 && out.strides[0] % 8 == 0,
                 "a_q, out: the CUTLASS kernel needs K % 16 == 0, N % 8 == 0 and 16-byte row "
                 "strides (TMA), got K = ", k, ", N = ", n);
@@ -123,11 +134,10 @@ void grouped_gemm_sm90_cuda(COMPASS_FP8_GROUPED_GEMM_ARGS, TensorView shapes, Te
                 kb, ", 1)), got (", a_scales.strides[0], ", ", a_scales.strides[1], ")");
   COMPASS_CHECK(b_scales.is_contiguous() && b_q.is_contiguous(),
                 "b_q, b_scales: the CUTLASS kernel needs contiguous weights and scales");
-  (void)nb;
-  const int64_t need = grouped_gemm_sm90_workspace(e, sm_count);
+  const int64_t need = workspace_bytes<Cfg>(e, sm_count);
   workspace.expect_vector().expect_dtype(DType::kUInt8);
   COMPASS_CHECK(workspace.numel() >= need, "workspace: expected at least ", need,
-                " bytes, got ", workspace.numel());
+                " bytes for tile configuration ", name, ", got ", workspace.numel());
   DeviceGuard guard(a_q.device_id);
   auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
 
@@ -142,7 +152,7 @@ void grouped_gemm_sm90_cuda(COMPASS_FP8_GROUPED_GEMM_ARGS, TensorView shapes, Te
   auto* sd = reinterpret_cast<StrideD*>(carve(sizeof(StrideD) * e));
   auto* lsfa = reinterpret_cast<LayoutSFA*>(carve(sizeof(LayoutSFA) * e));
   auto* lsfb = reinterpret_cast<LayoutSFB*>(carve(sizeof(LayoutSFB) * e));
-  fill_group_layouts<<<static_cast<unsigned>((e + 127) / 128), 128, 0, stream>>>(
+  fill_group_layouts<Cfg><<<static_cast<unsigned>((e + 127) / 128), 128, 0, stream>>>(
       shapes.ptr<int32_t>(), e, a_q.strides[0], out.strides[0], sa, sb, sd, lsfa, lsfb);
   check_launch("fp8_gemm.fill_group_layouts");
 
@@ -162,14 +172,15 @@ void grouped_gemm_sm90_cuda(COMPASS_FP8_GROUPED_GEMM_ARGS, TensorView shapes, Te
   args.hw_info.sm_count = static_cast<int>(sm_count);
 
   Gemm gemm;
-  COMPASS_CHECK(gemm.can_implement(args) == cutlass::Status::kSuccess,
-                "fp8_gemm: CUTLASS cannot run this problem (alignment or shape)");
+  COMPASS_CHECK(gemm.can_implement(args) == cutlass::Status::kSuccess, "fp8_gemm (", name,
+                "): CUTLASS cannot run this problem (alignment or shape)");
   auto st = gemm.initialize(args, base, stream);
-  COMPASS_CHECK(st == cutlass::Status::kSuccess, "fp8_gemm: CUTLASS initialize failed");
+  COMPASS_CHECK(st == cutlass::Status::kSuccess, "fp8_gemm (", name, "): CUTLASS initialize failed");
   st = gemm.run(stream);
-  COMPASS_CHECK(st == cutlass::Status::kSuccess, "fp8_gemm: CUTLASS launch failed");
+  COMPASS_CHECK(st == cutlass::Status::kSuccess, "fp8_gemm (", name, "): CUTLASS launch failed");
   check_launch("fp8_gemm.grouped_gemm_sm90");
 }
 
+}  // namespace sm90
 }  // namespace fp8_gemm
 }  // namespace compass
