@@ -31,6 +31,8 @@ __all__ = [
     "quantize_blockwise",
     "quantize_token_groups",
     "dequantize",
+    "moe_mlp",
+    "grouped_mlp",
     "permute_quantize",
     "unpermute",
     "PermutedTokens",
@@ -404,3 +406,7 @@ def unpermute(
             raise ValueError(f"dst_index: expected values in [-1, {y.shape[0]}) (rows of y), "
                              f"got values in [{int(lo)}, {int(hi)}]")  # fmt: skip
     return unpermute_op(y, dst, w, backend=backend)
+
+
+# The MoE layer composes the ops above (imported last: it uses this module).
+from compass_kernels.fp8.moe import grouped_mlp, moe_mlp  # noqa: E402, F401

@@ -39,12 +39,15 @@ def _sm_count(index: int) -> int:
 
 
 def grouped_gemm_cutlass(a_q, a_scales, b_q, b_scales, expert_offsets, out_dtype, out, stream):
-    """The ``cuda`` backend: CUTLASS sm_90a (csrc/fp8_gemm/grouped_gemm_sm90_m128.cu).
+    """The ``cuda`` backend: CUTLASS sm_90a (csrc/fp8_gemm/grouped_gemm_sm90.cuh).
 
     Two launches on ``stream``, no host sync: the argument builder (problem
     shapes and pointer arrays from the offsets, on the device), then the
-    grouped GEMM. Needs K % 16 == 0, N % 8 == 0, bf16 output and K-major
-    contiguous scales (checked, with a clear error, at the C++ boundary)."""
+    grouped GEMM in the tile configuration ``fp8_gemm.choose_sm90_tile`` picks
+    from shapes (64-row pingpong tiles for decode-sized groups, 128-row
+    cooperative tiles for prefill). Needs K % 16 == 0, N % 8 == 0, bf16 output
+    and K-major contiguous scales (checked, with a clear error, at the C++
+    boundary)."""
     ext = load().fp8_gemm
     if not hasattr(ext, "grouped_gemm_sm90_cuda"):
         raise BackendUnavailableError(
@@ -52,14 +55,20 @@ def grouped_gemm_cutlass(a_q, a_scales, b_q, b_scales, expert_offsets, out_dtype
             "with nvcc and COMPASS_CUTLASS_INCLUDE (pip install --no-deps nvidia-cutlass), or "
             "pass backend='triton'"
         )
-    e = b_q.shape[0]
+    e, n = b_q.shape[0], b_q.shape[1]
     shapes = torch.empty((e, 3), dtype=torch.int32, device=a_q.device)
     ptrs = torch.empty((len(PTR_ROWS), e), dtype=torch.int64, device=a_q.device)
     ext.grouped_args_cuda(a_q, a_scales, b_q, b_scales, expert_offsets, out, shapes, ptrs, stream)
     sms = _sm_count(a_q.device.index or 0)
-    ws = torch.empty(ext.grouped_gemm_sm90_workspace(e, sms), dtype=torch.uint8, device=a_q.device)
-    ext.grouped_gemm_sm90_cuda(a_q, a_scales, b_q, b_scales, expert_offsets, out_dtype, out,
+    tile = ext.choose_sm90_tile(a_q.shape[0], e, n, sms)
+    ws = torch.empty(_workspace_bytes(tile, e, sms), dtype=torch.uint8, device=a_q.device)
+    ext.grouped_gemm_sm90_cuda(a_q, a_scales, b_q, b_scales, expert_offsets, out_dtype, out, tile,
                                shapes, ptrs, ws, sms, stream)  # fmt: skip
+
+
+@functools.cache
+def _workspace_bytes(tile: int, experts: int, sms: int) -> int:
+    return load().fp8_gemm.grouped_gemm_sm90_workspace(tile, experts, sms)
 
 
 grouped_gemm_op = register_op(

@@ -13,11 +13,15 @@ void bind(pybind11::module_& root) {
   const char* args = "(a_q, a_scales, b_q, b_scales, expert_offsets, out, shapes, ptrs[, stream]): "
                      "per-expert problem shapes [E, 3] and pointer arrays [5, E] in place";
   COMPASS_DEF_NOGIL(m, grouped_args_cpu, args);
+  m.def("choose_sm90_tile", &choose_sm90_tile_binding,
+        "(rows, experts, n, sm_count) -> CUTLASS sm_90a tile configuration (0 = m64, 1 = m128)");
+  m.attr("SM90_TILES") = pybind11::make_tuple("m64", "m128");
 #ifdef COMPASS_WITH_CUDA
   COMPASS_DEF(m, grouped_args_cuda, args);
-  COMPASS_DEF(m, grouped_gemm_sm90_workspace, "(experts, sm_count) -> workspace bytes");
+  COMPASS_DEF(m, grouped_gemm_sm90_workspace, "(tile, experts, sm_count) -> workspace bytes");
+  COMPASS_DEF(m, grouped_gemm_sm90_shared_bytes, "(tile) -> dynamic shared memory per CTA");
   COMPASS_DEF(m, grouped_gemm_sm90_cuda,
-              "(a_q, a_scales, b_q, b_scales, expert_offsets, out_dtype, out, shapes, ptrs, "
+              "(a_q, a_scales, b_q, b_scales, expert_offsets, out_dtype, out, tile, shapes, ptrs, "
               "workspace, sm_count, stream): CUTLASS sm_90a blockwise grouped GEMM");
 #endif
 }

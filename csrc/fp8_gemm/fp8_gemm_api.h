@@ -52,12 +52,29 @@ void grouped_args_cpu(COMPASS_FP8_GROUPED_ARGS_ARGS);
 #if defined(COMPASS_WITH_CUDA) || defined(COMPASS_EMULATION)  // emulated: csrc/emu
 void grouped_args_cuda(COMPASS_FP8_GROUPED_ARGS_ARGS, uintptr_t stream);
 #endif
-#ifdef COMPASS_WITH_CUDA  // CUTLASS sm_90a (grouped_gemm_sm90_m128.cu)
-// Bytes of workspace the CUTLASS grouped GEMM needs for E experts on sm_count SMs.
-int64_t grouped_gemm_sm90_workspace(int64_t experts, int64_t sm_count);
-// The GEMM's arguments, then the builder's shapes / ptrs (already filled on the
-// device by grouped_args_cuda), a uint8 workspace, the SM count, the stream.
-void grouped_gemm_sm90_cuda(COMPASS_FP8_GROUPED_GEMM_ARGS, TensorView shapes, TensorView ptrs,
+// The tile configuration heuristic (sm90_tiles.h), bound for the CPU tests
+// and used by the CUDA entry point below.
+int64_t choose_sm90_tile_binding(int64_t rows, int64_t experts, int64_t n, int64_t sm_count);
+#ifdef COMPASS_WITH_CUDA  // CUTLASS sm_90a (grouped_gemm_sm90.cuh, one TU per tile config)
+// Bytes of workspace the CUTLASS grouped GEMM with tile configuration `tile`
+// (sm90_tiles.h: Sm90Tile) needs for E experts on sm_count SMs.
+int64_t grouped_gemm_sm90_workspace(int64_t tile, int64_t experts, int64_t sm_count);
+// Dynamic shared memory per CTA of a configuration (GemmKernel::SharedStorageSize).
+int64_t grouped_gemm_sm90_shared_bytes(int64_t tile);
+// The GEMM's arguments, then the tile configuration, the builder's shapes /
+// ptrs (already filled on the device by grouped_args_cuda), a uint8 workspace,
+// the SM count, the stream.
+void grouped_gemm_sm90_cuda(COMPASS_FP8_GROUPED_GEMM_ARGS, int64_t tile, TensorView shapes,
+                            TensorView ptrs, TensorView workspace, int64_t sm_count,
+                            uintptr_t stream);
+// One per translation unit (grouped_gemm_sm90_<tile>.cu).
+int64_t grouped_gemm_sm90_m64_workspace(int64_t experts, int64_t sm_count);
+int64_t grouped_gemm_sm90_m64_shared_bytes();
+void grouped_gemm_sm90_m64(COMPASS_FP8_GROUPED_GEMM_ARGS, TensorView shapes, TensorView ptrs,
+                           TensorView workspace, int64_t sm_count, uintptr_t stream);
+int64_t grouped_gemm_sm90_m128_workspace(int64_t experts, int64_t sm_count);
+int64_t grouped_gemm_sm90_m128_shared_bytes();
+void grouped_gemm_sm90_m128(COMPASS_FP8_GROUPED_GEMM_ARGS, TensorView shapes, TensorView ptrs,
                             TensorView workspace, int64_t sm_count, uintptr_t stream);
 #endif
 

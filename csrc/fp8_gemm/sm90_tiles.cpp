@@ -1,0 +1,55 @@
+// Host side of the CUTLASS sm_90a grouped GEMM's tile configurations: the
+// heuristic's binding (plain C++, built and tested on every host) and, in CUDA
+// builds, the dispatch to the configuration's translation unit.
+#include "fp8_gemm/fp8_gemm_api.h"
+#include "fp8_gemm/sm90_tiles.h"
+
+namespace compass {
+namespace fp8_gemm {
+
+int64_t choose_sm90_tile_binding(int64_t rows, int64_t experts, int64_t n, int64_t sm_count) {
+  COMPASS_CHECK(rows >= 0 && experts >= 1 && n >= 1 && sm_count >= 1,
+                "choose_sm90_tile: expected rows >= 0, experts >= 1, n >= 1, sm_count >= 1, got ",
+                rows, ", ", experts, ", ", n, ", ", sm_count);
+  return choose_sm90_tile(rows, experts, n, sm_count);
+}
+
+#ifdef COMPASS_WITH_CUDA
+int64_t grouped_gemm_sm90_workspace(int64_t tile, int64_t experts, int64_t sm_count) {
+  switch (tile) {
+    case kSm90M64: return grouped_gemm_sm90_m64_workspace(experts, sm_count);
+    case kSm90M128: return grouped_gemm_sm90_m128_workspace(experts, sm_count);
+  }
+  COMPASS_CHECK(false, "tile: expected a tile configuration in [0, ", kNumSm90Tiles, "), got ",
+                tile);
+  return 0;
+}
+
+int64_t grouped_gemm_sm90_shared_bytes(int64_t tile) {
+  switch (tile) {
+    case kSm90M64: return grouped_gemm_sm90_m64_shared_bytes();
+    case kSm90M128: return grouped_gemm_sm90_m128_shared_bytes();
+  }
+  COMPASS_CHECK(false, "tile: expected a tile configuration in [0, ", kNumSm90Tiles, "), got ",
+                tile);
+  return 0;
+}
+
+void grouped_gemm_sm90_cuda(COMPASS_FP8_GROUPED_GEMM_ARGS, int64_t tile, TensorView shapes,
+                            TensorView ptrs, TensorView workspace, int64_t sm_count,
+                            uintptr_t stream) {
+  switch (tile) {
+    case kSm90M64:
+      return grouped_gemm_sm90_m64(a_q, a_scales, b_q, b_scales, expert_offsets, out_dtype, out,
+                                   shapes, ptrs, workspace, sm_count, stream);
+    case kSm90M128:
+      return grouped_gemm_sm90_m128(a_q, a_scales, b_q, b_scales, expert_offsets, out_dtype, out,
+                                    shapes, ptrs, workspace, sm_count, stream);
+  }
+  COMPASS_CHECK(false, "tile: expected a tile configuration in [0, ", kNumSm90Tiles, "), got ",
+                tile);
+}
+#endif
+
+}  // namespace fp8_gemm
+}  // namespace compass
