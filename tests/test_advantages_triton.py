@@ -10,41 +10,31 @@ and a padded tail past cu_seqlens[-1].
 
 from __future__ import annotations
 
-import os
+from tests.triton_tier import DEVICE, LAUNCHES
 
+# isort: split
+
+import pytest
 import torch
 
-if not torch.cuda.is_available():  # conftest does this too; kept for --noconftest runs
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-triton = pytest.importorskip("triton")
-
-from compass_kernels.advantages.reference import (  # noqa: E402
+from compass_kernels.advantages.reference import (
     MODES,
     group_advantages_reference,
     rl_zvp_reference,
 )
-from compass_kernels.advantages.triton import (  # noqa: E402
+from compass_kernels.advantages.triton import (
     group_advantages_triton,
     rl_zvp_triton,
 )
-from compass_kernels.testing import (  # noqa: E402
+from compass_kernels.testing import (
     assert_bitwise_equal,
     assert_verbose_allclose,
     empty_poisoned,
 )
 
-INTERPRET = bool(triton.knobs.runtime.interpret)
-DEVICE = "cpu" if INTERPRET else "cuda"
-
 pytestmark = [
     pytest.mark.triton,
-    pytest.mark.skipif(
-        not INTERPRET and not torch.cuda.is_available(),
-        reason="needs a CUDA device or TRITON_INTERPRET=1 before triton is imported",
-    ),
+    LAUNCHES,
 ]
 
 # float64 statistics: two-pass sums in another order than the reference's.

@@ -15,38 +15,24 @@
 
 from __future__ import annotations
 
+from tests.triton_tier import triton
+
+# isort: split
+
 import os
 import shutil
 import stat
 import subprocess
 
+import pytest
 import torch
+import triton.language as tl
 
-if not torch.cuda.is_available():  # conftest does this too; kept for --noconftest runs
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-triton = pytest.importorskip("triton")
-import triton.language as tl  # noqa: E402
-
-from compass_kernels import aot  # noqa: E402
-from tests.tiers import INTERPRETER_ONLY  # noqa: E402
+from compass_kernels import aot
+from tests.tiers import INTERPRETER_ONLY
+from tests.triton_tier import have_tool, needs_cuobjdump
 
 pytestmark = pytest.mark.sm90
-
-
-def _have(tool: str) -> bool:
-    try:
-        aot.find_tool(tool)
-    except aot.ToolNotFoundError:
-        return False
-    return True
-
-
-needs_cuobjdump = pytest.mark.skipif(
-    not _have("cuobjdump"), reason="cuobjdump not found: pip install nvidia-cuda-cuobjdump"
-)
 
 
 @triton.jit
@@ -238,7 +224,7 @@ def fatbin_library(tmp_path_factory):
     nvcc = _nvcc()
     if nvcc is None:
         pytest.skip("nvcc not found (set CUDA_HOME)")
-    if not _have("cuobjdump"):
+    if not have_tool("cuobjdump"):
         pytest.skip("cuobjdump not found: pip install nvidia-cuda-cuobjdump")
     tmp = tmp_path_factory.mktemp("fatbin")
     (tmp / "k.cu").write_text(_CU_SOURCE)
@@ -291,7 +277,7 @@ def test_parse_resource_usage_of_a_bare_cubin():
 
 def test_find_tool_finds_cuobjdump_and_ptxas():
     for tool in ("cuobjdump", "ptxas"):
-        if not _have(tool):
+        if not have_tool(tool):
             continue
         path = aot.find_tool(tool)
         assert path.name == tool and os.access(path, os.X_OK)

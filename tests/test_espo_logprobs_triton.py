@@ -9,40 +9,30 @@ many chunks per row at interpreter-friendly sizes). The sm_90 compile checks
 
 from __future__ import annotations
 
-import os
+from tests.triton_tier import DEVICE, LAUNCHES
 
+# isort: split
+
+import pytest
 import torch
 
-if not torch.cuda.is_available():  # conftest does this too; kept for --noconftest runs
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-triton = pytest.importorskip("triton")
-
-import compass_kernels as ck  # noqa: E402
-from compass_kernels import aot  # noqa: E402
-from compass_kernels.espo import triton_logprobs as kt  # noqa: E402
-from compass_kernels.espo.reference_logprobs import token_logprobs_entropy_reference  # noqa: E402
-from compass_kernels.testing import assert_verbose_allclose, empty_poisoned  # noqa: E402
-from tests.test_espo_logprobs import (  # noqa: E402
+import compass_kernels as ck
+from compass_kernels import aot
+from compass_kernels.espo import triton_logprobs as kt
+from compass_kernels.espo.reference_logprobs import token_logprobs_entropy_reference
+from compass_kernels.testing import assert_verbose_allclose, empty_poisoned
+from tests.test_espo_logprobs import (
     GRAD_TOL,
     TOL,
     check_fused,
     make_logits,
     reference_grad,
 )
-from tests.tiers import INTERPRETER_ONLY  # noqa: E402
-
-INTERPRET = bool(triton.knobs.runtime.interpret)
-DEVICE = "cpu" if INTERPRET else "cuda"
+from tests.tiers import INTERPRETER_ONLY
 
 pytestmark = [
     pytest.mark.triton,
-    pytest.mark.skipif(
-        not INTERPRET and not torch.cuda.is_available(),
-        reason="needs a CUDA device or TRITON_INTERPRET=1 before triton is imported",
-    ),
+    LAUNCHES,
 ]
 
 

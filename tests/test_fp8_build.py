@@ -6,16 +6,13 @@ multiply-add in the combine)."""
 
 from __future__ import annotations
 
-import os
+from tests import triton_tier  # noqa: F401  (TRITON_INTERPRET before triton; triton required)
 
-import torch
+# isort: split
 
-if not torch.cuda.is_available():  # conftest does this too; kept for --noconftest runs
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
 
-import pytest  # noqa: E402
-
-from compass_kernels import _C, aot  # noqa: E402
+from compass_kernels import _C, aot
 
 pytestmark = pytest.mark.sm90
 

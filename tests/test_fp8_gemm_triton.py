@@ -6,28 +6,23 @@ sm_90a code (FP8 wgmma / QGMMA, no spills, shared memory within the limit).
 
 from __future__ import annotations
 
-import os
+from tests.triton_tier import INTERPRET
 
+# isort: split
+
+import pytest
 import torch
 
-if not torch.cuda.is_available():  # conftest does this too; kept for --noconftest runs
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-triton = pytest.importorskip("triton")
-
-from compass_kernels import aot  # noqa: E402
-from compass_kernels.fp8 import triton_gemm as tg  # noqa: E402
-from compass_kernels.fp8.reference_gemm import (  # noqa: E402
+from compass_kernels import aot
+from compass_kernels.fp8 import triton_gemm as tg
+from compass_kernels.fp8.reference_gemm import (
     grouped_gemm_abs_reference,
     grouped_gemm_reference,
 )
-from compass_kernels.testing import assert_bitwise_equal, empty_poisoned  # noqa: E402
-from tests.fp8_gemm_cases import COUNTS, check_close, make_problem, offsets_of  # noqa: E402
-from tests.tiers import INTERPRETER_ONLY  # noqa: E402
+from compass_kernels.testing import assert_bitwise_equal, empty_poisoned
+from tests.fp8_gemm_cases import COUNTS, check_close, make_problem, offsets_of
+from tests.tiers import INTERPRETER_ONLY
 
-INTERPRET = bool(triton.knobs.runtime.interpret)
 pytestmark = pytest.mark.triton
 
 

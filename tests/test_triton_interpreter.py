@@ -30,22 +30,18 @@ What is shown, against oracles that do not use torch's or NumPy's conversions:
 
 from __future__ import annotations
 
-import os
+from tests.triton_tier import triton
 
+# isort: split
+
+import pytest
 import torch
+import triton.language as tl
+from triton.runtime import interpreter as _interp
 
-if not torch.cuda.is_available():  # conftest does this too; kept for --noconftest runs
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-triton = pytest.importorskip("triton")
-import triton.language as tl  # noqa: E402
-from triton.runtime import interpreter as _interp  # noqa: E402
-
-from compass_kernels import triton_interpreter  # noqa: E402
-from compass_kernels.testing import assert_bitwise_equal  # noqa: E402
-from tests.tiers import INTERPRETER_ONLY  # noqa: E402
+from compass_kernels import triton_interpreter
+from compass_kernels.testing import assert_bitwise_equal
+from tests.tiers import INTERPRETER_ONLY
 
 pytestmark = [
     pytest.mark.triton,
