@@ -644,12 +644,18 @@ def _cp_rank(rank, world_size, path):
     """One rank of a cp=2 group (spawned gloo process): Megatron's own zigzag
     split of the batch (get_batch_on_this_cp_rank) and the trace's zigzag slice
     for this rank must line up token for token, and replay must force exactly
-    those rows. The model's attention runs locally (CP attention needs
-    Transformer Engine): replay only touches the per-token MoE routers."""
+    those rows. Attention and RoPE run over the local tokens (the model's config
+    keeps cp=1: CP attention needs Transformer Engine, and upstream's RoPE
+    slicing pins memory); replay only touches the per-token MoE routers."""
     from megatron.core import parallel_state as ps
+    from megatron.core.models.common.embeddings import rotary_pos_embedding as rope
     from megatron.core.utils import get_batch_on_this_cp_rank
     from transformers import AutoConfig
 
+    def pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+        return pos_emb  # the config says cp=1: RoPE over the local tokens, like attention
+
+    rope.get_pos_emb_on_this_cp_rank = pos_emb_on_this_cp_rank  # a spawned process: no undo
     cp_rank = ps.get_context_parallel_rank()
     assert ps.get_context_parallel_world_size() == 2
     cfg = AutoConfig.from_pretrained(path)
@@ -661,8 +667,9 @@ def _cp_rank(rank, world_size, path):
     ids, pos = _tokens(seq, seed=32)
     batch = get_batch_on_this_cp_rank({"tokens": ids.clone(), "position_ids": pos.clone()})
     mine = batch["position_ids"][0]  # the global token positions Megatron gave this rank
-    local = trace.slice(token_lens=[seq], cp_size=2, cp_rank=cp_rank, cp_layout="zigzag")
-    wrong = trace.slice(token_lens=[seq], cp_size=2, cp_rank=cp_rank, cp_layout="contiguous")
+    cut = dict(token_lens=[seq], pad_multiple=4, cp_size=2, cp_rank=cp_rank)
+    local = trace.slice(**cut, cp_layout="zigzag")
+    wrong = trace.slice(**cut, cp_layout="contiguous")
     replay = mr.TraceReplay(model, record=True)
     try:
         with torch.no_grad(), replay.micro_batch(local):
