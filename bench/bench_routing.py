@@ -192,6 +192,7 @@ def overhead_case() -> Case:
 
 CODEC_MODELS = {"deepseek_v3": (256, 8, 58), "qwen3_moe": (128, 8, 48)}  # E, K, MoE layers
 CODEC_TOKENS, QUICK_CODEC_TOKENS = 8192, 512
+TINY_TOKENS, QUICK_TINY_TOKENS = 8192, 512
 
 
 def synthetic_trace(tokens: int, e: int, k: int, layers: int, seed: int):
@@ -215,18 +216,115 @@ def synthetic_trace(tokens: int, e: int, k: int, layers: int, seed: int):
                         missing_reason=reason)  # fmt: skip
 
 
-def codec_case(model: str, tokens: int) -> Case:
-    """encode + decode round trip of one trace; the shape records the bits per
-    (token, layer) row of each format and of the set-coding bound (x100)."""
-    import math
+def tiny_model_trace(tokens: int, seed: int = 0):
+    """The routing of the tiny Qwen3-MoE checkpoint (integration/tiny_moe.py,
+    E=8, K=2, 3 MoE layers): a transformers forward over random tokens, each
+    layer's top-k of its router logits (what vLLM captures on the same weights,
+    tests/integration)."""
+    from transformers import AutoModelForCausalLM
 
     from compass_kernels.routing import RoutingTrace
+    from integration.tiny_moe import cached_tiny_qwen3_moe
 
+    model = AutoModelForCausalLM.from_pretrained(cached_tiny_qwen3_moe(), dtype=torch.float32)
+    cfg = model.config
+    seq = 512
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, cfg.vocab_size, (max(1, tokens // seq), seq), generator=g)
+    with torch.no_grad():
+        out = model.eval()(x, output_router_logits=True)
+    k = cfg.num_experts_per_tok
+    ids = torch.stack([lg.topk(k, -1).indices for lg in out.router_logits], 1).to(torch.uint8)
+    cu = torch.arange(0, x.numel() + 1, seq)
+    return RoutingTrace(ids, cu, cfg.num_experts, layer_ids=range(cfg.num_hidden_layers))
+
+
+class _Encoded:
+    """An encoded trace that compares by content (``--check``): two encodings
+    are equal when they decode to the same sets."""
+
+    def __init__(self, decode: Callable[[], torch.Tensor]):
+        self.decode = decode
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Encoded) and torch.equal(
+            self.decode().sort(-1).values, other.decode().sort(-1).values
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _codec_trace(model: str, tokens: int):
+    if model == "tiny_qwen3_moe":
+        return tiny_model_trace(tokens)
     e, k, layers = CODEC_MODELS[model]
-    tr = synthetic_trace(tokens, e, k, layers, seed=e)
-    rows = tokens * layers
-    set_bytes = len(tr.encode(codec="set"))
-    raw_bytes = len(tr.encode(codec="raw"))
+    return synthetic_trace(tokens, e, k, layers, seed=e)
+
+
+def _sizes(tr) -> dict[str, int]:
+    """Bits per (token, layer) row x100: the set-coding bound, the set payload,
+    the whole encoded trace (header, layer keys, missing mask), uint8, int16, zlib."""
+    import math
+    import zlib
+
+    from compass_kernels.routing import _setcode
+
+    e, k = tr.num_experts, tr.top_k
+    rows = tr.expert_ids.shape[0] * tr.expert_ids.shape[1]
+    raw = tr.canonical().expert_ids.contiguous().numpy().tobytes()
+    return {
+        "bound_bits_x100": round(100 * math.log2(math.comb(e, k))),
+        "set_bits_x100": round(800 * _setcode.payload_bytes(rows, e, k) / rows),
+        "trace_bits_x100": round(800 * len(tr.encode(codec="set")) / rows),
+        "uint8_bits": 8 * k,
+        "int16_bits": 16 * k,
+        "zlib1_bits_x100": round(800 * len(zlib.compress(raw, 1)) / rows),
+    }
+
+
+def codec_cases(model: str, tokens: int) -> list[Case]:
+    """Encode and decode of the ids of one trace: compass's set codec kernel vs
+    zlib level 1 of the uint8 ids (the stdlib compressor a user would reach
+    for; its size is in the shape), and the end-to-end RoutingTrace.encode /
+    decode (header, CRC32, missing mask) round trip vs the raw uint8 layout.
+    Throughput in GB/s of uint8 ids = rows * K / time (the ``model`` bytes)."""
+    import zlib
+
+    from compass_kernels.routing import RoutingTrace, _setcode
+
+    tr = _codec_trace(model, tokens)
+    e, k = tr.num_experts, tr.top_k
+    ids = tr.canonical().expert_ids.reshape(-1, k).contiguous()
+    rows = ids.shape[0]
+    raw = ids.numpy().tobytes()
+    shape = {"model": model, "tokens": tr.num_tokens, "layers": tr.num_moe_layers}
+    shape.update(_sizes(tr))
+    payload = torch.empty(_setcode.payload_bytes(rows, e, k), dtype=torch.uint8)
+    _setcode.encode_into(ids, e, payload)
+    z = zlib.compress(raw, 1)
+    out = torch.empty_like(ids)
+    ids_bytes = Model(bytes=rows * k * ids.element_size(), kernels=1)
+
+    def unzip() -> torch.Tensor:
+        return torch.frombuffer(bytearray(zlib.decompress(z)), dtype=ids.dtype).view(rows, k)
+
+    def enc_zlib():
+        z2 = zlib.compress(ids.numpy().tobytes(), 1)
+        return _Encoded(lambda: torch.frombuffer(bytearray(zlib.decompress(z2)),
+                                                 dtype=ids.dtype).view(rows, k))  # fmt: skip
+
+    def enc_set():
+        _setcode.encode_into(ids, e, payload)
+        p = payload.clone()
+        return _Encoded(lambda: _setcode.decode_sets(p.numpy().tobytes(), rows, k, e, ids.dtype))
+
+    def dec_zlib():
+        x = unzip()
+        return _Encoded(lambda: x)
+
+    def dec_set():
+        _setcode.decode_into(payload, e, out)
+        return _Encoded(lambda: out)
 
     def rt(codec: str):
         def call():
@@ -234,56 +332,87 @@ def codec_case(model: str, tokens: int) -> Case:
 
         return call
 
-    return Case(
-        name="trace codec (encode+decode)",
-        shape={
-            "model": model,
-            "tokens": tokens,
-            "layers": layers,  # type: ignore[dict-item]
-            "bound_bits_x100": round(100 * math.log2(math.comb(e, k))),
-            "set_bits_x100": round(800 * set_bytes / rows),
-            "uint8_bits_x100": round(800 * raw_bytes / rows),
-            "int16_bits": 16 * k,
-        },
+    enc_case = Case(
+        name="trace codec encode", shape=shape,
+        providers={"zlib -1 (uint8 ids)": enc_zlib, "compass set": enc_set},
+        baseline="zlib -1 (uint8 ids)", device="cpu", model=ids_bytes,
+    )  # fmt: skip
+    dec_case = Case(
+        name="trace codec decode", shape=shape,
+        providers={"zlib -1 (uint8 ids)": dec_zlib, "compass set": dec_set},
+        baseline="zlib -1 (uint8 ids)", device="cpu", model=ids_bytes,
+    )  # fmt: skip
+    rt_case = Case(
+        name="trace codec round trip (RoutingTrace.encode+decode)", shape=shape,
         providers={"raw uint8": rt("raw"), "set": rt("set")},
-        baseline="raw uint8",
-        device="cpu",
-        model=Model(bytes=2 * k * rows, kernels=2),
-    )
+        baseline="raw uint8", device="cpu",
+        model=Model(bytes=2 * rows * k * ids.element_size(), kernels=2),
+    )  # fmt: skip
+    return [enc_case, dec_case, rt_case]
 
 
-def codec_report(tokens: int = CODEC_TOKENS, repeat: int = 5) -> list[dict]:
-    """Bytes per (token, layer) and encode / decode throughput (GB/s of uint8
-    ids) of the set codec: ``python -m bench.bench_routing``."""
+def _time_codec(tr, ids, payload, back, repeat: int) -> dict[str, tuple[float, float]]:
+    """Best (wall, process CPU) seconds of each codec step over ``repeat``."""
     import math
     import time
 
+    from compass_kernels.routing import RoutingTrace, _setcode
+
+    e = tr.num_experts
+    data = tr.encode(codec="set")
+    steps = {
+        "encode": lambda: _setcode.encode_into(ids, e, payload),
+        "decode": lambda: _setcode.decode_into(payload, e, back),
+        "trace_encode": lambda: tr.encode(codec="set"),
+        "trace_decode": lambda: RoutingTrace.decode(data),
+    }
+    best = {name: (math.inf, math.inf) for name in steps}
+    for _ in range(repeat):
+        for name, fn in steps.items():
+            w0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            w1, c1 = time.perf_counter(), time.process_time()
+            best[name] = (min(best[name][0], w1 - w0), min(best[name][1], c1 - c0))
+    return best
+
+
+def codec_report(tokens: int = CODEC_TOKENS, repeat: int = 7, threads=(1, 2)) -> list[dict]:
+    """Bytes per (token, layer) and encode / decode throughput of the set codec
+    kernel and of RoutingTrace.encode / decode, per thread count: ``python -m
+    bench.bench_routing``. GB/s = bytes of the uint8 (E <= 256) / int16 id
+    array in (encode) or out (decode) per second; best of ``repeat``. ``cpu``
+    columns: process CPU time, which contention inflates less than wall time."""
+    import math
+
     from compass_kernels.routing import _setcode
 
+    models = ["deepseek_v3", "qwen3_moe", "tiny_qwen3_moe"]
     out = []
-    for model, (e, k, layers) in CODEC_MODELS.items():
-        tr = synthetic_trace(tokens, e, k, layers, seed=e)
-        ids = tr.canonical().expert_ids
-        rows = ids.shape[0] * ids.shape[1]
-        payload = _setcode.encode_sets(ids, e)
-        enc = dec = math.inf
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            payload = _setcode.encode_sets(ids, e)
-            t1 = time.perf_counter()
-            back = _setcode.decode_sets(payload, rows, k, e, ids.dtype)
-            t2 = time.perf_counter()
-            enc, dec = min(enc, t1 - t0), min(dec, t2 - t1)
-        assert torch.equal(back.reshape(ids.shape), ids.sort(-1).values)
+    for model in models:
+        tr = _codec_trace(model, tokens)
+        e, k = tr.num_experts, tr.top_k
+        ids = tr.canonical().expert_ids.reshape(-1, k).contiguous()
+        rows = ids.shape[0]
         nbytes = ids.numel() * ids.element_size()
-        out.append({
-            "model": model, "E": e, "K": k, "rows": rows,
-            "bound_bytes_per_row": math.log2(math.comb(e, k)) / 8,
-            "set_bytes_per_row": len(payload) / rows,
-            "uint8_bytes_per_row": k, "int16_bytes_per_row": 2 * k,
-            "encode_GBps": nbytes / enc / 1e9, "decode_GBps": nbytes / dec / 1e9,
-            "roundtrip_GBps": nbytes / (enc + dec) / 1e9,
-        })  # fmt: skip
+        payload = torch.empty(_setcode.payload_bytes(rows, e, k), dtype=torch.uint8)
+        back = torch.empty_like(ids)
+        row = {"model": model, "E": e, "K": k, "rows": rows,
+               "bound_B_per_row": math.log2(math.comb(e, k)) / 8,
+               "set_B_per_row": payload.numel() / rows,
+               "trace_B_per_row": len(tr.encode(codec="set")) / rows,
+               "uint8_B_per_row": k, "int16_B_per_row": 2 * k}  # fmt: skip
+        row["set_vs_bound"] = row["set_B_per_row"] / row["bound_B_per_row"] - 1
+        for nt in threads:
+            prev = _setcode.set_threads(nt)
+            try:
+                best = _time_codec(tr, ids, payload, back, repeat)
+            finally:
+                _setcode.set_threads(prev)
+            assert torch.equal(back, ids.sort(-1).values)
+            for name, (wall, cpu) in best.items():
+                row[f"{name}_GBps_{nt}t"] = nbytes / wall / 1e9
+                row[f"{name}_cpu_ns_per_row_{nt}t"] = cpu / rows * 1e9
+        out.append(row)
     return out
 
 
@@ -295,11 +424,11 @@ def cases(quick: bool) -> list[Case]:
         for t in QUICK_TOKENS if quick else TOKENS:
             out.append(replay_case(model, t, device, backward=False))
             out.append(replay_case(model, t, device, backward=True))
-    for model in CODEC_MODELS:
-        out.append(codec_case(model, QUICK_CODEC_TOKENS if quick else CODEC_TOKENS))
+    for model in [*CODEC_MODELS, "tiny_qwen3_moe"]:
+        out.extend(codec_cases(model, QUICK_CODEC_TOKENS if quick else CODEC_TOKENS))
     return out
 
 
 if __name__ == "__main__":
     for row in codec_report():
-        print(row)
+        print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})

@@ -47,8 +47,10 @@ def encode(trace: RoutingTrace, *, codec: str = "raw") -> bytes:
     code = CODECS.get(codec)
     if code is None:
         raise ValueError(f"codec: expected one of {tuple(CODECS)}, got {codec!r}")
-    t = trace.canonical() if trace.missing is not None else trace  # missing rows: 0..K-1
-    ids = t.expert_ids.cpu().contiguous().numpy()
+    # raw: missing rows hold 0..K-1 in the payload; set: the kernel codes them as
+    # rank 0 (= 0..K-1) without reading them, so no canonical copy of the ids.
+    t = trace.canonical() if trace.missing is not None and code == 0 else trace
+    ids = t.expert_ids.cpu().contiguous()
     n_rows, n_cols, k = ids.shape
     parts = [
         t.layer_ids.numpy().astype("<i8").tobytes(),
@@ -59,33 +61,50 @@ def encode(trace: RoutingTrace, *, codec: str = "raw") -> bytes:
     if has_missing:
         parts.append(np.packbits(t.missing.cpu().numpy().reshape(-1), bitorder="little").tobytes())
         parts.append(t.missing_reason.cpu().numpy().tobytes())
+    prefix = b"".join(parts)
     if code == 0:
-        payload = _payload_raw(ids)
+        payload = _payload_raw(ids.numpy())
+        n_payload = len(payload)
     else:
         from compass_kernels.routing import _setcode
 
-        payload = _setcode.encode_sets(ids, t.num_experts)
-    parts.append(payload)
-    body = b"".join(parts)
-    header = _HEADER.pack(
-        MAGIC, VERSION, code, int(has_missing), t.num_experts, k, 0, t.num_moe_layers,
-        t.num_mtp_layers, t.num_sequences, n_rows, len(body), len(payload),
-        zlib.crc32(body), 0,
+        n_payload = _setcode.payload_bytes(n_rows * n_cols, t.num_experts, k)
+    # one buffer: header | prefix | payload, the set kernel writing in place
+    buf = bytearray(_HEADER.size + len(prefix) + n_payload)
+    start = _HEADER.size + len(prefix)
+    buf[_HEADER.size : start] = prefix
+    if code == 0:
+        buf[start:] = payload
+    else:  # also with K == E (0 bytes): the kernel checks the ids
+        from compass_kernels.routing import _setcode
+
+        missing = t.missing.cpu().reshape(-1).contiguous() if has_missing else None
+        out = (
+            torch.frombuffer(buf, dtype=torch.uint8, offset=start, count=n_payload)
+            if n_payload
+            else torch.empty(0, dtype=torch.uint8)
+        )
+        _setcode.encode_into(ids.view(-1, k), t.num_experts, out, missing=missing)
+    body = memoryview(buf)[_HEADER.size :]
+    _HEADER.pack_into(
+        buf, 0, MAGIC, VERSION, code, int(has_missing), t.num_experts, k, 0, t.num_moe_layers,
+        t.num_mtp_layers, t.num_sequences, n_rows, len(body), n_payload, zlib.crc32(body), 0,
     )  # fmt: skip
-    return header + body
+    body.release()
+    return bytes(buf)
 
 
 def decode(data: bytes, *, device=None) -> RoutingTrace:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TypeError(f"data: expected bytes, got {type(data).__name__}")
-    data = bytes(data)
+    data = memoryview(data).cast("B")  # no copy: slices below are views
     if len(data) < _HEADER.size:
         raise TraceError(
             f"decode: {len(data)} bytes is shorter than the {_HEADER.size}-byte header"
         )
     (magic, version, code, flags, experts, k, _, n_moe, n_mtp, n_seq, n_rows, body_len,
      payload_len, crc, _) = _HEADER.unpack_from(data)  # fmt: skip
-    if magic != MAGIC:
+    if bytes(magic) != MAGIC:
         raise TraceError(f"decode: bad magic {magic!r}, expected {MAGIC!r} (not a RoutingTrace)")
     if version != VERSION:
         raise TraceError(f"decode: format version {version}, this build reads version {VERSION}")

@@ -14,9 +14,11 @@ void bind(pybind11::module_& root) {
                     "grad_logits[, stream]): writes grad_logits in place";
   COMPASS_DEF_NOGIL(m, replay_topk_cpu, fwd);
   COMPASS_DEF_NOGIL(m, replay_topk_backward_cpu, bwd);
-  COMPASS_DEF_NOGIL(m, encode_sets_cpu, "(ids [rows, K] uint8|int16, num_experts, out uint8): set coding");
-  COMPASS_DEF_NOGIL(m, decode_sets_cpu, "(data uint8, num_experts, ids [rows, K] out)");
+  COMPASS_DEF_NOGIL(m, encode_sets_cpu, "(ids [rows, K] uint8|int16, num_experts, missing [rows] bool|None, out uint8, impl 0 auto|1 "
+                    "baseline): set coding");
+  COMPASS_DEF_NOGIL(m, decode_sets_cpu, "(data uint8, num_experts, ids [rows, K] out, impl 0 auto|1 baseline)");
   m.def("set_code_group", &set_code_group, "(num_experts, top_k) -> rows per pack");
+  m.def("set_code_threads", &set_code_threads, "(threads, 0: OpenMP default) -> the previous");
   m.def("set_code_pack_bits", &set_code_pack_bits, "(num_experts, top_k) -> bits per pack");
   m.def("set_code_bytes", &set_code_bytes, "(rows, num_experts, top_k) -> payload bytes");
 #ifdef COMPASS_WITH_CUDA

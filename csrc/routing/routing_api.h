@@ -34,13 +34,18 @@ namespace routing {
 void check_replay_topk_args(COMPASS_REPLAY_TOPK_ARGS);
 void check_replay_topk_backward_args(COMPASS_REPLAY_TOPK_BACKWARD_ARGS);
 
-// Set coding of top-k sets (codec_cpu.cpp): ids [rows, K] uint8|int16 <-> the
-// payload uint8 [set_code_bytes(rows, E, K)]; G rows per pack of B bits.
+// Set coding of top-k sets (codec_cpu.cpp, setcode.h): ids [rows, K] uint8|int16
+// <-> the payload uint8 [set_code_bytes(rows, E, K)]; G rows per pack of B bits.
+// missing [rows] bool or None: those rows are coded as 0..K-1 (rank 0), their ids
+// not read. impl: 0 the fastest this CPU runs (AVX2 when present), 1 the x86-64
+// baseline.
 int64_t set_code_group(int64_t num_experts, int64_t top_k);
+int64_t set_code_threads(int64_t threads);  // threads of the codec (0: OpenMP's); returns the old
 int64_t set_code_pack_bits(int64_t num_experts, int64_t top_k);
 int64_t set_code_bytes(int64_t rows, int64_t num_experts, int64_t top_k);
-void encode_sets_cpu(TensorView ids, int64_t num_experts, TensorView out);
-void decode_sets_cpu(TensorView data, int64_t num_experts, TensorView ids);
+void encode_sets_cpu(TensorView ids, int64_t num_experts, std::optional<TensorView> missing,
+                     TensorView out, int64_t impl);
+void decode_sets_cpu(TensorView data, int64_t num_experts, TensorView ids, int64_t impl);
 
 void replay_topk_cpu(COMPASS_REPLAY_TOPK_ARGS);
 void replay_topk_backward_cpu(COMPASS_REPLAY_TOPK_BACKWARD_ARGS);

@@ -638,3 +638,70 @@ def test_group_limited_routing_refuses_native_fallback(model, replay):
             model(ids, pos, attention_mask=None)
     finally:
         config.moe_router_num_groups, config.moe_router_group_topk = old
+
+
+def _cp_rank(rank, world_size, path):
+    """One rank of a cp=2 group (spawned gloo process): Megatron's own zigzag
+    split of the batch (get_batch_on_this_cp_rank) and the trace's zigzag slice
+    for this rank must line up token for token, and replay must force exactly
+    those rows. Attention and RoPE run over the local tokens (the model's config
+    keeps cp=1: CP attention needs Transformer Engine, and upstream's RoPE
+    slicing pins memory); replay only touches the per-token MoE routers."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.common.embeddings import rotary_pos_embedding as rope
+    from megatron.core.utils import get_batch_on_this_cp_rank
+    from transformers import AutoConfig
+
+    def pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+        return pos_emb  # the config says cp=1: RoPE over the local tokens, like attention
+
+    rope.get_pos_emb_on_this_cp_rank = pos_emb_on_this_cp_rank  # a spawned process: no undo
+    cp_rank = ps.get_context_parallel_rank()
+    assert ps.get_context_parallel_world_size() == 2
+    cfg = AutoConfig.from_pretrained(path)
+    torch.manual_seed(0)
+    model = build_megatron_model(cfg, load_hf_state_dict(path))
+    seq = 16
+    full = _random_sets(seq, _LAYERS, seed=31)  # the rollout's trace, all 16 tokens
+    trace = RoutingTrace(full.to(torch.uint8), torch.tensor([0, seq]), _E, layer_ids=_LAYERS)
+    ids, pos = _tokens(seq, seed=32)
+    batch = get_batch_on_this_cp_rank({"tokens": ids.clone(), "position_ids": pos.clone()})
+    mine = batch["position_ids"][0]  # the global token positions Megatron gave this rank
+    cut = dict(token_lens=[seq], pad_multiple=4, cp_size=2, cp_rank=cp_rank)
+    local = trace.slice(**cut, cp_layout="zigzag")
+    wrong = trace.slice(**cut, cp_layout="contiguous")
+    replay = mr.TraceReplay(model, record=True)
+    try:
+        with torch.no_grad(), replay.micro_batch(local):
+            model(batch["tokens"], batch["position_ids"], attention_mask=None)
+        forced = [
+            torch.equal(_as_map(used), _as_map(full[mine, layer]))
+            for _, _, layer, used in replay.history
+        ]
+    finally:
+        replay.remove()
+    return (
+        cp_rank,
+        mine.tolist(),
+        local.num_tokens,
+        forced,
+        torch.equal(local.expert_ids, full[mine].to(torch.uint8)),
+        torch.equal(wrong.expert_ids, full[mine].to(torch.uint8)),
+    )
+
+
+def test_context_parallel_ranks_replay_exactly_their_zigzag_slice(tiny_moe_path):
+    from integration import megatron_cpu as shim
+
+    results = shim.run_distributed(
+        _cp_rank, 2, args=(str(tiny_moe_path),), megatron={"context_parallel_size": 2},
+        timeout=280,
+    )  # fmt: skip
+    by_rank = {r[0]: r for r in results}
+    assert sorted(by_rank) == [0, 1]
+    assert by_rank[0][1] == [0, 1, 2, 3, 12, 13, 14, 15]  # chunks 0 and 3 of 4
+    assert by_rank[1][1] == [4, 5, 6, 7, 8, 9, 10, 11]  # chunks 1 and 2
+    for _, _, n_local, forced, zigzag_ok, contiguous_ok in results:
+        assert n_local == 8
+        assert len(forced) == len(_LAYERS) and all(forced)  # every MoE layer, its rows
+        assert zigzag_ok and not contiguous_ok  # the two layouts are not mixed up
