@@ -54,6 +54,7 @@ class CMakeBuild(build_ext):
         out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
         build_temp = _build_dir(ext.name)
         build_temp.mkdir(parents=True, exist_ok=True)
+        lib_dir = build_temp / "lib"
 
         cuda_mode = os.environ.get("COMPASS_CUDA", "AUTO").upper()
         if cuda_mode not in ("AUTO", "ON", "OFF"):
@@ -63,7 +64,9 @@ class CMakeBuild(build_ext):
             raise RuntimeError("COMPASS_CUDA=ON but no nvcc was found (set CUDACXX or CUDA_HOME)")
 
         args = [
-            f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={out_dir}",
+            # a fixed folder: pip hands each build a new out_dir, and a changed
+            # output path relinks the module (~30 s with the device code) for nothing
+            f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={lib_dir}",
             f"-DPython_EXECUTABLE={sys.executable}",
             f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
             f"-DCMAKE_BUILD_TYPE={os.environ.get('COMPASS_BUILD_TYPE', 'Release')}",
@@ -91,6 +94,14 @@ class CMakeBuild(build_ext):
 
         subprocess.check_call([cmake, str(ROOT), *args], cwd=build_temp)
         subprocess.check_call([cmake, "--build", ".", "--parallel", jobs], cwd=build_temp)
+        # Copy out what this configuration builds (_C_emu only when the emulation
+        # tier is on: an older _C_emu left in lib_dir must not reach a wheel).
+        built = [ext.name] + (["compass_kernels._C_emu"] if _with_emu() else [])
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for name in built:
+            so = Path(self.get_ext_fullpath(name)).name
+            if (lib_dir / so).resolve() != (out_dir / so).resolve():
+                shutil.copy2(lib_dir / so, out_dir / so)
         _check_shared_libstdcxx(Path(self.get_ext_fullpath(ext.name)))
         print(
             f"[compass_kernels] built {ext.name} in {time.perf_counter() - t0:.1f} s "

@@ -3,31 +3,19 @@ wrappers launch for DeepSeek-V3 and Qwen3-MoE shapes) with no register spills.""
 
 from __future__ import annotations
 
-import os
+from tests import triton_tier  # noqa: F401  (TRITON_INTERPRET before triton; triton required)
 
-import torch
+# isort: split
 
-if not torch.cuda.is_available():  # conftest does this too; kept for --noconftest runs
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
 
-import pytest  # noqa: E402
-
-triton = pytest.importorskip("triton")
-
-from compass_kernels import aot  # noqa: E402
+from compass_kernels import aot
+from tests.triton_tier import needs_cuobjdump
 
 pytestmark = pytest.mark.sm90
 
 
-def _have(tool: str) -> bool:
-    try:
-        aot.find_tool(tool)
-    except aot.ToolNotFoundError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _have("cuobjdump"), reason="cuobjdump not found")
+@needs_cuobjdump
 def test_routing_kernels_compile_without_spills():
     from compass_kernels.routing import triton as kt
 
@@ -41,7 +29,7 @@ def test_routing_kernels_compile_without_spills():
     assert "ld.global" in arts[0].ptx and "atom.global" in arts[0].ptx
 
 
-@pytest.mark.skipif(not _have("cuobjdump"), reason="cuobjdump not found")
+@needs_cuobjdump
 def test_replay_cuda_kernels_are_built_without_spills():
     """csrc/routing/replay.cu in _C (sm_90a): every (dtype, experts-per-lane)
     instantiation present, no spills, no local memory (the row lives in registers)."""
