@@ -632,8 +632,17 @@ def init_single_process_gloo(*, seed: int = 0, apply_shim: bool = True) -> None:
     else:
         dist.init_process_group(backend="gloo", store=dist.HashStore(), rank=0, world_size=1)
         _OWNED["default_group"] = True
+    from megatron.core import parallel_state
+
+    world = dist.distributed_c10d._get_default_group()
+    if _OWNED.get("megatron_world") not in (None, world):
+        # Megatron's groups were made from a default group that is gone (e.g. a
+        # vLLM engine that owned it shut down): they are stale, make them anew.
+        parallel_state.destroy_model_parallel()
+        _OWNED.pop("megatron_parallel", None)
     if _init_megatron_parallel(seed):
         _OWNED["megatron_parallel"] = True
+    _OWNED["megatron_world"] = world
 
 
 def destroy_single_process_gloo() -> None:
@@ -646,6 +655,7 @@ def destroy_single_process_gloo() -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    _OWNED.pop("megatron_world", None)
     if _OWNED.pop("megatron_parallel", False):
         parallel_state.destroy_model_parallel()
     if _OWNED.pop("default_group", False) and dist.is_initialized():

@@ -200,7 +200,8 @@ def shutdown_vllm(llm: Any) -> None:
 
     Shuts down the engine core, destroys vLLM's model-parallel groups and, if
     :func:`start_vllm` created the default ``torch.distributed`` process
-    group, that group too (a group that existed before is left alone). Restores
+    group, that group too (a group that existed before is left alone); while
+    another engine of this process is still running, both stay for it. Restores
     ``torch._dynamo.config.disable`` and the environment variables set at
     start. Calling it twice is harmless.
 
@@ -216,13 +217,25 @@ def shutdown_vllm(llm: Any) -> None:
     import torch._dynamo
     from vllm.distributed import parallel_state as vps
 
+    # vLLM's model-parallel groups are process-wide module globals that every
+    # in-process engine shares, and the engine core's shutdown resets them. While
+    # another engine of this process is alive they are put back afterwards
+    # (else its next call fails: "pipeline model parallel group is not
+    # initialized"); the last engine to stop tears them down.
+    groups = {k: v for k, v in vars(vps).items() if isinstance(v, vps.GroupCoordinator)}
     engine = getattr(llm, "llm_engine", None)
     core = getattr(engine, "engine_core", None)
     if core is not None and hasattr(core, "shutdown"):
         core.shutdown()
-    vps.destroy_model_parallel()
-    if state["owns_dist"]:
-        vps.destroy_distributed_environment()
+    if _STATE:
+        for name, group in groups.items():
+            setattr(vps, name, group)
+        if state["owns_dist"]:  # the default group now belongs to a running engine
+            next(iter(_STATE.values()))["owns_dist"] = True
+    else:
+        vps.destroy_model_parallel()
+        if state["owns_dist"]:
+            vps.destroy_distributed_environment()
     gc.collect()
     torch._dynamo.config.disable = state["dynamo"]
     _restore_env(state["env"])
