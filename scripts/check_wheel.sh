@@ -39,8 +39,13 @@ PATH="$(dirname "$PY"):$PATH" "$PY" -m auditwheel repair "$RAW" -w "$WORK/wheelh
 WHEEL=$(ls "$WORK"/wheelhouse/compass_kernels-*.whl)
 echo "built $(basename "$WHEEL") ($(du -h "$WHEEL" | cut -f1))"
 case $(basename "$WHEEL") in *manylinux*) ;; *) echo "not a manylinux wheel: $WHEEL"; exit 1 ;; esac
-python3 -m zipfile -l "$WHEEL" | grep -q "compass_kernels/_C" ||
-  { echo "wheel has no compiled module compass_kernels/_C"; exit 1; }
+# (not `zipfile -l | grep -q`: grep exits at the first match and, under
+# pipefail, the listing's broken pipe failed the check once the wheel grew)
+python3 - "$WHEEL" <<'PY' || { echo "wheel has no compiled module compass_kernels/_C"; exit 1; }
+import sys, zipfile
+names = zipfile.ZipFile(sys.argv[1]).namelist()
+sys.exit(not any(n.startswith("compass_kernels/_C") and n.endswith(".so") for n in names))
+PY
 [ -z "${WHEELHOUSE:-}" ] || { mkdir -p "$WHEELHOUSE"; cp "$WHEEL" "$WHEELHOUSE/"; }
 
 python3 -m venv "$WORK/venv"
