@@ -14,6 +14,7 @@ Knobs (environment variables):
 from __future__ import annotations
 
 import hashlib
+import importlib
 import os
 import shutil
 import subprocess
@@ -84,8 +85,8 @@ class CMakeBuild(build_ext):
         # requirements), not whatever PATH lists first: with another cmake or
         # ninja the same build folder is regenerated and recompiled from scratch
         # (seen: setup_env's activated venv vs a bare `make build`).
-        ninja = _py_ninja() or shutil.which("ninja")
-        cmake = _py_cmake() or shutil.which("cmake")
+        ninja = _py_tool("ninja", "BIN_DIR", "ninja") or shutil.which("ninja")
+        cmake = _py_tool("cmake", "CMAKE_BIN_DIR", "cmake") or shutil.which("cmake")
         if cmake is None:
             raise RuntimeError("cmake not found: pip install 'cmake>=3.25' (a build requirement)")
         if ninja:
@@ -116,9 +117,9 @@ def _build_dir(ext_name: str) -> Path:
     setuptools hands editable installs and wheel builds a fresh temporary
     build_temp, which recompiled everything (the CUTLASS translation units
     included, minutes each) on every `pip install -e .`. One folder per Python
-    interpreter under build/ (COMPASS_BUILD_DIR overrides it): `make build`,
+    environment (sys.prefix) under build/ (COMPASS_BUILD_DIR overrides it): `make build`,
     `setup.py build_ext --inplace` and `pip wheel --no-build-isolation` from the
-    same venv (sys.prefix) share it, and ninja rebuilds only what changed.
+    same venv share it, and ninja rebuilds only what changed.
     """
     if os.environ.get("COMPASS_BUILD_DIR"):
         return Path(os.environ["COMPASS_BUILD_DIR"]).resolve() / ext_name
@@ -147,24 +148,13 @@ def _check_shared_libstdcxx(so: Path) -> None:
         )
 
 
-def _py_ninja() -> str | None:
+def _py_tool(module: str, bin_dir: str, name: str) -> str | None:
+    """A build tool a Python package ships (ninja.BIN_DIR, cmake.CMAKE_BIN_DIR), if installed."""
     try:
-        import ninja
-
-        path = os.path.join(ninja.BIN_DIR, "ninja")
-        return path if os.path.exists(path) else None
-    except ImportError:
-        return None
-
-
-def _py_cmake() -> str | None:
-    try:
-        import cmake
-
-        path = os.path.join(cmake.CMAKE_BIN_DIR, "cmake")
-        return path if os.path.exists(path) else None
+        path = os.path.join(getattr(importlib.import_module(module), bin_dir), name)
     except (ImportError, AttributeError):
         return None
+    return path if os.path.exists(path) else None
 
 
 def _cutlass_include() -> str | None:

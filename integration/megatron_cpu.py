@@ -79,8 +79,9 @@ __all__ = [
 SUPPORTED_VERSION_PREFIX = "0.16."
 
 _MISSING = object()
-# Resources this module created (and may therefore destroy).
-_OWNED: dict[str, bool] = {}
+# Resources this module created (and may therefore destroy): flags, plus
+# "megatron_world", the default group Megatron's groups were made from.
+_OWNED: dict[str, Any] = {}
 _LOCK = threading.Lock()
 
 
