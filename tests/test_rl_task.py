@@ -1,5 +1,5 @@
 """The RL loop's task, reward composition and advantage-inversion guard
-(integration/rl/task.py): fast, no engines."""
+(compass_kernels/integration/rl/task.py): fast, no engines."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import compass_kernels as ck
-from integration.rl import task as T
+from compass_kernels.integration.rl import task as T
 
 CFG = T.TaskConfig(vocab_size=1024)
 
@@ -145,7 +145,7 @@ def test_task_config_rejects_bad_values():
 
 
 def test_cli_rejects_bad_arguments(tmp_path):
-    from integration.rl import loop
+    from compass_kernels.integration.rl import loop
 
     parser = loop.build_parser()
     for argv, match in (

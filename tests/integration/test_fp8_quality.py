@@ -1,6 +1,7 @@
 """The measurement tools behind the FP8 quality-gate explanation
-(integration/fp8_quality.py): routing replay, the FP8-dequantized copy, the
-per-GEMM error. Small sizes; the table itself is `python -m integration.fp8_quality`."""
+(compass_kernels/integration/fp8_quality.py): routing replay, the FP8-dequantized copy, the
+per-GEMM error. Small sizes; the table itself is
+`python -m compass_kernels.integration.fp8_quality`."""
 
 from __future__ import annotations
 
@@ -9,13 +10,13 @@ import torch
 
 pytest.importorskip("transformers")
 
-from integration.fp8_quality import (  # noqa: E402
+from compass_kernels.integration.fp8_quality import (  # noqa: E402
     fp8_dequantized,
     gate,
     linear_errors,
     random_model,
 )
-from integration.fp8_sync import is_block_fp8_weight  # noqa: E402
+from compass_kernels.integration.fp8_sync import is_block_fp8_weight  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

@@ -14,14 +14,14 @@ pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 import compass_kernels as ck  # noqa: E402
-from integration.fp8_sync import (  # noqa: E402
+from compass_kernels.integration.fp8_sync import (  # noqa: E402
     FP8WeightSync,
     from_megatron,
     is_block_fp8_weight,
     logprob_agreement,
     quantization_config,
 )
-from integration.megatron_convert import hf_to_megatron, load_hf_state_dict  # noqa: E402
+from compass_kernels.integration.megatron_convert import hf_to_megatron, load_hf_state_dict  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -190,7 +190,7 @@ def test_quality_gate_fp8_forward_vs_bf16(tiny_moe_path, bf16_weights, tmp_path)
     # Measured here (not a bar we chose): see docs/design.md, FP8 quality gate.
     # The random-weight model sits above the 1.03-1.05 others report for trained
     # models: MoE routing flips and its near-uniform next-token distribution,
-    # not its width (measured: integration/fp8_quality.py, docs/design.md).
+    # not its width (measured: compass_kernels/integration/fp8_quality.py, docs/design.md).
     assert 1.0 < m["ratio_err_mean"] < 1.1 and m["kl_mean"] < 1e-2
     # The gate can fail: weights dequantized with every scale doubled are far off.
     bad = {k: (v * 2 if is_block_fp8_weight(k) else v) for k, v in deq.items()}

@@ -41,7 +41,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def run(tiny_moe_path, tmp_path_factory):
     out = tmp_path_factory.mktemp("rl")
     cmd = [
-        sys.executable, "-m", "integration.rl.loop", "--steps", "2", "--out", str(out),
+        sys.executable, "-m", "compass_kernels.integration.rl.loop",
+        "--steps", "2", "--out", str(out),
         "--model-dir", str(tiny_moe_path), "--rollout-dtype", "float32", "--prompts", "4",
         "--n", "4", "--resample-n", "4", "--resample-budget", "8", "--max-new-tokens", "24",
         "--max-tokens", "256", "--reward-latency-ms", "5", "--seed", "1",

@@ -111,7 +111,7 @@ def _check_vllm_version() -> str:
     version = getattr(vllm, "__version__", "unknown")
     if not version.startswith(SUPPORTED_VLLM_PREFIXES):
         raise CaptureError(
-            f"integration.routing_capture (hook path) supports vLLM {SUPPORTED_VLLM_PREFIXES}, "
+            f"{__name__} (hook path) supports vLLM {SUPPORTED_VLLM_PREFIXES}, "
             f"found {version}; review the model-runner internals it reads before widening"
         )
     return version

@@ -113,7 +113,7 @@ def _version() -> str:
     version = getattr(megatron.core, "__version__", "unknown")
     if not version.startswith(SUPPORTED_VERSION_PREFIX):
         raise ReplayError(
-            f"integration.megatron_replay supports megatron-core {SUPPORTED_VERSION_PREFIX}x, "
+            f"{__name__} supports megatron-core {SUPPORTED_VERSION_PREFIX}x, "
             f"found {version}; review the patch before widening the range"
         )
     return version

@@ -14,7 +14,7 @@ Per step (docs/design.md, "The reference RL loop"):
    routing traces, log-probs and advantages re-laid out with the tokens;
 5. megatron-core training step on CPU with router replay and ESPO (old-policy
    log-probs and entropy from a no-grad pass, through the fused linear path);
-6. weight sync into vLLM (``integration.weight_sync.sync_to_vllm``), verified
+6. weight sync into vLLM (``compass_kernels.integration.weight_sync.sync_to_vllm``), verified
    on a probe batch.
 
 Writes ``steps.csv`` and ``steps.png`` to ``--out``; prints a per-step table.
@@ -164,7 +164,7 @@ def _model_dir(args: argparse.Namespace) -> Path:
                 f"compass-rl: --model-dir {path} is not an HF checkpoint folder (no config.json)"
             )
         return path
-    from integration.tiny_moe import cached_tiny_qwen3_moe
+    from compass_kernels.integration.tiny_moe import cached_tiny_qwen3_moe
 
     overrides = {
         key: value
@@ -217,8 +217,8 @@ def _probe(rollout: Any, trainer: Any, probe_prompts: list[Any]) -> dict[str, fl
     that routing, so the difference is weights and numerics only."""
     from vllm import SamplingParams
 
-    from integration.rl.rollout import Sample
-    from integration.rl.trainer import Batch, gap_stats
+    from compass_kernels.integration.rl.rollout import Sample
+    from compass_kernels.integration.rl.trainer import Batch, gap_stats
 
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=0, prompt_logprobs=0)
     outs = rollout.llm.generate(
@@ -291,19 +291,19 @@ def engine_weight_check(
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Run the loop; returns one dict per step (the CSV rows)."""
     _check_args(args)
-    from integration.vllm_engine import apply_fast_env
+    from compass_kernels.integration.vllm_engine import apply_fast_env
 
     apply_fast_env()
     from tqdm import tqdm
     from transformers import AutoConfig
 
     import compass_kernels as ck
-    from integration.megatron_convert import load_hf_state_dict
-    from integration.rl import task as T
-    from integration.rl.rollout import Rollout
-    from integration.rl.trainer import Batch, Trainer, gap_stats
-    from integration.vllm_engine import shutdown_vllm, start_vllm
-    from integration.weight_sync import sync_to_vllm
+    from compass_kernels.integration.megatron_convert import load_hf_state_dict
+    from compass_kernels.integration.rl import task as T
+    from compass_kernels.integration.rl.rollout import Rollout
+    from compass_kernels.integration.rl.trainer import Batch, Trainer, gap_stats
+    from compass_kernels.integration.vllm_engine import shutdown_vllm, start_vllm
+    from compass_kernels.integration.weight_sync import sync_to_vllm
 
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
@@ -361,7 +361,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             rollout.close()
         if trainer is not None:
             trainer.close()
-            from integration import megatron_cpu
+            from compass_kernels.integration import megatron_cpu
 
             megatron_cpu.destroy_single_process_gloo()  # before vLLM's default group goes
         shutdown_vllm(llm)
@@ -501,7 +501,7 @@ def _step(step, args, rng, pool, cfg, rollout, trainer, llm, probe_prompts, T, c
     row["sync_bytes"] = report.bytes_sent
     if report.fp8_report is not None:
         row["fp8_swallowed_frac"] = report.fp8_report.swallowed_fraction
-    from integration.fp8_sync import is_block_fp8_weight
+    from compass_kernels.integration.fp8_sync import is_block_fp8_weight
 
     skip = is_block_fp8_weight if args.sync == "fp8" else None
     wc = engine_weight_check(llm, hf_sd, skip=skip)

@@ -12,7 +12,7 @@ tokenizer files.
 
 Examples
 --------
->>> from integration.tiny_moe import cached_tiny_qwen3_moe
+>>> from compass_kernels.integration.tiny_moe import cached_tiny_qwen3_moe
 >>> path = cached_tiny_qwen3_moe()          # doctest: +SKIP
 """
 

@@ -368,7 +368,7 @@ def check_version() -> str:
     version = getattr(megatron.core, "__version__", "unknown")
     if not version.startswith(SUPPORTED_VERSION_PREFIX):
         raise ShimError(
-            f"integration.megatron_cpu supports megatron-core {SUPPORTED_VERSION_PREFIX}x, "
+            f"{__name__} supports megatron-core {SUPPORTED_VERSION_PREFIX}x, "
             f"found {version}; review the patches before widening the range"
         )
     return version
@@ -380,7 +380,7 @@ def check_version() -> str:
 #: apply() refuses a version without an entry here, or a function whose source
 #: hash differs. Patches of plain values (a stream attribute, a missing
 #: function) have no entry. To add a version after reviewing the patches
-#: against it: ``python -c "from integration import megatron_cpu as m;
+#: against it: ``python -c "from compass_kernels.integration import megatron_cpu as m;
 #: print(m.upstream_source_hashes())"`` and paste the result.
 UPSTREAM_SOURCE_SHA256: dict[str, dict[str, str]] = {
     "0.16.1": {
@@ -426,12 +426,13 @@ def _check_hash(patch: _Patch, current: Any, where: str, version: str) -> None:
     pinned = UPSTREAM_SOURCE_SHA256.get(version)
     how = (
         "review the patch against the new upstream source, then pin the new hashes in "
-        "integration/megatron_cpu.py UPSTREAM_SOURCE_SHA256 (upstream_source_hashes() "
+        "compass_kernels/integration/megatron_cpu.py UPSTREAM_SOURCE_SHA256 "
+        "(upstream_source_hashes() "
         "prints them)"
     )
     if pinned is None:
         raise ShimError(
-            f"integration.megatron_cpu: no upstream source hashes pinned for megatron-core "
+            f"{__name__}: no upstream source hashes pinned for megatron-core "
             f"{version} (pinned: {sorted(UPSTREAM_SOURCE_SHA256)}); {how}"
         )
     if not _hashed(current):
