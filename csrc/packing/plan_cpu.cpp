@@ -572,11 +572,32 @@ struct RankPacker {
   MinTree<C> heap;
   std::vector<std::pair<C, int64_t>> aside;
   C total{};  // of the rank's costs
+  int64_t m = 0;
+  // The packing is bin_of (local id -> bin), b.load and room; the member lists
+  // b.mem are built only when splitting or refinement needs them (has_mem).
+  bool has_mem = false;
+
+  void ensure_mem() {
+    if (has_mem) return;
+    const int64_t nbins = b.size();
+    b.mem.resize(nbins);
+    for (auto& v : b.mem) v.clear();
+    for (int64_t i = m - 1; i >= 0; --i) b.mem[bin_of[i]].push_back(i);  // decreasing id
+    has_mem = true;
+  }
+  void bin_of_from_mem() {
+    for (int64_t q = 0; q < b.size(); ++q) {
+      for (int64_t i : b.mem[q]) bin_of[i] = q;
+    }
+  }
 
   // LPT by cost among the bins with room for the sequence (bins set aside while
   // they lack room, usually none). False when some sequence fits nowhere.
-  bool lpt(int64_t m, int64_t nbins, int64_t cap) {
-    b.reset(nbins);
+  bool lpt(int64_t m_, int64_t nbins, int64_t cap) {
+    m = m_;
+    has_mem = false;
+    b.load.assign(nbins, C{0});
+    bin_of.resize(m);
     room.assign(nbins, cap);
     heap.init(nbins, total);
     for (int64_t i = 0; i < m; ++i) {
@@ -589,22 +610,21 @@ struct RankPacker {
         return false;
       }
       const int64_t j = heap.top();
-      b.mem[j].push_back(i);
+      bin_of[i] = j;
       room[j] -= tok[i];
       heap.add_top(w[i]);
       for (const auto& e : aside) heap.set(e.second, e.first);
       aside.clear();
     }
-    for (int64_t j = 0; j < nbins; ++j) {
-      std::reverse(b.mem[j].begin(), b.mem[j].end());
-      for (int64_t i : b.mem[j]) b.load[j] += w[i];
-    }
+    for (int64_t i = m - 1; i >= 0; --i) b.load[bin_of[i]] += w[i];  // as summed by decreasing id
     return true;
   }
 
   // The first-fit-decreasing packing of bin_of (first_fit's output, `used`
   // bins).
-  void from_first_fit(int64_t m, int64_t used, int64_t cap) {
+  void from_first_fit(int64_t m_, int64_t used, int64_t cap) {
+    m = m_;
+    has_mem = true;
     b.reset(used);
     room.assign(used, cap);
     for (int64_t i = m - 1; i >= 0; --i) {  // decreasing id within each bin
@@ -618,6 +638,7 @@ struct RankPacker {
   // cost; subsets of a feasible bin stay feasible) until there are nbins. The
   // rank holds >= nbins sequences, so some bin can always be split.
   void split_to(int64_t nbins, int64_t cap) {
+    ensure_mem();
     while (b.size() < nbins) {
       int64_t h = -1;
       for (int64_t j = 0; j < b.size(); ++j) {
@@ -641,6 +662,7 @@ struct RankPacker {
       std::reverse(b.mem[h].begin(), b.mem[h].end());
       std::reverse(b.mem[other].begin(), b.mem[other].end());
     }
+    bin_of_from_mem();
   }
 
   void balance(int64_t nbins, int64_t cap, int64_t max_iter) {
@@ -651,6 +673,8 @@ struct RankPacker {
     } else {
       target = std::max(total / static_cast<C>(nbins), w[0]) * (1.0 + kBinTolerance);
     }
+    if (b.max_load() <= target) return;  // the common case: no member lists needed
+    ensure_mem();
     refine(
         b, w.data(), target, max_iter, kBinPartners,
         [&](int64_t h, int64_t r, int64_t x, int64_t y) {
@@ -661,6 +685,8 @@ struct RankPacker {
           const int64_t d = tok[x] - (y >= 0 ? tok[y] : 0);
           room[h] += d;
           room[r] -= d;
+          bin_of[x] = r;
+          if (y >= 0) bin_of[y] = h;
         },
         scratch);
   }
@@ -702,7 +728,8 @@ struct Work {
   std::vector<uint64_t> key_a, key_b;
   std::vector<int64_t> seq_desc, tokd, tmp, rank_of, other_rank, count, base, by_rank, by_tok, rank_tok, big,
       count_of, scratch, mb_order, lpt_ok_at, written_at;
-  std::vector<int32_t> rank_seq;
+  std::vector<int64_t> asc, first, slot;
+  std::vector<int32_t> rank_seq, bin_seq;
   Items<C> it;
   Bins<C> best, other;
   MinTree<C> heap;
@@ -825,12 +852,13 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
       other.load[rank[j]] += it.w[j];
       other_rank[j] = rank[j];
     }
+    COMPASS_PHASE("kk");
     refine_ranks(other, other_rank);
     if (other.max_load() < best.max_load()) {
       std::swap(ws.best, ws.other);
       std::swap(ws.rank_of, ws.other_rank);
     }
-    COMPASS_PHASE("kk+refine");
+    COMPASS_PHASE("kk refine");
   }
 
   // ---- each rank's sequences and their tokens, by decreasing tokens
@@ -845,12 +873,15 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
   const int64_t cap = in.cap;
   if (in.gid == nullptr) {  // item j is sequence seq_desc[j]: one sequential pass
     const std::vector<int64_t>& rank_item = ws.rank_of;
+    std::vector<int32_t>& rank_seq = ws.rank_seq;
+    rank_seq.resize(n);
     for (int64_t r = 0; r < k; ++r) base[r + 1] = base[r] + static_cast<int64_t>(best.mem[r].size());
     std::vector<int64_t>& cursor = ws.tmp;
     cursor.assign(base.begin(), base.end() - 1);
     for (int64_t j = 0; j < n; ++j) {
       const int64_t t = tokd[j], r = rank_item[j], c = cursor[r]++;
       by_rank[c] = seq_desc[j];
+      rank_seq[seq_desc[j]] = static_cast<int32_t>(r);
       by_tok[c] = t;
       rank_tok[r] += t;
       big[r] += 2 * t > cap;
@@ -875,6 +906,17 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
       big[r] += 2 * t > cap;
     }
   }
+  // each rank's sequences by ascending index: the order within a micro-batch
+  std::vector<int64_t>& asc = ws.asc;
+  asc.resize(n);
+  {
+    std::vector<int64_t>& cursor = ws.tmp;
+    cursor.assign(base.begin(), base.end() - 1);
+    const int32_t* rank_seq = ws.rank_seq.data();
+    for (int64_t s = 0; s < n; ++s) asc[cursor[rank_seq[s]]++] = s;
+  }
+  std::vector<int32_t>& bin_seq = ws.bin_seq;
+  bin_seq.resize(n);
   COMPASS_PHASE("by_rank");
 
   // ---- micro-batches: nb = the largest per-rank lower bound, grown to the
@@ -940,21 +982,35 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
         pk.split_to(nb, cap);
       }
       pk.balance(nb, cap, mb_iters);
+      // written: micro-batches heaviest first (ties by first sequence), each
+      // by ascending sequence index (one pass over the rank's ascending list)
       Bins<C>& b = pk.b;
       const int64_t* seqs = by_rank.data() + base[r];
-      for (auto& mem : b.mem) {  // local ids -> sequences, ascending
-        for (int64_t& x : mem) x = seqs[x];
-        std::sort(mem.begin(), mem.end());
+      std::vector<int64_t>&first = ws.first, &slot = ws.slot;
+      first.assign(nb, n);
+      slot.assign(nb, 0);  // first the sizes
+      const int64_t* bin_of = pk.bin_of.data();
+      for (int64_t i = 0; i < m; ++i) {
+        const int64_t s = seqs[i], q = bin_of[i];
+        bin_seq[s] = static_cast<int32_t>(q);
+        first[q] = std::min(first[q], s);
+        ++slot[q];
       }
-      std::iota(mb_order.begin(), mb_order.end(), int64_t{0});  // heaviest first, ties by first sequence
+      std::iota(mb_order.begin(), mb_order.end(), int64_t{0});
       std::sort(mb_order.begin(), mb_order.end(), [&](int64_t x, int64_t y) {
         if (b.load[x] != b.load[y]) return b.load[x] > b.load[y];
-        return b.mem[x].front() < b.mem[y].front();
+        return first[x] < first[y];
       });
       int64_t pos = base[r];
       for (int64_t j = 0; j < nb; ++j) {
         off[r * nb + j] = pos;
-        for (int64_t s : b.mem[mb_order[j]]) ord[pos++] = s;
+        const int64_t size = slot[mb_order[j]];
+        slot[mb_order[j]] = pos;
+        pos += size;
+      }
+      for (int64_t i = base[r]; i < base[r + 1]; ++i) {
+        const int64_t s = asc[i];
+        ord[slot[bin_seq[s]]++] = s;
       }
       written_at[r] = nb;
     }
