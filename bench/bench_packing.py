@@ -216,7 +216,7 @@ def speed_table(shapes=SHAPES, reps: int = 7) -> str:
                 f"{s['num_micro_batches']:4d} {s['max_mb_tokens']:7d}"
             )
     if not verl_kk:
-        lines.append(f"verl (ms) column absent: verl.utils.seqlen_balancing does not import ({why})")
+        lines.append(f"verl (ms) column absent: verl.utils.seqlen_balancing does not import: {why}")
     lines.append(call_floor(reps))
     return "\n".join(lines)
 

@@ -326,11 +326,18 @@ int64_t refine(Bins<C>& b, const C* w, C target, int64_t max_iter, int64_t max_p
         if (j != h && j != l) scratch.push_back(j);
       }
       const int64_t keep = std::min<int64_t>(max_partners - 1, scratch.size());
-      auto lighter = [&](int64_t x, int64_t y) {
-        return b.load[x] != b.load[y] ? b.load[x] < b.load[y] : x < y;
+      // lightest first (ties by index, a total order): a min-heap popped
+      // lazily, O(nb + tried * log nb), since the first partners usually do
+      auto heavier = [&](int64_t x, int64_t y) {
+        return b.load[x] != b.load[y] ? b.load[x] > b.load[y] : x > y;
       };
-      std::partial_sort(scratch.begin(), scratch.begin() + keep, scratch.end(), lighter);
-      for (int64_t p = 0; p < keep && !improved; ++p) improved = attempt(h, scratch[p]);
+      std::make_heap(scratch.begin(), scratch.end(), heavier);
+      auto end = scratch.end();
+      for (int64_t p = 0; p < keep && !improved; ++p) {
+        std::pop_heap(scratch.begin(), end, heavier);
+        --end;
+        improved = attempt(h, *end);
+      }
     }
     if (!improved) break;
   }
@@ -535,8 +542,9 @@ std::vector<int32_t> karmarkar_karp(const C* c, const std::vector<int64_t>& asce
 }
 
 // ------------------------------------------------------- micro-batches
-// First fit with a max-tree over bin room: O(m log m). tokens[0..m) in
-// decreasing order; returns the bin count, bin_of[i] the bin of item i.
+// First fit: a linear scan where at most 64 bins can open, else a max-tree
+// over bin room, O(m log m); both take the lowest bin with room. tokens[0..m)
+// in decreasing order; returns the bin count, bin_of[i] the bin of item i.
 int64_t first_fit(const int64_t* tokens, int64_t m, int64_t cap, std::vector<int64_t>& bin_of,
                   std::vector<int64_t>& room) {
   // first fit leaves at most one bin at most half full: it opens at most
@@ -544,11 +552,23 @@ int64_t first_fit(const int64_t* tokens, int64_t m, int64_t cap, std::vector<int
   int64_t total = 0;
   for (int64_t i = 0; i < m; ++i) total += tokens[i];
   const int64_t most = std::min<int64_t>(m, 2 * ((total + cap - 1) / cap) + 1);
+  bin_of.resize(m);
+  int64_t used = 0;
+  if (most <= 64) {  // few bins: a linear scan (one predictable loop) beats the tree's descent
+    room.assign(most, cap);
+    for (int64_t i = 0; i < m; ++i) {
+      const int64_t t = tokens[i];
+      int64_t bin = 0;
+      while (room[bin] < t) ++bin;  // bins past `used` are empty, and t <= cap
+      room[bin] -= t;
+      bin_of[i] = bin;
+      used = std::max(used, bin + 1);
+    }
+    return used;
+  }
   int64_t size = 1;
   while (size < most) size *= 2;
   room.assign(2 * size, cap);
-  bin_of.assign(m, -1);
-  int64_t used = 0;
   for (int64_t i = 0; i < m; ++i) {
     const int64_t t = tokens[i];
     int64_t node = 1;  // the root has room: `most` bins always suffice
@@ -728,8 +748,8 @@ struct Work {
   std::vector<uint64_t> key_a, key_b;
   std::vector<int64_t> seq_desc, tokd, tmp, rank_of, other_rank, count, base, by_rank, by_tok, rank_tok, big,
       count_of, scratch, mb_order, lpt_ok_at, written_at;
-  std::vector<int64_t> asc, first, slot;
-  std::vector<int32_t> rank_seq, bin_seq;
+  std::vector<int64_t> slot_of, first, slot;
+  std::vector<int32_t> rank_seq;
   Items<C> it;
   Bins<C> best, other;
   MinTree<C> heap;
@@ -873,15 +893,12 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
   const int64_t cap = in.cap;
   if (in.gid == nullptr) {  // item j is sequence seq_desc[j]: one sequential pass
     const std::vector<int64_t>& rank_item = ws.rank_of;
-    std::vector<int32_t>& rank_seq = ws.rank_seq;
-    rank_seq.resize(n);
     for (int64_t r = 0; r < k; ++r) base[r + 1] = base[r] + static_cast<int64_t>(best.mem[r].size());
     std::vector<int64_t>& cursor = ws.tmp;
     cursor.assign(base.begin(), base.end() - 1);
     for (int64_t j = 0; j < n; ++j) {
       const int64_t t = tokd[j], r = rank_item[j], c = cursor[r]++;
       by_rank[c] = seq_desc[j];
-      rank_seq[seq_desc[j]] = static_cast<int32_t>(r);
       by_tok[c] = t;
       rank_tok[r] += t;
       big[r] += 2 * t > cap;
@@ -906,17 +923,8 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
       big[r] += 2 * t > cap;
     }
   }
-  // each rank's sequences by ascending index: the order within a micro-batch
-  std::vector<int64_t>& asc = ws.asc;
-  asc.resize(n);
-  {
-    std::vector<int64_t>& cursor = ws.tmp;
-    cursor.assign(base.begin(), base.end() - 1);
-    const int32_t* rank_seq = ws.rank_seq.data();
-    for (int64_t s = 0; s < n; ++s) asc[cursor[rank_seq[s]]++] = s;
-  }
-  std::vector<int32_t>& bin_seq = ws.bin_seq;
-  bin_seq.resize(n);
+  std::vector<int64_t>& slot_of = ws.slot_of;  // sequence -> its micro-batch (r * nb + j)
+  slot_of.resize(n);
   COMPASS_PHASE("by_rank");
 
   // ---- micro-batches: nb = the largest per-rank lower bound, grown to the
@@ -982,40 +990,41 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
         pk.split_to(nb, cap);
       }
       pk.balance(nb, cap, mb_iters);
-      // written: micro-batches heaviest first (ties by first sequence), each
-      // by ascending sequence index (one pass over the rank's ascending list)
-      Bins<C>& b = pk.b;
+      // micro-batches heaviest first (ties by first sequence): their offsets,
+      // and each sequence's micro-batch (the sequences are written after the
+      // loop, by one pass in ascending index)
       const int64_t* seqs = by_rank.data() + base[r];
+      const int64_t* bin_of = pk.bin_of.data();
       std::vector<int64_t>&first = ws.first, &slot = ws.slot;
       first.assign(nb, n);
       slot.assign(nb, 0);  // first the sizes
-      const int64_t* bin_of = pk.bin_of.data();
       for (int64_t i = 0; i < m; ++i) {
-        const int64_t s = seqs[i], q = bin_of[i];
-        bin_seq[s] = static_cast<int32_t>(q);
-        first[q] = std::min(first[q], s);
+        const int64_t q = bin_of[i];
+        first[q] = std::min(first[q], seqs[i]);
         ++slot[q];
       }
+      const std::vector<C>& load = pk.b.load;
       std::iota(mb_order.begin(), mb_order.end(), int64_t{0});
       std::sort(mb_order.begin(), mb_order.end(), [&](int64_t x, int64_t y) {
-        if (b.load[x] != b.load[y]) return b.load[x] > b.load[y];
+        if (load[x] != load[y]) return load[x] > load[y];
         return first[x] < first[y];
       });
       int64_t pos = base[r];
       for (int64_t j = 0; j < nb; ++j) {
         off[r * nb + j] = pos;
-        const int64_t size = slot[mb_order[j]];
-        slot[mb_order[j]] = pos;
-        pos += size;
+        pos += slot[mb_order[j]];
+        slot[mb_order[j]] = r * nb + j;
       }
-      for (int64_t i = base[r]; i < base[r + 1]; ++i) {
-        const int64_t s = asc[i];
-        ord[slot[bin_seq[s]]++] = s;
-      }
+      for (int64_t i = 0; i < m; ++i) slot_of[seqs[i]] = slot[bin_of[i]];
       written_at[r] = nb;
     }
   }
   off[k * nb] = n;
+  {  // each micro-batch by ascending sequence index
+    std::vector<int64_t>& cursor = ws.slot;
+    cursor.assign(off, off + k * nb);
+    for (int64_t s = 0; s < n; ++s) ord[cursor[slot_of[s]]++] = s;
+  }
   COMPASS_PHASE("micro-batches");
   return {nb, lb};
 }
