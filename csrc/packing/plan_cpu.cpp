@@ -6,10 +6,10 @@
 //    balances are exact) or a*P + b*P^2 (float64). Both grow with P, so one
 //    order by decreasing tokens is also decreasing cost.
 // 1. Items: a group (group_ids) or a single sequence; items never split across
-//    ranks. Sequences are ordered by a stable LSD radix sort on the integer
-//    lengths (decreasing, ties by index), O(n); items are relabelled by that
-//    order, so item j is at least as heavy as item j + 1 and an id comparison
-//    is a cost comparison.
+//    ranks. Sequences are ordered by a stable LSD radix sort of packed
+//    (tokens, index) keys (decreasing, ties by index), O(n); items are
+//    relabelled by that order, so item j is at least as heavy as item j + 1
+//    and an id comparison is a cost comparison.
 // 2. Ranks: LPT (largest first onto the least-loaded rank, a binary heap:
 //    O(n log dp); with equal_samples a rank takes at most ceil(G/k) items and
 //    only G % k ranks that many), then refinement: the heaviest rank against
@@ -31,9 +31,12 @@
 //    M grows to the largest such count and ranks LPT cannot pack use FFD plus
 //    splitting of their heaviest bins. Then the same move / swap refinement
 //    between bins (bounded: partners and steps), never breaking the cap.
+// 4. Output: each micro-batch by ascending sequence index, written by one pass
+//    over all sequences (each knows its micro-batch), not by per-bin sorts.
 // Deterministic: every tie is broken by index. Serial: a host step that runs
 // once per training step, where waking an OpenMP team on a busy host costs
-// more than it saves.
+// more than it saves. Buffers live in a per-thread workspace reused across
+// calls (no allocation or page faults per plan once warm).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
