@@ -559,13 +559,16 @@ int64_t first_fit(const int64_t* tokens, int64_t m, int64_t cap, std::vector<int
   int64_t used = 0;
   if (most <= 64) {  // few bins: a linear scan (one predictable loop) beats the tree's descent
     room.assign(most, cap);
+    const int64_t smallest = tokens[m - 1];
+    int64_t lo = 0;  // bins before lo have room for no item left: skipped for good
     for (int64_t i = 0; i < m; ++i) {
       const int64_t t = tokens[i];
-      int64_t bin = 0;
+      int64_t bin = lo;
       while (room[bin] < t) ++bin;  // bins past `used` are empty, and t <= cap
       room[bin] -= t;
       bin_of[i] = bin;
       used = std::max(used, bin + 1);
+      while (lo < used && room[lo] < smallest) ++lo;
     }
     return used;
   }
