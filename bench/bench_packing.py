@@ -18,6 +18,11 @@ the careful Python a framework could ship, not verl's slower classes:
   rank into micro-batches under the cap (KK does not: frameworks run a second
   pass for that), so the comparison favours the baseline.
 
+``verl (ms)``: verl's own ``seqlen_balancing.karmarkar_karp`` (equal-size),
+timed only where ``verl.utils.seqlen_balancing`` imports (it pulls in
+verl.protocol, hence ray and tensordict; verl is not a dependency of this
+project); otherwise the table says the column is absent and why.
+
 ``--check`` verifies, for every candidate, that its output is a partition of
 all sequences into dp non-empty parts, and for ours that its rank max/mean is
 no worse than the baseline's (the `!=` of :class:`Partition`).
@@ -144,13 +149,47 @@ def _cpu_times(fns: dict, reps: int, min_sample_s: float = 2e-3) -> dict[str, fl
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
+def _verl_kk():
+    """verl's karmarkar_karp, or (None, why it is absent)."""
+    try:
+        from verl.utils.seqlen_balancing import karmarkar_karp
+    except Exception as e:  # ImportError, or its heavy deps failing to import
+        return None, f"{type(e).__name__}: {e}"
+    return karmarkar_karp, ""
+
+
+def call_floor(reps: int = 7) -> str:
+    """The Python call floor, measured: ck.packing.plan on 4 sequences (the
+    whole Python entry, one C++ call, the Plan) and a bare pybind11 call that
+    crosses two NumPy arrays by DLPack (karmarkar_karp_cpu on one item)."""
+    from compass_kernels.packing.planner import _C
+
+    L = np.array([100, 200, 300, 400], dtype=np.int64)
+    c, r = np.ones(1), np.zeros(1, dtype=np.int64)
+    kk_cpu = _C().karmarkar_karp_cpu
+    t = _cpu_times(
+        {
+            "plan": lambda: ck.packing.plan(L, dp_size=2, max_tokens=MAX_TOKENS),
+            "bare": lambda: kk_cpu(c, 1, r),
+        },
+        reps,
+    )
+    return (
+        f"call floor: plan() of 4 sequences {t['plan'] * 1e6:.2f} us; "
+        f"a bare pybind11 call with 2 DLPack arrays {t['bare'] * 1e6:.2f} us"
+    )
+
+
 def speed_table(shapes=SHAPES, reps: int = 7) -> str:
-    """Per (dist, n, dp): median thread CPU time of Python KK (equal-size) and
-    of ck.packing.plan, their ratio, and the quality columns: rank max/mean of
-    KK and ours (default and equal_samples), ours over the lower bound, the
-    micro-batch count and the largest micro-batch (cap 65536)."""
+    """Per (dist, n, dp): median thread CPU time of Python KK (equal-size),
+    of verl's KK where verl imports, and of ck.packing.plan; the ratio to the
+    Python KK, and the quality columns: rank max/mean of KK and ours (default
+    and equal_samples), ours over the lower bound, the micro-batch count and
+    the largest micro-batch (cap 65536)."""
+    verl_kk, why = _verl_kk()
+    vcol = f" {'verl (ms)':>9}" if verl_kk else ""
     head = (
-        f"{'dist':9} {'n':>6} {'dp':>4} {'kk (ms)':>9} {'plan (ms)':>9} {'ratio':>7} "
+        f"{'dist':9} {'n':>6} {'dp':>4} {'kk (ms)':>9}{vcol} {'plan (ms)':>9} {'ratio':>7} "
         f"{'kk max/mean':>11} {'ours':>9} {'ours(eq)':>9} {'max/LB':>9} {'M':>4} {'max_mb':>7}"
     )
     lines = [head]
@@ -158,23 +197,27 @@ def speed_table(shapes=SHAPES, reps: int = 7) -> str:
         for n, dp in shapes:
             L = gen(n, n + dp)
             as_list = L.tolist()
-            t = _cpu_times(
-                {
-                    "kk": lambda a=as_list, k=dp: ref.karmarkar_karp(a, k, True),
-                    "plan": lambda x=L, k=dp: ck.packing.plan(x, dp_size=k, max_tokens=MAX_TOKENS),
-                },
-                reps,
-            )
+            fns = {
+                "kk": lambda a=as_list, k=dp: ref.karmarkar_karp(a, k, True),
+                "plan": lambda x=L, k=dp: ck.packing.plan(x, dp_size=k, max_tokens=MAX_TOKENS),
+            }
+            if verl_kk:
+                fns["verl"] = lambda a=as_list, k=dp: verl_kk(a, k, True)
+            t = _cpu_times(fns, reps)
+            vt = f" {t['verl'] * 1e3:9.3f}" if verl_kk else ""
             kk = ref.imbalance(L, ref.karmarkar_karp(as_list, dp, True))
             p = ck.packing.plan(L, dp_size=dp, max_tokens=MAX_TOKENS)
             q = ck.packing.plan(L, dp_size=dp, max_tokens=MAX_TOKENS, equal_samples=True)
             s = p.stats
             lines.append(
-                f"{dist:9} {n:6d} {dp:4d} {t['kk'] * 1e3:9.3f} {t['plan'] * 1e3:9.3f} "
+                f"{dist:9} {n:6d} {dp:4d} {t['kk'] * 1e3:9.3f}{vt} {t['plan'] * 1e3:9.3f} "
                 f"{t['kk'] / t['plan']:6.1f}x {kk:11.6f} {s['imbalance']:9.6f} "
                 f"{q.stats['imbalance']:9.6f} {s['max_over_lower_bound']:9.6f} "
                 f"{s['num_micro_batches']:4d} {s['max_mb_tokens']:7d}"
             )
+    if not verl_kk:
+        lines.append(f"verl (ms) column absent: verl.utils.seqlen_balancing does not import: {why}")
+    lines.append(call_floor(reps))
     return "\n".join(lines)
 
 

@@ -6,10 +6,10 @@
 //    balances are exact) or a*P + b*P^2 (float64). Both grow with P, so one
 //    order by decreasing tokens is also decreasing cost.
 // 1. Items: a group (group_ids) or a single sequence; items never split across
-//    ranks. Sequences are ordered by a stable LSD radix sort on the integer
-//    lengths (decreasing, ties by index), O(n); items are relabelled by that
-//    order, so item j is at least as heavy as item j + 1 and an id comparison
-//    is a cost comparison.
+//    ranks. Sequences are ordered by a stable LSD radix sort of packed
+//    (tokens, index) keys (decreasing, ties by index), O(n); items are
+//    relabelled by that order, so item j is at least as heavy as item j + 1
+//    and an id comparison is a cost comparison.
 // 2. Ranks: LPT (largest first onto the least-loaded rank, a binary heap:
 //    O(n log dp); with equal_samples a rank takes at most ceil(G/k) items and
 //    only G % k ranks that many), then refinement: the heaviest rank against
@@ -31,9 +31,12 @@
 //    M grows to the largest such count and ranks LPT cannot pack use FFD plus
 //    splitting of their heaviest bins. Then the same move / swap refinement
 //    between bins (bounded: partners and steps), never breaking the cap.
+// 4. Output: each micro-batch by ascending sequence index, written by one pass
+//    over all sequences (each knows its micro-batch), not by per-bin sorts.
 // Deterministic: every tie is broken by index. Serial: a host step that runs
 // once per training step, where waking an OpenMP team on a busy host costs
-// more than it saves.
+// more than it saves. Buffers live in a per-thread workspace reused across
+// calls (no allocation or page faults per plan once warm).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -45,23 +48,15 @@
 
 #include "packing/packing_api.h"
 
-#ifdef COMPASS_PLAN_PROFILE  // per-phase thread CPU time on stderr (a profiling build only)
-#include <time.h>
-#include <cstdio>
-inline void compass_phase(const char* name) {
-  static double last = 0.0;
-  timespec ts;
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  const double now = ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
-  std::fprintf(stderr, "  %-14s %8.3f ms\n", name, now - last);
-  last = now;
-}
-#define COMPASS_PHASE(name) compass_phase(name)
-#define COMPASS_NOINLINE __attribute__((noinline))
-#else
-#define COMPASS_NOINLINE
+// Per-phase timers: a profiling driver defines COMPASS_PHASE(name) before
+// including this file (scripts/profile_plan.cpp: thread CPU time per phase,
+// accumulated over calls); otherwise the markers compile to nothing.
+#ifndef COMPASS_PHASE
 #define COMPASS_PHASE(name) \
   do {                      \
+  } while (0)
+#define COMPASS_COUNT(name, v) \
+  do {                         \
   } while (0)
 #endif
 
@@ -136,6 +131,73 @@ void order_desc(const C* v, int64_t n, std::vector<int64_t>& out, std::vector<in
   }
 }
 
+// Sequences by decreasing tokens, ties by index: seq[j] the j-th sequence,
+// tokd[j] its tokens. A stable LSD radix sort of packed keys
+// ((top - tokens) << ib | index): every pass moves the keys themselves
+// (sequential reads, no gather through an index array), one read pass builds
+// every pass's histogram, 8-bit digits for short inputs (small count arrays)
+// and up to 11 bits otherwise. Keys that do not fit 64 bits: order_desc.
+void sort_tokens_desc(const int64_t* tok, int64_t n, std::vector<uint64_t>& a,
+                      std::vector<uint64_t>& b, std::vector<int64_t>& seq,
+                      std::vector<int64_t>& tokd) {
+  seq.resize(n);
+  tokd.resize(n);
+  int64_t top = tok[0], bot = tok[0];
+  for (int64_t i = 1; i < n; ++i) {
+    top = std::max(top, tok[i]);
+    bot = std::min(bot, tok[i]);
+  }
+  const uint64_t range = static_cast<uint64_t>(top - bot);
+  const int ib = n > 1 ? 64 - __builtin_clzll(static_cast<uint64_t>(n - 1)) : 1;
+  const int kb = range ? 64 - __builtin_clzll(range) : 0;
+  if (kb + ib > 64) {
+    std::vector<int64_t> tmp;
+    order_desc(tok, n, seq, tmp);
+    for (int64_t j = 0; j < n; ++j) tokd[j] = tok[seq[j]];
+    return;
+  }
+  a.resize(n);
+  for (int64_t i = 0; i < n; ++i) {
+    a[i] = (static_cast<uint64_t>(top - tok[i]) << ib) | static_cast<uint64_t>(i);
+  }
+  if (kb > 0) {
+    if (n <= 64) {
+      std::sort(a.begin(), a.end());  // keys are distinct: the same order
+    } else {
+      const int max_d = n <= 2048 ? 8 : 11;
+      const int passes = (kb + max_d - 1) / max_d;
+      const int d = (kb + passes - 1) / passes;
+      const size_t buckets = size_t{1} << d;
+      const uint64_t mask = buckets - 1;
+      uint64_t count[6][2048];  // passes <= ceil(64 / 11) = 6
+      for (int p = 0; p < passes; ++p) std::memset(count[p], 0, buckets * sizeof(uint64_t));
+      for (int64_t i = 0; i < n; ++i) {
+        const uint64_t key = a[i] >> ib;
+        for (int p = 0; p < passes; ++p) ++count[p][(key >> (p * d)) & mask];
+      }
+      b.resize(n);
+      for (int p = 0; p < passes; ++p) {
+        const int shift = ib + p * d;
+        if (count[p][(a[0] >> shift) & mask] == static_cast<uint64_t>(n)) continue;  // one digit
+        uint64_t sum = 0;
+        for (size_t c = 0; c < buckets; ++c) {
+          const uint64_t v = count[p][c];
+          count[p][c] = sum;
+          sum += v;
+        }
+        uint64_t* cp = count[p];
+        for (int64_t i = 0; i < n; ++i) b[cp[(a[i] >> shift) & mask]++] = a[i];
+        a.swap(b);
+      }
+    }
+  }
+  const uint64_t imask = (uint64_t{1} << ib) - 1;
+  for (int64_t j = 0; j < n; ++j) {
+    seq[j] = static_cast<int64_t>(a[j] & imask);
+    tokd[j] = top - static_cast<int64_t>(a[j] >> ib);
+  }
+}
+
 // ------------------------------------------------------------------- items
 // Items relabelled by decreasing cost: w[j] >= w[j + 1]. The sequences of item
 // j are member[start[j] : start[j + 1]] (ascending index).
@@ -182,7 +244,7 @@ struct Exchange {
 };
 
 template <typename C, typename Fits>
-COMPASS_NOINLINE Exchange<C> best_exchange(const std::vector<int64_t>& xs, const std::vector<int64_t>& ys,
+Exchange<C> best_exchange(const std::vector<int64_t>& xs, const std::vector<int64_t>& ys,
                           const C* w, C gap, Fits&& fits) {
   Exchange<C> best;
   best.score = gap;  // a candidate must beat it: d strictly inside (0, gap)
@@ -267,14 +329,22 @@ int64_t refine(Bins<C>& b, const C* w, C target, int64_t max_iter, int64_t max_p
         if (j != h && j != l) scratch.push_back(j);
       }
       const int64_t keep = std::min<int64_t>(max_partners - 1, scratch.size());
-      auto lighter = [&](int64_t x, int64_t y) {
-        return b.load[x] != b.load[y] ? b.load[x] < b.load[y] : x < y;
+      // lightest first (ties by index, a total order): a min-heap popped
+      // lazily, O(nb + tried * log nb), since the first partners usually do
+      auto heavier = [&](int64_t x, int64_t y) {
+        return b.load[x] != b.load[y] ? b.load[x] > b.load[y] : x > y;
       };
-      std::partial_sort(scratch.begin(), scratch.begin() + keep, scratch.end(), lighter);
-      for (int64_t p = 0; p < keep && !improved; ++p) improved = attempt(h, scratch[p]);
+      std::make_heap(scratch.begin(), scratch.end(), heavier);
+      auto end = scratch.end();
+      for (int64_t p = 0; p < keep && !improved; ++p) {
+        std::pop_heap(scratch.begin(), end, heavier);
+        --end;
+        improved = attempt(h, *end);
+      }
     }
     if (!improved) break;
   }
+  COMPASS_COUNT(nb == max_partners ? "rank steps" : "mb steps", iter);
   return iter;
 }
 
@@ -324,7 +394,13 @@ struct MinTree {
   C top_load() const { return packed ? static_cast<C>(tk[1] >> shift) : tp[1].first; }
   template <typename K>
   static void replay(std::vector<K>& t, int64_t i) {
-    for (i >>= 1; i >= 1; i >>= 1) t[i] = std::min(t[2 * i], t[2 * i + 1]);
+    // the running minimum stays in a register and only siblings are loaded:
+    // no load waits on the store of the level below
+    K cur = t[i];
+    for (; i > 1; i >>= 1) {
+      cur = std::min(cur, t[i ^ 1]);
+      t[i >> 1] = cur;
+    }
   }
   void set(int64_t r, C load) {  // bin r's load is now `load`
     const int64_t i = leaves + r;
@@ -355,15 +431,16 @@ struct MinTree {
 // LPT over items 0..g-1 (decreasing cost). With `card` (equal_samples):
 // floor(g/k) or ceil(g/k) items per rank, exactly g % k ranks at the ceiling.
 template <typename C>
-COMPASS_NOINLINE void lpt_ranks(const std::vector<C>& w, int64_t k, bool card, Bins<C>& b) {
+void lpt_ranks(const std::vector<C>& w, int64_t k, bool card, Bins<C>& b, MinTree<C>& heap,
+               std::vector<int64_t>& rank_of, std::vector<int64_t>& count) {
   const int64_t g = static_cast<int64_t>(w.size());
   b.reset(k);
   C total{0};
   for (C v : w) total += v;
-  MinTree<C> heap;
   heap.init(k, total);
   const int64_t lo = g / k, rem = g % k;
-  std::vector<int64_t> count(k, 0);
+  count.assign(k, 0);
+  rank_of.resize(g);
   int64_t at_hi = 0;
   for (int64_t j = 0; j < g; ++j) {
     if (card) {
@@ -374,13 +451,14 @@ COMPASS_NOINLINE void lpt_ranks(const std::vector<C>& w, int64_t k, bool card, B
       }
     }
     const int64_t r = heap.top();
-    b.mem[r].push_back(j);
+    rank_of[j] = r;
     if (card && ++count[r] == lo + 1) ++at_hi;
     heap.add_top(w[j]);
   }
-  for (int64_t r = 0; r < k; ++r) {
-    std::reverse(b.mem[r].begin(), b.mem[r].end());  // decreasing id
-    for (int64_t j : b.mem[r]) b.load[r] += w[j];
+  for (int64_t j = g - 1; j >= 0; --j) {  // members by decreasing id
+    const int64_t r = rank_of[j];
+    b.mem[r].push_back(j);
+    b.load[r] += w[j];
   }
 }
 
@@ -467,17 +545,39 @@ std::vector<int32_t> karmarkar_karp(const C* c, const std::vector<int64_t>& asce
 }
 
 // ------------------------------------------------------- micro-batches
-// First fit with a max-tree over bin room: O(m log m). tokens[0..m) in
-// decreasing order; returns the bin count, bin_of[i] the bin of item i.
-COMPASS_NOINLINE int64_t first_fit(const int64_t* tokens, int64_t m, int64_t cap, std::vector<int64_t>& bin_of) {
-  int64_t size = 1;
-  while (size < m) size *= 2;
-  std::vector<int64_t> room(2 * size, cap);
-  bin_of.assign(m, -1);
+// First fit: a linear scan where at most 64 bins can open, else a max-tree
+// over bin room, O(m log m); both take the lowest bin with room. tokens[0..m)
+// in decreasing order; returns the bin count, bin_of[i] the bin of item i.
+int64_t first_fit(const int64_t* tokens, int64_t m, int64_t cap, std::vector<int64_t>& bin_of,
+                  std::vector<int64_t>& room) {
+  // first fit leaves at most one bin at most half full: it opens at most
+  // 2 * total / cap + 1 bins, and never more than m
+  int64_t total = 0;
+  for (int64_t i = 0; i < m; ++i) total += tokens[i];
+  const int64_t most = std::min<int64_t>(m, 2 * ((total + cap - 1) / cap) + 1);
+  bin_of.resize(m);
   int64_t used = 0;
+  if (most <= 64) {  // few bins: a linear scan (one predictable loop) beats the tree's descent
+    room.assign(most, cap);
+    const int64_t smallest = tokens[m - 1];
+    int64_t lo = 0;  // bins before lo have room for no item left: skipped for good
+    for (int64_t i = 0; i < m; ++i) {
+      const int64_t t = tokens[i];
+      int64_t bin = lo;
+      while (room[bin] < t) ++bin;  // bins past `used` are empty, and t <= cap
+      room[bin] -= t;
+      bin_of[i] = bin;
+      used = std::max(used, bin + 1);
+      while (lo < used && room[lo] < smallest) ++lo;
+    }
+    return used;
+  }
+  int64_t size = 1;
+  while (size < most) size *= 2;
+  room.assign(2 * size, cap);
   for (int64_t i = 0; i < m; ++i) {
     const int64_t t = tokens[i];
-    int64_t node = 1;  // the root has room: m bins always suffice (each t <= cap)
+    int64_t node = 1;  // the root has room: `most` bins always suffice
     while (node < size) node = room[2 * node] >= t ? 2 * node : 2 * node + 1;
     const int64_t bin = node - size;
     bin_of[i] = bin;
@@ -493,16 +593,37 @@ template <typename C>
 struct RankPacker {
   std::vector<C> w;          // local id (decreasing cost) -> cost
   std::vector<int64_t> tok;  // local id -> tokens
-  std::vector<int64_t> room, bin_of, scratch;
+  std::vector<int64_t> room, bin_of, scratch, all, ff_room;
   Bins<C> b;
   MinTree<C> heap;
   std::vector<std::pair<C, int64_t>> aside;
   C total{};  // of the rank's costs
+  int64_t m = 0;
+  // The packing is bin_of (local id -> bin), b.load and room; the member lists
+  // b.mem are built only when splitting or refinement needs them (has_mem).
+  bool has_mem = false;
+
+  void ensure_mem() {
+    if (has_mem) return;
+    const int64_t nbins = b.size();
+    b.mem.resize(nbins);
+    for (auto& v : b.mem) v.clear();
+    for (int64_t i = m - 1; i >= 0; --i) b.mem[bin_of[i]].push_back(i);  // decreasing id
+    has_mem = true;
+  }
+  void bin_of_from_mem() {
+    for (int64_t q = 0; q < b.size(); ++q) {
+      for (int64_t i : b.mem[q]) bin_of[i] = q;
+    }
+  }
 
   // LPT by cost among the bins with room for the sequence (bins set aside while
   // they lack room, usually none). False when some sequence fits nowhere.
-  COMPASS_NOINLINE bool lpt(int64_t m, int64_t nbins, int64_t cap) {
-    b.reset(nbins);
+  bool lpt(int64_t m_, int64_t nbins, int64_t cap) {
+    m = m_;
+    has_mem = false;
+    b.load.assign(nbins, C{0});
+    bin_of.resize(m);
     room.assign(nbins, cap);
     heap.init(nbins, total);
     for (int64_t i = 0; i < m; ++i) {
@@ -515,22 +636,21 @@ struct RankPacker {
         return false;
       }
       const int64_t j = heap.top();
-      b.mem[j].push_back(i);
+      bin_of[i] = j;
       room[j] -= tok[i];
       heap.add_top(w[i]);
       for (const auto& e : aside) heap.set(e.second, e.first);
       aside.clear();
     }
-    for (int64_t j = 0; j < nbins; ++j) {
-      std::reverse(b.mem[j].begin(), b.mem[j].end());
-      for (int64_t i : b.mem[j]) b.load[j] += w[i];
-    }
+    for (int64_t i = m - 1; i >= 0; --i) b.load[bin_of[i]] += w[i];  // as summed by decreasing id
     return true;
   }
 
   // The first-fit-decreasing packing of bin_of (first_fit's output, `used`
   // bins).
-  void from_first_fit(int64_t m, int64_t used, int64_t cap) {
+  void from_first_fit(int64_t m_, int64_t used, int64_t cap) {
+    m = m_;
+    has_mem = true;
     b.reset(used);
     room.assign(used, cap);
     for (int64_t i = m - 1; i >= 0; --i) {  // decreasing id within each bin
@@ -543,8 +663,8 @@ struct RankPacker {
   // Split the heaviest bin with two or more members in two (alternating by
   // cost; subsets of a feasible bin stay feasible) until there are nbins. The
   // rank holds >= nbins sequences, so some bin can always be split.
-  COMPASS_NOINLINE void split_to(int64_t nbins, int64_t cap) {
-    std::vector<int64_t> all;
+  void split_to(int64_t nbins, int64_t cap) {
+    ensure_mem();
     while (b.size() < nbins) {
       int64_t h = -1;
       for (int64_t j = 0; j < b.size(); ++j) {
@@ -568,9 +688,10 @@ struct RankPacker {
       std::reverse(b.mem[h].begin(), b.mem[h].end());
       std::reverse(b.mem[other].begin(), b.mem[other].end());
     }
+    bin_of_from_mem();
   }
 
-  COMPASS_NOINLINE void balance(int64_t nbins, int64_t cap, int64_t max_iter) {
+  void balance(int64_t nbins, int64_t cap, int64_t max_iter) {
     C target;
     if constexpr (std::is_integral_v<C>) {
       const C lb = std::max<C>((total + nbins - 1) / nbins, w[0]);
@@ -578,6 +699,8 @@ struct RankPacker {
     } else {
       target = std::max(total / static_cast<C>(nbins), w[0]) * (1.0 + kBinTolerance);
     }
+    if (b.max_load() <= target) return;  // the common case: no member lists needed
+    ensure_mem();
     refine(
         b, w.data(), target, max_iter, kBinPartners,
         [&](int64_t h, int64_t r, int64_t x, int64_t y) {
@@ -588,6 +711,8 @@ struct RankPacker {
           const int64_t d = tok[x] - (y >= 0 ? tok[y] : 0);
           room[h] += d;
           room[r] -= d;
+          bin_of[x] = r;
+          if (y >= 0) bin_of[y] = h;
         },
         scratch);
   }
@@ -605,25 +730,61 @@ struct Input {
   const int64_t* gid;  // or nullptr
   int64_t n, k, cap, mbm, iters;
   bool equal;
+  double a, b;  // float costs: a * P + b * P^2
+};
+
+// The cost of a sequence of p padded tokens: p itself (integer costs), or
+// a * p + b * p^2.
+template <typename C>
+inline C cost_of(const Input& in, int64_t p) {
+  if constexpr (std::is_integral_v<C>) {
+    return p;
+  } else {
+    const double d = static_cast<double>(p);
+    return in.a * d + in.b * d * d;
+  }
+}
+
+// Everything plan_impl allocates, kept per thread between calls: a plan is a
+// per-step host call, and allocating (and page-faulting) its buffers anew each
+// time cost more than the search at small n. Holds O(n + k) memory of the
+// largest plan made on the thread.
+template <typename C>
+struct Work {
+  std::vector<uint64_t> key_a, key_b;
+  std::vector<int64_t> seq_desc, tokd, tmp, rank_of, other_rank, count, base, by_rank, by_tok, rank_tok, big,
+      count_of, scratch, mb_order, lpt_ok_at, written_at;
+  std::vector<int64_t> slot_of, first, slot;
+  std::vector<int32_t> rank_seq;
+  Items<C> it;
+  Bins<C> best, other;
+  MinTree<C> heap;
+  RankPacker<C> pk;
 };
 
 template <typename C>
-std::pair<int64_t, double> plan_impl(const Input& in, const C* cost, int64_t* ord, int64_t* off) {
+Work<C>& work() {
+  static thread_local Work<C> w;
+  return w;
+}
+
+template <typename C>
+std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off) {
   const int64_t n = in.n, k = in.k;
+  Work<C>& ws = work<C>();
   COMPASS_PHASE("start");
-  std::vector<int64_t> seq_desc, tmp;
-  order_desc(in.tok, n, seq_desc, tmp);  // decreasing tokens = decreasing cost
+  sort_tokens_desc(in.tok, n, ws.key_a, ws.key_b, ws.seq_desc, ws.tokd);
+  const std::vector<int64_t>& seq_desc = ws.seq_desc;  // decreasing tokens = decreasing cost
+  const std::vector<int64_t>& tokd = ws.tokd;          // their tokens
   COMPASS_PHASE("sort");
 
   // ---- items, relabelled by decreasing cost
-  Items<C> it;
-  if (in.gid == nullptr) {
+  Items<C>& it = ws.it;
+  if (in.gid == nullptr) {  // item j is sequence seq_desc[j]
     it.w.resize(n);
-    for (int64_t j = 0; j < n; ++j) it.w[j] = cost[seq_desc[j]];
-    it.start.resize(n + 1);
-    std::iota(it.start.begin(), it.start.end(), int64_t{0});
-    it.member = seq_desc;
+    for (int64_t j = 0; j < n; ++j) it.w[j] = cost_of<C>(in, tokd[j]);
   } else {
+    std::vector<int64_t>& tmp = ws.tmp;
     const int64_t* gid = in.gid;
     int64_t gmin = gid[0];
     for (int64_t i = 1; i < n; ++i) gmin = std::min(gmin, gid[i]);
@@ -636,7 +797,7 @@ std::pair<int64_t, double> plan_impl(const Input& in, const C* cost, int64_t* or
     for (int64_t j = 0; j < n; ++j) {
       if (j > 0 && gid[by_gid[j]] != gid[by_gid[j - 1]]) gstart.push_back(j);
       if (static_cast<int64_t>(gstart.size()) > static_cast<int64_t>(gw.size())) gw.push_back(C{0});
-      gw.back() += cost[by_gid[j]];
+      gw.back() += cost_of<C>(in, in.tok[by_gid[j]]);
     }
     gstart.push_back(n);
     const int64_t g = static_cast<int64_t>(gw.size());
@@ -655,6 +816,7 @@ std::pair<int64_t, double> plan_impl(const Input& in, const C* cost, int64_t* or
     order_desc(gw.data(), g, gdesc, tmp);
     it.w.resize(g);
     it.start.assign(1, 0);
+    it.member.clear();
     it.member.reserve(n);
     for (int64_t j = 0; j < g; ++j) {
       const int64_t q = gdesc[j];
@@ -680,9 +842,9 @@ std::pair<int64_t, double> plan_impl(const Input& in, const C* cost, int64_t* or
     target = static_cast<C>(lb * (1.0 + kRankTolerance));
   }
   const int64_t iters = in.iters >= 0 ? in.iters : 16 * k + 256;
-  std::vector<int64_t> count_of, scratch;
-  auto refine_ranks = [&](Bins<C>& b) {
-    count_of.assign(k, 0);
+  std::vector<int64_t>& count_of = ws.count_of;
+  auto refine_ranks = [&](Bins<C>& b, std::vector<int64_t>& rank_item) {
+    count_of.resize(k);
     for (int64_t r = 0; r < k; ++r) count_of[r] = static_cast<int64_t>(b.mem[r].size());
     refine(
         b, it.w.data(), target, iters, k,
@@ -690,42 +852,66 @@ std::pair<int64_t, double> plan_impl(const Input& in, const C* cost, int64_t* or
           if (y >= 0) return true;  // swaps keep every count
           return in.equal ? count_of[h] > count_of[r] : count_of[h] > 1;
         },
-        [&](int64_t h, int64_t r, int64_t, int64_t y) {
-          if (y < 0) --count_of[h], ++count_of[r];
+        [&](int64_t h, int64_t r, int64_t x, int64_t y) {
+          rank_item[x] = r;
+          if (y >= 0) rank_item[y] = h;
+          else --count_of[h], ++count_of[r];
         },
-        scratch);
+        ws.scratch);
   };
-  Bins<C> best;
-  lpt_ranks(it.w, k, in.equal, best);
+  Bins<C>& best = ws.best;
+  lpt_ranks(it.w, k, in.equal, best, ws.heap, ws.rank_of, ws.count);
   COMPASS_PHASE("lpt");
-  refine_ranks(best);
+  refine_ranks(best, ws.rank_of);
   COMPASS_PHASE("refine");
   if (best.max_load() > target) {
-    std::vector<int64_t> ascending(g);  // ids g-1 .. 0
+    std::vector<int64_t>& ascending = ws.tmp;  // ids g-1 .. 0
+    ascending.resize(g);
     for (int64_t j = 0; j < g; ++j) ascending[j] = g - 1 - j;
     const std::vector<int32_t> rank = karmarkar_karp(it.w.data(), ascending, k);
-    Bins<C> other;
+    Bins<C>& other = ws.other;
     other.reset(k);
+    std::vector<int64_t>& other_rank = ws.other_rank;
+    other_rank.resize(g);
     for (int64_t j = g - 1; j >= 0; --j) {  // decreasing id within each rank
       other.mem[rank[j]].push_back(j);
       other.load[rank[j]] += it.w[j];
+      other_rank[j] = rank[j];
     }
-    refine_ranks(other);
-    if (other.max_load() < best.max_load()) best = std::move(other);
-    COMPASS_PHASE("kk+refine");
+    COMPASS_PHASE("kk");
+    refine_ranks(other, other_rank);
+    if (other.max_load() < best.max_load()) {
+      std::swap(ws.best, ws.other);
+      std::swap(ws.rank_of, ws.other_rank);
+    }
+    COMPASS_PHASE("kk refine");
   }
 
-  // ---- each rank's sequences, by decreasing tokens (rank-major)
-  std::vector<int64_t> base(k + 1, 0), by_rank(n);
-  if (in.gid == nullptr) {  // item ids are positions in seq_desc: a rank's, reversed
-    for (int64_t r = 0; r < k; ++r) {
-      const auto& mem = best.mem[r];
-      int64_t* out = by_rank.data() + base[r];
-      for (size_t i = 0; i < mem.size(); ++i) out[i] = seq_desc[mem[mem.size() - 1 - i]];
-      base[r + 1] = base[r] + static_cast<int64_t>(mem.size());
+  // ---- each rank's sequences and their tokens, by decreasing tokens
+  // (rank-major); each rank's tokens and its count of sequences over cap / 2
+  std::vector<int64_t>&base = ws.base, &by_rank = ws.by_rank, &by_tok = ws.by_tok;
+  std::vector<int64_t>&rank_tok = ws.rank_tok, &big = ws.big;
+  base.assign(k + 1, 0);
+  by_rank.resize(n);
+  by_tok.resize(n);
+  rank_tok.assign(k, 0);
+  big.assign(k, 0);
+  const int64_t cap = in.cap;
+  if (in.gid == nullptr) {  // item j is sequence seq_desc[j]: one sequential pass
+    const std::vector<int64_t>& rank_item = ws.rank_of;
+    for (int64_t r = 0; r < k; ++r) base[r + 1] = base[r] + static_cast<int64_t>(best.mem[r].size());
+    std::vector<int64_t>& cursor = ws.tmp;
+    cursor.assign(base.begin(), base.end() - 1);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t t = tokd[j], r = rank_item[j], c = cursor[r]++;
+      by_rank[c] = seq_desc[j];
+      by_tok[c] = t;
+      rank_tok[r] += t;
+      big[r] += 2 * t > cap;
     }
   } else {
-    std::vector<int32_t> rank_of(n);
+    std::vector<int32_t>& rank_of = ws.rank_seq;
+    rank_of.resize(n);
     for (int64_t r = 0; r < k; ++r) {
       for (int64_t j : best.mem[r]) {
         for (int64_t s = it.start[j]; s < it.start[j + 1]; ++s) rank_of[it.member[s]] = r;
@@ -733,17 +919,18 @@ std::pair<int64_t, double> plan_impl(const Input& in, const C* cost, int64_t* or
       }
     }
     for (int64_t r = 0; r < k; ++r) base[r + 1] += base[r];
-    std::vector<int64_t> cursor(base.begin(), base.end() - 1);
-    for (int64_t s : seq_desc) by_rank[cursor[rank_of[s]]++] = s;
-  }
-  std::vector<int64_t> rank_tok(k, 0), big(k, 0);
-  for (int64_t r = 0; r < k; ++r) {
-    for (int64_t i = base[r]; i < base[r + 1]; ++i) {
-      const int64_t t = in.tok[by_rank[i]];
+    std::vector<int64_t>& cursor = ws.tmp;
+    cursor.assign(base.begin(), base.end() - 1);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t s = seq_desc[j], t = tokd[j], r = rank_of[s];
+      by_rank[cursor[r]] = s;
+      by_tok[cursor[r]++] = t;
       rank_tok[r] += t;
-      big[r] += 2 * t > in.cap;
+      big[r] += 2 * t > cap;
     }
   }
+  std::vector<int64_t>& slot_of = ws.slot_of;  // sequence -> its micro-batch (r * nb + j)
+  slot_of.resize(n);
   COMPASS_PHASE("by_rank");
 
   // ---- micro-batches: nb = the largest per-rank lower bound, grown to the
@@ -752,38 +939,38 @@ std::pair<int64_t, double> plan_impl(const Input& in, const C* cost, int64_t* or
   // refined, written
   auto round_up = [&](int64_t v) { return (v + in.mbm - 1) / in.mbm * in.mbm; };
   int64_t nb = 1;
-  for (int64_t r = 0; r < k; ++r) nb = std::max({nb, (rank_tok[r] + in.cap - 1) / in.cap, big[r]});
+  for (int64_t r = 0; r < k; ++r) nb = std::max({nb, (rank_tok[r] + cap - 1) / cap, big[r]});
   nb = round_up(nb);
   auto check_counts = [&]() {
     for (int64_t r = 0; r < k; ++r) {
       COMPASS_CHECK(base[r + 1] - base[r] >= nb, "rank ", r, " holds ", base[r + 1] - base[r],
                     " sequences but every rank needs ", nb,
                     " non-empty micro-batches (the most any rank needs under max_tokens = ",
-                    in.cap, ", rounded up to micro_batch_multiple = ", in.mbm,
+                    cap, ", rounded up to micro_batch_multiple = ", in.mbm,
                     "): give more sequences, a larger max_tokens or a smaller "
                     "micro_batch_multiple");
     }
   };
   check_counts();
-  RankPacker<C> pk;
+  RankPacker<C>& pk = ws.pk;
   auto load_rank = [&](int64_t r) {
     const int64_t m = base[r + 1] - base[r];
+    const int64_t* t = by_tok.data() + base[r];
     pk.w.resize(m);
-    pk.tok.resize(m);
-    pk.total = C{0};
-    for (int64_t i = 0; i < m; ++i) {
-      const int64_t s = by_rank[base[r] + i];
-      pk.w[i] = cost[s];
-      pk.tok[i] = in.tok[s];
-      pk.total += pk.w[i];
-    }
+    pk.tok.assign(t, t + m);
+    C sum{0};
+    for (int64_t i = 0; i < m; ++i) sum += (pk.w[i] = cost_of<C>(in, t[i]));
+    pk.total = sum;
     return m;
   };
   // Ranks are packed and written one by one. If one needs more bins than nb
   // (LPT fails and first fit needs more), nb grows and the ranks written so
   // far are packed again at the new nb: by LPT, else first fit, else the LPT
   // packing that worked at their smaller nb, split.
-  std::vector<int64_t> mb_order, lpt_ok_at(k, 0), written_at(k, 0);
+  std::vector<int64_t>&mb_order = ws.mb_order, &lpt_ok_at = ws.lpt_ok_at,
+  &written_at = ws.written_at;
+  lpt_ok_at.assign(k, 0);
+  written_at.assign(k, 0);
   for (bool grown = true; grown;) {
     grown = false;
     mb_order.resize(nb);
@@ -791,42 +978,59 @@ std::pair<int64_t, double> plan_impl(const Input& in, const C* cost, int64_t* or
     for (int64_t r = 0; r < k; ++r) {
       if (written_at[r] == nb) continue;
       const int64_t m = load_rank(r);
-      if (pk.lpt(m, nb, in.cap)) {
+      if (pk.lpt(m, nb, cap)) {
         lpt_ok_at[r] = nb;
       } else {
-        const int64_t used = first_fit(pk.tok.data(), m, in.cap, pk.bin_of);
+        COMPASS_COUNT("first fit", 1);
+        const int64_t used = first_fit(pk.tok.data(), m, cap, pk.bin_of, pk.ff_room);
         if (used <= nb) {
-          pk.from_first_fit(m, used, in.cap);
+          pk.from_first_fit(m, used, cap);
         } else if (lpt_ok_at[r] > 0) {
-          pk.lpt(m, lpt_ok_at[r], in.cap);
+          pk.lpt(m, lpt_ok_at[r], cap);
         } else {
           nb = round_up(used);
           check_counts();
           grown = true;
           break;
         }
-        pk.split_to(nb, in.cap);
+        pk.split_to(nb, cap);
       }
-      pk.balance(nb, in.cap, mb_iters);
-      Bins<C>& b = pk.b;
-      for (auto& mem : b.mem) {  // local ids -> sequences, ascending
-        for (int64_t& x : mem) x = by_rank[base[r] + x];
-        std::sort(mem.begin(), mem.end());
+      pk.balance(nb, cap, mb_iters);
+      // micro-batches heaviest first (ties by first sequence): their offsets,
+      // and each sequence's micro-batch (the sequences are written after the
+      // loop, by one pass in ascending index)
+      const int64_t* seqs = by_rank.data() + base[r];
+      const int64_t* bin_of = pk.bin_of.data();
+      std::vector<int64_t>&first = ws.first, &slot = ws.slot;
+      first.assign(nb, n);
+      slot.assign(nb, 0);  // first the sizes
+      for (int64_t i = 0; i < m; ++i) {
+        const int64_t q = bin_of[i];
+        first[q] = std::min(first[q], seqs[i]);
+        ++slot[q];
       }
-      std::iota(mb_order.begin(), mb_order.end(), int64_t{0});  // heaviest first, ties by first sequence
+      const std::vector<C>& load = pk.b.load;
+      std::iota(mb_order.begin(), mb_order.end(), int64_t{0});
       std::sort(mb_order.begin(), mb_order.end(), [&](int64_t x, int64_t y) {
-        if (b.load[x] != b.load[y]) return b.load[x] > b.load[y];
-        return b.mem[x].front() < b.mem[y].front();
+        if (load[x] != load[y]) return load[x] > load[y];
+        return first[x] < first[y];
       });
       int64_t pos = base[r];
       for (int64_t j = 0; j < nb; ++j) {
         off[r * nb + j] = pos;
-        for (int64_t s : b.mem[mb_order[j]]) ord[pos++] = s;
+        pos += slot[mb_order[j]];
+        slot[mb_order[j]] = r * nb + j;
       }
+      for (int64_t i = 0; i < m; ++i) slot_of[seqs[i]] = slot[bin_of[i]];
       written_at[r] = nb;
     }
   }
   off[k * nb] = n;
+  {  // each micro-batch by ascending sequence index
+    std::vector<int64_t>& cursor = ws.slot;
+    cursor.assign(off, off + k * nb);
+    for (int64_t s = 0; s < n; ++s) ord[cursor[slot_of[s]]++] = s;
+  }
   COMPASS_PHASE("micro-batches");
   return {nb, lb};
 }
@@ -856,45 +1060,70 @@ std::pair<int64_t, double> plan_cpu(COMPASS_PLAN_ARGS) {
   COMPASS_CHECK(std::isfinite(cost_b) && cost_b >= 0.0,
                 "cost_b: expected a finite value >= 0, got ", cost_b);
   const int64_t* len = lengths.ptr<int64_t>();
-  std::vector<int64_t> tok(n);
+  // Padding and range checks. One branch-free pass (min, max, sum) settles
+  // the common case; only a failing input, or one whose total could overflow,
+  // takes the per-sequence loop that names the first offending sequence.
+  const int64_t* tok = len;  // pad_multiple 1: the lengths themselves
+  static thread_local std::vector<int64_t> padded;
+  int64_t lo = std::numeric_limits<int64_t>::max(), hi = 0;
   const int64_t room = max_tokens / pad_multiple;  // padded <= max_tokens iff ceil(L / pad) <= room
-  int64_t total = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t L = len[i];
-    COMPASS_CHECK(L >= 1, "lengths: expected every sequence non-empty, got lengths[", i, "] = ", L);
-    const int64_t q = (L - 1) / pad_multiple + 1;
-    if (q > room) {
-      if (q <= std::numeric_limits<int64_t>::max() / pad_multiple) {
-        fail("lengths: sequence ", i, " has ", q * pad_multiple,
-             " tokens (after padding), more than max_tokens = ", max_tokens,
+  if (pad_multiple == 1) {
+    for (int64_t i = 0; i < n; ++i) {
+      lo = std::min(lo, len[i]);
+      hi = std::max(hi, len[i]);
+    }
+  } else {
+    padded.resize(n);
+    for (int64_t i = 0; i < n; ++i) {
+      lo = std::min(lo, len[i]);
+      hi = std::max(hi, len[i]);
+      padded[i] = ((len[i] - 1) / pad_multiple + 1) * pad_multiple;  // overflow: checked below
+    }
+    tok = padded.data();
+  }
+  // (tokens <= max_tokens each; int64 totals and the doubled loads the
+  // refinement compares must not overflow)
+  const int64_t limit = std::numeric_limits<int64_t>::max() / 4;
+  const bool fine = lo >= 1 && (hi - 1) / pad_multiple + 1 <= room &&
+                    ((hi - 1) / pad_multiple + 1) * pad_multiple <= limit / n;
+  if (!fine) {
+    int64_t total = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t L = len[i];
+      COMPASS_CHECK(L >= 1, "lengths: expected every sequence non-empty, got lengths[", i,
+                    "] = ", L);
+      const int64_t q = (L - 1) / pad_multiple + 1;
+      if (q > room) {
+        if (q <= std::numeric_limits<int64_t>::max() / pad_multiple) {
+          fail("lengths: sequence ", i, " has ", q * pad_multiple,
+               " tokens (after padding), more than max_tokens = ", max_tokens,
+               ": no micro-batch can hold it");
+        }
+        fail("lengths: sequence ", i, " has ", L, " tokens, more than max_tokens = ", max_tokens,
              ": no micro-batch can hold it");
       }
-      fail("lengths: sequence ", i, " has ", L, " tokens, more than max_tokens = ", max_tokens,
-           ": no micro-batch can hold it");
+      COMPASS_CHECK(total <= limit - q * pad_multiple,
+                    "lengths: the total token count overflows int64");
+      total += q * pad_multiple;
     }
-    tok[i] = q * pad_multiple;
-    // (tokens <= max_tokens each; int64 totals and the doubled loads the
-    // refinement compares must not overflow)
-    COMPASS_CHECK(total <= std::numeric_limits<int64_t>::max() / 4 - tok[i],
-                  "lengths: the total token count overflows int64");
-    total += tok[i];
   }
-  const Input in{tok.data(), group_ids ? group_ids->ptr<int64_t>() : nullptr, n, dp_size,
-                 max_tokens, micro_batch_multiple, refine_iters, equal_samples};
+  const int64_t top = ((hi - 1) / pad_multiple + 1) * pad_multiple;
+  const Input in{tok, group_ids ? group_ids->ptr<int64_t>() : nullptr, n, dp_size,
+                 max_tokens, micro_batch_multiple, refine_iters, equal_samples, cost_a, cost_b};
   int64_t* ord = order.ptr<int64_t>();
   int64_t* off = offsets.ptr<int64_t>();
   if (cost_b == 0.0) {  // a*P: balancing P is the same problem, in exact integers
-    auto r = plan_impl<int64_t>(in, tok.data(), ord, off);
+    auto r = plan_impl<int64_t>(in, ord, off);
     return {r.first, r.second * cost_a};
   }
-  std::vector<double> cost(n);
-  for (int64_t i = 0; i < n; ++i) {
-    const double p = static_cast<double>(tok[i]);
-    cost[i] = cost_a * p + cost_b * p * p;
-    COMPASS_CHECK(std::isfinite(cost[i]), "cost_a, cost_b: the cost of sequence ", i, " (",
-                  tok[i], " tokens) overflows float64");
+  // the cost grows with P: only the longest sequence can overflow first
+  if (!std::isfinite(cost_of<double>(in, top))) {
+    for (int64_t i = 0; i < n; ++i) {
+      COMPASS_CHECK(std::isfinite(cost_of<double>(in, tok[i])), "cost_a, cost_b: the cost of sequence ",
+                    i, " (", tok[i], " tokens) overflows float64");
+    }
   }
-  return plan_impl<double>(in, cost.data(), ord, off);
+  return plan_impl<double>(in, ord, off);
 }
 
 void karmarkar_karp_cpu(TensorView cost, int64_t k, TensorView rank_of) {
