@@ -7,7 +7,7 @@ alone or interleaved with a neighbour provider of bench_espo_logprobs (torch
 eager, the 3-GEMM floor), and prints per call:
 
 - wall seconds, process CPU seconds (user + system, all threads),
-- minor / major page faults (``getrusage``),
+- minor page faults (``getrusage``),
 - run-queue wait of this process's threads (``/proc/self/task/*/schedstat``
   field 2: time runnable but not running, i.e. waiting for a core that
   another process holds),
@@ -21,38 +21,21 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
-import time
-from pathlib import Path
 
 import torch
+
+from bench.bench_espo_logprobs import _Problem, proc_snapshot
 
 SCENARIOS = ("alone", "after_eager", "after_floor", "eager", "floor")
 
 
-def _runq_wait_s() -> float:
-    total = 0
-    for task in Path("/proc/self/task").iterdir():
-        try:
-            total += int((task / "schedstat").read_text().split()[1])
-        except (OSError, IndexError, ValueError):
-            pass
-    return total / 1e9
-
-
-def _snap():
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return (time.perf_counter(), ru.ru_utime + ru.ru_stime, ru.ru_stime, ru.ru_minflt,
-            ru.ru_majflt, _runq_wait_s())  # fmt: skip
-
-
 def measure(name: str, fn) -> dict:
-    a = _snap()
+    a = proc_snapshot()
     fn()
-    b = _snap()
-    wall, cpu, sys_s, minflt, majflt, wait = (y - x for x, y in zip(a, b, strict=True))
-    row = dict(provider=name, wall=wall, cpu=cpu, sys=sys_s, minflt=int(minflt),
-               majflt=int(majflt), runq_wait=wait, load1=os.getloadavg()[0])  # fmt: skip
+    b = proc_snapshot()
+    wall, cpu, sys_s, minflt, wait = (y - x for x, y in zip(a, b, strict=True))
+    row = dict(provider=name, wall=wall, cpu=cpu, sys=sys_s, minflt=int(minflt), runq_wait=wait,
+               load1=os.getloadavg()[0])  # fmt: skip
     print(
         f"{name:12s} wall {wall:6.2f} s  cpu {cpu:6.2f} s (sys {sys_s:5.2f})  "
         f"minflt {int(minflt):8d}  runq wait {wait:6.2f} s  load1 {row['load1']:.2f}",
@@ -68,10 +51,8 @@ def main() -> None:
     ap.add_argument("--strategy", default="grad_in_forward")
     ap.add_argument("--shape", default="8,1024,1024,32768", help="seqs,seq_len,H,V")
     args = ap.parse_args()
-    from bench.bench_espo_logprobs import _Problem
-
     p = _Problem(*(int(x) for x in args.shape.split(",")))
-    ours = p.ours("grpo", args.strategy, grads_only=True)
+    ours = p.ours("grpo", args.strategy)
     neighbour = {"after_eager": p.eager("grpo"), "after_floor": p.floor()}.get(args.scenario)
     if args.scenario in ("eager", "floor"):
         ours = {"eager": p.eager("grpo"), "floor": p.floor()}[args.scenario]
