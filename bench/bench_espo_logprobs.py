@@ -279,38 +279,66 @@ def cases(quick: bool) -> list[Case]:
 # ------------------------------------------------------------- GPU model
 
 
-def gpu_model(rows: int = 8192, hidden: int = 7168, vocab: int = 151936) -> str:
-    """The H100 roofline model (a model, never a measurement) of both ops at a
-    large-vocab shape, bf16 inputs, float32 statistics."""
+def _model_line(name: str, nbytes: float, flops: dict[str, float], kernels: int) -> str:
+    """One roofline row: max(HBM time, the sum of the math times of each precision)
+    + a launch floor per kernel, on the H100 SXM (a model, never a measurement)."""
     d = H100_SXM
+    memory = nbytes / d.hbm_bytes_per_s
+    math_s = sum(f / d.flops_per_s[p] for p, f in flops.items())
+    total = max(memory, math_s) + kernels * d.launch_s
+    bound = "memory" if memory >= math_s else "compute"
+    what = " + ".join(f"{f / 1e12:.1f} TFLOP {p}" for p, f in flops.items())
+    return f"  {name}: {nbytes / 1e9:.1f} GB, {what} -> {total * 1e3:.1f} ms ({bound}-bound)"
+
+
+def gpu_model(rows: int = 8192, hidden: int = 7168, vocab: int = 151936) -> str:
+    """The H100 roofline model (a model, never a measurement) of the ops at a
+    large-vocab shape, bf16 inputs, float32 statistics."""
+    from compass_kernels.espo.fused_loss import default_rows
+
     lines = [f"H100-SXM roofline MODEL (not measured): T={rows}, H={hidden}, V={vocab}, bf16 in"]
     tv = rows * vocab
-    logits = Model(bytes=3 * tv * 2, flops=12 * tv, precision="fp32", kernels=2)
-    eager = Model(bytes=tv * (2 + 4 * 2 + 4 * 3 + 4 * 3), flops=12 * tv, precision="fp32",
-                  kernels=8)  # fmt: skip
     gemm = 2 * rows * hidden * vocab
-    w_bytes, h_bytes = vocab * hidden * 2, rows * hidden * 2
-    # As implemented by the recompute strategy (token chunks of TOKEN_CHUNK):
-    # each of the 4 GEMMs reads the weight once per token chunk, and the fp32
-    # d_weight accumulator is read and written once per token chunk.
-    chunks = math.ceil(rows / TOKEN_CHUNK)
-    fused = Model(
-        bytes=4 * (chunks * w_bytes + h_bytes) + chunks * vocab * hidden * 4 * 2,
-        flops=4 * gemm,
-        precision="bf16",
-        kernels=4 * chunks * math.ceil(vocab / VOCAB_CHUNK),
-    )
-    floor = Model(bytes=3 * (w_bytes + h_bytes), flops=3 * gemm, precision="bf16", kernels=3)
-    for name, m in (
-        ("token_logprobs_entropy fwd+bwd (1 read fwd, 1 read + 1 write bwd)", logits),
-        ("eager log_softmax+gather+entropy fwd+bwd (fp32 [T,V] temporaries)", eager),
-        ("fused_linear recompute fwd+bwd as tiled (4 GEMMs: logits, again, dH, dW)", fused),
-        ("3-GEMM floor", floor),
-    ):
-        lines.append(
-            f"  {name}: {m.bytes / 1e9:.1f} GB, {m.flops / 1e12:.1f} TFLOP -> "
-            f"{m.seconds(d) * 1e3:.2f} ms ({m.bound(d)}-bound)"
-        )
+    w2, w4 = vocab * hidden * 2, vocab * hidden * 4  # weight bf16 / a float32 [V, H]
+    h2 = rows * hidden * 2
+    lines += [
+        _model_line("token_logprobs_entropy fwd+bwd (1 read fwd, 1 read + 1 write bwd)",
+                    3 * tv * 2, {"fp32": 12 * tv}, 2),
+        _model_line("eager log_softmax+gather+entropy fwd+bwd (fp32 [T,V] temporaries)",
+                    tv * (2 + 4 * 2 + 4 * 3 + 4 * 3), {"fp32": 12 * tv}, 8),
+    ]  # fmt: skip
+    # recompute, as implemented (TOKEN_CHUNK x VOCAB_CHUNK tiles): the two logits
+    # GEMMs take bf16 operands (fp32 out); the d_hidden / d_weight GEMMs take the
+    # fp32 d-logits tile and a fp32 weight slice: fp32 GEMMs (CUDA cores unless
+    # torch allows TF32). The weight is read by each GEMM once per token chunk,
+    # the fp32 d_weight accumulator read + written once per token chunk; each
+    # fp32 tile is written by its GEMM and read ~3 times.
+    tc = math.ceil(rows / TOKEN_CHUNK)
+    rec_bytes = 2 * tc * w2 + 2 * tc * w4 + 2 * tc * w4 + 4 * h2 + 2 * 4 * tv * 4
+    lines.append(_model_line(
+        f"fused_linear recompute as implemented (4 GEMMs, {tc} token chunks: 2 bf16, 2 fp32)",
+        rec_bytes, {"bf16": 2 * gemm, "fp32": 2 * gemm},
+        4 * tc * math.ceil(vocab / VOCAB_CHUNK),
+    ))  # fmt: skip
+    # grad-in-forward, as implemented: float32 copies of weight and hidden once,
+    # then per chunk of r rows (CHUNK_BYTES of fp32 logits) 3 fp32 GEMMs, each
+    # reading the fp32 weight; the tile written once and read / rewritten by the
+    # statistics and d-logits passes (~6 r V fp32 passes); d_weight fp32 read +
+    # written per chunk.
+    for r, label in ((default_rows(vocab, torch.device("cpu")), "CPU default chunk"),
+                     (default_rows(vocab, torch.device("cuda")), "GPU default chunk")):  # fmt: skip
+        c = math.ceil(rows / r)
+        gif_bytes = (w2 + w4 + 3 * h2) + c * (3 * w4 + 2 * w4) + 6 * 4 * tv
+        lines.append(_model_line(
+            f"fused grad-in-forward as implemented, {label} ({r} rows x {c}: 3 fp32 GEMMs each)",
+            gif_bytes, {"fp32": 3 * gemm}, c * 5,
+        ))  # fmt: skip
+        lines.append(_model_line(
+            f"fused grad-in-forward with bf16 GEMM operands (NOT implemented), {label}",
+            c * 3 * w2 + c * 2 * w4 + 3 * h2 + 6 * 4 * tv + 2 * tv, {"bf16": 3 * gemm}, c * 5,
+        ))  # fmt: skip
+    lines.append(_model_line("3-GEMM floor (bf16, each operand read once)", 3 * (w2 + h2),
+                             {"bf16": 3 * gemm}, 3))  # fmt: skip
     lines.append(f"  [T,V] fp32 logits that the fused path never holds: {tv * 4 / 2**30:.1f} GiB")
     return "\n".join(lines)
 

@@ -67,8 +67,12 @@ __all__ = ["fused_linear_espo_loss", "STRATEGIES"]
 
 STRATEGIES = ("auto", "grad_in_forward", "recompute")
 #: float32 logits held per chunk by grad_in_forward when token_chunk is None:
-#: 128 MiB (1024 rows at V = 32,768; 220 at V = 151,936).
+#: CPU 128 MiB (1024 rows at V = 32,768; 220 at V = 151,936); on a GPU 1 GiB
+#: (1766 rows at V = 151,936): each chunk re-reads the weight 3 times and the
+#: float32 d_weight twice, which at 220 rows would make the H100 model
+#: memory-bound (bench_espo_logprobs --model; a model, not measured).
 CHUNK_BYTES = 1 << 27
+CHUNK_BYTES_GPU = 1 << 30
 _LOSS_KEYS = ("mode", "rho", "alpha", "clip", "vocab_size", "grouping", "num_groups",
               "quantiles", "drop_low", "ratio_form", "dual_clip")  # fmt: skip
 
@@ -96,6 +100,14 @@ class _StoredGrad(torch.autograd.Function):
         d_h = None if d_hidden is None else d_hidden.mul_(g)
         d_w = None if d_weight is None else d_weight.mul_(g)
         return None, d_h, d_w, None, None
+
+
+def default_rows(vocab: int, device: torch.device) -> int:
+    """grad_in_forward's default token chunk: CHUNK_BYTES (CHUNK_BYTES_GPU off
+    the CPU) of float32 logits, 16 to 4096 rows (8192 on a GPU)."""
+    if device.type == "cpu":
+        return max(16, min(4096, CHUNK_BYTES // (4 * vocab)))
+    return max(16, min(8192, CHUNK_BYTES_GPU // (4 * vocab)))
 
 
 def _token_weights(cu: torch.Tensor, mask: torch.Tensor | None, total: int, G: int):
@@ -217,8 +229,9 @@ def fused_linear_espo_loss(
         is made on the host; reading a GPU tensor would sync). Checked against
         cu_seqlens on the CPU, and on a GPU with validate=True (a sync).
     strategy : "auto" | "grad_in_forward" | "recompute" (module docstring).
-    token_chunk : tokens per chunk (default: 128 MiB of float32 logits for
-        grad_in_forward, 1024 for recompute).
+    token_chunk : tokens per chunk (default: ``default_rows``, 128 MiB of
+        float32 logits on the CPU, 1 GiB on a GPU, for grad_in_forward; 1024
+        for recompute).
 
     Returns
     -------
@@ -255,7 +268,7 @@ def fused_linear_espo_loss(
     G = n if num_sequences is None else num_sequences
     rows = token_chunk
     if rows is None:
-        rows = max(16, min(4096, CHUNK_BYTES // (4 * w.shape[0])))
+        rows = default_rows(w.shape[0], h.device)
     cu_host: list[int] | None = None
     longest = 0
     if strategy != "recompute" and not cfg.token_groups and cp_group is None:
