@@ -8,6 +8,7 @@
 #include <optional>
 
 #include "compass/tensor_view.h"
+#include "routing/routing_api.h"
 #include "routing/setcode.h"
 
 namespace compass {
@@ -31,12 +32,9 @@ inline int64_t set_payload_bytes(int64_t rows, const setcode::PackLayout& l) {
   return (packs * l.bits + 7) / 8;
 }
 
-// The encode op (every backend): ids [rows, K] uint8 | int16 contiguous; missing
-// [rows] bool or None; payload uint8 [set_payload_bytes]; status int64 [2]; table
-// int64 [K * E]; all on ids' device. Returns the layout.
-#define COMPASS_ENCODE_SETS_ARGS                                                        \
-  TensorView ids, int64_t num_experts, std::optional<TensorView> missing, TensorView payload, \
-      TensorView status, TensorView table
+// The encode op's views (COMPASS_ENCODE_SETS_ARGS, routing_api.h): payload uint8
+// [set_payload_bytes]; status int64 [2]; table int64 [K * E]; all on ids' device.
+// Returns the layout.
 inline setcode::PackLayout check_encode_sets_args(COMPASS_ENCODE_SETS_ARGS) {
   ids.expect_ndim(2).expect_contiguous();
   COMPASS_CHECK(ids.dtype == DType::kUInt8 || ids.dtype == DType::kInt16, ids.name,

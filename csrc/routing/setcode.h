@@ -39,10 +39,10 @@ constexpr int kMaxW = 4;  // hint width handled by the fast unrank
 
 inline int bit_length(uint64_t x) { return x ? 64 - __builtin_clzll(x) : 0; }
 
-// Monotone non-decreasing in r, for r < 2^63 (the hints are built only then).
+// Monotone non-decreasing in r, for r < 2^63 (the hints are built only then):
+// r | 1 keeps r = 0 at the key of 1 without a compare.
 inline uint64_t key_of(uint64_t r) {
-  double d = static_cast<double>(static_cast<int64_t>(r));
-  d = d > 1.0 ? d : 1.0;
+  const double d = static_cast<double>(static_cast<int64_t>(r | 1));
   uint64_t bits;
   std::memcpy(&bits, &d, sizeof bits);
   return (bits >> (52 - kS)) - (uint64_t{1023} << kS);
