@@ -86,19 +86,20 @@ __global__ void table_kernel(int32_t e, int32_t k, unsigned long long* __restric
   }
 }
 
-// Rank of one row, or ok = false (an id outside [0, e), or one twice).
+// Rank of one row, or ok = false (an id outside [0, e), or one twice). The ids
+// are re-read from the row (L1) instead of a local array: with K fixed the
+// unrolled loads stay in registers, and the generic K <= 64 kernel keeps no
+// stack frame either.
 template <typename I, int KC>
 __device__ __forceinline__ unsigned long long rank_row(const I* __restrict__ x, int k, int e,
                                                        const unsigned long long* __restrict__ table,
                                                        bool& ok) {
-  constexpr int kCap = KC > 0 ? KC : setcode::kMaxK;
   const int kk = KC > 0 ? KC : k;
-  int a[kCap];
   bool in_range = true;
 #pragma unroll
   for (int i = 0; i < kk; ++i) {
-    a[i] = static_cast<int>(x[i]);
-    in_range &= a[i] >= 0 && a[i] < e;
+    const int a = static_cast<int>(x[i]);
+    in_range &= a >= 0 && a < e;
   }
   if (!in_range) {
     ok = false;
@@ -108,11 +109,12 @@ __device__ __forceinline__ unsigned long long rank_row(const I* __restrict__ x, 
   int below_sum = 0;
 #pragma unroll
   for (int i = 0; i < kk; ++i) {
+    const int a = static_cast<int>(x[i]);
     int below = 0;
 #pragma unroll
-    for (int j = 0; j < kk; ++j) below += a[j] < a[i];
+    for (int j = 0; j < kk; ++j) below += static_cast<int>(x[j]) < a;
     below_sum += below;
-    r += table[static_cast<int64_t>(below) * e + a[i]];  // C(a_i, below + 1)
+    r += table[static_cast<int64_t>(below) * e + a];  // C(a_i, below + 1)
   }
   ok = below_sum == kk * (kk - 1) / 2;
   return ok ? r : 0;
