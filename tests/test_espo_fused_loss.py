@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import compass_kernels as ck
+from compass_kernels.espo.logprobs import mixed_mm_supported
 from compass_kernels.espo.reference_logprobs import fused_linear_logprobs_entropy_reference
 from compass_kernels.espo.reference_loss import espo_loss_reference
 from compass_kernels.testing import assert_verbose_allclose, make_generator
@@ -278,10 +279,12 @@ def test_bad_cu_seqlens_host():
 # ------------------------------------- vocab tensor parallelism (gloo, TP=2)
 
 TP_CASE = ((7, 13, 1, 9), 3, 17, 302)  # lengths, tail, H, V (two shards of 151)
-TP_RUNS = (  # (options, strategy, token_chunk)
-    ({"mode": "grpo"}, "grad_in_forward", 8),
-    ({"mode": "espo", "clip": 0.1}, "grad_in_forward", 16),
-    ({"mode": "grpo"}, "recompute", 8),
+TP_RUNS = (  # (options, strategy, token_chunk, bf16 inputs with grad_gemm_dtype="input")
+    ({"mode": "grpo"}, "grad_in_forward", 8, False),
+    ({"mode": "espo", "clip": 0.1}, "grad_in_forward", 16, False),
+    ({"mode": "grpo"}, "recompute", 8, False),
+    ({"mode": "grpo"}, "grad_in_forward", 8, True),
+    ({"mode": "espo", "clip": 0.1}, "recompute", 8, True),
 )
 
 
@@ -309,16 +312,21 @@ class _GemmCount:
         self.mode.__exit__(*exc)
 
 
-def _run_tp(rank, world, group, opts, strategy, chunk):
+def _run_tp(rank, world, group, opts, strategy, chunk, bf16):
     lengths, tail, hidden, vocab = TP_CASE
-    h, w, y, old, old_ent, adv, cu, mask = make_batch(lengths, tail, hidden, vocab, seed=21)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    h, w, y, old, old_ent, adv, cu, mask = make_batch(lengths, tail, hidden, vocab, seed=21,
+                                                      dtype=dtype)  # fmt: skip
     shard = vocab // world
     hq = h.clone().requires_grad_()
     wq = w[rank * shard : (rank + 1) * shard].clone().requires_grad_()
+    # the mixed-mm probe (one 2 x 2 mm per process, cached) runs before the count
+    mixed_mm_supported(h.device)
     with _GemmCount() as count:
         loss, _, lp, ent = ck.espo.fused_linear_espo_loss(
             hq, wq, y, old, old_ent, adv, cu, mask, entropy_coef=0.01, temperature=0.9,
-            strategy=strategy, token_chunk=chunk, tp_group=group, **opts,
+            strategy=strategy, token_chunk=chunk, tp_group=group,
+            grad_gemm_dtype="input" if bf16 else "auto", **opts,
         )  # fmt: skip
         (loss * 2.0).backward()
     return {"loss": loss.detach(), "lp": lp, "ent": ent, "dh": hq.grad, "dw": wq.grad,
@@ -340,22 +348,30 @@ def _tp_worker(rank: int, world: int, init: str, out_dir: str) -> None:
 def test_vocab_tensor_parallel_two_gloo_ranks_equal_one_process(tmp_path):
     """TP=2 (gloo, two processes) equals one process for grad_in_forward (grpo
     and espo) and recompute; grad_in_forward stays at 3 GEMMs per chunk under
-    TP (the recompute path at 4)."""
+    TP (the recompute path at 4). Also bf16 inputs with bf16 gradient GEMMs
+    (within the bf16 tolerances: each rank rounds its partial d_hidden)."""
     import torch.multiprocessing as mp
 
     world = 2
     mp.spawn(_tp_worker, args=(world, f"file://{tmp_path}/store", str(tmp_path)), nprocs=world)
     parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     total = sum(TP_CASE[0]) + TP_CASE[1]
-    for i, (opts, strategy, chunk) in enumerate(TP_RUNS):
-        one = _run_tp(0, 1, None, opts, strategy, chunk)
-        name = f"{opts['mode']} {strategy}"
+    for i, (opts, strategy, chunk, bf16) in enumerate(TP_RUNS):
+        one = _run_tp(0, 1, None, opts, strategy, chunk, bf16)
+        name = f"{opts['mode']} {strategy}{' bf16' if bf16 else ''}"
         for r in range(world):
             got = parts[r][i]
             for key in ("loss", "lp", "ent", "dh"):
+                if bf16 and key == "dh":
+                    _close_bf16(got[key], one[key], f"{name} rank {r} {key}")
+                    continue
                 assert_verbose_allclose(got[key], one[key], name=f"{name} rank {r} {key}", **TOL)
         d_weight = torch.cat([parts[r][i]["dw"] for r in range(world)])
-        assert_verbose_allclose(d_weight, one["dw"], name=f"{name} d_weight shards", **TOL)
+        if bf16:
+            assert d_weight.dtype == torch.bfloat16
+            _close_bf16(d_weight, one["dw"], f"{name} d_weight shards")
+        else:
+            assert_verbose_allclose(d_weight, one["dw"], name=f"{name} d_weight shards", **TOL)
         chunks = math.ceil(total / chunk) if opts["mode"] == "grpo" else None
         if strategy == "grad_in_forward" and chunks is not None:
             assert parts[0][i]["gemms"] == one["gemms"] == 3 * chunks
