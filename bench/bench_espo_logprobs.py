@@ -321,13 +321,14 @@ def gpu_model(rows: int = 8192, hidden: int = 7168, vocab: int = 151936) -> str:
     # "input": the tile read once more and written as bf16, read by the two GEMMs;
     # each GEMM writes an fp32 product that add_ folds into the fp32 accumulator
     # (product written + read, accumulator read + written: 4 passes per token
-    # chunk for d_weight, per vocab chunk for d_hidden).
+    # chunk for d_weight, per vocab chunk for d_hidden), except the first of
+    # each sum, written into the (zero-filled) accumulator: 2 passes.
     tc, vc = math.ceil(rows / TOKEN_CHUNK), math.ceil(vocab / VOCAB_CHUNK)
     hf = rows * hidden * 4  # a float32 [T, H]
     tiles = 4 * tc * vc
     rec32 = 2 * tc * w2 + 2 * tc * w4 + 2 * tc * w4 + 4 * h2 + 2 * 4 * tv * 4
     rec16 = (4 * tc * w2 + vc * h2 + 4 * tv * 4 + tv * (4 + 2) + 2 * tv * 2
-             + 4 * tc * w4 + 4 * vc * hf)  # fmt: skip
+             + (4 * tc - 2) * w4 + (4 * vc - 2) * hf)  # fmt: skip
     lines.append(_model_line(
         f"fused_linear recompute, grad_gemm_dtype='fp32' (before; 4 GEMMs, {tc} token chunks: "
         "2 bf16, 2 fp32)", rec32, {"bf16": 2 * gemm, "fp32": 2 * gemm}, tiles,
@@ -343,12 +344,13 @@ def gpu_model(rows: int = 8192, hidden: int = 7168, vocab: int = 151936) -> str:
     # each reading the fp32 weight, d_weight read + written by addmm_ per chunk.
     # "input": bf16 logits GEMM (fp32 out), the tile read + written as bf16, two
     # bf16 GEMMs reading the bf16 weight; d_weight's fp32 product written + read
-    # and the fp32 accumulator read + written per chunk.
+    # and the fp32 accumulator read + written per chunk, but the first chunk's
+    # product written into the zero-filled accumulator (2 passes).
     for r, label in ((default_rows(vocab, torch.device("cpu")), "CPU default chunk"),
                      (default_rows(vocab, torch.device("cuda")), "GPU default chunk")):  # fmt: skip
         c = math.ceil(rows / r)
         gif32 = (w2 + w4 + 3 * h2) + c * (3 * w4 + 2 * w4) + 6 * 4 * tv
-        gif16 = c * 3 * w2 + c * 4 * w4 + 3 * h2 + hf + 6 * 4 * tv + (4 + 2) * tv + 2 * 2 * tv
+        gif16 = c * 3 * w2 + (4 * c - 2) * w4 + 3 * h2 + hf + 6 * 4 * tv + (4 + 2) * tv + 2 * 2 * tv
         lines.append(_model_line(
             f"fused grad-in-forward, grad_gemm_dtype='fp32' (before), {label} ({r} rows x {c}: "
             "3 fp32 GEMMs each)", gif32, {"fp32": 3 * gemm}, c * 5,

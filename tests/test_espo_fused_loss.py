@@ -474,6 +474,7 @@ def _gemm_dtypes(strategy, option, emulate_mixed=False, dtype=torch.bfloat16):
     h, w, y, old, old_ent, adv, cu, mask = make_batch((7, 13, 1, 9), 3, 17, 301, seed=50,
                                                       dtype=dtype)  # fmt: skip
     hq, wq = h.clone().requires_grad_(), w.clone().requires_grad_()
+    mixed_mm_supported(h.device)  # the probe's mm (cached) runs before the record
     with _MatmulDtypes(emulate_mixed) as rec:
         loss, _, _, _ = ck.espo.fused_linear_espo_loss(
             hq, wq, y, old, old_ent, adv, cu, mask, mode="grpo", strategy=strategy,
@@ -572,3 +573,37 @@ def test_small_target_gradient_survives_bf16(strategy):
     assert float(target_term.norm()) > 0.5 * float(ref_row.norm())
     rel = float((row - ref_row).norm() / ref_row.norm())
     assert rel < BF16_NORM * 2, f"hot token d_hidden: relative error {rel:.2e}"
+
+
+@pytest.mark.parametrize("emulate_mixed", [False, True])
+def test_fused_logprobs_bf16_input_tiles(emulate_mixed, monkeypatch):
+    """fused_linear_logprobs_entropy (the recompute backward) with bf16 inputs
+    and grad_gemm_dtype="input" over several token x vocab tiles (the first
+    tile of each sum writes, the others accumulate in float32), on the CPU
+    branch and on the emulated CUDA branch, vs float64."""
+    from compass_kernels.espo import logprobs
+
+    if emulate_mixed:
+        monkeypatch.setitem(logprobs._MIXED_MM, "cpu", True)
+    logprobs.mixed_mm_supported(torch.device("cpu"))  # the probe's mm runs before the record
+    g = make_generator(70)
+    total, hidden, vocab = 23, 19, 211
+    h = (torch.randn(total, hidden, generator=g) * 1.5).to(torch.bfloat16)
+    w = (torch.randn(vocab, hidden, generator=g) / math.sqrt(hidden) * 3).to(torch.bfloat16)
+    y = torch.randint(0, vocab, (total,), generator=g)
+    gl, gh = torch.randn(total, generator=g), torch.randn(total, generator=g) * 0.1
+    hh, ww = h.double().requires_grad_(), w.double().requires_grad_()
+    ref_lp, ref_ent = fused_linear_logprobs_entropy_reference(hh, ww, y, 0.8)
+    ((ref_lp * gl.double()).sum() + (ref_ent * gh.double()).sum()).backward()
+    hq, wq = h.clone().requires_grad_(), w.clone().requires_grad_()
+    with _MatmulDtypes(emulate_mixed) as rec:
+        lp, ent = ck.espo.fused_linear_logprobs_entropy(
+            hq, wq, y, temperature=0.8, token_chunk=7, vocab_chunk=33, grad_gemm_dtype="input"
+        )
+        ((lp * gl).sum() + (ent * gh).sum()).backward()
+    tiles = math.ceil(total / 7) * math.ceil(vocab / 33)
+    bf = (torch.bfloat16, torch.bfloat16)
+    assert sum(d == bf for _, d in rec.calls) == (4 if emulate_mixed else 2) * tiles, rec.calls
+    assert_verbose_allclose(lp, ref_lp.detach().float(), name="logprobs", **TOL)
+    _close_bf16(hq.grad, hh.grad, "d_hidden")
+    _close_bf16(wq.grad, ww.grad, "d_weight")

@@ -39,6 +39,15 @@ is an error (never a hidden host sync). grpo needs no plan.
 
 ``strategy="auto"`` picks grad_in_forward whenever it applies.
 
+Gradient GEMM precision (``grad_gemm_dtype``; docs/design.md): the d logits
+tile G = coef * (softmax - onehot) / T (+ the entropy term) is always formed
+in float32; with "input" (the CUDA default under "auto") it is then rounded
+once to hidden's dtype and the two gradient GEMMs run on bf16 operands
+(tensor cores), writing float32 through torch.mm(out_dtype=float32) where
+the build has it; d_weight accumulates over chunks in float32. "fp32" (the
+CPU default under "auto": bf16 GEMMs are slow without AVX-512-BF16) keeps
+float32 operands.
+
 The per-chunk coefficients come from ``espo_loss`` itself (its kernels' own
 d loss / d logprobs on the chunk's tokens, with the batch's G, entropy
 boundaries and per-sequence counts), and the returned loss and metrics from
@@ -430,7 +439,9 @@ def _grad_in_forward(h, w, y, temp, old_lp, old_ent, adv, cu, mask, cfg, G, ent_
             g = gbuf[: r * vocab].view(r, vocab).copy_(tile)
             if want_h:
                 _grad_mm(g, w, out=d_h[a:b])
-            if want_w:
+            if want_w and a == 0:  # the first chunk's product is the accumulator's start
+                _grad_mm(g.T, h[a:b], out=d_w)
+            elif want_w:
                 _grad_mm_acc(d_w, g.T, h[a:b], tmp_w)
             continue
         if want_h:

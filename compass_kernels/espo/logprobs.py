@@ -445,9 +445,14 @@ class _FusedLinearLogprobs(torch.autograd.Function):
                 )  # fmt: skip
                 if half:  # the float32 d logits' single store: rounded to gd
                     g = gbuf[: tile.numel()].view(tile.shape).copy_(tile)
-                    if want_h or tp_group is not None:
+                    # the first tile of a sum writes its product (no fp32 temporary)
+                    if (want_h or tp_group is not None) and v0 == 0:
+                        _grad_mm(g, w, out=d_hidden[t0:t1])
+                    elif want_h or tp_group is not None:
                         _grad_mm_acc(d_hidden[t0:t1], g, w, tmp_h[: t1 - t0])
-                    if want_w:
+                    if want_w and t0 == 0:
+                        _grad_mm(g.T, h, out=d_weight[v0:v1])
+                    elif want_w:
                         _grad_mm_acc(d_weight[v0:v1], g.T, h, tmp_w[: v1 - v0])
                     continue
                 w32 = w if w.dtype == torch.float32 else w.float()
