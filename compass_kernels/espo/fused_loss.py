@@ -409,8 +409,11 @@ def _grad_in_forward(h, w, y, temp, old_lp, old_ent, adv, cu, mask, cfg, G, ent_
     d_w = torch.zeros(vocab, h.shape[1], dtype=f32, device=dev) if want_w else None
     max_rows = max((b - a for a, b in chunks), default=0)
     flat = torch.empty(max_rows * vocab, dtype=f32, device=dev)
-    gbuf = torch.empty(max_rows * vocab, dtype=gd, device=dev) if half else None
-    tmp_w = torch.empty_like(d_w) if half and want_w and mixed_mm_supported(dev) else None
+    grads = want_h or want_w
+    gbuf = torch.empty(max_rows * vocab, dtype=gd, device=dev) if half and grads else None
+    # an fp32 [V, H] product per chunk after the first (written into d_w)
+    fold = half and want_w and len(chunks) > 1 and mixed_mm_supported(dev)
+    tmp_w = torch.empty_like(d_w) if fold else None
     state = torch.empty(4 * max_rows, dtype=f32, device=dev)
     gh_all = -ent_coef * tok_w if ent_coef else None
     for a, b in chunks:
