@@ -307,35 +307,57 @@ def gpu_model(rows: int = 8192, hidden: int = 7168, vocab: int = 151936) -> str:
         _model_line("eager log_softmax+gather+entropy fwd+bwd (fp32 [T,V] temporaries)",
                     tv * (2 + 4 * 2 + 4 * 3 + 4 * 3), {"fp32": 12 * tv}, 8),
     ]  # fmt: skip
-    # recompute, as implemented (TOKEN_CHUNK x VOCAB_CHUNK tiles): the two logits
-    # GEMMs take bf16 operands (fp32 out); the d_hidden / d_weight GEMMs take the
-    # fp32 d-logits tile and a fp32 weight slice: fp32 GEMMs (CUDA cores unless
-    # torch allows TF32). The weight is read by each GEMM once per token chunk,
-    # the fp32 d_weight accumulator read + written once per token chunk; each
-    # fp32 tile is written by its GEMM and read ~3 times.
-    tc = math.ceil(rows / TOKEN_CHUNK)
-    rec_bytes = 2 * tc * w2 + 2 * tc * w4 + 2 * tc * w4 + 4 * h2 + 2 * 4 * tv * 4
+    # Gradient GEMMs as implemented with grad_gemm_dtype="auto" on CUDA ("input":
+    # bf16 operands; the fp32 d-logits tile rounded once to a bf16 copy; the GEMM
+    # writes fp32 through torch.mm(out_dtype=float32), assumed present in CUDA
+    # builds: probed at run time) and with grad_gemm_dtype="fp32" (the previous
+    # behaviour: fp32 d-logits tile and fp32 weight / hidden operands, fp32 GEMMs
+    # on CUDA cores unless torch allows TF32).
+    #
+    # recompute (TOKEN_CHUNK x VOCAB_CHUNK tiles; the weight read by each GEMM
+    # once per token chunk; each fp32 tile written by its GEMM, read by the
+    # statistics, read + written by the d-logits pass). "fp32": d_weight / d_hidden
+    # accumulated by addmm_ (fp32 accumulator read + written per token chunk).
+    # "input": the tile read once more and written as bf16, read by the two GEMMs;
+    # each GEMM writes an fp32 product that add_ folds into the fp32 accumulator
+    # (product written + read, accumulator read + written: 4 passes per token
+    # chunk for d_weight, per vocab chunk for d_hidden), except the first of
+    # each sum, written into the (zero-filled) accumulator: 2 passes.
+    tc, vc = math.ceil(rows / TOKEN_CHUNK), math.ceil(vocab / VOCAB_CHUNK)
+    hf = rows * hidden * 4  # a float32 [T, H]
+    tiles = 4 * tc * vc
+    rec32 = 2 * tc * w2 + 2 * tc * w4 + 2 * tc * w4 + 4 * h2 + 2 * 4 * tv * 4
+    rec16 = (4 * tc * w2 + vc * h2 + 4 * tv * 4 + tv * (4 + 2) + 2 * tv * 2
+             + (4 * tc - 2) * w4 + (4 * vc - 2) * hf)  # fmt: skip
     lines.append(_model_line(
-        f"fused_linear recompute as implemented (4 GEMMs, {tc} token chunks: 2 bf16, 2 fp32)",
-        rec_bytes, {"bf16": 2 * gemm, "fp32": 2 * gemm},
-        4 * tc * math.ceil(vocab / VOCAB_CHUNK),
+        f"fused_linear recompute, grad_gemm_dtype='fp32' (before; 4 GEMMs, {tc} token chunks: "
+        "2 bf16, 2 fp32)", rec32, {"bf16": 2 * gemm, "fp32": 2 * gemm}, tiles,
     ))  # fmt: skip
-    # grad-in-forward, as implemented: float32 copies of weight and hidden once,
-    # then per chunk of r rows (CHUNK_BYTES of fp32 logits) 3 fp32 GEMMs, each
-    # reading the fp32 weight; the tile written once and read / rewritten by the
-    # statistics and d-logits passes (~6 r V fp32 passes); d_weight fp32 read +
-    # written per chunk.
+    lines.append(_model_line(
+        f"fused_linear recompute as implemented, CUDA auto = 'input' (4 bf16 GEMMs, {tc} token "
+        "chunks)", rec16, {"bf16": 4 * gemm}, tiles + 3 * tc * vc,
+    ))  # fmt: skip
+    # grad-in-forward, per chunk of r rows (default_rows of fp32 logits): the tile
+    # written by the logits GEMM, read by the statistics, read + written by the
+    # d-logits pass (+ ~2 passes of the small per-token work: ~6 r V fp32 passes).
+    # "fp32": float32 copies of weight and hidden once, 3 fp32 GEMMs per chunk
+    # each reading the fp32 weight, d_weight read + written by addmm_ per chunk.
+    # "input": bf16 logits GEMM (fp32 out), the tile read + written as bf16, two
+    # bf16 GEMMs reading the bf16 weight; d_weight's fp32 product written + read
+    # and the fp32 accumulator read + written per chunk, but the first chunk's
+    # product written into the zero-filled accumulator (2 passes).
     for r, label in ((default_rows(vocab, torch.device("cpu")), "CPU default chunk"),
                      (default_rows(vocab, torch.device("cuda")), "GPU default chunk")):  # fmt: skip
         c = math.ceil(rows / r)
-        gif_bytes = (w2 + w4 + 3 * h2) + c * (3 * w4 + 2 * w4) + 6 * 4 * tv
+        gif32 = (w2 + w4 + 3 * h2) + c * (3 * w4 + 2 * w4) + 6 * 4 * tv
+        gif16 = c * 3 * w2 + (4 * c - 2) * w4 + 3 * h2 + hf + 6 * 4 * tv + (4 + 2) * tv + 2 * 2 * tv
         lines.append(_model_line(
-            f"fused grad-in-forward as implemented, {label} ({r} rows x {c}: 3 fp32 GEMMs each)",
-            gif_bytes, {"fp32": 3 * gemm}, c * 5,
+            f"fused grad-in-forward, grad_gemm_dtype='fp32' (before), {label} ({r} rows x {c}: "
+            "3 fp32 GEMMs each)", gif32, {"fp32": 3 * gemm}, c * 5,
         ))  # fmt: skip
         lines.append(_model_line(
-            f"fused grad-in-forward with bf16 GEMM operands (NOT implemented), {label}",
-            c * 3 * w2 + c * 2 * w4 + 3 * h2 + 6 * 4 * tv + 2 * tv, {"bf16": 3 * gemm}, c * 5,
+            f"fused grad-in-forward as implemented, CUDA auto = 'input', {label} ({r} rows x {c}: "
+            "3 bf16 GEMMs each)", gif16, {"bf16": 3 * gemm}, c * 7,
         ))  # fmt: skip
     lines.append(_model_line("3-GEMM floor (bf16, each operand read once)", 3 * (w2 + h2),
                              {"bf16": 3 * gemm}, 3))  # fmt: skip
@@ -434,3 +456,8 @@ if __name__ == "__main__":
         print(fused_table(tuple(int(x) for x in args.shape.split(",")), args.reps))
     if args.model or not args.fused:
         print(gpu_model())
+        from compass_kernels.espo.logprobs import grad_gemm_info
+
+        for opt in ("auto", "input"):
+            how = grad_gemm_info(opt, torch.bfloat16, torch.device("cpu"))
+            print(f"  this machine (CPU), bf16 inputs, grad_gemm_dtype={opt!r}: {how}")

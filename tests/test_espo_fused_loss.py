@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import compass_kernels as ck
+from compass_kernels.espo.logprobs import mixed_mm_supported
 from compass_kernels.espo.reference_logprobs import fused_linear_logprobs_entropy_reference
 from compass_kernels.espo.reference_loss import espo_loss_reference
 from compass_kernels.testing import assert_verbose_allclose, make_generator
@@ -278,10 +279,12 @@ def test_bad_cu_seqlens_host():
 # ------------------------------------- vocab tensor parallelism (gloo, TP=2)
 
 TP_CASE = ((7, 13, 1, 9), 3, 17, 302)  # lengths, tail, H, V (two shards of 151)
-TP_RUNS = (  # (options, strategy, token_chunk)
-    ({"mode": "grpo"}, "grad_in_forward", 8),
-    ({"mode": "espo", "clip": 0.1}, "grad_in_forward", 16),
-    ({"mode": "grpo"}, "recompute", 8),
+TP_RUNS = (  # (options, strategy, token_chunk, bf16 inputs with grad_gemm_dtype="input")
+    ({"mode": "grpo"}, "grad_in_forward", 8, False),
+    ({"mode": "espo", "clip": 0.1}, "grad_in_forward", 16, False),
+    ({"mode": "grpo"}, "recompute", 8, False),
+    ({"mode": "grpo"}, "grad_in_forward", 8, True),
+    ({"mode": "espo", "clip": 0.1}, "recompute", 8, True),
 )
 
 
@@ -309,16 +312,21 @@ class _GemmCount:
         self.mode.__exit__(*exc)
 
 
-def _run_tp(rank, world, group, opts, strategy, chunk):
+def _run_tp(rank, world, group, opts, strategy, chunk, bf16):
     lengths, tail, hidden, vocab = TP_CASE
-    h, w, y, old, old_ent, adv, cu, mask = make_batch(lengths, tail, hidden, vocab, seed=21)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    h, w, y, old, old_ent, adv, cu, mask = make_batch(lengths, tail, hidden, vocab, seed=21,
+                                                      dtype=dtype)  # fmt: skip
     shard = vocab // world
     hq = h.clone().requires_grad_()
     wq = w[rank * shard : (rank + 1) * shard].clone().requires_grad_()
+    # the mixed-mm probe (one 2 x 2 mm per process, cached) runs before the count
+    mixed_mm_supported(h.device)
     with _GemmCount() as count:
         loss, _, lp, ent = ck.espo.fused_linear_espo_loss(
             hq, wq, y, old, old_ent, adv, cu, mask, entropy_coef=0.01, temperature=0.9,
-            strategy=strategy, token_chunk=chunk, tp_group=group, **opts,
+            strategy=strategy, token_chunk=chunk, tp_group=group,
+            grad_gemm_dtype="input" if bf16 else "auto", **opts,
         )  # fmt: skip
         (loss * 2.0).backward()
     return {"loss": loss.detach(), "lp": lp, "ent": ent, "dh": hq.grad, "dw": wq.grad,
@@ -340,24 +348,262 @@ def _tp_worker(rank: int, world: int, init: str, out_dir: str) -> None:
 def test_vocab_tensor_parallel_two_gloo_ranks_equal_one_process(tmp_path):
     """TP=2 (gloo, two processes) equals one process for grad_in_forward (grpo
     and espo) and recompute; grad_in_forward stays at 3 GEMMs per chunk under
-    TP (the recompute path at 4)."""
+    TP (the recompute path at 4). Also bf16 inputs with bf16 gradient GEMMs
+    (within the bf16 tolerances: each rank rounds its partial d_hidden)."""
     import torch.multiprocessing as mp
 
     world = 2
     mp.spawn(_tp_worker, args=(world, f"file://{tmp_path}/store", str(tmp_path)), nprocs=world)
     parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     total = sum(TP_CASE[0]) + TP_CASE[1]
-    for i, (opts, strategy, chunk) in enumerate(TP_RUNS):
-        one = _run_tp(0, 1, None, opts, strategy, chunk)
-        name = f"{opts['mode']} {strategy}"
+    for i, (opts, strategy, chunk, bf16) in enumerate(TP_RUNS):
+        one = _run_tp(0, 1, None, opts, strategy, chunk, bf16)
+        name = f"{opts['mode']} {strategy}{' bf16' if bf16 else ''}"
         for r in range(world):
             got = parts[r][i]
             for key in ("loss", "lp", "ent", "dh"):
+                if bf16 and key == "dh":
+                    _close_bf16(got[key], one[key], f"{name} rank {r} {key}")
+                    continue
                 assert_verbose_allclose(got[key], one[key], name=f"{name} rank {r} {key}", **TOL)
         d_weight = torch.cat([parts[r][i]["dw"] for r in range(world)])
-        assert_verbose_allclose(d_weight, one["dw"], name=f"{name} d_weight shards", **TOL)
+        if bf16:
+            assert d_weight.dtype == torch.bfloat16
+            _close_bf16(d_weight, one["dw"], f"{name} d_weight shards")
+        else:
+            assert_verbose_allclose(d_weight, one["dw"], name=f"{name} d_weight shards", **TOL)
         chunks = math.ceil(total / chunk) if opts["mode"] == "grpo" else None
         if strategy == "grad_in_forward" and chunks is not None:
             assert parts[0][i]["gemms"] == one["gemms"] == 3 * chunks
         if strategy == "recompute":  # 4 GEMMs per (token chunk, vocab chunk) tile
             assert parts[0][i]["gemms"] == one["gemms"] == 4 * math.ceil(total / chunk)
+
+
+# ------------------------------- gradient GEMM operand dtype (grad_gemm_dtype)
+
+#: bf16 inputs, gradient GEMMs on bf16 operands ("input"), vs float64 from the
+#: same bf16 values: the float32 d logits tile rounded once to bf16 (2^-9
+#: relative), on the CPU the GEMM product rounded to bf16 (2^-9) and the final
+#: store of d_hidden / d_weight in bf16 (2^-9): per element within 2e-2 of the
+#: reference's scale, in norm within 1e-2.
+BF16_REL = 2e-2
+BF16_NORM = 1e-2
+
+
+def _close_bf16(got, ref, name):
+    got, ref = got.double(), ref.double()
+    scale = float(ref.abs().max())
+    assert_verbose_allclose(got, ref, name=name, atol=BF16_REL * scale, rtol=BF16_REL)
+    rel = float((got - ref).norm() / ref.norm())
+    assert rel < BF16_NORM, f"{name}: relative error in norm {rel:.2e} >= {BF16_NORM}"
+
+
+class _MatmulDtypes:
+    """Records (overload name, operand dtypes) of aten mm / addmm while active;
+    with ``emulate_mixed`` also runs torch.mm(out_dtype=float32) on the CPU
+    (float32 GEMM of the half operands: what a CUDA mixed mm computes, up to
+    the summation order) so the CUDA branch is exercised here."""
+
+    def __init__(self, emulate_mixed=False):
+        self.emulate = emulate_mixed
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        rec = self
+        mm_dtype = (torch.ops.aten.mm.dtype, torch.ops.aten.mm.dtype_out)
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm,
+                                           torch.ops.aten.addmm_):  # fmt: skip
+                    mats = args[:2] if func.overloadpacket is torch.ops.aten.mm else args[1:3]
+                    rec.calls.append((func._overloadname, tuple(m.dtype for m in mats)))
+                    if rec.emulate and func in mm_dtype:
+                        r = torch.mm(args[0].float(), args[1].float())
+                        return kwargs["out"].copy_(r) if "out" in kwargs else r
+                return func(*args, **kwargs)
+
+        self.calls = []
+        self.mode = Mode()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+BF16_CASES = [  # case index into CASES, strategy
+    (0, "grad_in_forward"),  # grpo, chunks cut sequences, entropy bonus
+    (0, "recompute"),
+    (2, "grad_in_forward"),  # espo, temperature 0.9, entropy bonus
+    (2, "recompute"),
+    (4, "grad_in_forward"),  # gspo
+]
+
+
+@pytest.mark.parametrize(("case", "strategy"), BF16_CASES)
+def test_bf16_input_grad_gemms_match_reference(case, strategy):
+    """bf16 hidden / weight with grad_gemm_dtype="input" (the CUDA default):
+    loss, log-probs and entropy as tight as float32 (the logits GEMM is exact
+    in the bf16 inputs), gradients within the bf16 tolerances above."""
+    lengths, tail, hidden, vocab, chunk, opts = CASES[case]
+    h, w, y, old, old_ent, adv, cu, mask = make_batch(lengths, tail, hidden, vocab, seed=40 + case,
+                                                      dtype=torch.bfloat16)  # fmt: skip
+    coef = 0.01 if case % 2 == 0 else 0.0
+    temp = 0.9 if case == 2 else 1.0
+    ref_loss, ref_lp, _, ref_dh, ref_dw = reference(h, w, y, old, old_ent, adv, cu, mask, coef,
+                                                    temp, opts)  # fmt: skip
+    hq, wq = h.clone().requires_grad_(), w.clone().requires_grad_()
+    with _MatmulDtypes() as rec:
+        loss, _, lp, _ = ck.espo.fused_linear_espo_loss(
+            hq, wq, y, old, old_ent, adv, cu, mask, entropy_coef=coef, temperature=temp,
+            strategy=strategy, token_chunk=chunk, grad_gemm_dtype="input", **opts,
+        )  # fmt: skip
+        (loss * 3.0).backward()
+    assert hq.grad.dtype == torch.bfloat16 and wq.grad.dtype == torch.bfloat16
+    assert_verbose_allclose(lp, ref_lp.float(), name="logprobs", **TOL)
+    assert_verbose_allclose(loss.double(), ref_loss, name="loss", atol=1e-5, rtol=1e-4)
+    _close_bf16(hq.grad, 3 * ref_dh, "d_hidden")
+    _close_bf16(wq.grad, 3 * ref_dw, "d_weight")
+    assert any(d == (torch.bfloat16, torch.bfloat16) for _, d in rec.calls)
+
+
+def _gemm_dtypes(strategy, option, emulate_mixed=False, dtype=torch.bfloat16):
+    h, w, y, old, old_ent, adv, cu, mask = make_batch((7, 13, 1, 9), 3, 17, 301, seed=50,
+                                                      dtype=dtype)  # fmt: skip
+    hq, wq = h.clone().requires_grad_(), w.clone().requires_grad_()
+    mixed_mm_supported(h.device)  # the probe's mm (cached) runs before the record
+    with _MatmulDtypes(emulate_mixed) as rec:
+        loss, _, _, _ = ck.espo.fused_linear_espo_loss(
+            hq, wq, y, old, old_ent, adv, cu, mask, mode="grpo", strategy=strategy,
+            token_chunk=8, grad_gemm_dtype=option,
+        )  # fmt: skip
+        loss.backward()
+    return rec.calls, (h, w, y, old, old_ent, adv, cu, mask), hq.grad, wq.grad
+
+
+@pytest.mark.parametrize("strategy", ["grad_in_forward", "recompute"])
+def test_grad_gemm_operand_dtypes(strategy):
+    """The gradient GEMMs' operands are what grad_gemm_dtype says: bf16 for
+    "input"; float32 for "fp32" and for "auto" on the CPU. On the CPU (no
+    mixed mm) the logits GEMMs take float32 copies. 33 tokens, chunks of 8: 5
+    chunks; recompute: 5 token tiles x 1 vocab tile."""
+    bf, f32 = (torch.bfloat16,) * 2, (torch.float32,) * 2
+    logits = 5 if strategy == "grad_in_forward" else 10  # recompute: forward + backward
+    for option, grad_ops in (("input", bf), ("fp32", f32), ("auto", f32)):
+        calls, *_ = _gemm_dtypes(strategy, option)
+        dts = [d for _, d in calls]
+        assert len(dts) == logits + 10, (option, calls)
+        assert dts.count(bf) == (10 if grad_ops == bf else 0), (option, calls)
+        assert dts.count(f32) == logits + (10 if grad_ops == f32 else 0), (option, calls)
+
+
+@pytest.mark.parametrize("strategy", ["grad_in_forward", "recompute"])
+def test_mixed_mm_branch_emulated(strategy, monkeypatch):
+    """The CUDA branch (torch.mm(out_dtype=float32) of bf16 operands, probed
+    at run time) on the CPU with that overload emulated: every GEMM (logits
+    too) takes bf16 operands through mm.dtype_out, and the gradients match the
+    float64 reference (no product rounding: tighter than the CPU branch)."""
+    from compass_kernels.espo import logprobs
+
+    monkeypatch.setitem(logprobs._MIXED_MM, "cpu", True)
+    calls, batch, dh, dw = _gemm_dtypes(strategy, "input", emulate_mixed=True)
+    assert {c for c, _ in calls} == {"dtype_out"}, calls
+    assert all(d == (torch.bfloat16, torch.bfloat16) for _, d in calls), calls
+    _, _, _, ref_dh, ref_dw = reference(*batch, 0.0, 1.0, {"mode": "grpo"})
+    _close_bf16(dh, ref_dh, "d_hidden")
+    _close_bf16(dw, ref_dw, "d_weight")
+
+
+def test_mixed_mm_probe_on_cpu():
+    """CPU torch 2.13 has no mm(out_dtype): the probe says so, and the auto
+    choice on the CPU is float32 operands."""
+    from compass_kernels.espo import logprobs
+
+    cpu = torch.device("cpu")
+    assert logprobs.mixed_mm_supported(cpu) is False
+    assert logprobs.resolve_grad_gemm_dtype("auto", torch.bfloat16, cpu) == torch.float32
+    assert logprobs.resolve_grad_gemm_dtype("input", torch.bfloat16, cpu) == torch.bfloat16
+    assert logprobs.resolve_grad_gemm_dtype("input", torch.float32, cpu) == torch.float32
+    assert "bfloat16 product" in logprobs.grad_gemm_info("input", torch.bfloat16, cpu)
+    h, w, y, old, old_ent, adv, cu, mask = make_batch((3, 5), 0, 8, 50, seed=51)
+    with pytest.raises(ValueError, match="grad_gemm_dtype: expected one of"):
+        ck.espo.fused_linear_espo_loss(h, w, y, old, old_ent, adv, cu, mask, mode="grpo",
+                                       grad_gemm_dtype="bf16")  # fmt: skip
+    with pytest.raises(ValueError, match="grad_gemm_dtype"):
+        ck.espo.fused_linear_logprobs_entropy(h, w, y, grad_gemm_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("strategy", ["grad_in_forward", "recompute"])
+def test_small_target_gradient_survives_bf16(strategy):
+    """A token whose target probability is ~1 - 1e-4: its d logits are
+    coef * (p - onehot), ~1e-4 at the target. Formed in float32 and rounded
+    once to bf16 it survives; rounding p to bf16 first (1 - 1e-4 -> 1.0)
+    would zero the target term and leave d_hidden of that token wrong by
+    O(1). The token's d_hidden row matches the float64 reference within the
+    bf16 tolerance."""
+    g = make_generator(60)
+    total, hidden, vocab, hot = 6, 16, 64, 3
+    w = torch.randn(vocab, hidden, generator=g) / math.sqrt(hidden)
+    y = torch.randint(0, vocab, (total,), generator=g)
+    h = torch.randn(total, hidden, generator=g)
+    # the hot token: logits of its target ~13 above the rest (p_target ~ 1 - 1e-4)
+    w[y[hot]] *= 3.0
+    h[hot] = w[y[hot]] / w[y[hot]].norm() ** 2 * 13.0
+    h, w = h.to(torch.bfloat16), w.to(torch.bfloat16)
+    with torch.no_grad():
+        lp, ent = fused_linear_logprobs_entropy_reference(h, w, y)
+    miss = float(-torch.expm1(lp[hot]))
+    assert 2e-5 < miss < 5e-4, miss  # 1 - p_target
+    cu = torch.tensor([0, total], dtype=torch.int32)
+    old, old_ent, adv = lp.float(), ent.float(), torch.tensor([1.0])
+    _, _, _, ref_dh, _ = reference(h, w, y, old, old_ent, adv, cu, None, 0.0, 1.0,
+                                   {"mode": "grpo"})  # fmt: skip
+    hq = h.clone().requires_grad_()
+    loss, _, _, _ = ck.espo.fused_linear_espo_loss(hq, w, y, old, old_ent, adv, cu, None,
+                                                   mode="grpo", strategy=strategy,
+                                                   grad_gemm_dtype="input")  # fmt: skip
+    loss.backward()
+    row, ref_row = hq.grad[hot].double(), ref_dh[hot]
+    # the target term coef * (p - 1) w_y is most of this row
+    coef = -1.0 / total
+    target_term = coef * -miss * w[y[hot]].double()
+    assert float(target_term.norm()) > 0.5 * float(ref_row.norm())
+    rel = float((row - ref_row).norm() / ref_row.norm())
+    assert rel < BF16_NORM * 2, f"hot token d_hidden: relative error {rel:.2e}"
+
+
+@pytest.mark.parametrize("emulate_mixed", [False, True])
+def test_fused_logprobs_bf16_input_tiles(emulate_mixed, monkeypatch):
+    """fused_linear_logprobs_entropy (the recompute backward) with bf16 inputs
+    and grad_gemm_dtype="input" over several token x vocab tiles (the first
+    tile of each sum writes, the others accumulate in float32), on the CPU
+    branch and on the emulated CUDA branch, vs float64."""
+    from compass_kernels.espo import logprobs
+
+    if emulate_mixed:
+        monkeypatch.setitem(logprobs._MIXED_MM, "cpu", True)
+    logprobs.mixed_mm_supported(torch.device("cpu"))  # the probe's mm runs before the record
+    g = make_generator(70)
+    total, hidden, vocab = 23, 19, 211
+    h = (torch.randn(total, hidden, generator=g) * 1.5).to(torch.bfloat16)
+    w = (torch.randn(vocab, hidden, generator=g) / math.sqrt(hidden) * 3).to(torch.bfloat16)
+    y = torch.randint(0, vocab, (total,), generator=g)
+    gl, gh = torch.randn(total, generator=g), torch.randn(total, generator=g) * 0.1
+    hh, ww = h.double().requires_grad_(), w.double().requires_grad_()
+    ref_lp, ref_ent = fused_linear_logprobs_entropy_reference(hh, ww, y, 0.8)
+    ((ref_lp * gl.double()).sum() + (ref_ent * gh.double()).sum()).backward()
+    hq, wq = h.clone().requires_grad_(), w.clone().requires_grad_()
+    with _MatmulDtypes(emulate_mixed) as rec:
+        lp, ent = ck.espo.fused_linear_logprobs_entropy(
+            hq, wq, y, temperature=0.8, token_chunk=7, vocab_chunk=33, grad_gemm_dtype="input"
+        )
+        ((lp * gl).sum() + (ent * gh).sum()).backward()
+    tiles = math.ceil(total / 7) * math.ceil(vocab / 33)
+    bf = (torch.bfloat16, torch.bfloat16)
+    assert sum(d == bf for _, d in rec.calls) == (4 if emulate_mixed else 2) * tiles, rec.calls
+    assert_verbose_allclose(lp, ref_lp.detach().float(), name="logprobs", **TOL)
+    _close_bf16(hq.grad, hh.grad, "d_hidden")
+    _close_bf16(wq.grad, ww.grad, "d_weight")

@@ -39,6 +39,15 @@ is an error (never a hidden host sync). grpo needs no plan.
 
 ``strategy="auto"`` picks grad_in_forward whenever it applies.
 
+Gradient GEMM precision (``grad_gemm_dtype``; docs/design.md): the d logits
+tile G = coef * (softmax - onehot) / T (+ the entropy term) is always formed
+in float32; with "input" (the CUDA default under "auto") it is then rounded
+once to hidden's dtype and the two gradient GEMMs run on bf16 operands
+(tensor cores), writing float32 through torch.mm(out_dtype=float32) where
+the build has it; d_weight accumulates over chunks in float32. "fp32" (the
+CPU default under "auto": bf16 GEMMs are slow without AVX-512-BF16) keeps
+float32 operands.
+
 The per-chunk coefficients come from ``espo_loss`` itself (its kernels' own
 d loss / d logprobs on the chunk's tokens, with the batch's G, entropy
 boundaries and per-sequence counts), and the returned loss and metrics from
@@ -55,10 +64,14 @@ from compass_kernels._validate import check_tensor, describe
 from compass_kernels.espo import loss_config
 from compass_kernels.espo.logprobs import (
     _finalize,
+    _grad_mm,
+    _grad_mm_acc,
     _tp_info,
     check_linear_inputs,
     fused_linear_logprobs_entropy,
     logprobs_tile_stats_op,
+    mixed_mm_supported,
+    resolve_grad_gemm_dtype,
     token_logprobs_entropy_bwd_op,
 )
 from compass_kernels.espo.loss import entropy_thresholds, espo_loss
@@ -208,6 +221,7 @@ def fused_linear_espo_loss(
     cp_group=None,
     validate: bool | None = None,
     backend: str | None = None,
+    grad_gemm_dtype: str = "auto",
     **loss_options,
 ):
     """ESPO / GSPO / GRPO loss of the policy ``softmax(hidden @ weight.T / temperature)``.
@@ -232,6 +246,19 @@ def fused_linear_espo_loss(
     token_chunk : tokens per chunk (default: ``default_rows``, 128 MiB of
         float32 logits on the CPU, 1 GiB on a GPU, for grad_in_forward; 1024
         for recompute).
+    grad_gemm_dtype : operands of the gradient GEMMs (d_hidden = G @ W,
+        d_weight += G^T @ h): "input" (hidden's dtype: bf16 on tensor cores),
+        "fp32", or "auto" (default: "input" on CUDA, "fp32" on the CPU, where
+        bf16 GEMMs are slow without AVX-512-BF16). Either way the gradient
+        tile G = coef * (softmax - onehot) (+ the entropy term) is formed in
+        float32 and rounded once to the operand dtype (its final store: a
+        target gradient coef * (p - 1) with p = 1 - 1e-4 survives, which
+        rounding the softmax to bf16 before subtracting the one-hot would
+        erase); d_weight accumulates over chunks in float32 and is rounded to
+        weight's dtype once at the end. The GEMM writes float32 where torch.mm
+        has out_dtype (CUDA; probed at run time, ``logprobs.grad_gemm_info``
+        says what runs); elsewhere its product is rounded to the input dtype
+        before the float32 accumulation.
 
     Returns
     -------
@@ -246,6 +273,7 @@ def fused_linear_espo_loss(
     if unknown:
         raise TypeError(f"fused_linear_espo_loss: unexpected keyword argument(s) {sorted(unknown)}")
     h, w, y, temp = check_linear_inputs(hidden, weight, targets, temperature, tp_group, validate)
+    gd = resolve_grad_gemm_dtype(grad_gemm_dtype, h.dtype, h.device)
     if token_chunk is not None and not (isinstance(token_chunk, int) and token_chunk > 0):
         raise ValueError(f"token_chunk: expected a positive int or None, got {token_chunk!r}")
     if not (isinstance(entropy_coef, int | float) and abs(entropy_coef) < float("inf")):
@@ -286,6 +314,7 @@ def fused_linear_espo_loss(
         logp, ent = fused_linear_logprobs_entropy(
             h, w, y, temperature=temp, tp_group=tp_group,
             token_chunk=token_chunk or 1024, validate=False, backend=backend,
+            grad_gemm_dtype=grad_gemm_dtype,
         )  # fmt: skip
         loss, metrics = espo_loss(logp, old_logprobs, old_entropy, advantages, cu_seqlens, mask,
                                   cp_group=cp_group, **common)  # fmt: skip
@@ -302,7 +331,7 @@ def fused_linear_espo_loss(
     with torch.no_grad():
         logp, ent, d_h, d_w = _grad_in_forward(
             h, w, y, temp, old_logprobs, old_entropy, advantages, cu, mask, cfg, G,
-            float(entropy_coef), rows, cu_host, common, want_h, want_w, tp_group,
+            float(entropy_coef), rows, cu_host, common, want_h, want_w, tp_group, gd,
         )  # fmt: skip
         loss, metrics = espo_loss(logp, old_logprobs, old_entropy, advantages, cu_seqlens, mask,
                                   **common)  # fmt: skip
@@ -326,7 +355,7 @@ def _with_entropy_term(metrics, term):
 
 
 def _grad_in_forward(h, w, y, temp, old_lp, old_ent, adv, cu, mask, cfg, G, ent_coef, rows,
-                     cu_host, common, want_h, want_w, tp_group):  # fmt: skip
+                     cu_host, common, want_h, want_w, tp_group, gd):  # fmt: skip
     """Forward statistics and the wanted gradients: up to 3 GEMMs per chunk
     (module docstring); 1 when no gradient is wanted (no_grad, frozen inputs).
 
@@ -334,7 +363,10 @@ def _grad_in_forward(h, w, y, temp, old_lp, old_ent, adv, cu, mask, cfg, G, ent_
     [rows, V_local] of the chunk; the per-token statistics are merged over the
     group (all-reduce MAX, then SUM: ``_finalize``) before the coefficients
     and the d logits of that same tile are formed: still 3 GEMMs per chunk.
-    d_weight stays per shard; the partial d_hidden sums over the group once."""
+    d_weight stays per shard; the partial d_hidden sums over the group once.
+
+    gd: the gradient GEMMs' operand dtype (float32, or hidden's dtype: the
+    float32 d logits tile is then rounded once into a gd buffer)."""
     total, vocab = h.shape[0], w.shape[0]
     rank, _ = _tp_info(tp_group)
     shard = rank * vocab  # equal contiguous shards (Megatron's vocab split)
@@ -363,21 +395,35 @@ def _grad_in_forward(h, w, y, temp, old_lp, old_ent, adv, cu, mask, cfg, G, ent_
         chunks = _chunks_by_sequences(cu_host, total, rows)
     opts = {k: v for k, v in common.items() if k not in ("num_sequences", "advantages_per_token")}
     f32 = torch.float32
-    w32 = w if w.dtype == f32 else w.to(f32)
-    h32 = h if h.dtype == f32 else h.to(f32)
+    half = gd != f32
+    # Logits GEMM: half operands with a float32 result where torch.mm has
+    # out_dtype (CUDA: exact products, float32 sums), else float32 copies made
+    # once (CPU). The fp32 gradient GEMMs reuse the copies.
+    mixed = h.dtype != f32 and mixed_mm_supported(dev)
+    need32 = h.dtype != f32 and (not mixed or not half)
+    w32 = w.to(f32) if need32 else w
+    h32 = h.to(f32) if need32 else h
     logp = torch.empty(total, dtype=f32, device=dev)
     ent = torch.empty(total, dtype=f32, device=dev)
     d_h = torch.empty(total, h.shape[1], dtype=f32, device=dev) if want_h else None
     d_w = torch.zeros(vocab, h.shape[1], dtype=f32, device=dev) if want_w else None
     max_rows = max((b - a for a, b in chunks), default=0)
     flat = torch.empty(max_rows * vocab, dtype=f32, device=dev)
+    grads = want_h or want_w
+    gbuf = torch.empty(max_rows * vocab, dtype=gd, device=dev) if half and grads else None
+    # an fp32 [V, H] product per chunk after the first (written into d_w)
+    fold = half and want_w and len(chunks) > 1 and mixed_mm_supported(dev)
+    tmp_w = torch.empty_like(d_w) if fold else None
     state = torch.empty(4 * max_rows, dtype=f32, device=dev)
     gh_all = -ent_coef * tok_w if ent_coef else None
     for a, b in chunks:
         r = b - a
         tile = flat[: r * vocab].view(r, vocab)
         hc = h32[a:b]
-        torch.mm(hc, w32.T, out=tile)
+        if mixed and not need32:
+            torch.mm(hc, w32.T, out_dtype=f32, out=tile)
+        else:
+            torch.mm(hc, w32.T, out=tile)
         st = state[: 4 * r].view(4, r)
         st[0].fill_(float("-inf"))
         st[1:].zero_()
@@ -392,6 +438,15 @@ def _grad_in_forward(h, w, y, temp, old_lp, old_ent, adv, cu, mask, cfg, G, ent_
         gh = None if gh_all is None else gh_all[a:b].contiguous()
         token_logprobs_entropy_bwd_op(tile, y[a:b], m, log_s, ent_c, gl, gh, temp, shard,
                                       backend=common["backend"], out=(tile,))  # fmt: skip
+        if half:  # the float32 d logits' single store: rounded once to gd
+            g = gbuf[: r * vocab].view(r, vocab).copy_(tile)
+            if want_h:
+                _grad_mm(g, w, out=d_h[a:b])
+            if want_w and a == 0:  # the first chunk's product is the accumulator's start
+                _grad_mm(g.T, h[a:b], out=d_w)
+            elif want_w:
+                _grad_mm_acc(d_w, g.T, h[a:b], tmp_w)
+            continue
         if want_h:
             torch.mm(tile, w32, out=d_h[a:b])
         if want_w:

@@ -235,13 +235,94 @@ TOKEN_CHUNK = 1024
 VOCAB_CHUNK = 8192
 
 
+#: ``grad_gemm_dtype`` options: the operand dtype of the gradient GEMMs
+#: (d_hidden = G @ W, d_weight += G^T @ h). "input": hidden's dtype (bf16 on
+#: tensor cores); "fp32": float32 operands; "auto": the input dtype on CUDA,
+#: float32 on the CPU (bf16 GEMMs are slow on CPUs without AVX-512-BF16).
+GRAD_GEMM_DTYPES = ("auto", "fp32", "input")
+_MIXED_MM: dict[str, bool] = {}  # device type -> torch.mm(out_dtype=float32) runs there
+_WARNED: set[str] = set()
+
+
+def mixed_mm_supported(device: torch.device) -> bool:
+    """Whether torch.mm(a, b, out_dtype=torch.float32, out=...) with half
+    operands runs on ``device``'s type (a run-time probe on 2 x 2 tensors,
+    cached per device type; no host sync). CUDA builds have it; CPU torch
+    2.13 does not."""
+    kind = device.type
+    if kind not in _MIXED_MM:
+        a = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
+        try:
+            torch.mm(a, a, out_dtype=torch.float32, out=a.new_empty(2, 2, dtype=torch.float32))
+            _MIXED_MM[kind] = True
+        except (RuntimeError, NotImplementedError, TypeError):
+            _MIXED_MM[kind] = False
+    return _MIXED_MM[kind]
+
+
+def resolve_grad_gemm_dtype(option: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The operand dtype of the gradient GEMMs for ``grad_gemm_dtype=option``
+    with inputs of ``dtype`` on ``device`` (GRAD_GEMM_DTYPES)."""
+    if option not in GRAD_GEMM_DTYPES:
+        raise ValueError(f"grad_gemm_dtype: expected one of {GRAD_GEMM_DTYPES}, got {option!r}")
+    if option == "fp32" or (option == "auto" and device.type == "cpu"):
+        return torch.float32
+    gd = dtype
+    if gd != torch.float32 and not mixed_mm_supported(device) and device.type not in _WARNED:
+        _WARNED.add(device.type)
+        if device.type != "cpu":  # CPU torch has no mixed mm: expected, documented
+            import warnings
+
+            warnings.warn(
+                f"grad_gemm_dtype={option!r}: torch.mm(out_dtype=float32) is unavailable on "
+                f"{device.type} in this torch build; each gradient GEMM's product is rounded "
+                f"to {dtype} before its float32 accumulation (grad_gemm_info says so)",
+                stacklevel=3,
+            )
+    return gd
+
+
+def grad_gemm_info(option: str, dtype: torch.dtype, device: torch.device) -> str:
+    """How the gradient GEMMs run for these inputs, in words (benches print it)."""
+    gd = resolve_grad_gemm_dtype(option, dtype, device)
+    if gd == torch.float32:
+        return "float32 operands, float32 out" + (
+            f" (the d logits tile float32, {dtype} weight / hidden upcast)"
+            if dtype != torch.float32 else "")  # fmt: skip
+    how = ("float32 out (torch.mm out_dtype)" if mixed_mm_supported(device)
+           else f"{gd} product (no mixed mm on {device.type}), float32 accumulation")  # fmt: skip
+    return f"{gd} operands (d logits tile formed in float32, rounded once), {how}"
+
+
+def _grad_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out (float32) = a @ b for operands of one dtype: float32, or half with a
+    float32 result where the build has a mixed mm, else the half product."""
+    if a.dtype == torch.float32:
+        return torch.mm(a, b, out=out)
+    if mixed_mm_supported(a.device):
+        return torch.mm(a, b, out_dtype=torch.float32, out=out)
+    return out.copy_(torch.mm(a, b))
+
+
+def _grad_mm_acc(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, tmp) -> None:
+    """acc (float32) += a @ b; tmp: a float32 buffer of acc's shape (or None)
+    for the half product when the build has a mixed mm."""
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b)
+    elif tmp is not None and mixed_mm_supported(a.device):
+        acc.add_(torch.mm(a, b, out_dtype=torch.float32, out=tmp))
+    else:
+        acc.add_(torch.mm(a, b))
+
+
 def _mm_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """a @ b with a float32 result (float32 accumulation) for float32 or half inputs."""
     if a.dtype == torch.float32:
         return torch.mm(a, b, out=out)
-    if a.is_cuda:
-        r = torch.mm(a, b, out_dtype=torch.float32)
-        return r if out is None else out.copy_(r)
+    if mixed_mm_supported(a.device):
+        if out is None:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        return torch.mm(a, b, out_dtype=torch.float32, out=out)
     return torch.mm(a.float(), b.float(), out=out)  # CPU has no mixed-dtype mm
 
 
@@ -290,7 +371,8 @@ class _TileBuffer:
 
 class _FusedLinearLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, with_entropy, tp_group, chunks, backend):
+    def forward(ctx, hidden, weight, targets, temperature, with_entropy, tp_group, chunks, backend,
+                grad_dtype):  # fmt: skip
         token_chunk, vocab_chunk = chunks
         rows, vocab = hidden.shape[0], weight.shape[0]
         rank, _ = _tp_info(tp_group)
@@ -314,7 +396,7 @@ class _FusedLinearLogprobs(torch.autograd.Function):
             state[:, t0:t1] = st
         m, log_s, logp, entropy = _finalize(state, 1.0 / temperature, with_entropy, tp_group)
         ctx.save_for_backward(hidden, weight, targets, m, log_s, entropy if with_entropy else m)
-        ctx.cfg = (temperature, with_entropy, tp_group, chunks, backend, shard_start)
+        ctx.cfg = (temperature, with_entropy, tp_group, chunks, backend, shard_start, grad_dtype)
         ctx.set_materialize_grads(False)
         if not with_entropy:
             return logp, None
@@ -323,11 +405,13 @@ class _FusedLinearLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy):
         hidden, weight, targets, m, log_s, entropy = ctx.saved_tensors
-        temperature, with_entropy, tp_group, (token_chunk, vocab_chunk), backend, shard = ctx.cfg
+        temperature, with_entropy, tp_group, (token_chunk, vocab_chunk), backend, shard, gd = (
+            ctx.cfg
+        )
         gl = _grad_vector(grad_logprob)
         gh = _grad_vector(grad_entropy) if with_entropy else None
         if gl is None and gh is None:
-            return (None,) * 8
+            return (None,) * 9
         rows, vocab = hidden.shape[0], weight.shape[0]
         # float32 accumulators for the whole backward: the hidden and weight
         # gradients sum over vocab tiles / token tiles and round once at the end.
@@ -337,10 +421,17 @@ class _FusedLinearLogprobs(torch.autograd.Function):
             torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
         )
         buf = _TileBuffer(hidden, token_chunk, vocab_chunk)
+        half = gd != torch.float32  # gradient GEMMs on gd operands (the tile rounded once)
+        if half:
+            gbuf = torch.empty_like(buf.flat, dtype=gd)
+            hdim = hidden.shape[1]
+            tmp_h = hidden.new_empty((min(token_chunk, rows), hdim), dtype=torch.float32)
+            tmp_w = (hidden.new_empty((min(vocab_chunk, vocab), hdim), dtype=torch.float32)
+                     if want_w else None)  # fmt: skip
         for t0 in range(0, rows, token_chunk):
             t1 = min(t0 + token_chunk, rows)
             h = hidden[t0:t1]
-            h32 = h if h.dtype == torch.float32 else h.float()
+            h32 = h if h.dtype == torch.float32 or half else h.float()
             rows_args = (targets[t0:t1], m[t0:t1], log_s[t0:t1], entropy[t0:t1])
             g_rows = (None if gl is None else gl[t0:t1], None if gh is None else gh[t0:t1])
             for v0 in range(0, vocab, vocab_chunk):
@@ -352,6 +443,18 @@ class _FusedLinearLogprobs(torch.autograd.Function):
                     tile, *rows_args, *g_rows, temperature, shard + v0,
                     backend=backend, out=(tile,),
                 )  # fmt: skip
+                if half:  # the float32 d logits' single store: rounded to gd
+                    g = gbuf[: tile.numel()].view(tile.shape).copy_(tile)
+                    # the first tile of a sum writes its product (no fp32 temporary)
+                    if (want_h or tp_group is not None) and v0 == 0:
+                        _grad_mm(g, w, out=d_hidden[t0:t1])
+                    elif want_h or tp_group is not None:
+                        _grad_mm_acc(d_hidden[t0:t1], g, w, tmp_h[: t1 - t0])
+                    if want_w and t0 == 0:
+                        _grad_mm(g.T, h, out=d_weight[v0:v1])
+                    elif want_w:
+                        _grad_mm_acc(d_weight[v0:v1], g.T, h, tmp_w[: v1 - v0])
+                    continue
                 w32 = w if w.dtype == torch.float32 else w.float()
                 if want_h or tp_group is not None:
                     d_hidden[t0:t1].addmm_(tile, w32)
@@ -365,7 +468,7 @@ class _FusedLinearLogprobs(torch.autograd.Function):
             dist.all_reduce(d_hidden, op=dist.ReduceOp.SUM, group=tp_group)
         d_h = d_hidden.to(hidden.dtype) if want_h else None
         d_w = d_weight.to(weight.dtype) if want_w else None
-        return (d_h, d_w) + (None,) * 6
+        return (d_h, d_w) + (None,) * 7
 
 
 def fused_linear_logprobs_entropy(
@@ -380,6 +483,7 @@ def fused_linear_logprobs_entropy(
     vocab_chunk: int = VOCAB_CHUNK,
     validate: bool | None = None,
     backend: str | None = None,
+    grad_gemm_dtype: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs and entropy of ``hidden @ weight.T`` without building [T, V].
 
@@ -401,6 +505,13 @@ def fused_linear_logprobs_entropy(
         (default: on for CPU tensors, off on CUDA where it costs a host sync).
     backend : kernels of the per-tile statistics: None (CPU "cpp", CUDA "cuda"
         or COMPASS_CUDA_BACKEND), "cpp", "cuda" or "triton".
+    grad_gemm_dtype : operands of the backward's gradient GEMMs: "input"
+        (hidden's dtype: each float32 d logits tile is rounded once to it, the
+        GEMM accumulates in float32 and writes float32 where torch.mm has
+        out_dtype, i.e. CUDA; elsewhere its product is rounded to the input
+        dtype before the float32 accumulators), "fp32", or "auto" (default:
+        "input" on CUDA, "fp32" on the CPU, where bf16 GEMMs are slow without
+        AVX-512-BF16). Same for float32 inputs.
 
     Returns
     -------
@@ -420,8 +531,9 @@ def fused_linear_logprobs_entropy(
     for name, c in (("token_chunk", token_chunk), ("vocab_chunk", vocab_chunk)):
         if not (isinstance(c, int) and c > 0):
             raise ValueError(f"{name}: expected a positive int, got {c!r}")
+    gd = resolve_grad_gemm_dtype(grad_gemm_dtype, h.dtype, h.device)
     return _FusedLinearLogprobs.apply(
-        h, w, y, temp, bool(with_entropy), tp_group, (token_chunk, vocab_chunk), backend
+        h, w, y, temp, bool(with_entropy), tp_group, (token_chunk, vocab_chunk), backend, gd
     )
 
 
