@@ -76,6 +76,9 @@ constexpr double kBinTolerance = 5e-3;
 // Float costs: ranks stop within 1e-9 of the lower bound max(total / k,
 // largest item) (token costs are integers and stop at the exact optimum).
 constexpr double kRankTolerance = 1e-9;
+// Rank LPT places items by a linear bulk fill (lpt_ranks) only from this many
+// items per rank: below it LPT's tree updates cost little.
+constexpr int64_t kBulkMinPerBin = 8;
 
 // ------------------------------------------------------------------ sorting
 // Stable LSD radix sort: out = 0..n-1 ordered by increasing key (ties by
@@ -428,6 +431,12 @@ struct MinTree {
   }
 };
 
+template <typename C>
+C ceil_div(C a, int64_t k) {
+  if constexpr (std::is_integral_v<C>) return (a + k - 1) / k;
+  else return a / static_cast<C>(k);
+}
+
 // LPT over items 0..g-1 (decreasing cost). With `card` (equal_samples):
 // floor(g/k) or ceil(g/k) items per rank, exactly g % k ranks at the ceiling.
 template <typename C>
@@ -442,7 +451,9 @@ void lpt_ranks(const std::vector<C>& w, int64_t k, bool card, Bins<C>& b, MinTre
   count.assign(k, 0);
   rank_of.resize(g);
   int64_t at_hi = 0;
-  for (int64_t j = 0; j < g; ++j) {
+  int64_t a = g;  // LPT on [0, a), the snake on [a, j), LPT on [j, g)
+  if (!card && g >= kBulkMinPerBin * k) a = std::max<int64_t>(2 * k, g / 16);
+  auto place = [&](int64_t j) {
     if (card) {
       for (;;) {  // ranks that can take no more leave the heap for good
         const int64_t c = count[heap.top()];
@@ -453,8 +464,36 @@ void lpt_ranks(const std::vector<C>& w, int64_t k, bool card, Bins<C>& b, MinTre
     const int64_t r = heap.top();
     rank_of[j] = r;
     if (card && ++count[r] == lo + 1) ++at_hi;
+    b.load[r] += w[j];
     heap.add_top(w[j]);
+  };
+  int64_t j = 0;
+  for (; j < a; ++j) place(j);
+  if (a < g) {
+    std::vector<int64_t>& by_load = count;  // count serves equal_samples only
+    by_load.resize(k);
+    std::iota(by_load.begin(), by_load.end(), int64_t{0});
+    std::sort(by_load.begin(), by_load.end(), [&](int64_t x, int64_t y) {
+      return b.load[x] != b.load[y] ? b.load[x] < b.load[y] : x < y;
+    });
+    C top = b.load[by_load[k - 1]];
+    const C mean = std::is_integral_v<C> ? total / k : total / static_cast<C>(k);
+    // the block [j, j + k) keeps the heaviest under top + w[j]; the items left
+    // after it (total - every load) then exceed the lift to it, k * (top +
+    // w[j]) - every load, by 2 k w[j + k] iff top + w[j] + 2 w[j + k] <= mean
+    for (bool fwd = true; j + k < g && top + w[j] + 2 * w[j + k] <= mean; fwd = !fwd) {
+      for (int64_t i = 0; i < k; ++i, ++j) {
+        const int64_t r = by_load[fwd ? i : k - 1 - i];
+        rank_of[j] = r;
+        b.load[r] += w[j];
+        top = std::max(top, b.load[r]);
+      }
+    }
+    COMPASS_COUNT("snake items", j - a);
+    for (int64_t r = 0; r < k; ++r) heap.set(r, b.load[r]);
   }
+  for (; j < g; ++j) place(j);
+  std::fill(b.load.begin(), b.load.end(), C{0});
   for (int64_t j = g - 1; j >= 0; --j) {  // members by decreasing id
     const int64_t r = rank_of[j];
     b.mem[r].push_back(j);
@@ -718,11 +757,6 @@ struct RankPacker {
   }
 };
 
-template <typename C>
-C ceil_div(C a, int64_t k) {
-  if constexpr (std::is_integral_v<C>) return (a + k - 1) / k;
-  else return a / static_cast<C>(k);
-}
 
 // ------------------------------------------------------------------- plan
 struct Input {
