@@ -10,15 +10,22 @@ Cases (every provider runs forward + backward, entropy included):
   over sequences): torch eager (materialised logits, entropy under no_grad) vs
   Liger-Kernel's LigerFusedLinearGRPOLoss (loss_type "grpo"; it has no
   entropy) vs ``ck.espo.fused_linear_espo_loss(mode="grpo")`` with
-  strategy grad_in_forward (3 GEMMs) and recompute (4 GEMMs). ``--check``
-  verifies equal loss and gradients (Liger's included).
+  strategy grad_in_forward (3 GEMMs) and recompute (4 GEMMs), and the row
+  ``3 GEMMs (floor)``: the three GEMMs every fused implementation must run
+  (logits, d_hidden, d_weight) with the problem's true d loss / d logits
+  precomputed (its outputs are the real gradients). All five interleaved in
+  one case: a ratio between any two comes from the same samples (the same
+  host load). ``--check`` verifies equal loss and gradients (Liger's and the
+  floor's included).
 - ``espo_fused_linear_espo`` (mode espo, clip 0.2): torch eager logits +
   log_softmax + entropy + ``ck.espo.espo_loss`` vs the fused loss, recompute
   and grad_in_forward (whole 1024-token sequences per chunk).
-- ``espo_matmul_floor``: the three GEMMs every fused implementation must run
-  (logits, d_hidden, d_weight) at the same shape, with the GRPO problem's true
-  d loss / d logits precomputed (so its outputs are the real gradients), vs
-  the grad-in-forward loss: the ratio is floor / ours.
+
+``python -m bench.bench_espo_logprobs --fused`` times the grpo case alone and
+prints, per provider, wall time, the ratios vs torch eager, vs Liger and vs
+the floor, process CPU seconds, run-queue wait (time runnable while another
+process held the cores), minor page faults and peak memory: on a shared host
+wall = (CPU + wait) / threads, and the CPU column is what load does not move.
 
 ``python -m bench.bench_espo_logprobs --model`` prints the H100 roofline model
 (bytes, FLOPs) at V = 151,936, H = 7,168: a model, not a measurement.
@@ -28,6 +35,11 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import resource
+import statistics
+import time
+from pathlib import Path
 
 import torch
 
@@ -115,15 +127,18 @@ class _Problem:
     def leaves(self):
         return self.h.detach().requires_grad_(), self.w.detach().requires_grad_()
 
-    def ours(self, mode: str, strategy: str, grads_only: bool = False):
+    def ours(self, mode: str, strategy: str):
+        cu_host = self.cu.tolist()  # the packer's host copy (no read of cu_seqlens)
+
         def run():
             hq, wq = self.leaves()
             loss, _, _, _ = ck.espo.fused_linear_espo_loss(
                 hq, wq, self.y, self.old.view(-1), self.old_ent, self.adv, self.cu,
                 self.mask.view(-1).bool(), mode=mode, clip=EPS, strategy=strategy,
+                cu_seqlens_host=cu_host,
             )  # fmt: skip
             loss.backward()
-            return (hq.grad, wq.grad) if grads_only else (loss.detach(), hq.grad, wq.grad)
+            return loss.detach(), hq.grad, wq.grad
 
         return run
 
@@ -181,7 +196,8 @@ class _Problem:
 
     def floor(self):
         """The three GEMMs of the GRPO problem (logits, d_hidden, d_weight) with its
-        true d loss / d logits precomputed: outputs equal to the real gradients."""
+        true d loss / d logits precomputed: outputs (the precomputed loss, d_hidden,
+        d_weight) equal to the real ones. Holds [T, V] twice (outside the timing)."""
         hq, wq = self.leaves()
         logits = hq @ wq.T
         loss = _grpo_loss(
@@ -189,13 +205,14 @@ class _Problem:
             self.old, self.adv, self.mask,
         )  # fmt: skip
         (grad,) = torch.autograd.grad(loss, logits)
-        del logits, loss
+        loss = loss.detach()
+        del logits
         h, w = self.h, self.w
         out_logits = torch.empty(grad.shape)
 
         def run():
             torch.mm(h, w.T, out=out_logits)
-            return grad @ w, grad.T @ h
+            return loss, grad @ w, grad.T @ h
 
         return run
 
@@ -211,9 +228,14 @@ def _fused_model(rows: int, hidden: int, vocab: int, gemms: int) -> Model:
     )
 
 
+FLOOR = "3 GEMMs (floor)"
+
+
 def fused_cases(seqs: int, seq_len: int, hidden: int, vocab: int) -> list[Case]:
-    """Three cases on one problem: mode grpo (vs eager and Liger), mode espo (vs
-    eager logits + the same loss op), and the 3-GEMM floor vs grad-in-forward."""
+    """Two cases on one problem: mode grpo (torch eager, Liger, ours both
+    strategies, and the 3-GEMM floor: all interleaved, so every ratio between
+    them comes from the same samples) and mode espo (vs eager logits + the same
+    loss op)."""
     p = _Problem(seqs, seq_len, hidden, vocab)
     rows = seqs * seq_len
     shape = {"T": rows, "H": hidden, "V": vocab}
@@ -227,6 +249,7 @@ def fused_cases(seqs: int, seq_len: int, hidden: int, vocab: int) -> list[Case]:
                 "liger GRPO (no entropy)": p.liger(),
                 "ck grpo grad-in-fwd": p.ours("grpo", "grad_in_forward"),
                 "ck grpo recompute": p.ours("grpo", "recompute"),
+                FLOOR: p.floor(),
             },
             baseline="torch eager",
             model=_fused_model(rows, hidden, vocab, 3),
@@ -244,17 +267,6 @@ def fused_cases(seqs: int, seq_len: int, hidden: int, vocab: int) -> list[Case]:
             model=_fused_model(rows, hidden, vocab, 3),
             **tol,
         ),
-        Case(
-            name="espo_matmul_floor",
-            shape=shape,
-            providers={
-                "3 GEMMs (floor)": p.floor(),
-                "ck grpo grad-in-fwd": p.ours("grpo", "grad_in_forward", grads_only=True),
-            },
-            baseline="3 GEMMs (floor)",
-            model=_fused_model(rows, hidden, vocab, 3),
-            **tol,
-        ),
     ]
 
 
@@ -267,44 +279,158 @@ def cases(quick: bool) -> list[Case]:
 # ------------------------------------------------------------- GPU model
 
 
-def gpu_model(rows: int = 8192, hidden: int = 7168, vocab: int = 151936) -> str:
-    """The H100 roofline model (a model, never a measurement) of both ops at a
-    large-vocab shape, bf16 inputs, float32 statistics."""
+def _model_line(name: str, nbytes: float, flops: dict[str, float], kernels: int) -> str:
+    """One roofline row: max(HBM time, the sum of the math times of each precision)
+    + a launch floor per kernel, on the H100 SXM (a model, never a measurement)."""
     d = H100_SXM
+    memory = nbytes / d.hbm_bytes_per_s
+    math_s = sum(f / d.flops_per_s[p] for p, f in flops.items())
+    total = max(memory, math_s) + kernels * d.launch_s
+    bound = "memory" if memory >= math_s else "compute"
+    what = " + ".join(f"{f / 1e12:.1f} TFLOP {p}" for p, f in flops.items())
+    return f"  {name}: {nbytes / 1e9:.1f} GB, {what} -> {total * 1e3:.1f} ms ({bound}-bound)"
+
+
+def gpu_model(rows: int = 8192, hidden: int = 7168, vocab: int = 151936) -> str:
+    """The H100 roofline model (a model, never a measurement) of the ops at a
+    large-vocab shape, bf16 inputs, float32 statistics."""
+    from compass_kernels.espo.fused_loss import default_rows
+
     lines = [f"H100-SXM roofline MODEL (not measured): T={rows}, H={hidden}, V={vocab}, bf16 in"]
     tv = rows * vocab
-    logits = Model(bytes=3 * tv * 2, flops=12 * tv, precision="fp32", kernels=2)
-    eager = Model(bytes=tv * (2 + 4 * 2 + 4 * 3 + 4 * 3), flops=12 * tv, precision="fp32",
-                  kernels=8)  # fmt: skip
     gemm = 2 * rows * hidden * vocab
-    w_bytes, h_bytes = vocab * hidden * 2, rows * hidden * 2
-    # As implemented by the recompute strategy (token chunks of TOKEN_CHUNK):
-    # each of the 4 GEMMs reads the weight once per token chunk, and the fp32
-    # d_weight accumulator is read and written once per token chunk.
-    chunks = math.ceil(rows / TOKEN_CHUNK)
-    fused = Model(
-        bytes=4 * (chunks * w_bytes + h_bytes) + chunks * vocab * hidden * 4 * 2,
-        flops=4 * gemm,
-        precision="bf16",
-        kernels=4 * chunks * math.ceil(vocab / VOCAB_CHUNK),
-    )
-    floor = Model(bytes=3 * (w_bytes + h_bytes), flops=3 * gemm, precision="bf16", kernels=3)
-    for name, m in (
-        ("token_logprobs_entropy fwd+bwd (1 read fwd, 1 read + 1 write bwd)", logits),
-        ("eager log_softmax+gather+entropy fwd+bwd (fp32 [T,V] temporaries)", eager),
-        ("fused_linear recompute fwd+bwd as tiled (4 GEMMs: logits, again, dH, dW)", fused),
-        ("3-GEMM floor", floor),
-    ):
-        lines.append(
-            f"  {name}: {m.bytes / 1e9:.1f} GB, {m.flops / 1e12:.1f} TFLOP -> "
-            f"{m.seconds(d) * 1e3:.2f} ms ({m.bound(d)}-bound)"
-        )
+    w2, w4 = vocab * hidden * 2, vocab * hidden * 4  # weight bf16 / a float32 [V, H]
+    h2 = rows * hidden * 2
+    lines += [
+        _model_line("token_logprobs_entropy fwd+bwd (1 read fwd, 1 read + 1 write bwd)",
+                    3 * tv * 2, {"fp32": 12 * tv}, 2),
+        _model_line("eager log_softmax+gather+entropy fwd+bwd (fp32 [T,V] temporaries)",
+                    tv * (2 + 4 * 2 + 4 * 3 + 4 * 3), {"fp32": 12 * tv}, 8),
+    ]  # fmt: skip
+    # recompute, as implemented (TOKEN_CHUNK x VOCAB_CHUNK tiles): the two logits
+    # GEMMs take bf16 operands (fp32 out); the d_hidden / d_weight GEMMs take the
+    # fp32 d-logits tile and a fp32 weight slice: fp32 GEMMs (CUDA cores unless
+    # torch allows TF32). The weight is read by each GEMM once per token chunk,
+    # the fp32 d_weight accumulator read + written once per token chunk; each
+    # fp32 tile is written by its GEMM and read ~3 times.
+    tc = math.ceil(rows / TOKEN_CHUNK)
+    rec_bytes = 2 * tc * w2 + 2 * tc * w4 + 2 * tc * w4 + 4 * h2 + 2 * 4 * tv * 4
+    lines.append(_model_line(
+        f"fused_linear recompute as implemented (4 GEMMs, {tc} token chunks: 2 bf16, 2 fp32)",
+        rec_bytes, {"bf16": 2 * gemm, "fp32": 2 * gemm},
+        4 * tc * math.ceil(vocab / VOCAB_CHUNK),
+    ))  # fmt: skip
+    # grad-in-forward, as implemented: float32 copies of weight and hidden once,
+    # then per chunk of r rows (CHUNK_BYTES of fp32 logits) 3 fp32 GEMMs, each
+    # reading the fp32 weight; the tile written once and read / rewritten by the
+    # statistics and d-logits passes (~6 r V fp32 passes); d_weight fp32 read +
+    # written per chunk.
+    for r, label in ((default_rows(vocab, torch.device("cpu")), "CPU default chunk"),
+                     (default_rows(vocab, torch.device("cuda")), "GPU default chunk")):  # fmt: skip
+        c = math.ceil(rows / r)
+        gif_bytes = (w2 + w4 + 3 * h2) + c * (3 * w4 + 2 * w4) + 6 * 4 * tv
+        lines.append(_model_line(
+            f"fused grad-in-forward as implemented, {label} ({r} rows x {c}: 3 fp32 GEMMs each)",
+            gif_bytes, {"fp32": 3 * gemm}, c * 5,
+        ))  # fmt: skip
+        lines.append(_model_line(
+            f"fused grad-in-forward with bf16 GEMM operands (NOT implemented), {label}",
+            c * 3 * w2 + c * 2 * w4 + 3 * h2 + 6 * 4 * tv + 2 * tv, {"bf16": 3 * gemm}, c * 5,
+        ))  # fmt: skip
+    lines.append(_model_line("3-GEMM floor (bf16, each operand read once)", 3 * (w2 + h2),
+                             {"bf16": 3 * gemm}, 3))  # fmt: skip
     lines.append(f"  [T,V] fp32 logits that the fused path never holds: {tv * 4 / 2**30:.1f} GiB")
     return "\n".join(lines)
+
+
+# ------------------------------------------- per-call process statistics (CPU)
+
+
+def runq_wait_s() -> float:
+    """Seconds this process's threads spent runnable but not running
+    (``/proc/self/task/*/schedstat`` field 2): the cost of other processes
+    holding the cores."""
+    total = 0
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[1])
+        except (OSError, IndexError, ValueError):
+            pass
+    return total / 1e9
+
+
+def proc_snapshot() -> tuple[float, float, float, int, float]:
+    """(wall, CPU user + system of all threads, system, minor faults, run-queue wait)."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return (time.perf_counter(), ru.ru_utime + ru.ru_stime, ru.ru_stime, ru.ru_minflt,
+            runq_wait_s())  # fmt: skip
+
+
+def recorded(fn, log: list):
+    """``fn`` appending (wall, cpu, sys, minflt, wait) deltas of each call to ``log``."""
+
+    def run():
+        a = proc_snapshot()
+        out = fn()
+        b = proc_snapshot()
+        log.append(tuple(y - x for x, y in zip(a, b, strict=True)))
+        return out
+
+    return run
+
+
+def fused_table(shape: tuple[int, int, int, int], reps: int) -> str:
+    """The grpo fused-linear case (harness-timed, interleaved) with per-provider
+    CPU seconds, run-queue wait, page faults and the ratios vs eager, Liger and
+    the floor."""
+    from bench.harness import format_table, run_case
+
+    case = fused_cases(*shape)[0]
+    logs: dict[str, list] = {p: [] for p in case.providers}
+    case.providers = {p: recorded(fn, logs[p]) for p, fn in case.providers.items()}
+    rows = run_case(case, reps=reps, warmup=1, target_sample_s=0.0)
+    med = {r.provider: r.median_s for r in rows if not r.error}
+    ref = {"eager": med.get("torch eager"), "liger": med.get("liger GRPO (no entropy)"),
+           "floor": med.get(FLOOR)}  # fmt: skip
+    head = ("provider", "wall", "vs eager", "vs liger", "floor/this", "cpu s", "sys s",
+            "runq wait", "minflt", "peak mem")  # fmt: skip
+    body = []
+    for r in rows:
+        if r.error:
+            body.append((r.provider, "ERROR", r.error[:50], *("-",) * 7))
+            continue
+        timed = logs[r.provider][1 : 1 + reps]  # after the first (warmup) call
+        cpu, sys_s, flt, wait = (statistics.median(c[i] for c in timed) for i in (1, 2, 3, 4))
+        ratio = {k: f"{v / r.median_s:.2f}x" if v else "-" for k, v in ref.items()}
+        body.append((r.provider, f"{r.median_s:.2f} s", ratio["eager"], ratio["liger"],
+                     ratio["floor"], f"{cpu:.2f}", f"{sys_s:.2f}", f"{wait:.2f} s",
+                     f"{int(flt)}", f"{r.peak_mem_bytes / 2**20:.0f} MiB"))  # fmt: skip
+    widths = [max(len(str(x[i])) for x in [head, *body]) for i in range(len(head))]
+    lines = ["  ".join(str(c).rjust(w) if i else str(c).ljust(w)
+                       for i, (c, w) in enumerate(zip(x, widths, strict=True)))
+             for x in [head, *body]]  # fmt: skip
+    rows_, hidden, vocab = shape[0] * shape[1], shape[2], shape[3]
+    return "\n".join([
+        format_table(rows), "",
+        f"espo_fused_linear T={rows_} H={hidden} V={vocab}, {torch.get_num_threads()} threads, "
+        f"{reps} interleaved samples, medians; load1 at the end {os.getloadavg()[0]:.2f}",
+        *lines,
+        "vs X: X's median / this median (> 1: faster than X); floor/this: the fraction of "
+        "the 3-GEMM floor's speed; cpu s: process CPU (all threads); runq wait: time runnable "
+        "while other processes held the cores (wall ~ (cpu + wait) / threads)",
+    ])  # fmt: skip
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", action="store_true", help="print the H100 roofline model")
+    ap.add_argument(
+        "--fused", action="store_true", help="time the grpo fused-linear case, CPU / wait columns"
+    )
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--shape", default="8,1024,1024,32768", help="seqs,seq_len,H,V")
     args = ap.parse_args()
-    print(gpu_model())
+    if args.fused:
+        print(fused_table(tuple(int(x) for x in args.shape.split(",")), args.reps))
+    if args.model or not args.fused:
+        print(gpu_model())

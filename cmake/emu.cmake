@@ -16,7 +16,8 @@ if(NOT CMAKE_CXX_COMPILER_ID STREQUAL "GNU")
 endif()
 
 # Plain CUDA (no wgmma / TMA / clusters / CUTLASS) that runs under emulation.
-set(COMPASS_EMU_KERNELS csrc/advantages/advantages.cu csrc/routing/replay.cu csrc/espo/espo_loss.cu
+set(COMPASS_EMU_KERNELS csrc/advantages/advantages.cu csrc/routing/replay.cu csrc/routing/codec.cu
+    csrc/espo/espo_loss.cu
     csrc/logprobs/logprobs.cu csrc/packing/pack.cu csrc/fp8/fp8.cu csrc/fp8_gemm/grouped_args.cu)
 # Host code the entry points call (argument checks, DLPack views).
 set(COMPASS_EMU_HOST_SOURCES csrc/advantages/advantages_cpu.cpp csrc/routing/replay_cpu.cpp
@@ -101,6 +102,10 @@ function(compass_emu_mutant name)
   # per capability (csrc/<cap>/...): each bindings_<cap>.cpp binds only its own
   string(REGEX REPLACE "^csrc/([^/]+)/.*$" "\\1" cap "${ARG_KERNEL}")
   set(_emu_mutants_${cap} ${_emu_mutants_${cap}} ${name} PARENT_SCOPE)
+  # and per kernel file (COMPASS_EMU_MUTANTS_<CAP>_<FILE>): a capability with two
+  # .cu files binds each mutant's entry points from its own file only
+  get_filename_component(stem ${ARG_KERNEL} NAME_WE)
+  set(_emu_mutants_${cap}_${stem} ${_emu_mutants_${cap}_${stem}} ${name} PARENT_SCOPE)
 endfunction()
 
 if(COMPASS_EMU_MUTANTS)
@@ -148,6 +153,20 @@ if(COMPASS_EMU_MUTANTS)
   compass_emu_mutant(bwd_no_syncwarp KERNEL ${_rt} FILE ${_rt} ENTRIES ${_rt_entries}
     FIND "__syncwarp()<semicolon>  // the dense part lands"
     REPLACE "// (no __syncwarp)")
+  # ck.routing's set-code encoder (tests/test_routing_codec.py: CODEC_MUTANTS).
+  set(_rc csrc/routing/codec.cu)
+  compass_emu_mutant(codec_vals_no_barrier KERNEL ${_rc} FILE ${_rc} ENTRIES encode_sets_cuda
+    FIND "  vals[threadIdx.x] = v<semicolon>\n  __syncthreads()<semicolon>"
+    REPLACE "  vals[threadIdx.x] = v<semicolon>")
+  compass_emu_mutant(codec_table_scan_inclusive KERNEL ${_rc} FILE ${_rc} ENTRIES encode_sets_cuda
+    FIND "threadIdx.x > 0 ? scan[threadIdx.x - 1] : 0"
+    REPLACE "scan[threadIdx.x]")
+  compass_emu_mutant(codec_tail_word_dropped KERNEL ${_rc} FILE ${_rc} ENTRIES encode_sets_cuda
+    FIND "const int64_t words = (block_bits + 63) / 64"
+    REPLACE "const int64_t words = block_bits / 64")
+  compass_emu_mutant(codec_dup_check_off KERNEL ${_rc} FILE ${_rc} ENTRIES encode_sets_cuda
+    FIND "ok = below_sum == kk * (kk - 1) / 2"
+    REPLACE "ok = below_sum >= 0")
   # ck.espo segmented loss (tests/test_espo_loss.py must catch each)
   set(_espo csrc/espo/espo_loss.cu)
   set(_espo_entries espo_group_sums_cuda espo_loss_forward_cuda espo_loss_backward_cuda)
@@ -234,6 +253,16 @@ foreach(cap IN LISTS COMPASS_CAPABILITIES)
     string(APPEND _mutant_list " X(${m})")
   endforeach()
   string(TOUPPER ${cap} _CAP)
+  string(APPEND _mutant_header "#define COMPASS_EMU_MUTANTS_${_CAP}(X)${_mutant_list}\n")
+endforeach()
+foreach(cu IN LISTS COMPASS_EMU_KERNELS)
+  string(REGEX REPLACE "^csrc/([^/]+)/.*$" "\\1" cap "${cu}")
+  get_filename_component(stem ${cu} NAME_WE)
+  set(_mutant_list "")
+  foreach(m IN LISTS _emu_mutants_${cap}_${stem})
+    string(APPEND _mutant_list " X(${m})")
+  endforeach()
+  string(TOUPPER "${cap}_${stem}" _CAP)
   string(APPEND _mutant_header "#define COMPASS_EMU_MUTANTS_${_CAP}(X)${_mutant_list}\n")
 endforeach()
 string(APPEND _mutant_header "#define COMPASS_EMU_MUTANTS(X) COMPASS_EMU_MUTANTS_ADVANTAGES(X)\n")

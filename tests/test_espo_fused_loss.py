@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -203,3 +204,160 @@ def test_no_grad_forward_only():
     assert loss.grad_fn is None
     assert_verbose_allclose(loss.double(), ref_loss, name="loss", atol=1e-6, rtol=1e-5)
     assert_verbose_allclose(lp, ref_lp.float(), name="logprobs", **TOL)
+
+
+# --------------------------------------------- no host read of cu_seqlens
+
+_SYNCING = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+def test_host_plan_reads_no_tensor(monkeypatch):
+    """With cu_seqlens_host the espo chunk plan reads no tensor on the host:
+    every tensor -> host conversion (a sync on a GPU) raises during the call,
+    and the results equal the call that plans from cu_seqlens itself."""
+    h, w, y, old, old_ent, adv, cu, mask = make_batch((6, 9, 4, 12, 3), 2, 11, 257, seed=12)
+    f = ck.espo.fused_linear_espo_loss
+    kw = {"mode": "espo", "clip": 0.1, "strategy": "grad_in_forward", "token_chunk": 16,
+          "validate": False}  # fmt: skip
+    hq = h.clone().requires_grad_()
+    ref_loss, _, ref_lp, _ = f(hq, w, y, old, old_ent, adv, cu, mask, **kw)
+    ref_loss.backward()
+    cu_host = [0, 6, 15, 19, 31, 34]
+
+    def refuse(name):
+        def method(self, *args, **kwargs):
+            raise AssertionError(f"host read Tensor.{name} during the call")
+
+        return method
+
+    with monkeypatch.context() as m:
+        for name in _SYNCING:
+            m.setattr(torch.Tensor, name, refuse(name))
+        hq2 = h.clone().requires_grad_()
+        loss, _, lp, _ = f(hq2, w, y, old, old_ent, adv, cu, mask, cu_seqlens_host=cu_host, **kw)
+        loss.backward()
+        # the patch does catch a host read: planning from cu_seqlens needs one
+        with pytest.raises(AssertionError, match="host read"):
+            f(h, w, y, old, old_ent, adv, cu, mask, **kw)
+    assert torch.equal(loss, ref_loss) and torch.equal(lp, ref_lp)
+    assert torch.equal(hq2.grad, hq.grad)
+
+
+def test_device_cu_seqlens_without_host_copy_is_refused():
+    """A cu_seqlens that is not on the CPU (meta stands in for CUDA here) and
+    no cu_seqlens_host: a clear error, never a host read; given the host copy
+    the device tensor is not read."""
+    from compass_kernels.espo.fused_loss import _host_offsets
+
+    cu = torch.tensor([0, 3, 7], device="meta")
+    with pytest.raises(ValueError, match="cu_seqlens_host: required with cu_seqlens on meta"):
+        _host_offsets(cu, None, 7, None)
+    assert _host_offsets(cu, np.array([0, 3, 7]), 7, None) == [0, 3, 7]
+    assert _host_offsets(cu, torch.tensor([0, 3, 7], dtype=torch.int32), 7, False) == [0, 3, 7]
+
+
+def test_bad_cu_seqlens_host():
+    h, w, y, old, old_ent, adv, cu, mask = make_batch((3, 5), 0, 8, 50, seed=13)
+    f = ck.espo.fused_linear_espo_loss
+    args = (h, w, y, old, old_ent, adv, cu, mask)
+    for bad, what in (
+        ([0, 3], "expected 3 offsets"),
+        ([0, 5, 3], "non-decreasing"),
+        ([1, 3, 8], "non-decreasing"),
+        ([0, 3, 9], "at most 8"),
+        ([0, 4, 8], "values of cu_seqlens"),
+        ([[0, 3, 8]], "1-d sequence of ints"),
+        ([0.0, 3.0, 8.0], "1-d sequence of ints"),
+    ):
+        with pytest.raises(ValueError, match=f"cu_seqlens_host: .*{what}"):
+            f(*args, mode="espo", clip=0.2, cu_seqlens_host=bad)
+    with pytest.raises(ValueError, match="cu_seqlens_host: expected a host"):
+        f(*args, mode="espo", clip=0.2, cu_seqlens_host=torch.tensor([0, 3, 8], device="meta"))
+
+
+# ------------------------------------- vocab tensor parallelism (gloo, TP=2)
+
+TP_CASE = ((7, 13, 1, 9), 3, 17, 302)  # lengths, tail, H, V (two shards of 151)
+TP_RUNS = (  # (options, strategy, token_chunk)
+    ({"mode": "grpo"}, "grad_in_forward", 8),
+    ({"mode": "espo", "clip": 0.1}, "grad_in_forward", 16),
+    ({"mode": "grpo"}, "recompute", 8),
+)
+
+
+class _GemmCount:
+    """Counts aten matmuls (mm, addmm) while active."""
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm,
+                                           torch.ops.aten.addmm_):  # fmt: skip
+                    counter.n += 1
+                return func(*args, **(kwargs or {}))
+
+        self.n = 0
+        self.mode = Mode()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+def _run_tp(rank, world, group, opts, strategy, chunk):
+    lengths, tail, hidden, vocab = TP_CASE
+    h, w, y, old, old_ent, adv, cu, mask = make_batch(lengths, tail, hidden, vocab, seed=21)
+    shard = vocab // world
+    hq = h.clone().requires_grad_()
+    wq = w[rank * shard : (rank + 1) * shard].clone().requires_grad_()
+    with _GemmCount() as count:
+        loss, _, lp, ent = ck.espo.fused_linear_espo_loss(
+            hq, wq, y, old, old_ent, adv, cu, mask, entropy_coef=0.01, temperature=0.9,
+            strategy=strategy, token_chunk=chunk, tp_group=group, **opts,
+        )  # fmt: skip
+        (loss * 2.0).backward()
+    return {"loss": loss.detach(), "lp": lp, "ent": ent, "dh": hq.grad, "dw": wq.grad,
+            "gemms": count.n}  # fmt: skip
+
+
+def _tp_worker(rank: int, world: int, init: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        out = [_run_tp(rank, world, dist.group.WORLD, *run) for run in TP_RUNS]
+        torch.save(out, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_vocab_tensor_parallel_two_gloo_ranks_equal_one_process(tmp_path):
+    """TP=2 (gloo, two processes) equals one process for grad_in_forward (grpo
+    and espo) and recompute; grad_in_forward stays at 3 GEMMs per chunk under
+    TP (the recompute path at 4)."""
+    import torch.multiprocessing as mp
+
+    world = 2
+    mp.spawn(_tp_worker, args=(world, f"file://{tmp_path}/store", str(tmp_path)), nprocs=world)
+    parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    total = sum(TP_CASE[0]) + TP_CASE[1]
+    for i, (opts, strategy, chunk) in enumerate(TP_RUNS):
+        one = _run_tp(0, 1, None, opts, strategy, chunk)
+        name = f"{opts['mode']} {strategy}"
+        for r in range(world):
+            got = parts[r][i]
+            for key in ("loss", "lp", "ent", "dh"):
+                assert_verbose_allclose(got[key], one[key], name=f"{name} rank {r} {key}", **TOL)
+        d_weight = torch.cat([parts[r][i]["dw"] for r in range(world)])
+        assert_verbose_allclose(d_weight, one["dw"], name=f"{name} d_weight shards", **TOL)
+        chunks = math.ceil(total / chunk) if opts["mode"] == "grpo" else None
+        if strategy == "grad_in_forward" and chunks is not None:
+            assert parts[0][i]["gemms"] == one["gemms"] == 3 * chunks
+        if strategy == "recompute":  # 4 GEMMs per (token chunk, vocab chunk) tile
+            assert parts[0][i]["gemms"] == one["gemms"] == 4 * math.ceil(total / chunk)

@@ -351,7 +351,8 @@ MUTANTS = {
 @pytest.mark.parametrize("mutant", list(MUTANTS))
 def test_emulated_backend_catches_planted_bugs(mutant):
     test = MUTANTS[mutant]
-    assert sorted(_emu.mutants().get("routing", [])) == sorted(MUTANTS)
+    replay = [m for m in _emu.mutants().get("routing", []) if not m.startswith("codec_")]
+    assert sorted(replay) == sorted(MUTANTS)  # codec_*: tests/test_routing_codec.py
     with _emu.mutant(mutant), pytest.raises((AssertionError, _emu.EmulationError)):
         if test == "reference":
             test_replay_matches_reference(

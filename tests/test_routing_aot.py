@@ -43,3 +43,21 @@ def test_replay_cuda_kernels_are_built_without_spills():
     aot.assert_no_spills(ours)
     aot.assert_registers_at_most(ours, 128)
     assert all(v["local"] == 0 for v in ours.values())
+
+
+@needs_cuobjdump
+def test_codec_cuda_kernels_are_built_without_spills():
+    """csrc/routing/codec.cu in _C (sm_90a): the table kernel and every (dtype,
+    top_k) encode instantiation present; no spills, no stack or local memory
+    (the generic K <= 64 kernel re-reads the row instead of a local array)."""
+    from compass_kernels._ext import has_cuda_kernels, load
+
+    if not has_cuda_kernels():
+        pytest.skip("built without CUDA")
+    usage = aot.resource_usage(load().__file__, arch="sm_90a")
+    enc = {k: v for k, v in usage.items() if "encode_kernel" in k and "routing" in k}
+    table = [k for k in usage if "table_kernel" in k and "routing" in k]
+    assert len(enc) == 2 * 6 and len(table) == 1  # uint8/int16 x K in {1, 2, 4, 6, 8, any}
+    aot.assert_no_spills(enc)
+    aot.assert_registers_at_most(enc, 64)
+    aot.assert_no_spills({k: usage[k] for k in table})

@@ -157,3 +157,179 @@ def test_layout_argument_errors():
         _setcode.encode_sets(ids, 64, missing=torch.zeros(9, dtype=torch.bool))
     with pytest.raises(ValueError, match="data: expected 29 bytes for 10 rows, got 28"):
         _setcode.decode_sets(bytes(28), 10, 4, 64, torch.uint8)
+
+
+# ------------------------------------------------- the encode op, every backend
+# csrc/routing/codec.cu (the CUDA encoder) runs here as "cuda-emulated": the
+# payload must equal the pure-Python format and the C++ encoder byte for byte.
+from compass_kernels import _emu  # noqa: E402
+from compass_kernels.routing.codec import encode as encode_trace  # noqa: E402
+from compass_kernels.testing import empty_poisoned  # noqa: E402
+
+EMULATED = pytest.param("cuda-emulated", marks=pytest.mark.emulated)
+ENCODE_BACKENDS = ["cpp", EMULATED]
+
+
+def ref_table(e: int, k: int) -> torch.Tensor:
+    sat = 2**64 - 1
+    vals = [min(math.comb(a, m), sat) for m in range(1, k + 1) for a in range(e)]
+    return torch.tensor([v - 2**64 if v >= 2**63 else v for v in vals], dtype=torch.int64)
+
+
+def run_encode_op(backend, ids, e, missing=None):
+    """The op with poisoned outputs: every byte must be written."""
+    rows, k = ids.shape
+    outs = (
+        empty_poisoned(_setcode.payload_bytes(rows, e, k), torch.uint8),
+        empty_poisoned(2, torch.int64),
+        empty_poisoned(k * e, torch.int64),
+    )
+    return _setcode.encode_sets_op.run((ids, e, missing), backend, outs)
+
+
+# (E, K, rows): G = 1 over several blocks of 256 packs with a partial last word;
+# G > 1 (E=8, K=2: 13 rows per 63-bit pack) over 2 blocks; B = 0 (K == E);
+# int16 ids; K without a specialization (generic kernel); K = 1.
+ENCODE_CASES = [(256, 8, 601), (128, 8, 257), (8, 2, 3401), (20, 20, 37), (300, 3, 515),
+                (67, 50, 70), (64, 10, 299), (16, 1, 1031), (12, 4, 777), (200, 7, 263),
+                (384, 8, 255), (3, 1, 100)]  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ENCODE_BACKENDS)
+@pytest.mark.parametrize("e,k,rows", ENCODE_CASES)
+def test_encode_op_matches_the_format_byte_for_byte(backend, e, k, rows):
+    ids = random_sets(rows, e, k, seed=7 * e + k + rows)
+    payload, status, table = run_encode_op(backend, ids, e)
+    assert bytes(payload.numpy()) == ref_payload(ids.numpy(), e, k)
+    assert bytes(payload.numpy()) == _setcode.encode_sets(ids, e)  # the C++ encoder
+    assert status.tolist() == [0, -1]
+    assert torch.equal(table, ref_table(e, k))
+
+
+@pytest.mark.parametrize("backend", ENCODE_BACKENDS)
+def test_encode_op_codes_missing_rows_as_rank_0_without_reading_them(backend):
+    e, k, rows = 256, 8, 700
+    ids = random_sets(rows, e, k, seed=11)
+    missing = torch.rand(rows, generator=make_generator(12)) < 0.25
+    junk = ids.clone()
+    junk[missing] = 7  # duplicates and, below, out of range: never read
+    junk[missing.nonzero()[:5, 0], 2] = 255
+    payload, status, _ = run_encode_op(backend, junk, e, missing)
+    assert bytes(payload.numpy()) == ref_payload(ids.numpy(), e, k, missing=missing.numpy())
+    assert status.tolist() == [0, -1]
+
+
+@pytest.mark.emulated
+@pytest.mark.parametrize("e,k,dtype", [(128, 6, torch.uint8), (300, 3, torch.int16),
+                                       (8, 2, torch.uint8), (67, 50, torch.uint8)])  # fmt: skip
+def test_cuda_encoder_flags_bad_rows_on_the_device(e, k, dtype):
+    """Status counts every bad row and keeps the first (atomicMin over blocks run
+    in shuffled order); check_status names it as the C++ encoder does."""
+    rows = 1500
+    ids = random_sets(rows, e, k, seed=e + k).to(dtype)
+    bad = ids.clone()
+    bad[1203, 1] = bad[1203, 0]  # a duplicate
+    bad[911, k - 1] = e  # out of range (the first bad row)
+    bad[1400, 0] = e + 1 if dtype == torch.int16 else 255
+    if dtype == torch.int16:
+        bad[1450, 0] = -3  # negative
+    payload, status = _setcode.encode_device(bad, e, backend="cuda-emulated")
+    assert status.tolist() == [4 if dtype == torch.int16 else 3, 911]
+    with pytest.raises(ValueError, match=rf"ids: expert id {e} out of range \[0, {e}\) at row 911"):
+        _setcode.check_status(status, bad, e)
+    with pytest.raises(ValueError, match=r"at row 911$"):
+        _setcode.encode_sets(bad, e)  # the C++ encoder names the same row
+    only_dup = ids.clone()
+    only_dup[1203, 1] = only_dup[1203, 0]
+    _, status = _setcode.encode_device(only_dup, e, backend="cuda-emulated")
+    assert status.tolist() == [1, 1203]
+    with pytest.raises(ValueError, match=rf"ids: expert {int(ids[1203, 0])} twice in row 1203"):
+        _setcode.check_status(status, only_dup, e)
+    # a bad row in a missing row is not read
+    _, status = _setcode.encode_device(only_dup, e, missing=torch.arange(rows) == 1203,
+                                       backend="cuda-emulated")  # fmt: skip
+    assert status.tolist() == [0, -1]
+
+
+@pytest.mark.parametrize("backend", ENCODE_BACKENDS)
+def test_encode_op_argument_errors_name_the_argument(backend):
+    ids = random_sets(10, 64, 4, seed=1)
+    op = _setcode.encode_sets_op
+    outs = list(op.outputs(ids, 64, None))
+    with pytest.raises(ValueError, match=r"payload: expected size 29"):
+        op.run((ids, 64, None), backend, (outs[0][:3], outs[1], outs[2]))
+    with pytest.raises(ValueError, match=r"table: expected size 256 \(top_k \* num_experts\)"):
+        op.run((ids, 64, None), backend, (outs[0], outs[1], outs[2][:5]))
+    with pytest.raises(ValueError, match=r"ids: expected dtype uint8 \| int16, got int32"):
+        op.run((ids.int(), 64, None), backend, outs)
+    with pytest.raises(ValueError, match="missing: expected size 10"):
+        op.run((ids, 64, torch.zeros(9, dtype=torch.bool)), backend, outs)
+    with pytest.raises(ValueError, match=r"C\(num_experts, top_k\) < 2\^64"):
+        big = (
+            torch.empty(0, dtype=torch.uint8),
+            outs[1],
+            torch.empty(16 * 1024, dtype=torch.int64),
+        )
+        op.run((torch.zeros(2, 16, dtype=torch.int16), 1024, None), backend, big)
+    with pytest.raises(ValueError, match=r"ids: expected a 2-d tensor"):
+        _setcode.encode_device(ids.view(-1), 64, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["cpp", EMULATED])
+def test_trace_encoded_on_the_device_path_decodes_bit_exact(backend):
+    """codec.encode's device path (the op where the ids live, one copy of
+    status | cu_seqlens | missing | reasons | payload, CRC on the host) writes
+    the same bytes as the CPU path, missing rows included."""
+    from tests.test_routing_trace import skewed_trace
+
+    t = skewed_trace(211, 3, 256, 8, seed=5)
+    assert t.missing is not None
+    data = encode_trace(t, codec="set", backend=backend)
+    assert data == t.encode(codec="set")  # the CPU path
+    d = type(t).decode(data)
+    assert torch.equal(d.expert_ids, t.canonical(sort=True).expert_ids)
+    bad = t.expert_ids.clone()
+    row = int((~t.missing[:, 1]).nonzero()[5, 0])
+    bad[row, 1, 3] = bad[row, 1, 0]
+    t_bad = type(t)(bad, t.cu_seqlens, t.num_experts, layer_ids=t.layer_ids, missing=t.missing,
+                    missing_reason=t.missing_reason)  # fmt: skip
+    with pytest.raises(ValueError, match=rf"twice in row {row * 3 + 1}\b"):
+        encode_trace(t_bad, codec="set", backend=backend)
+
+
+# Planted bugs in csrc/routing/codec.cu (cmake/emu.cmake): each must fail a test above.
+CODEC_MUTANTS = {
+    "codec_vals_no_barrier": "format",
+    "codec_table_scan_inclusive": "format",
+    "codec_tail_word_dropped": "format",
+    "codec_dup_check_off": "bad_rows",
+}
+
+
+@pytest.mark.emulated
+@pytest.mark.parametrize("mutant", list(CODEC_MUTANTS))
+def test_emulated_encoder_catches_planted_bugs(mutant):
+    built = [m for m in _emu.mutants().get("routing", []) if m.startswith("codec_")]
+    assert sorted(built) == sorted(CODEC_MUTANTS)
+    with _emu.mutant(mutant), pytest.raises((AssertionError, _emu.EmulationError)):
+        if CODEC_MUTANTS[mutant] == "format":
+            test_encode_op_matches_the_format_byte_for_byte("cuda-emulated", 256, 8, 601)
+        else:
+            test_cuda_encoder_flags_bad_rows_on_the_device(128, 6, torch.uint8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("e,k", [(256, 8), (128, 8), (384, 8), (8, 2)])
+def test_gpu_encoder_matches_the_cpu_encoder_without_host_sync(e, k):
+    rows = 100_003
+    ids = random_sets(rows, e, k, seed=e * k)
+    want = _setcode.encode_sets(ids, e)
+    dev = ids.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        payload, status = _setcode.encode_device(dev, e)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert status.tolist() == [0, -1]
+    assert bytes(payload.cpu().numpy()) == want

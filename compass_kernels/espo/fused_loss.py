@@ -23,9 +23,19 @@ Two strategies, the same loss and gradients (tests/test_espo_fused_loss.py):
 - ``"recompute"`` (4 GEMMs): ``fused_linear_logprobs_entropy`` (forward: logits
   tiles -> statistics; backward: recomputed tiles -> d logits -> d_hidden,
   d_weight) then ``espo_loss``. Needed with a context-parallel group (group
-  sums are all-reduced over ranks before any token's coefficient is known),
-  with a vocab tensor-parallel group (this implementation), and for espo/gspo
-  sequences longer than ``token_chunk``. Never below 4/3 of the 3-GEMM floor.
+  sums are all-reduced over ranks before any token's coefficient is known)
+  and for espo/gspo sequences longer than ``token_chunk``. Never below 4/3 of
+  the 3-GEMM floor.
+
+With a vocab tensor-parallel group grad_in_forward stays 3 GEMMs: each rank
+keeps its chunk's logits tile [rows, V / tp], the per-token statistics are
+all-reduced (MAX, then SUM) before the d logits of that tile are formed, and
+d_hidden is summed over the group once at the end.
+
+The espo / gspo chunk plan (whole sequences) is made on the host from
+``cu_seqlens_host`` (the host copy a packer already has), or from
+``cu_seqlens`` itself when it is a CPU tensor; a device ``cu_seqlens`` alone
+is an error (never a hidden host sync). grpo needs no plan.
 
 ``strategy="auto"`` picks grad_in_forward whenever it applies.
 
@@ -38,9 +48,10 @@ the loss for both strategies and for the unfused path.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from compass_kernels._validate import check_tensor
+from compass_kernels._validate import check_tensor, describe
 from compass_kernels.espo import loss_config
 from compass_kernels.espo.logprobs import (
     _finalize,
@@ -56,8 +67,12 @@ __all__ = ["fused_linear_espo_loss", "STRATEGIES"]
 
 STRATEGIES = ("auto", "grad_in_forward", "recompute")
 #: float32 logits held per chunk by grad_in_forward when token_chunk is None:
-#: 128 MiB (1024 rows at V = 32,768; 220 at V = 151,936).
+#: CPU 128 MiB (1024 rows at V = 32,768; 220 at V = 151,936); on a GPU 1 GiB
+#: (1766 rows at V = 151,936): each chunk re-reads the weight 3 times and the
+#: float32 d_weight twice, which at 220 rows would make the H100 model
+#: memory-bound (bench_espo_logprobs --model; a model, not measured).
 CHUNK_BYTES = 1 << 27
+CHUNK_BYTES_GPU = 1 << 30
 _LOSS_KEYS = ("mode", "rho", "alpha", "clip", "vocab_size", "grouping", "num_groups",
               "quantiles", "drop_low", "ratio_form", "dual_clip")  # fmt: skip
 
@@ -87,6 +102,14 @@ class _StoredGrad(torch.autograd.Function):
         return None, d_h, d_w, None, None
 
 
+def default_rows(vocab: int, device: torch.device) -> int:
+    """grad_in_forward's default token chunk: CHUNK_BYTES (CHUNK_BYTES_GPU off
+    the CPU) of float32 logits, 16 to 4096 rows (8192 on a GPU)."""
+    if device.type == "cpu":
+        return max(16, min(4096, CHUNK_BYTES // (4 * vocab)))
+    return max(16, min(8192, CHUNK_BYTES_GPU // (4 * vocab)))
+
+
 def _token_weights(cu: torch.Tensor, mask: torch.Tensor | None, total: int, G: int):
     """Per token: sequence id (n for tokens after cu[-1]), valid flag, and the
     seq-mean-token-mean weight 1 / (G n_i) (0 where invalid). No host sync."""
@@ -100,6 +123,49 @@ def _token_weights(cu: torch.Tensor, mask: torch.Tensor | None, total: int, G: i
     counts.index_add_(0, seq, valid.to(torch.float32))
     weight = torch.where(valid, 1.0 / (G * counts.clamp(min=1.0))[seq], 0.0)
     return seq, valid, counts, weight
+
+
+def _host_offsets(cu: torch.Tensor, cu_host, total: int, validate: bool | None) -> list[int]:
+    """cu_seqlens as host ints, never read from a GPU: ``cu_seqlens_host`` when
+    given (checked against cu_seqlens where that costs no sync: CPU tensors,
+    or validate=True), else cu_seqlens itself when it is on the CPU."""
+    if cu_host is None:
+        if cu.device.type == "cpu":
+            return cu.tolist()
+        raise ValueError(
+            "cu_seqlens_host: required with cu_seqlens on "
+            f"{cu.device} for modes espo / gspo under strategy 'auto' / 'grad_in_forward' "
+            "(whole-sequence chunks are planned on the host; reading cu_seqlens from the "
+            "device would sync it): pass the host copy (list, NumPy array or CPU tensor; e.g. "
+            "the cumulative sum of ck.packing's PackedBatch.seqlens), or strategy='recompute'"
+        )
+    if isinstance(cu_host, torch.Tensor):
+        if cu_host.device.type != "cpu":
+            raise ValueError(
+                "cu_seqlens_host: expected a host (CPU) tensor, list or array, got "
+                f"{describe(cu_host)}"
+            )
+        cu_host = cu_host.numpy()
+    a = np.asarray(cu_host)
+    if a.ndim != 1 or not (a.size == 0 or np.issubdtype(a.dtype, np.integer)):
+        raise ValueError(
+            f"cu_seqlens_host: expected a 1-d sequence of ints, got {a.dtype}{list(a.shape)}"
+        )
+    if a.size != cu.shape[0]:
+        raise ValueError(
+            f"cu_seqlens_host: expected {cu.shape[0]} offsets (as cu_seqlens), got {a.size}"
+        )
+    out = a.astype(np.int64).tolist()
+    if out and (out[0] != 0 or out[-1] > total or bool((np.diff(a) < 0).any())):
+        raise ValueError(
+            f"cu_seqlens_host: expected non-decreasing offsets from 0 to at most {total} tokens, "
+            f"got {out[:8]}{'...' if len(out) > 8 else ''}"
+        )
+    if cu.device.type == "cpu" or validate:  # free on the CPU; a sync on a GPU (opt-in)
+        host = cu if cu.device.type == "cpu" else cu.cpu()
+        if not torch.equal(host, torch.as_tensor(out, dtype=torch.int64)):
+            raise ValueError("cu_seqlens_host: expected the values of cu_seqlens, got others")
+    return out
 
 
 def _chunks_by_tokens(total: int, rows: int) -> list[tuple[int, int]]:
@@ -131,6 +197,7 @@ def fused_linear_espo_loss(
     cu_seqlens: torch.Tensor,
     mask: torch.Tensor | None = None,
     *,
+    cu_seqlens_host=None,
     entropy_coef: float = 0.0,
     temperature: float = 1.0,
     strategy: str = "auto",
@@ -156,9 +223,15 @@ def fused_linear_espo_loss(
     entropy_coef : the loss adds ``-entropy_coef * H``, H the current policy's
         entropy, seq-mean-token-mean over the loss's tokens (verl's entropy
         bonus); 0 (default): entropy computed and returned, not in the loss.
+    cu_seqlens_host : the values of ``cu_seqlens`` on the host (list, NumPy
+        array or CPU tensor); required for modes espo / gspo under strategy
+        "auto" / "grad_in_forward" when cu_seqlens is on a GPU (the chunk plan
+        is made on the host; reading a GPU tensor would sync). Checked against
+        cu_seqlens on the CPU, and on a GPU with validate=True (a sync).
     strategy : "auto" | "grad_in_forward" | "recompute" (module docstring).
-    token_chunk : tokens per chunk (default: 128 MiB of float32 logits for
-        grad_in_forward, 1024 for recompute).
+    token_chunk : tokens per chunk (default: ``default_rows``, 128 MiB of
+        float32 logits on the CPU, 1 GiB on a GPU, for grad_in_forward; 1024
+        for recompute).
 
     Returns
     -------
@@ -195,21 +268,21 @@ def fused_linear_espo_loss(
     G = n if num_sequences is None else num_sequences
     rows = token_chunk
     if rows is None:
-        rows = max(16, min(4096, CHUNK_BYTES // (4 * w.shape[0])))
+        rows = default_rows(w.shape[0], h.device)
     cu_host: list[int] | None = None
     longest = 0
-    if strategy != "recompute" and not cfg.token_groups:
-        cu_host = cu.tolist()  # whole-sequence chunks are planned on the host
+    if strategy != "recompute" and not cfg.token_groups and cp_group is None:
+        # whole-sequence chunks are planned on the host (never by reading a GPU tensor)
+        cu_host = _host_offsets(cu, cu_seqlens_host, total, validate)
         longest = max((b - a for a, b in zip(cu_host[:-1], cu_host[1:], strict=True)), default=0)
     fits = longest <= rows
-    distributed = tp_group is not None or cp_group is not None
-    if strategy == "grad_in_forward" and (distributed or not fits):
+    if strategy == "grad_in_forward" and (cp_group is not None or not fits):
         raise ValueError(
-            "strategy='grad_in_forward': needs no tp_group / cp_group and, for modes espo and "
+            "strategy='grad_in_forward': needs no cp_group and, for modes espo and "
             f"gspo, every sequence within token_chunk={rows} tokens; use 'recompute' or 'auto'"
         )
     ent_w = None
-    if strategy == "recompute" or distributed or not fits:
+    if strategy == "recompute" or cp_group is not None or not fits:
         logp, ent = fused_linear_logprobs_entropy(
             h, w, y, temperature=temp, tp_group=tp_group,
             token_chunk=token_chunk or 1024, validate=False, backend=backend,
@@ -229,7 +302,7 @@ def fused_linear_espo_loss(
     with torch.no_grad():
         logp, ent, d_h, d_w = _grad_in_forward(
             h, w, y, temp, old_logprobs, old_entropy, advantages, cu, mask, cfg, G,
-            float(entropy_coef), rows, cu_host, common, want_h, want_w,
+            float(entropy_coef), rows, cu_host, common, want_h, want_w, tp_group,
         )  # fmt: skip
         loss, metrics = espo_loss(logp, old_logprobs, old_entropy, advantages, cu_seqlens, mask,
                                   **common)  # fmt: skip
@@ -253,10 +326,18 @@ def _with_entropy_term(metrics, term):
 
 
 def _grad_in_forward(h, w, y, temp, old_lp, old_ent, adv, cu, mask, cfg, G, ent_coef, rows,
-                     cu_host, common, want_h, want_w):  # fmt: skip
+                     cu_host, common, want_h, want_w, tp_group):  # fmt: skip
     """Forward statistics and the wanted gradients: up to 3 GEMMs per chunk
-    (module docstring); 1 when no gradient is wanted (no_grad, frozen inputs)."""
+    (module docstring); 1 when no gradient is wanted (no_grad, frozen inputs).
+
+    With a vocab tensor-parallel group each rank holds its shard's logits tile
+    [rows, V_local] of the chunk; the per-token statistics are merged over the
+    group (all-reduce MAX, then SUM: ``_finalize``) before the coefficients
+    and the d logits of that same tile are formed: still 3 GEMMs per chunk.
+    d_weight stays per shard; the partial d_hidden sums over the group once."""
     total, vocab = h.shape[0], w.shape[0]
+    rank, _ = _tp_info(tp_group)
+    shard = rank * vocab  # equal contiguous shards (Megatron's vocab split)
     dev = h.device
     seq, valid, counts, tok_w = _token_weights(cu, mask, total, G)
     n = cu.shape[0] - 1
@@ -300,21 +381,26 @@ def _grad_in_forward(h, w, y, temp, old_lp, old_ent, adv, cu, mask, cfg, G, ent_
         st = state[: 4 * r].view(4, r)
         st[0].fill_(float("-inf"))
         st[1:].zero_()
-        logprobs_tile_stats_op(tile, y[a:b], 0, temp, True, st, backend=common["backend"],
+        logprobs_tile_stats_op(tile, y[a:b], shard, temp, True, st, backend=common["backend"],
                                out=(st,))  # fmt: skip
-        m, log_s, lp_c, ent_c = _finalize(st, 1.0 / temp, True, None)
+        m, log_s, lp_c, ent_c = _finalize(st, 1.0 / temp, True, tp_group)
         logp[a:b] = lp_c
         ent[a:b] = ent_c
         if not (want_h or want_w):
             continue
         gl = _chunk_coef(lp_c, old_lp, old_ent, adv_tok, cu, mask, thr, a, b, G, opts)
         gh = None if gh_all is None else gh_all[a:b].contiguous()
-        token_logprobs_entropy_bwd_op(tile, y[a:b], m, log_s, ent_c, gl, gh, temp, 0,
+        token_logprobs_entropy_bwd_op(tile, y[a:b], m, log_s, ent_c, gl, gh, temp, shard,
                                       backend=common["backend"], out=(tile,))  # fmt: skip
         if want_h:
             torch.mm(tile, w32, out=d_h[a:b])
         if want_w:
             d_w.addmm_(tile.T, hc)
+    if want_h and tp_group is not None:
+        import torch.distributed as dist
+
+        # hidden states are replicated over the group: their gradient is the sum
+        dist.all_reduce(d_h, op=dist.ReduceOp.SUM, group=tp_group)
     return logp, ent, d_h, d_w
 
 

@@ -36,6 +36,7 @@ from typing import NamedTuple
 import torch
 
 from compass_kernels._op import register_op
+from compass_kernels.routing import _setcode  # noqa: F401  (registers the encode op)
 from compass_kernels.routing.trace import MissingReason, RoutingTrace, TraceError, ids_dtype
 
 __all__ = [

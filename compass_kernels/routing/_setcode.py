@@ -7,6 +7,11 @@ are coded as 0..K-1 (rank 0) without reading their ids.
 
 ``impl``: 0 the fastest kernel this CPU runs (AVX2 when present), 1 the
 x86-64 baseline (tests run both).
+
+The encode op (:data:`encode_sets_op`, ``torch.ops.compass.encode_sets``) has a
+"cpp" and a "cuda" backend (csrc/routing/codec.cu) writing the same payload
+bytes; :func:`encode_device` runs it where the ids live (on a GPU: no host
+sync, checks on the device), :func:`check_status` raises on a bad row.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import numpy as np
 import torch
 
 from compass_kernels._ext import load
+from compass_kernels._op import register_op
 
 
 def layout(num_experts: int, top_k: int) -> tuple[int, int]:
@@ -70,3 +76,64 @@ def decode_sets(payload: bytes | memoryview, rows: int, top_k: int, num_experts:
     ids = torch.empty(rows, top_k, dtype=dtype)
     decode_into(data, num_experts, ids, impl=impl)
     return ids
+
+
+# ------------------------------------------------------------ the encode op
+def _encode_outputs(ids, num_experts, missing):
+    rows, k = ids.shape
+    return (
+        ids.new_empty(payload_bytes(int(rows), num_experts, int(k)), dtype=torch.uint8),
+        ids.new_empty(2, dtype=torch.int64),
+        ids.new_empty(int(k) * num_experts, dtype=torch.int64),
+    )
+
+
+encode_sets_op = register_op(
+    "encode_sets",
+    "(Tensor ids, int num_experts, Tensor? missing) -> (Tensor, Tensor, Tensor)",
+    outputs=_encode_outputs,
+    kernels={"cpp": "routing.encode_sets_op_cpu", "cuda": "routing.encode_sets_cuda"},
+)
+"""ids [rows, K] uint8 | int16, missing [rows] bool or None -> (payload uint8
+[payload_bytes], status int64 [2] = (bad rows, first bad row or -1), table int64
+[K * E], the binomial workspace C(a, m) at (m - 1) * E + a). The cpp backend
+raises on a bad row (naming it); the cuda one counts it in status, on the device."""
+
+
+def encode_device(ids: torch.Tensor, num_experts: int, *, missing: torch.Tensor | None = None,
+                  backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Set-code ``ids`` [rows, K] where they live: (payload, status), both on
+    ids' device. On a GPU nothing waits for the device: read ``status`` (e.g.
+    :func:`check_status`, one sync) before trusting the payload."""
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        raise ValueError(f"ids: expected a 2-d tensor [rows, top_k], got {_desc(ids)}")
+    ids = ids if ids.is_contiguous() else ids.contiguous()
+    if missing is not None:
+        missing = missing.reshape(-1)
+        missing = missing if missing.is_contiguous() else missing.contiguous()
+    payload, status, _ = encode_sets_op(ids, int(num_experts), missing, backend=backend)
+    return payload, status
+
+
+def check_status(status, ids: torch.Tensor, num_experts: int, missing=None) -> None:
+    """Raise ValueError naming the first bad row of ``ids`` (as the CPU encoder
+    words it) when ``status`` (from the op; host or device) reports one."""
+    bad, first = (int(v) for v in status.tolist())
+    if bad == 0:
+        return
+    row = ids[first].tolist()
+    for i, a in enumerate(row):
+        if not 0 <= a < num_experts:
+            raise ValueError(
+                f"ids: expert id {a} out of range [0, {num_experts}) at row {first} "
+                f"({bad} bad rows)"
+            )
+        if a in row[:i]:
+            raise ValueError(f"ids: expert {a} twice in row {first} ({bad} bad rows)")
+    raise ValueError(f"ids: row {first} flagged bad but valid: {row} (internal error)")
+
+
+def _desc(t) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)} on {t.device}"
+    return type(t).__name__

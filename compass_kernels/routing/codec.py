@@ -43,10 +43,15 @@ def _payload_raw(ids: np.ndarray) -> bytes:
     return ids.astype(ids.dtype.newbyteorder("<"), copy=False).tobytes()
 
 
-def encode(trace: RoutingTrace, *, codec: str = "raw") -> bytes:
+def encode(trace: RoutingTrace, *, codec: str = "raw", backend: str | None = None) -> bytes:
+    """``backend``: None = where the trace lives (codec "set" on a GPU: the CUDA
+    encoder, :func:`_encode_set_on_device`); "cpp" / "cuda" / "cuda-emulated"
+    (tests) force the set encoder's backend."""
     code = CODECS.get(codec)
     if code is None:
         raise ValueError(f"codec: expected one of {tuple(CODECS)}, got {codec!r}")
+    if code == 1 and (backend is not None or trace.device.type != "cpu"):
+        return _encode_set_on_device(trace, backend)
     # raw: missing rows hold 0..K-1 in the payload; set: the kernel codes them as
     # rank 0 (= 0..K-1) without reading them, so no canonical copy of the ids.
     t = trace.canonical() if trace.missing is not None and code == 0 else trace
@@ -92,6 +97,48 @@ def encode(trace: RoutingTrace, *, codec: str = "raw") -> bytes:
     )  # fmt: skip
     body.release()
     return bytes(buf)
+
+
+def _pack(t: RoutingTrace, code: int, prefix: bytes, payload: bytes, n_rows: int, k: int) -> bytes:
+    body = prefix + payload
+    return _HEADER.pack(
+        MAGIC, VERSION, code, int(t.missing is not None), t.num_experts, k, 0, t.num_moe_layers,
+        t.num_mtp_layers, t.num_sequences, n_rows, len(body), len(payload), zlib.crc32(body), 0,
+    ) + body  # fmt: skip
+
+
+def _encode_set_on_device(t: RoutingTrace, backend: str | None) -> bytes:
+    """Codec "set" where the ids live: the encode op's kernel (on a GPU,
+    csrc/routing/codec.cu: ranks, packing and the id checks on the device), then
+    ONE device-to-host copy of status | cu_seqlens | missing | reasons | payload
+    (the sync that returning bytes needs); the CRC32 of the body on the host."""
+    from compass_kernels.routing import _setcode
+
+    n_rows, n_cols, k = t.expert_ids.shape
+    ids = t.expert_ids.reshape(-1, k)
+    has_missing = t.missing is not None
+    missing = t.missing.reshape(-1) if has_missing else None
+    payload, status = _setcode.encode_device(ids, t.num_experts, missing=missing, backend=backend)
+    parts = [status.view(torch.uint8), t.cu_seqlens.to(torch.int64).contiguous().view(torch.uint8)]
+    if has_missing:
+        parts += [missing.contiguous().view(torch.uint8), t.missing_reason.contiguous()]
+    parts.append(payload)
+    host = torch.cat(parts).cpu().numpy()  # the one sync
+    bad, first = (int(v) for v in host[:16].view("<i8"))
+    if bad:  # error path: reads the bad row (another sync)
+        _setcode.check_status(torch.tensor([bad, first]), ids, t.num_experts)
+    off = 16 + 8 * (t.num_sequences + 1)
+    prefix = [
+        t.layer_ids.cpu().numpy().astype("<i8").tobytes(),
+        t.mtp_layer_ids.cpu().numpy().astype("<i8").tobytes(),
+        host[16:off].tobytes(),
+    ]
+    if has_missing:
+        nbits = n_rows * n_cols
+        prefix.append(np.packbits(host[off : off + nbits], bitorder="little").tobytes())
+        prefix.append(host[off + nbits : off + nbits + n_rows].tobytes())
+        off += nbits + n_rows
+    return _pack(t, 1, b"".join(prefix), host[off:].tobytes(), n_rows, k)
 
 
 def decode(data: bytes, *, device=None) -> RoutingTrace:

@@ -888,16 +888,18 @@ class RoutingTrace:
         )
 
     # ------------------------------------------------------------ codec
-    def encode(self, *, codec: str = "set") -> bytes:
+    def encode(self, *, codec: str = "set", backend: str | None = None) -> bytes:
         """Serialize losslessly: a versioned header (shape, experts, layer keys,
         CRC32), then the payload. ``codec="set"`` (default) stores each row's
         set in ceil(log2 C(E, K)) bits or less (E=256, K=8: 49 bits vs 64 for
         uint8); ``"raw"`` the ids as stored. Rows are sets: "set" keeps no
         order within a row (decode returns rows ascending). Format:
-        compass_kernels/routing/codec.py."""
+        compass_kernels/routing/codec.py. On a GPU, "set" runs the CUDA encoder
+        (checks on the device) and copies only the compact payload to the host
+        (one sync); ``backend`` forces the encoder ("cpp", "cuda")."""
         from compass_kernels.routing import codec as _codec
 
-        return _codec.encode(self, codec=codec)
+        return _codec.encode(self, codec=codec, backend=backend)
 
     @staticmethod
     def decode(data: bytes, *, device=None) -> RoutingTrace:

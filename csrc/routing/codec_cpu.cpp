@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "compass/tensor_view.h"
+#include "routing/codec_args.h"
 #include "routing/routing_api.h"
 #include "routing/setcode.h"
 
@@ -33,24 +34,13 @@ using setcode::Tables;
 constexpr int64_t kParallelMinRows = int64_t{1} << 16;
 constexpr int64_t kBlockRows = 512;
 
-void check_layout(int64_t e, int64_t k) {
-  COMPASS_CHECK(e >= 1 && k >= 1 && k <= e && k <= setcode::kMaxK,
-                "num_experts / top_k: expected 1 <= top_k <= min(num_experts, ", setcode::kMaxK,
-                "), got ", e, " / ", k);
-  COMPASS_CHECK(e <= 65536, "num_experts: expected <= 65536 (int16 / uint16 ids), got ", e);
-  double log2n = 0;
-  for (int64_t i = 0; i < k; ++i) log2n += std::log2(static_cast<double>(e - i) / (k - i));
-  COMPASS_CHECK(log2n < 63.9, "set coding needs C(num_experts, top_k) < 2^64; C(", e, ", ", k,
-                ") ~ 2^", log2n, ": use codec='raw'");
-}
-
 // One Tables per (E, K), built once per process and thread.
 const Tables& tables(int64_t e, int64_t k) {
   static thread_local std::deque<Tables> cache;  // stable references
   for (const Tables& t : cache) {
     if (t.e == e && t.k == k) return t;
   }
-  check_layout(e, k);
+  check_set_layout(e, k);
   cache.push_back(setcode::make_tables(e, k));
   return cache.back();
 }
@@ -76,10 +66,13 @@ void explain_bad_rows(const I* block, int64_t r0, int64_t r1, int64_t k, int64_t
 
 // ------------------------------------------------------------------ AVX2 rank
 // uint8 ids, K <= 8 (E <= 256), rows [0, n) with 8 readable bytes at each row.
-template <int K>
-__attribute__((target("avx2"))) void rank_rows_avx2(const uint8_t* ids, int64_t n,
-                                                    const uint64_t* c8, uint64_t* rank,
-                                                    int64_t* below_sum) {
+// One pass: the ranks (into rank[], or with kPack straight into w, bits each:
+// G == 1), the sum of the below counts (duplicates) and the largest id (range;
+// any id is inside the [K+1, 256] table, so the check can come after).
+template <int K, bool kPack>
+__attribute__((target("avx2,bmi,bmi2"))) void rank_rows_avx2(
+    const uint8_t* ids, int64_t n, const uint64_t* c8, uint64_t* rank, int64_t* below_sum,
+    int64_t* max_id, setcode::BitWriter* w, int bits) {
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
   // lanes j >= K of a row never count as below (0x7f after the flip is the max)
   alignas(32) int8_t keep_b[32], pad_b[32], one1_b[32], one2_b[32];
@@ -101,9 +94,14 @@ __attribute__((target("avx2"))) void rank_rows_avx2(const uint8_t* ids, int64_t 
   const __m256i zero = _mm256_setzero_si256();
   const uint64_t* cc = c8 + 256;  // row m = below + 1
   __m256i acc = zero;
+  const __m128i row_bytes = _mm_cvtsi64_si128(K == 8 ? -1 : static_cast<long long>((1ull << (8 * K)) - 1));
+  __m128i mx = _mm_setzero_si128();
+  setcode::BitWriter out{nullptr};
+  if constexpr (kPack) out = *w;
   for (int64_t row = 0; row < n; ++row) {
     uint64_t w;
     std::memcpy(&w, ids + row * K, 8);
+    mx = _mm_max_epu8(mx, _mm_and_si128(_mm_cvtsi64_si128(static_cast<long long>(w)), row_bytes));
     const __m256i x = _mm256_xor_si256(_mm256_set1_epi64x(static_cast<long long>(w)), flip);
     const __m256i a = _mm256_or_si256(_mm256_and_si256(x, keep), pad);
     const __m256i b1 = _mm256_shuffle_epi8(x, sh1), b2 = _mm256_shuffle_epi8(x, sh2);
@@ -119,11 +117,18 @@ __attribute__((target("avx2"))) void rank_rows_avx2(const uint8_t* ids, int64_t 
     _mm256_store_si256(reinterpret_cast<__m256i*>(ix + 4), i2);
     uint64_t r = 0;
     for (int i = 0; i < K; ++i) r += cc[ix[i]];
-    rank[row] = r;
+    if constexpr (kPack) out.put(r, bits);
+    else rank[row] = r;
   }
+  if constexpr (kPack) *w = out;
   alignas(32) uint64_t s[4];
   _mm256_store_si256(reinterpret_cast<__m256i*>(s), acc);
   *below_sum += static_cast<int64_t>(s[0] + s[1] + s[2] + s[3]);
+  alignas(16) uint8_t m[16];
+  _mm_store_si128(reinterpret_cast<__m128i*>(m), mx);
+  int64_t hi = 0;
+  for (int i = 0; i < 8; ++i) hi = std::max<int64_t>(hi, m[i]);
+  *max_id = hi;
 }
 
 bool use_avx2() {
@@ -169,43 +174,50 @@ void encode_packs(const EncodeArgs& g, const I* ids, int64_t p0, int64_t p1) {
         x = filled.data();
       }
     }
-    // range: the block's min and max (vectorizes); duplicates: the below counts
-    int64_t lo = 0, hi = 0;
-    {
-      I mn = x[0], mx = x[0];
-      for (int64_t i = 0; i < n * k; ++i) {
-        mn = std::min(mn, x[i]);
-        mx = std::max(mx, x[i]);
-      }
-      lo = static_cast<int64_t>(mn);
-      hi = static_cast<int64_t>(mx);
-    }
-    if (lo < 0 || hi >= t.e) explain_bad_rows(x, r0, r1, k, t.e, g.name);
+    // range: the block's min and max (vectorizes; the AVX2 pass keeps its own
+    // max); duplicates: the below counts
     int64_t below = 0;
-    int64_t done = 0;
+    int64_t done = 0, packed = 0;  // rows ranked by AVX2; rows already in w
     if constexpr (sizeof(I) == 1) {
       if (g.avx2 && k <= 8 && !t.c8.empty()) {
         // rows whose 8-byte load stays inside the ids array
         const int64_t room = x == ids + r0 * k ? total_bytes - r0 * k - 8 : n * k;
         const int64_t fast = room < 0 ? 0 : std::min(n, room / k + 1);
         const uint8_t* u = reinterpret_cast<const uint8_t*>(x);
+        const bool pack = group == 1 && bits > 0;
+        int64_t hi = 0;
         if (fast > 0) {
-          switch (k) {
-#define COMPASS_RANK_AVX2(K) \
-  case K: rank_rows_avx2<K>(u, fast, t.c8.data(), rank, &below); break;
+          const int b = static_cast<int>(bits);
+          switch (k * 2 + pack) {
+#define COMPASS_RANK_AVX2(K)                                                          \
+  case 2 * K: rank_rows_avx2<K, false>(u, fast, t.c8.data(), rank, &below, &hi, &w, b); break; \
+  case 2 * K + 1: rank_rows_avx2<K, true>(u, fast, t.c8.data(), rank, &below, &hi, &w, b); break;
             COMPASS_RANK_AVX2(1) COMPASS_RANK_AVX2(2) COMPASS_RANK_AVX2(3) COMPASS_RANK_AVX2(4)
             COMPASS_RANK_AVX2(5) COMPASS_RANK_AVX2(6) COMPASS_RANK_AVX2(7) COMPASS_RANK_AVX2(8)
 #undef COMPASS_RANK_AVX2
           }
           done = fast;
+          if (pack) packed = fast;
         }
+        if (hi >= t.e) explain_bad_rows(x, r0, r1, k, t.e, g.name);
       }
     }
-    if (done < n) setcode::rank_rows<I>(x + done * k, n - done, k, t, rank + done, &below);
+    if (done < n) {
+      const I* y = x + done * k;
+      I mn = y[0], mx = y[0];
+      for (int64_t i = 0; i < (n - done) * k; ++i) {
+        mn = std::min(mn, y[i]);
+        mx = std::max(mx, y[i]);
+      }
+      if (static_cast<int64_t>(mn) < 0 || static_cast<int64_t>(mx) >= t.e) {
+        explain_bad_rows(x, r0, r1, k, t.e, g.name);
+      }
+      setcode::rank_rows<I>(y, n - done, k, t, rank + done, &below);
+    }
     if (below != n * (k * (k - 1) / 2)) explain_bad_rows(x, r0, r1, k, t.e, g.name);
     if (bits == 0) continue;  // K == E: nothing to store
     if (group == 1) {
-      for (int64_t i = 0; i < n; ++i) w.put(rank[i], static_cast<int>(bits));
+      for (int64_t i = packed; i < n; ++i) w.put(rank[i], static_cast<int>(bits));
     } else {
       for (int64_t q = 0; q < q1 - q0; ++q) {
         const int64_t a = q * group, b = std::min(n, a + group);
@@ -277,7 +289,21 @@ int64_t decode_packs(const DecodeArgs& g, I* ids, int64_t p0, int64_t p1) {
       std::fill(rank, rank + n, 0);
     } else if (group == 1) {
       uint64_t mx = 0;
-      for (int64_t i = 0; i < n; ++i) {
+      int64_t i = 0;
+      if (bits <= 57) {  // a pack at any bit shift fits one 8-byte load
+        const uint64_t mask = (uint64_t{1} << bits) - 1;
+        // packs whose 8-byte load stays inside the payload
+        const int64_t safe = g.size >= 8 ? ((g.size - 8) * 8) / bits + 1 - q0 : 0;
+        const int64_t fast = std::max<int64_t>(0, std::min(n, safe));
+        for (; i < fast; ++i) {
+          const int64_t o = (q0 + i) * bits;
+          uint64_t x;
+          std::memcpy(&x, g.src + (o >> 3), 8);
+          rank[i] = (x >> (o & 7)) & mask;
+          mx = std::max(mx, rank[i]);
+        }
+      }
+      for (; i < n; ++i) {
         rank[i] = setcode::read_bits(g.src, g.size, (q0 + i) * bits, static_cast<int>(bits));
         mx = std::max(mx, rank[i]);
       }
@@ -466,6 +492,21 @@ void decode_sets_cpu(TensorView data, int64_t num_experts, TensorView ids, int64
     COMPASS_CHECK(b < 0, data.name, ": pack ", b, " holds a value past C(", num_experts, ", ", k,
                   ")^", t.group, " (corrupted payload)");
   }
+}
+
+void encode_sets_op_cpu(COMPASS_ENCODE_SETS_ARGS) {
+  COMPASS_NAME_ARGS(ids, missing, payload, status, table);
+  check_encode_sets_args(ids, num_experts, missing, payload, status, table);
+  ids.expect_device(DeviceType::kCPU);
+  encode_sets_cpu(ids, num_experts, missing, payload, 0);  // raises naming a bad row
+  const int64_t k = ids.size(1), e = num_experts;
+  const Tables& t = tables(e, k);
+  int64_t* tab = table.ptr<int64_t>();
+  for (int64_t m = 1; m <= k; ++m) {
+    for (int64_t a = 0; a < e; ++a) tab[(m - 1) * e + a] = static_cast<int64_t>(t.binom(a, m));
+  }
+  status.ptr<int64_t>()[0] = 0;   // no bad row (they raise above)
+  status.ptr<int64_t>()[1] = -1;
 }
 
 }  // namespace routing

@@ -39,6 +39,9 @@ void check_replay_topk_backward_args(COMPASS_REPLAY_TOPK_BACKWARD_ARGS);
 // missing [rows] bool or None: those rows are coded as 0..K-1 (rank 0), their ids
 // not read. impl: 0 the fastest this CPU runs (AVX2 when present), 1 the x86-64
 // baseline.
+#define COMPASS_ENCODE_SETS_ARGS                                                              \
+  TensorView ids, int64_t num_experts, std::optional<TensorView> missing, TensorView payload, \
+      TensorView status, TensorView table
 int64_t set_code_group(int64_t num_experts, int64_t top_k);
 int64_t set_code_threads(int64_t threads);  // threads of the codec (0: OpenMP's); returns the old
 int64_t set_code_pack_bits(int64_t num_experts, int64_t top_k);
@@ -46,12 +49,20 @@ int64_t set_code_bytes(int64_t rows, int64_t num_experts, int64_t top_k);
 void encode_sets_cpu(TensorView ids, int64_t num_experts, std::optional<TensorView> missing,
                      TensorView out, int64_t impl);
 void decode_sets_cpu(TensorView data, int64_t num_experts, TensorView ids, int64_t impl);
+// The encode op (compass_kernels/routing/_setcode.py: encode_sets_op), every backend
+// (checks: codec_args.h): ids [rows, K] uint8 | int16 contiguous; missing [rows] bool or
+// None; all on ids' device. Outputs: payload; status int64 [2] =
+// (bad rows, first bad row or -1); table int64 [K * E] = C(a, m) at (m - 1) * E + a
+// (saturated at 2^64 - 1), the workspace of the CUDA kernel. The CPU entry raises
+// on a bad row instead (naming it) and fills status with (0, -1).
+void encode_sets_op_cpu(COMPASS_ENCODE_SETS_ARGS);
 
 void replay_topk_cpu(COMPASS_REPLAY_TOPK_ARGS);
 void replay_topk_backward_cpu(COMPASS_REPLAY_TOPK_BACKWARD_ARGS);
 #if defined(COMPASS_WITH_CUDA) || defined(COMPASS_EMULATION)  // emulated: csrc/emu
 void replay_topk_cuda(COMPASS_REPLAY_TOPK_ARGS, uintptr_t stream);
 void replay_topk_backward_cuda(COMPASS_REPLAY_TOPK_BACKWARD_ARGS, uintptr_t stream);
+void encode_sets_cuda(COMPASS_ENCODE_SETS_ARGS, uintptr_t stream);  // codec.cu
 #endif
 
 }  // namespace routing

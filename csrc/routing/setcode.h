@@ -39,10 +39,10 @@ constexpr int kMaxW = 4;  // hint width handled by the fast unrank
 
 inline int bit_length(uint64_t x) { return x ? 64 - __builtin_clzll(x) : 0; }
 
-// Monotone non-decreasing in r, for r < 2^63 (the hints are built only then).
+// Monotone non-decreasing in r, for r < 2^63 (the hints are built only then):
+// r | 1 keeps r = 0 at the key of 1 without a compare.
 inline uint64_t key_of(uint64_t r) {
-  double d = static_cast<double>(static_cast<int64_t>(r));
-  d = d > 1.0 ? d : 1.0;
+  const double d = static_cast<double>(static_cast<int64_t>(r | 1));
   uint64_t bits;
   std::memcpy(&bits, &d, sizeof bits);
   return (bits >> (52 - kS)) - (uint64_t{1023} << kS);
@@ -69,6 +69,38 @@ struct Tables {
   uint64_t binom(int64_t a, int64_t m) const { return c[m * stride + a]; }
 };
 
+// C(e, k) computed exactly (the caller checks it is < 2^64: check_set_layout).
+inline uint64_t binom_exact(int64_t e, int64_t k) {
+  if (k < 0 || k > e) return 0;
+  const int64_t j = std::min(k, e - k);
+  unsigned __int128 c = 1;
+  for (int64_t i = 1; i <= j; ++i) c = c * static_cast<unsigned __int128>(e - j + i) / i;
+  return c > ~uint64_t{0} ? ~uint64_t{0} : static_cast<uint64_t>(c);
+}
+
+// Rows per pack G (the largest with N^G <= 2^64, at most 64) and bits per pack
+// B = bit_length(N^G - 1) for N = C(E, K) subsets; N == 1: B = 0. B is 0 or in
+// [32, 64]: N^G > 2^64 / N, so a pack never spans more than three 64-bit words.
+struct PackLayout {
+  uint64_t n = 0;
+  int64_t group = 1;
+  int64_t bits = 0;
+};
+
+inline PackLayout pack_layout(uint64_t n) {
+  PackLayout l;
+  l.n = n;
+  unsigned __int128 pow = n;
+  while (n > 1 && l.group < 64) {
+    const unsigned __int128 next = pow * n;
+    if (next > (static_cast<unsigned __int128>(1) << 64)) break;
+    pow = next;
+    ++l.group;
+  }
+  l.bits = bit_length(static_cast<uint64_t>(pow - 1));
+  return l;
+}
+
 inline Tables make_tables(int64_t e, int64_t k) {
   Tables t;
   t.e = e;
@@ -88,14 +120,9 @@ inline Tables make_tables(int64_t e, int64_t k) {
     }
   }
   t.n = t.binom(e, k);
-  unsigned __int128 pow = t.n;
-  while (t.n > 1 && t.group < 64) {  // the largest G with N^G <= 2^64
-    const unsigned __int128 next = pow * t.n;
-    if (next > (static_cast<unsigned __int128>(1) << 64)) break;
-    pow = next;
-    ++t.group;
-  }
-  t.bits = bit_length(static_cast<uint64_t>(pow - 1));  // N == 1 (K == E): 0 bits
+  const PackLayout l = pack_layout(t.n);  // N == 1 (K == E): 0 bits
+  t.group = l.group;
+  t.bits = l.bits;
   if (e <= 256 && k <= 8) {
     t.c8.assign(static_cast<size_t>((k + 1) * 256), 0);
     for (int64_t m = 0; m <= k; ++m) {
@@ -220,14 +247,24 @@ inline void unrank_batch(const uint64_t* ranks, const Tables& t, const H* hint, 
   for (int64_t m = k; m >= m_lo; --m) {
     const uint64_t* cm = c + m * stride;
     const H* h = hint + t.hint_off[m];
+#ifndef __CUDACC__
 #pragma GCC unroll 8
+#endif
     for (int j = 0; j < kBatch; ++j) {
       int64_t a = h[key_of(r[j])];
-      int64_t up = 0;
-      for (int q = 1; q <= W; ++q) up += cm[a + q] <= r[j];
-      a += up;
-      put(j, m - 1, a);
-      r[j] -= cm[a];
+      if constexpr (W == 1) {  // both candidates loaded at once: no load after the compare
+        const uint64_t c0 = cm[a], c1 = cm[a + 1];
+        const bool up = c1 <= r[j];
+        a += up;
+        r[j] -= up ? c1 : c0;
+        put(j, m - 1, a);
+      } else {
+        int64_t up = 0;
+        for (int q = 1; q <= W; ++q) up += cm[a + q] <= r[j];
+        a += up;
+        put(j, m - 1, a);
+        r[j] -= cm[a];
+      }
     }
   }
   if (use_pair && k >= 2) {

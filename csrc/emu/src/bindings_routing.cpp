@@ -1,8 +1,9 @@
-// ck.routing's CUDA entry points (csrc/routing/replay.cu compiled for
-// emulation), one line each; plus the planted mutants the test suite must
-// catch (cmake/emu.cmake), one submodule each under `mutants.routing`.
+// ck.routing's CUDA entry points (csrc/routing/replay.cu and codec.cu compiled
+// for emulation), one line each; plus the planted mutants the test suite must
+// catch (cmake/emu.cmake), one submodule each under `mutants.routing`, binding
+// the entry points of the file it mutates.
 #include "bindings.h"
-#include "compass_emu_mutants.h"  // generated: COMPASS_EMU_MUTANTS_ROUTING(X)
+#include "compass_emu_mutants.h"  // generated: COMPASS_EMU_MUTANTS_ROUTING_<FILE>(X)
 #include "emu_pybind.h"
 #include "routing/routing_api.h"
 
@@ -11,7 +12,11 @@ namespace routing {
 #define COMPASS_EMU_DECLARE(name)                                                     \
   void replay_topk_cuda__##name(COMPASS_REPLAY_TOPK_ARGS, uintptr_t stream);          \
   void replay_topk_backward_cuda__##name(COMPASS_REPLAY_TOPK_BACKWARD_ARGS, uintptr_t stream);
-COMPASS_EMU_MUTANTS_ROUTING(COMPASS_EMU_DECLARE)
+COMPASS_EMU_MUTANTS_ROUTING_REPLAY(COMPASS_EMU_DECLARE)
+#undef COMPASS_EMU_DECLARE
+#define COMPASS_EMU_DECLARE(name) \
+  void encode_sets_cuda__##name(COMPASS_ENCODE_SETS_ARGS, uintptr_t stream);
+COMPASS_EMU_MUTANTS_ROUTING_CODEC(COMPASS_EMU_DECLARE)
 #undef COMPASS_EMU_DECLARE
 }  // namespace routing
 
@@ -23,6 +28,7 @@ void bind_routing(pybind11::module_& root) {
   COMPASS_EMU_DEF(m, "replay_topk_cuda", replay_topk_cuda, COMPASS_REPLAY_TOPK_ARGS);
   COMPASS_EMU_DEF(m, "replay_topk_backward_cuda", replay_topk_backward_cuda,
                   COMPASS_REPLAY_TOPK_BACKWARD_ARGS);
+  COMPASS_EMU_DEF(m, "encode_sets_cuda", encode_sets_cuda, COMPASS_ENCODE_SETS_ARGS);
   auto mut = root.def_submodule("mutants").def_submodule("routing", "planted bugs");
 #define COMPASS_EMU_BIND(name)                                                         \
   {                                                                                    \
@@ -32,7 +38,14 @@ void bind_routing(pybind11::module_& root) {
     COMPASS_EMU_DEF(sub, "replay_topk_backward_cuda", replay_topk_backward_cuda__##name, \
                     COMPASS_REPLAY_TOPK_BACKWARD_ARGS);                                \
   }
-  COMPASS_EMU_MUTANTS_ROUTING(COMPASS_EMU_BIND)
+  COMPASS_EMU_MUTANTS_ROUTING_REPLAY(COMPASS_EMU_BIND)
+#undef COMPASS_EMU_BIND
+#define COMPASS_EMU_BIND(name)                                                           \
+  {                                                                                      \
+    auto sub = mut.def_submodule(#name);                                                 \
+    COMPASS_EMU_DEF(sub, "encode_sets_cuda", encode_sets_cuda__##name, COMPASS_ENCODE_SETS_ARGS); \
+  }
+  COMPASS_EMU_MUTANTS_ROUTING_CODEC(COMPASS_EMU_BIND)
 #undef COMPASS_EMU_BIND
 }
 
