@@ -149,11 +149,13 @@ void order_desc(const C* v, int64_t n, std::vector<int64_t>& out, std::vector<in
 }
 
 // Sequences by decreasing tokens, ties by index: seq[j] the j-th sequence,
-// tokd[j] its tokens. A stable LSD radix sort of packed keys
-// ((top - tokens) << ib | index): every pass moves the keys themselves
-// (sequential reads, no gather through an index array), one read pass builds
-// every pass's histogram, 8-bit digits for short inputs (small count arrays)
-// and up to 11 bits otherwise. Keys that do not fit 64 bits: order_desc.
+// tokd[j] its tokens. Where the token range is small (under 2^17 values and
+// at most 2 per sequence: lengths capped by max_tokens), a counting sort on
+// the tokens (two passes over the input). Otherwise a stable LSD radix sort
+// of packed keys ((top - tokens) << ib | index): every pass moves the keys
+// themselves (sequential reads, no gather through an index array), one read
+// pass builds every pass's histogram, 8-bit digits for short inputs (small
+// count arrays) and up to 11 bits otherwise. Keys that do not fit 64 bits: order_desc.
 void sort_tokens_desc(const int64_t* tok, int64_t n, std::vector<uint64_t>& a,
                       std::vector<uint64_t>& b, std::vector<int64_t>& seq,
                       std::vector<int64_t>& tokd) {
@@ -171,6 +173,28 @@ void sort_tokens_desc(const int64_t* tok, int64_t n, std::vector<uint64_t>& a,
     std::vector<int64_t> tmp;
     order_desc(tok, n, seq, tmp);
     for (int64_t j = 0; j < n; ++j) tokd[j] = tok[seq[j]];
+    return;
+  }
+  if (n > 64 && range < (uint64_t{1} << 17) && range <= 2 * static_cast<uint64_t>(n)) {
+    // a counting sort on the tokens themselves (top - tokens, ascending:
+    // ties keep ascending index): one histogram pass, one scatter of indices
+    // in index order, and tokd written bucket by bucket
+    std::vector<uint64_t>& cnt = a;
+    cnt.assign(range + 1, 0);
+    for (int64_t i = 0; i < n; ++i) ++cnt[static_cast<uint64_t>(top - tok[i])];
+    uint64_t sum = 0;
+    for (uint64_t& c : cnt) {
+      const uint64_t v = c;
+      c = sum;
+      sum += v;
+    }
+    for (int64_t i = 0; i < n; ++i) seq[cnt[static_cast<uint64_t>(top - tok[i])]++] = i;
+    uint64_t start = 0;  // cnt[b] is now the end of bucket b
+    for (uint64_t d = 0; d <= range; ++d) {
+      const int64_t t = top - static_cast<int64_t>(d);
+      for (uint64_t j = start; j < cnt[d]; ++j) tokd[j] = t;
+      start = cnt[d];
+    }
     return;
   }
   a.resize(n);
