@@ -1125,7 +1125,6 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
     for (int64_t r = 0; r < k; ++r) {
       if (written_at[r] == nb) continue;
       const int64_t m = load_rank(r);
-      COMPASS_PHASE("mb load");
       // LPT on cost, and where it finds no room for some long sequence the
       // level fit (bins filled to the balanced level by first fit, not to
       // the cap). While LPT has failed on more ranks than it packed, ranks
@@ -1143,7 +1142,6 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
       const bool lpt_ok = !packed && pk.lpt(m, nb, cap);
       if (!packed && !lpt_ok && !try_level) packed = level_fit();
       if (!packed || !try_level) ++(lpt_ok ? lpt_packed : lpt_failed);
-      COMPASS_PHASE("mb lpt");
       if (lpt_ok) {
         lpt_ok_at[r] = nb;
       } else if (!packed) {
@@ -1161,9 +1159,7 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
         }
         pk.split_to(nb, cap);
       }
-      COMPASS_PHASE("mb first fit");
       pk.balance(nb, cap, mb_iters);
-      COMPASS_PHASE("mb balance");
       // micro-batches heaviest first (ties by first sequence): their offsets,
       // and each sequence's micro-batch (the sequences are written after the
       // loop, by one pass in ascending index)
@@ -1191,7 +1187,6 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
       }
       for (int64_t i = 0; i < m; ++i) slot_of[seqs[i]] = slot[bin_of[i]];
       written_at[r] = nb;
-      COMPASS_PHASE("mb write");
     }
   }
   off[k * nb] = n;
