@@ -7,7 +7,8 @@
 //    order by decreasing tokens is also decreasing cost.
 // 1. Items: a group (group_ids) or a single sequence; items never split across
 //    ranks. Sequences are ordered by a stable LSD radix sort of packed
-//    (tokens, index) keys (decreasing, ties by index), O(n); items are
+//    (tokens, index) keys, or a counting sort on the tokens where their range
+//    is small (decreasing, ties by index either way), O(n); items are
 //    relabelled by that order, so item j is at least as heavy as item j + 1
 //    and an id comparison is a cost comparison.
 // 2. Ranks: LPT (largest first onto the least-loaded rank, a tournament tree:
