@@ -7,12 +7,15 @@
 //    order by decreasing tokens is also decreasing cost.
 // 1. Items: a group (group_ids) or a single sequence; items never split across
 //    ranks. Sequences are ordered by a stable LSD radix sort of packed
-//    (tokens, index) keys (decreasing, ties by index), O(n); items are
+//    (tokens, index) keys, or a counting sort on the tokens where their range
+//    is small (decreasing, ties by index either way), O(n); items are
 //    relabelled by that order, so item j is at least as heavy as item j + 1
 //    and an id comparison is a cost comparison.
-// 2. Ranks: LPT (largest first onto the least-loaded rank, a binary heap:
+// 2. Ranks: LPT (largest first onto the least-loaded rank, a tournament tree:
 //    O(n log dp); with equal_samples a rank takes at most ceil(G/k) items and
-//    only G % k ranks that many), then refinement: the heaviest rank against
+//    only G % k ranks that many; without it, the middle of the sorted items
+//    goes by a linear snake sweep, one item of each block of k per rank, see
+//    lpt_ranks), then refinement: the heaviest rank against
 //    the lightest (then the next lightest ...) takes the single move or pairwise
 //    swap whose cost difference is closest to half their gap, found by one
 //    two-pointer scan of both ranks' sorted members (O(m) per step), until the
@@ -26,7 +29,11 @@
 // 3. Micro-batches: M = the largest per-rank lower bound (ceil(tokens / cap), or
 //    the number of sequences longer than cap / 2, each needing its own), rounded
 //    up to micro_batch_multiple; every rank is packed into exactly M bins by
-//    LPT on cost among the bins with room. Where that fails, first-fit
+//    LPT on cost among the bins with room. Where that fails, the level fit:
+//    first fit by decreasing tokens into M bins of the balanced level (mean
+//    tokens + kBinTolerance) rather than the cap, the sequences fitting under
+//    no level then by LPT under the cap (after a rank where LPT failed the
+//    next tries this first). Where that fails too, first-fit
 //    decreasing (a max-tree over bin room, O(m log m)) gives a feasible count:
 //    M grows to the largest such count and ranks LPT cannot pack use FFD plus
 //    splitting of their heaviest bins. Then the same move / swap refinement
@@ -76,6 +83,17 @@ constexpr double kBinTolerance = 5e-3;
 // Float costs: ranks stop within 1e-9 of the lower bound max(total / k,
 // largest item) (token costs are integers and stop at the exact optimum).
 constexpr double kRankTolerance = 1e-9;
+// Rank LPT places the middle of the items by a snake sweep (lpt_ranks) only
+// from this many items per rank: below it LPT's tree updates cost little, and
+// the refinement took more steps after the sweep (bimodal 4096 / 64).
+constexpr int64_t kBulkMinPerBin = 96;
+// The snake sweep stops while the items left exceed the lift of every rank
+// to the heaviest by kSnakeMargin * k times the largest of them: LPT levels
+// with those (a wider margin: more tree updates, fewer refinement steps).
+constexpr int64_t kSnakeMargin = 8;
+// Micro-batches: while LPT fails on most ranks the level fit goes first; every
+// kLptProbe-th rank tries LPT first anyway.
+constexpr int64_t kLptProbe = 16;
 
 // ------------------------------------------------------------------ sorting
 // Stable LSD radix sort: out = 0..n-1 ordered by increasing key (ties by
@@ -132,11 +150,13 @@ void order_desc(const C* v, int64_t n, std::vector<int64_t>& out, std::vector<in
 }
 
 // Sequences by decreasing tokens, ties by index: seq[j] the j-th sequence,
-// tokd[j] its tokens. A stable LSD radix sort of packed keys
-// ((top - tokens) << ib | index): every pass moves the keys themselves
-// (sequential reads, no gather through an index array), one read pass builds
-// every pass's histogram, 8-bit digits for short inputs (small count arrays)
-// and up to 11 bits otherwise. Keys that do not fit 64 bits: order_desc.
+// tokd[j] its tokens. Where the token range is small (under 2^17 values and
+// at most 2 per sequence: lengths capped by max_tokens), a counting sort on
+// the tokens (two passes over the input). Otherwise a stable LSD radix sort
+// of packed keys ((top - tokens) << ib | index): every pass moves the keys
+// themselves (sequential reads, no gather through an index array), one read
+// pass builds every pass's histogram, 8-bit digits for short inputs (small
+// count arrays) and up to 11 bits otherwise. Keys that do not fit 64 bits: order_desc.
 void sort_tokens_desc(const int64_t* tok, int64_t n, std::vector<uint64_t>& a,
                       std::vector<uint64_t>& b, std::vector<int64_t>& seq,
                       std::vector<int64_t>& tokd) {
@@ -154,6 +174,28 @@ void sort_tokens_desc(const int64_t* tok, int64_t n, std::vector<uint64_t>& a,
     std::vector<int64_t> tmp;
     order_desc(tok, n, seq, tmp);
     for (int64_t j = 0; j < n; ++j) tokd[j] = tok[seq[j]];
+    return;
+  }
+  if (n > 64 && range < (uint64_t{1} << 17) && range <= 2 * static_cast<uint64_t>(n)) {
+    // a counting sort on the tokens themselves (top - tokens, ascending:
+    // ties keep ascending index): one histogram pass, one scatter of indices
+    // in index order, and tokd written bucket by bucket
+    std::vector<uint64_t>& cnt = a;
+    cnt.assign(range + 1, 0);
+    for (int64_t i = 0; i < n; ++i) ++cnt[static_cast<uint64_t>(top - tok[i])];
+    uint64_t sum = 0;
+    for (uint64_t& c : cnt) {
+      const uint64_t v = c;
+      c = sum;
+      sum += v;
+    }
+    for (int64_t i = 0; i < n; ++i) seq[cnt[static_cast<uint64_t>(top - tok[i])]++] = i;
+    uint64_t start = 0;  // cnt[b] is now the end of bucket b
+    for (uint64_t d = 0; d <= range; ++d) {
+      const int64_t t = top - static_cast<int64_t>(d);
+      for (uint64_t j = start; j < cnt[d]; ++j) tokd[j] = t;
+      start = cnt[d];
+    }
     return;
   }
   a.resize(n);
@@ -428,8 +470,26 @@ struct MinTree {
   }
 };
 
+template <typename C>
+C ceil_div(C a, int64_t k) {
+  if constexpr (std::is_integral_v<C>) return (a + k - 1) / k;
+  else return a / static_cast<C>(k);
+}
+
 // LPT over items 0..g-1 (decreasing cost). With `card` (equal_samples):
 // floor(g/k) or ceil(g/k) items per rank, exactly g % k ranks at the ceiling.
+// Without it and with kBulkMinPerBin+ items per rank, the middle of the list
+// is placed by a snake sweep instead: LPT places items [0, a) (a = max(2k,
+// g/16)), then whole blocks of k items go one to each rank, ranks in their
+// order by load after LPT (lightest first), every other block reversed: one
+// linear pass with no tree update that, like LPT once items are small, gives
+// every rank one item of each block (so ranks keep alike mixes of long and
+// short sequences, which the micro-batch count depends on). A pair of blocks
+// widens the load range by at most its largest minus its smallest item. The
+// sweep stops while the items left exceed the lift of every rank to the
+// heaviest by a margin (kSnakeMargin), and LPT places those: it levels the
+// ranks to within one of its items, as LPT on every item would; the
+// refinement then reaches the same bound.
 template <typename C>
 void lpt_ranks(const std::vector<C>& w, int64_t k, bool card, Bins<C>& b, MinTree<C>& heap,
                std::vector<int64_t>& rank_of, std::vector<int64_t>& count) {
@@ -442,7 +502,9 @@ void lpt_ranks(const std::vector<C>& w, int64_t k, bool card, Bins<C>& b, MinTre
   count.assign(k, 0);
   rank_of.resize(g);
   int64_t at_hi = 0;
-  for (int64_t j = 0; j < g; ++j) {
+  int64_t a = g;  // LPT on [0, a), the snake on [a, j), LPT on [j, g)
+  if (!card && g >= kBulkMinPerBin * k) a = std::max<int64_t>(2 * k, g / 16);
+  auto place = [&](int64_t j) {
     if (card) {
       for (;;) {  // ranks that can take no more leave the heap for good
         const int64_t c = count[heap.top()];
@@ -453,8 +515,37 @@ void lpt_ranks(const std::vector<C>& w, int64_t k, bool card, Bins<C>& b, MinTre
     const int64_t r = heap.top();
     rank_of[j] = r;
     if (card && ++count[r] == lo + 1) ++at_hi;
+    b.load[r] += w[j];
     heap.add_top(w[j]);
+  };
+  int64_t j = 0;
+  for (; j < a; ++j) place(j);
+  if (a < g) {
+    std::vector<int64_t>& by_load = count;  // count serves equal_samples only
+    by_load.resize(k);
+    std::iota(by_load.begin(), by_load.end(), int64_t{0});
+    std::sort(by_load.begin(), by_load.end(), [&](int64_t x, int64_t y) {
+      return b.load[x] != b.load[y] ? b.load[x] < b.load[y] : x < y;
+    });
+    C top = b.load[by_load[k - 1]];
+    const C mean = std::is_integral_v<C> ? total / k : total / static_cast<C>(k);
+    // the block [j, j + k) keeps the heaviest under top + w[j]; the items left
+    // after it (total - every load) then exceed the lift to it, k * (top +
+    // w[j]) - every load, by kSnakeMargin * k * w[j + k] iff
+    // top + w[j] + kSnakeMargin * w[j + k] <= mean
+    for (bool fwd = true; j + k < g && top + w[j] + kSnakeMargin * w[j + k] <= mean; fwd = !fwd) {
+      for (int64_t i = 0; i < k; ++i, ++j) {
+        const int64_t r = by_load[fwd ? i : k - 1 - i];
+        rank_of[j] = r;
+        b.load[r] += w[j];
+        top = std::max(top, b.load[r]);
+      }
+    }
+    COMPASS_COUNT("snake items", j - a);
+    for (int64_t r = 0; r < k; ++r) heap.set(r, b.load[r]);
   }
+  for (; j < g; ++j) place(j);
+  std::fill(b.load.begin(), b.load.end(), C{0});
   for (int64_t j = g - 1; j >= 0; --j) {  // members by decreasing id
     const int64_t r = rank_of[j];
     b.mem[r].push_back(j);
@@ -646,6 +737,67 @@ struct RankPacker {
     return true;
   }
 
+  // Tight ranks (LPT on cost leaves every bin too little room for a long
+  // sequence): first fit by decreasing tokens into nbins bins of `level`
+  // tokens each (the balanced level, not the cap), so bins fill to about the
+  // same load instead of to the brim; the sequences that fit under no level
+  // (the short ones, usually a few) then go by LPT on cost to the bins with
+  // room under the cap. False when one fits nowhere.
+  bool level_fit(int64_t m_, int64_t nbins, int64_t cap, int64_t level) {
+    m = m_;
+    has_mem = false;
+    b.load.assign(nbins, C{0});
+    bin_of.resize(m);
+    room.assign(nbins, cap);
+    all.clear();  // the sequences left for LPT
+    int64_t size = 1;
+    while (size < nbins) size *= 2;
+    std::vector<int64_t>& lv = ff_room;  // max-tree of room under the level; padding -1
+    lv.assign(2 * size, -1);
+    std::fill(lv.begin() + size, lv.begin() + size + nbins, level);
+    for (int64_t i = size - 1; i >= 1; --i) lv[i] = std::max(lv[2 * i], lv[2 * i + 1]);
+    for (int64_t i = 0; i < m; ++i) {
+      const int64_t t = tok[i];
+      if (lv[1] < t) {
+        all.push_back(i);
+        continue;
+      }
+      int64_t node = 1;  // the lowest bin with room under the level
+      while (node < size) node = lv[2 * node] >= t ? 2 * node : 2 * node + 1;
+      const int64_t q = node - size;
+      bin_of[i] = q;
+      room[q] -= t;
+      b.load[q] += w[i];
+      lv[node] -= t;
+      for (node /= 2; node >= 1; node /= 2) lv[node] = std::max(lv[2 * node], lv[2 * node + 1]);
+    }
+    if (!all.empty()) {
+      heap.init(nbins, total);
+      for (int64_t q = 0; q < nbins; ++q) heap.set(q, b.load[q]);
+      for (int64_t i : all) {
+        while (!heap.empty() && room[heap.top()] < tok[i]) {
+          aside.emplace_back(heap.top_load(), heap.top());
+          heap.set_aside(heap.top());
+        }
+        if (heap.empty()) {
+          aside.clear();
+          return false;
+        }
+        const int64_t j = heap.top();
+        bin_of[i] = j;
+        room[j] -= tok[i];
+        b.load[j] += w[i];
+        heap.add_top(w[i]);
+        for (const auto& e : aside) heap.set(e.second, e.first);
+        aside.clear();
+      }
+    }
+    for (int64_t q = 0; q < nbins; ++q) {
+      if (room[q] == cap) return false;  // an empty bin: leave it to the other packings
+    }
+    return true;
+  }
+
   // The first-fit-decreasing packing of bin_of (first_fit's output, `used`
   // bins).
   void from_first_fit(int64_t m_, int64_t used, int64_t cap) {
@@ -718,11 +870,6 @@ struct RankPacker {
   }
 };
 
-template <typename C>
-C ceil_div(C a, int64_t k) {
-  if constexpr (std::is_integral_v<C>) return (a + k - 1) / k;
-  else return a / static_cast<C>(k);
-}
 
 // ------------------------------------------------------------------- plan
 struct Input {
@@ -971,6 +1118,7 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
   &written_at = ws.written_at;
   lpt_ok_at.assign(k, 0);
   written_at.assign(k, 0);
+  int64_t lpt_packed = 0, lpt_failed = 0;  // ranks LPT packed / failed on, this call
   for (bool grown = true; grown;) {
     grown = false;
     mb_order.resize(nb);
@@ -978,9 +1126,26 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
     for (int64_t r = 0; r < k; ++r) {
       if (written_at[r] == nb) continue;
       const int64_t m = load_rank(r);
-      if (pk.lpt(m, nb, cap)) {
+      // LPT on cost, and where it finds no room for some long sequence the
+      // level fit (bins filled to the balanced level by first fit, not to
+      // the cap). While LPT has failed on more ranks than it packed, ranks
+      // try the level fit first (ranks are alike, and a failed LPT costs
+      // most of a pass); every kLptProbe-th rank tries LPT first regardless
+      const int64_t level = (rank_tok[r] + nb - 1) / nb;
+      auto level_fit = [&] {
+        const int64_t slack = static_cast<int64_t>(static_cast<double>(level) * kBinTolerance);
+        const bool ok = pk.level_fit(m, nb, cap, std::min(cap, level + slack));
+        COMPASS_COUNT("level fit", ok);
+        return ok;
+      };
+      const bool try_level = lpt_failed > lpt_packed && r % kLptProbe != 0;
+      bool packed = try_level && level_fit();
+      const bool lpt_ok = !packed && pk.lpt(m, nb, cap);
+      if (!packed && !lpt_ok && !try_level) packed = level_fit();
+      if (!packed || !try_level) ++(lpt_ok ? lpt_packed : lpt_failed);
+      if (lpt_ok) {
         lpt_ok_at[r] = nb;
-      } else {
+      } else if (!packed) {
         COMPASS_COUNT("first fit", 1);
         const int64_t used = first_fit(pk.tok.data(), m, cap, pk.bin_of, pk.ff_room);
         if (used <= nb) {
