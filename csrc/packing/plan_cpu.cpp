@@ -708,6 +708,26 @@ struct RankPacker {
     }
   }
 
+  // One LPT step: sequence i to the least-loaded bin of the heap with room for
+  // it (bins without room set aside for this step only). False when none has room.
+  bool lpt_place(int64_t i) {
+    while (!heap.empty() && room[heap.top()] < tok[i]) {
+      aside.emplace_back(heap.top_load(), heap.top());
+      heap.set_aside(heap.top());
+    }
+    if (heap.empty()) {
+      aside.clear();
+      return false;
+    }
+    const int64_t j = heap.top();
+    bin_of[i] = j;
+    room[j] -= tok[i];
+    heap.add_top(w[i]);
+    for (const auto& e : aside) heap.set(e.second, e.first);
+    aside.clear();
+    return true;
+  }
+
   // LPT by cost among the bins with room for the sequence (bins set aside while
   // they lack room, usually none). False when some sequence fits nowhere.
   bool lpt(int64_t m_, int64_t nbins, int64_t cap) {
@@ -718,20 +738,7 @@ struct RankPacker {
     room.assign(nbins, cap);
     heap.init(nbins, total);
     for (int64_t i = 0; i < m; ++i) {
-      while (!heap.empty() && room[heap.top()] < tok[i]) {
-        aside.emplace_back(heap.top_load(), heap.top());
-        heap.set_aside(heap.top());
-      }
-      if (heap.empty()) {
-        aside.clear();
-        return false;
-      }
-      const int64_t j = heap.top();
-      bin_of[i] = j;
-      room[j] -= tok[i];
-      heap.add_top(w[i]);
-      for (const auto& e : aside) heap.set(e.second, e.first);
-      aside.clear();
+      if (!lpt_place(i)) return false;
     }
     for (int64_t i = m - 1; i >= 0; --i) b.load[bin_of[i]] += w[i];  // as summed by decreasing id
     return true;
@@ -775,21 +782,8 @@ struct RankPacker {
       heap.init(nbins, total);
       for (int64_t q = 0; q < nbins; ++q) heap.set(q, b.load[q]);
       for (int64_t i : all) {
-        while (!heap.empty() && room[heap.top()] < tok[i]) {
-          aside.emplace_back(heap.top_load(), heap.top());
-          heap.set_aside(heap.top());
-        }
-        if (heap.empty()) {
-          aside.clear();
-          return false;
-        }
-        const int64_t j = heap.top();
-        bin_of[i] = j;
-        room[j] -= tok[i];
-        b.load[j] += w[i];
-        heap.add_top(w[i]);
-        for (const auto& e : aside) heap.set(e.second, e.first);
-        aside.clear();
+        if (!lpt_place(i)) return false;
+        b.load[bin_of[i]] += w[i];
       }
     }
     for (int64_t q = 0; q < nbins; ++q) {
