@@ -37,7 +37,7 @@ import torch
 
 from compass_kernels._op import register_op
 from compass_kernels.routing import _setcode  # noqa: F401  (registers the encode op)
-from compass_kernels.routing.trace import MissingReason, RoutingTrace, TraceError, ids_dtype
+from compass_kernels.routing.trace import MissingReason, RoutingTrace, TraceError, _desc, ids_dtype
 
 __all__ = [
     "MissingReason",
@@ -411,9 +411,3 @@ class _ReplayFunction(torch.autograd.Function):
             g, logits, used, ctx.score_function, ctx.normalize, ctx.scaling, backend=ctx.backend
         )
         return None, grad, None, None, None, None, None, None, None
-
-
-def _desc(t) -> str:
-    if isinstance(t, torch.Tensor):
-        return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)} on {t.device}"
-    return type(t).__name__

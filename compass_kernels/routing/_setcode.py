@@ -23,6 +23,7 @@ import torch
 
 from compass_kernels._ext import load
 from compass_kernels._op import register_op
+from compass_kernels.routing.trace import _desc
 
 
 def layout(num_experts: int, top_k: int) -> tuple[int, int]:
@@ -131,9 +132,3 @@ def check_status(status, ids: torch.Tensor, num_experts: int, missing=None) -> N
         if a in row[:i]:
             raise ValueError(f"ids: expert {a} twice in row {first} ({bad} bad rows)")
     raise ValueError(f"ids: row {first} flagged bad but valid: {row} (internal error)")
-
-
-def _desc(t) -> str:
-    if isinstance(t, torch.Tensor):
-        return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)} on {t.device}"
-    return type(t).__name__

@@ -91,20 +91,22 @@ def encode(trace: RoutingTrace, *, codec: str = "raw", backend: str | None = Non
         )
         _setcode.encode_into(ids.view(-1, k), t.num_experts, out, missing=missing)
     body = memoryview(buf)[_HEADER.size :]
-    _HEADER.pack_into(
-        buf, 0, MAGIC, VERSION, code, int(has_missing), t.num_experts, k, 0, t.num_moe_layers,
-        t.num_mtp_layers, t.num_sequences, n_rows, len(body), n_payload, zlib.crc32(body), 0,
-    )  # fmt: skip
+    _HEADER.pack_into(buf, 0, *_header_fields(t, code, n_rows, k, body, n_payload))
     body.release()
     return bytes(buf)
 
 
+def _header_fields(t: RoutingTrace, code: int, n_rows: int, k: int, body, n_payload: int) -> tuple:
+    """The header's values for ``body`` (prefix | payload) of trace ``t``."""
+    return (
+        MAGIC, VERSION, code, int(t.missing is not None), t.num_experts, k, 0, t.num_moe_layers,
+        t.num_mtp_layers, t.num_sequences, n_rows, len(body), n_payload, zlib.crc32(body), 0,
+    )  # fmt: skip
+
+
 def _pack(t: RoutingTrace, code: int, prefix: bytes, payload: bytes, n_rows: int, k: int) -> bytes:
     body = prefix + payload
-    return _HEADER.pack(
-        MAGIC, VERSION, code, int(t.missing is not None), t.num_experts, k, 0, t.num_moe_layers,
-        t.num_mtp_layers, t.num_sequences, n_rows, len(body), len(payload), zlib.crc32(body), 0,
-    ) + body  # fmt: skip
+    return _HEADER.pack(*_header_fields(t, code, n_rows, k, body, len(payload))) + body
 
 
 def _encode_set_on_device(t: RoutingTrace, backend: str | None) -> bytes:

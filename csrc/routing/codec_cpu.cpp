@@ -413,8 +413,7 @@ int64_t set_code_pack_bits(int64_t num_experts, int64_t top_k) {
 int64_t set_code_bytes(int64_t rows, int64_t num_experts, int64_t top_k) {
   COMPASS_CHECK(rows >= 0, "rows: expected >= 0, got ", rows);
   const Tables& t = tables(num_experts, top_k);
-  const int64_t packs = (rows + t.group - 1) / t.group;
-  return (packs * t.bits + 7) / 8;
+  return set_payload_bytes(rows, setcode::PackLayout{t.n, t.group, t.bits});
 }
 
 void encode_sets_cpu(TensorView ids, int64_t num_experts, std::optional<TensorView> missing,
