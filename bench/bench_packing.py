@@ -180,6 +180,15 @@ def call_floor(reps: int = 7) -> str:
     )
 
 
+def _quality(lengths, dp: int) -> tuple[float, dict, float]:
+    """The quality columns of one (lengths, dp): KK's (equal-size) rank
+    max/mean, our default plan's stats, and our equal_samples max/mean."""
+    kk = ref.imbalance(lengths, ref.karmarkar_karp(lengths.tolist(), dp, True))
+    p = ck.packing.plan(lengths, dp_size=dp, max_tokens=MAX_TOKENS)
+    q = ck.packing.plan(lengths, dp_size=dp, max_tokens=MAX_TOKENS, equal_samples=True)
+    return kk, p.stats, q.stats["imbalance"]
+
+
 def speed_table(shapes=SHAPES, reps: int = 7) -> str:
     """Per (dist, n, dp): median thread CPU time of Python KK (equal-size),
     of verl's KK where verl imports, and of ck.packing.plan; the ratio to the
@@ -205,14 +214,11 @@ def speed_table(shapes=SHAPES, reps: int = 7) -> str:
                 fns["verl"] = lambda a=as_list, k=dp: verl_kk(a, k, True)
             t = _cpu_times(fns, reps)
             vt = f" {t['verl'] * 1e3:9.3f}" if verl_kk else ""
-            kk = ref.imbalance(L, ref.karmarkar_karp(as_list, dp, True))
-            p = ck.packing.plan(L, dp_size=dp, max_tokens=MAX_TOKENS)
-            q = ck.packing.plan(L, dp_size=dp, max_tokens=MAX_TOKENS, equal_samples=True)
-            s = p.stats
+            kk, s, eq = _quality(L, dp)
             lines.append(
                 f"{dist:9} {n:6d} {dp:4d} {t['kk'] * 1e3:9.3f}{vt} {t['plan'] * 1e3:9.3f} "
                 f"{t['kk'] / t['plan']:6.1f}x {kk:11.6f} {s['imbalance']:9.6f} "
-                f"{q.stats['imbalance']:9.6f} {s['max_over_lower_bound']:9.6f} "
+                f"{eq:9.6f} {s['max_over_lower_bound']:9.6f} "
                 f"{s['num_micro_batches']:4d} {s['max_mb_tokens']:7d}"
             )
     if not verl_kk:
@@ -232,15 +238,12 @@ def balance_table(shapes=SHAPES) -> str:
     for dist, gen in ref.DISTRIBUTIONS.items():
         for n, dp in shapes:
             L = gen(n, n + dp)
-            kk = ref.imbalance(L, ref.karmarkar_karp(L.tolist(), dp, True))
+            kk, s, eq = _quality(L, dp)
             ex = ref.imbalance(L, ref.karmarkar_karp(L.tolist(), dp, False)) if n <= 2048 else None
-            p = ck.packing.plan(L, dp_size=dp, max_tokens=MAX_TOKENS)
-            q = ck.packing.plan(L, dp_size=dp, max_tokens=MAX_TOKENS, equal_samples=True)
-            s = p.stats
             exs = f"{ex:9.5f}" if ex is not None else f"{'-':>9}"
             lines.append(
                 f"{dist:9} {n:6d} {dp:4d} {kk:9.5f} {exs} {s['imbalance']:9.5f} "
-                f"{q.stats['imbalance']:9.5f} {s['max_over_lower_bound']:8.5f} "
+                f"{eq:9.5f} {s['max_over_lower_bound']:8.5f} "
                 f"{s['num_micro_batches']:4d} {s['max_mb_tokens']:7d}"
             )
     return "\n".join(lines)
