@@ -64,8 +64,7 @@ from compass_kernels._validate import check_tensor, describe
 from compass_kernels.espo import loss_config
 from compass_kernels.espo.logprobs import (
     _finalize,
-    _grad_mm,
-    _grad_mm_acc,
+    _grad_mm_sum,
     _tp_info,
     check_linear_inputs,
     fused_linear_logprobs_entropy,
@@ -441,11 +440,9 @@ def _grad_in_forward(h, w, y, temp, old_lp, old_ent, adv, cu, mask, cfg, G, ent_
         if half:  # the float32 d logits' single store: rounded once to gd
             g = gbuf[: r * vocab].view(r, vocab).copy_(tile)
             if want_h:
-                _grad_mm(g, w, out=d_h[a:b])
-            if want_w and a == 0:  # the first chunk's product is the accumulator's start
-                _grad_mm(g.T, h[a:b], out=d_w)
-            elif want_w:
-                _grad_mm_acc(d_w, g.T, h[a:b], tmp_w)
+                _grad_mm_sum(d_h[a:b], g, w, None, first=True)
+            if want_w:  # the first chunk's product is the accumulator's start
+                _grad_mm_sum(d_w, g.T, h[a:b], tmp_w, first=a == 0)
             continue
         if want_h:
             torch.mm(tile, w32, out=d_h[a:b])

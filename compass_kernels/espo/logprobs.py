@@ -294,20 +294,18 @@ def grad_gemm_info(option: str, dtype: torch.dtype, device: torch.device) -> str
     return f"{gd} operands (d logits tile formed in float32, rounded once), {how}"
 
 
-def _grad_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out (float32) = a @ b for operands of one dtype: float32, or half with a
-    float32 result where the build has a mixed mm, else the half product."""
-    if a.dtype == torch.float32:
-        return torch.mm(a, b, out=out)
-    if mixed_mm_supported(a.device):
-        return torch.mm(a, b, out_dtype=torch.float32, out=out)
-    return out.copy_(torch.mm(a, b))
-
-
-def _grad_mm_acc(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, tmp) -> None:
-    """acc (float32) += a @ b; tmp: a float32 buffer of acc's shape (or None)
-    for the half product when the build has a mixed mm."""
-    if a.dtype == torch.float32:
+def _grad_mm_sum(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, tmp, *, first: bool) -> None:
+    """One term of a float32 sum of gradient GEMMs: acc = a @ b when ``first``
+    (the product written straight into the accumulator), else acc += a @ b.
+    Operands of one dtype: float32, or half with a float32 result where the
+    build has a mixed mm (``tmp``: a float32 buffer of acc's shape for the
+    product, or None), else the half product."""
+    if first:
+        if a.dtype == torch.float32 or mixed_mm_supported(a.device):
+            _mm_f32(a, b, out=acc)
+        else:
+            acc.copy_(torch.mm(a, b))
+    elif a.dtype == torch.float32:
         acc.addmm_(a, b)
     elif tmp is not None and mixed_mm_supported(a.device):
         acc.add_(torch.mm(a, b, out_dtype=torch.float32, out=tmp))
@@ -446,14 +444,10 @@ class _FusedLinearLogprobs(torch.autograd.Function):
                 if half:  # the float32 d logits' single store: rounded to gd
                     g = gbuf[: tile.numel()].view(tile.shape).copy_(tile)
                     # the first tile of a sum writes its product (no fp32 temporary)
-                    if (want_h or tp_group is not None) and v0 == 0:
-                        _grad_mm(g, w, out=d_hidden[t0:t1])
-                    elif want_h or tp_group is not None:
-                        _grad_mm_acc(d_hidden[t0:t1], g, w, tmp_h[: t1 - t0])
-                    if want_w and t0 == 0:
-                        _grad_mm(g.T, h, out=d_weight[v0:v1])
-                    elif want_w:
-                        _grad_mm_acc(d_weight[v0:v1], g.T, h, tmp_w[: v1 - v0])
+                    if want_h or tp_group is not None:
+                        _grad_mm_sum(d_hidden[t0:t1], g, w, tmp_h[: t1 - t0], first=v0 == 0)
+                    if want_w:
+                        _grad_mm_sum(d_weight[v0:v1], g.T, h, tmp_w[: v1 - v0], first=t0 == 0)
                     continue
                 w32 = w if w.dtype == torch.float32 else w.float()
                 if want_h or tp_group is not None:
