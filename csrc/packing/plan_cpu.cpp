@@ -837,7 +837,7 @@ struct RankPacker {
     bin_of_from_mem();
   }
 
-  void balance(int64_t nbins, int64_t cap, int64_t max_iter) {
+  void balance(int64_t nbins, int64_t max_iter) {
     C target;
     if constexpr (std::is_integral_v<C>) {
       const C lb = std::max<C>((total + nbins - 1) / nbins, w[0]);
@@ -1154,7 +1154,7 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
         }
         pk.split_to(nb, cap);
       }
-      pk.balance(nb, cap, mb_iters);
+      pk.balance(nb, mb_iters);
       // micro-batches heaviest first (ties by first sequence): their offsets,
       // and each sequence's micro-batch (the sequences are written after the
       // loop, by one pass in ascending index)
