@@ -55,13 +55,16 @@ class Partition:
     ``candidate != baseline`` (what ``--check`` evaluates) is False only when
     the candidate is a partition of range(n) into dp non-empty parts and, if
     it claims balance (``claims_balance``: ours), its max/mean is no worse than
-    the baseline's.
+    the baseline's; if it claims the baseline's partition (``claims_same``:
+    verl's code against the reference), its parts are the baseline's, in
+    order (each part's indices compared as sorted lists).
     """
 
-    def __init__(self, parts, values, claims_balance: bool = False):
+    def __init__(self, parts, values, claims_balance: bool = False, claims_same: bool = False):
         self._parts = parts  # lists, or a Plan (flattened on first use)
         self.values = values
         self.claims_balance = claims_balance
+        self.claims_same = claims_same
 
     @property
     def parts(self) -> list[list[int]]:
@@ -80,6 +83,8 @@ class Partition:
         if not isinstance(other, Partition):
             return NotImplemented
         if not self.valid(len(other.parts)):
+            return False
+        if self.claims_same and [sorted(p) for p in self.parts] != other.parts:
             return False
         return not self.claims_balance or self.imbalance() <= other.imbalance() + 1e-12
 
@@ -101,6 +106,11 @@ def case(dist: str, n: int, dp: int) -> Case:
         "kk_equal (python)": lambda: Partition(ref.karmarkar_karp(as_list, dp, True), lengths),
         "compass.plan": lambda: _ours(lengths, dp),
     }
+    verl_kk = _verl_kk()[0]
+    if verl_kk is not None:
+        providers["verl kk_equal (python)"] = lambda: Partition(
+            verl_kk(as_list, dp, True), lengths, claims_same=True
+        )
     if n <= EXACT_MAX:
         providers["kk_exact (python)"] = lambda: Partition(
             ref.karmarkar_karp(as_list, dp, False), lengths
@@ -149,13 +159,96 @@ def _cpu_times(fns: dict, reps: int, min_sample_s: float = 2e-3) -> dict[str, fl
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
-def _verl_kk():
-    """verl's karmarkar_karp, or (None, why it is absent)."""
+# What seqlen_balancing.py imports at module level from verl besides its own
+# code: verl.protocol (pulls in ray and tensordict), verl.utils (its package
+# __init__ pulls in more) and two helpers. karmarkar_karp touches none of them.
+_VERL_STUBBED = ("verl.protocol.DataProto", "verl.utils.tensordict_utils",
+                 "verl.utils.device.get_device_name")  # fmt: skip
+
+
+def _verl_names(code) -> set[str]:
+    """Global names a function's code (nested code objects too) looks up."""
+    names = set(code.co_names)
+    for c in code.co_consts:
+        if hasattr(c, "co_names"):
+            names |= _verl_names(c)
+    return names
+
+
+def _load_verl_kk():
+    """verl's unmodified ``seqlen_balancing.karmarkar_karp`` and a note on how
+    it was loaded. A plain import where verl's dependencies are installed;
+    otherwise the installed file is executed as a module of its own, with the
+    three names it imports from verl (``_VERL_STUBBED``) bound to stubs that
+    raise if used, placed in ``sys.modules`` only while the file executes.
+    Refuses (raises) if karmarkar_karp's code, nested classes included, looks
+    up any stubbed name or torch, so the stubs cannot change what is timed."""
+    import importlib.metadata
+    import importlib.util
+    import sys
+    import types
+
+    version = importlib.metadata.version("verl")  # PackageNotFoundError: not installed
     try:
         from verl.utils.seqlen_balancing import karmarkar_karp
-    except Exception as e:  # ImportError, or its heavy deps failing to import
-        return None, f"{type(e).__name__}: {e}"
-    return karmarkar_karp, ""
+
+        return karmarkar_karp, f"verl {version}, imported"
+    except ImportError as e:
+        why = f"{type(e).__name__}: {e}"
+    spec = importlib.util.find_spec("verl")  # locates the package, runs nothing
+    path = f"{spec.submodule_search_locations[0]}/utils/seqlen_balancing.py"
+
+    def unusable(*_args, **_kwargs):
+        raise RuntimeError("a stub of the bench's verl loader was used")
+
+    class _Stub(types.ModuleType):
+        def __getattr__(self, name):
+            unusable()
+
+    stubs = {
+        "verl": types.ModuleType("verl"),
+        "verl.protocol": types.ModuleType("verl.protocol"),
+        "verl.utils": types.ModuleType("verl.utils"),
+        "verl.utils.tensordict_utils": _Stub("verl.utils.tensordict_utils"),
+        "verl.utils.device": types.ModuleType("verl.utils.device"),
+    }
+    stubs["verl.protocol"].DataProto = type("DataProto", (), {"__init__": unusable})
+    stubs["verl.utils"].tensordict_utils = stubs["verl.utils.tensordict_utils"]
+    stubs["verl.utils.device"].get_device_name = unusable
+    saved = {name: sys.modules.pop(name, None) for name in stubs}
+    sys.modules.update(stubs)
+    try:
+        mod_spec = importlib.util.spec_from_file_location("_bench_verl_seqlen_balancing", path)
+        mod = importlib.util.module_from_spec(mod_spec)
+        mod_spec.loader.exec_module(mod)
+    finally:
+        for name, old in saved.items():
+            if old is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = old
+    kk = mod.karmarkar_karp
+    used = _verl_names(kk.__code__) & {"DataProto", "tu", "get_device_name", "dist", "torch"}
+    if used:
+        raise RuntimeError(f"verl's karmarkar_karp uses stubbed names {sorted(used)}")
+    return kk, (
+        f"verl {version}, {path} run with {', '.join(_VERL_STUBBED)} stubbed "
+        f"(the import failed: {why}; karmarkar_karp uses none of them)"
+    )
+
+
+_VERL = None
+
+
+def _verl_kk():
+    """(verl's karmarkar_karp, how it was loaded), or (None, why it is absent)."""
+    global _VERL
+    if _VERL is None:
+        try:
+            _VERL = _load_verl_kk()
+        except Exception as e:  # not installed, or its file no longer loads this way
+            _VERL = None, f"{type(e).__name__}: {e}"
+    return _VERL
 
 
 def call_floor(reps: int = 7) -> str:
@@ -197,8 +290,9 @@ def speed_table(shapes=SHAPES, reps: int = 7) -> str:
     the largest micro-batch (cap 65536)."""
     verl_kk, why = _verl_kk()
     vcol = f" {'verl (ms)':>9}" if verl_kk else ""
+    vratio = f" {'/verl':>7}" if verl_kk else ""
     head = (
-        f"{'dist':9} {'n':>6} {'dp':>4} {'kk (ms)':>9}{vcol} {'plan (ms)':>9} {'ratio':>7} "
+        f"{'dist':9} {'n':>6} {'dp':>4} {'kk (ms)':>9}{vcol} {'plan (ms)':>9} {'ratio':>7}{vratio} "
         f"{'kk max/mean':>11} {'ours':>9} {'ours(eq)':>9} {'max/LB':>9} {'M':>4} {'max_mb':>7}"
     )
     lines = [head]
@@ -214,15 +308,18 @@ def speed_table(shapes=SHAPES, reps: int = 7) -> str:
                 fns["verl"] = lambda a=as_list, k=dp: verl_kk(a, k, True)
             t = _cpu_times(fns, reps)
             vt = f" {t['verl'] * 1e3:9.3f}" if verl_kk else ""
+            vr = f" {t['verl'] / t['plan']:6.1f}x" if verl_kk else ""
             kk, s, eq = _quality(L, dp)
             lines.append(
                 f"{dist:9} {n:6d} {dp:4d} {t['kk'] * 1e3:9.3f}{vt} {t['plan'] * 1e3:9.3f} "
-                f"{t['kk'] / t['plan']:6.1f}x {kk:11.6f} {s['imbalance']:9.6f} "
+                f"{t['kk'] / t['plan']:6.1f}x{vr} {kk:11.6f} {s['imbalance']:9.6f} "
                 f"{eq:9.6f} {s['max_over_lower_bound']:9.6f} "
                 f"{s['num_micro_batches']:4d} {s['max_mb_tokens']:7d}"
             )
-    if not verl_kk:
-        lines.append(f"verl (ms) column absent: verl.utils.seqlen_balancing does not import: {why}")
+    if verl_kk:
+        lines.append(f"verl (ms): {why}; ratio: kk / plan, /verl: verl / plan")
+    else:
+        lines.append(f"verl (ms) column absent: verl's seqlen_balancing does not load: {why}")
     lines.append(call_floor(reps))
     return "\n".join(lines)
 
