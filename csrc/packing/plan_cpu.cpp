@@ -149,19 +149,25 @@ void order_desc(const C* v, int64_t n, std::vector<int64_t>& out, std::vector<in
   }
 }
 
-// Sequences by decreasing tokens, ties by index: seq[j] the j-th sequence,
-// tokd[j] its tokens. Where the token range is small (under 2^17 values and
-// at most 2 per sequence: lengths capped by max_tokens), a counting sort on
-// the tokens (two passes over the input). Otherwise a stable LSD radix sort
-// of packed keys ((top - tokens) << ib | index): every pass moves the keys
-// themselves (sequential reads, no gather through an index array), one read
-// pass builds every pass's histogram, 8-bit digits for short inputs (small
-// count arrays) and up to 11 bits otherwise. Keys that do not fit 64 bits: order_desc.
+// A sequence and its tokens, side by side: what later passes read together
+// (by_rank gathers both by item id; one cache line miss serves the pair).
+struct SeqTok {
+  int64_t seq, tok;
+};
+
+// Sequences by decreasing tokens, ties by index: st[j] = the j-th sequence and
+// its tokens. Where the token range is small (under 2^17 values and at most 2
+// per sequence: lengths capped by max_tokens), a counting sort on the tokens:
+// one histogram pass (32-bit counts: the table stays in L2), one scatter pass
+// that writes each (sequence, tokens) pair at its place. Otherwise a stable
+// LSD radix sort of packed keys ((top - tokens) << ib | index): every pass
+// moves the keys themselves (sequential reads, no gather through an index
+// array), one read pass builds every pass's histogram, 8-bit digits for short
+// inputs (small count arrays) and up to 11 bits otherwise. Keys that do not
+// fit 64 bits: order_desc.
 void sort_tokens_desc(const int64_t* tok, int64_t n, std::vector<uint64_t>& a,
-                      std::vector<uint64_t>& b, std::vector<int64_t>& seq,
-                      std::vector<int64_t>& tokd) {
-  seq.resize(n);
-  tokd.resize(n);
+                      std::vector<uint64_t>& b, std::vector<SeqTok>& st) {
+  st.resize(n);
   int64_t top = tok[0], bot = tok[0];
   for (int64_t i = 1; i < n; ++i) {
     top = std::max(top, tok[i]);
@@ -171,30 +177,28 @@ void sort_tokens_desc(const int64_t* tok, int64_t n, std::vector<uint64_t>& a,
   const int ib = n > 1 ? 64 - __builtin_clzll(static_cast<uint64_t>(n - 1)) : 1;
   const int kb = range ? 64 - __builtin_clzll(range) : 0;
   if (kb + ib > 64) {
-    std::vector<int64_t> tmp;
+    std::vector<int64_t> seq, tmp;
     order_desc(tok, n, seq, tmp);
-    for (int64_t j = 0; j < n; ++j) tokd[j] = tok[seq[j]];
+    for (int64_t j = 0; j < n; ++j) st[j] = {seq[j], tok[seq[j]]};
     return;
   }
   if (n > 64 && range < (uint64_t{1} << 17) && range <= 2 * static_cast<uint64_t>(n)) {
-    // a counting sort on the tokens themselves (top - tokens, ascending:
-    // ties keep ascending index): one histogram pass, one scatter of indices
-    // in index order, and tokd written bucket by bucket
-    std::vector<uint64_t>& cnt = a;
-    cnt.assign(range + 1, 0);
+    // counts of top - tokens, ascending (ties keep ascending index); n <=
+    // 2^17 + 2^16 here, so 32-bit counts hold them; the table lives in `a`
+    std::vector<uint64_t>& store = a;
+    store.assign(range / 2 + 1, 0);
+    uint32_t* cnt = reinterpret_cast<uint32_t*>(store.data());
     for (int64_t i = 0; i < n; ++i) ++cnt[static_cast<uint64_t>(top - tok[i])];
-    uint64_t sum = 0;
-    for (uint64_t& c : cnt) {
-      const uint64_t v = c;
-      c = sum;
+    uint32_t sum = 0;
+    for (uint64_t d = 0; d <= range; ++d) {
+      const uint32_t v = cnt[d];
+      cnt[d] = sum;
       sum += v;
     }
-    for (int64_t i = 0; i < n; ++i) seq[cnt[static_cast<uint64_t>(top - tok[i])]++] = i;
-    uint64_t start = 0;  // cnt[b] is now the end of bucket b
-    for (uint64_t d = 0; d <= range; ++d) {
-      const int64_t t = top - static_cast<int64_t>(d);
-      for (uint64_t j = start; j < cnt[d]; ++j) tokd[j] = t;
-      start = cnt[d];
+    SeqTok* out = st.data();
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t t = tok[i];
+      out[cnt[static_cast<uint64_t>(top - t)]++] = {i, t};
     }
     return;
   }
@@ -235,8 +239,7 @@ void sort_tokens_desc(const int64_t* tok, int64_t n, std::vector<uint64_t>& a,
   }
   const uint64_t imask = (uint64_t{1} << ib) - 1;
   for (int64_t j = 0; j < n; ++j) {
-    seq[j] = static_cast<int64_t>(a[j] & imask);
-    tokd[j] = top - static_cast<int64_t>(a[j] >> ib);
+    st[j] = {static_cast<int64_t>(a[j] & imask), top - static_cast<int64_t>(a[j] >> ib)};
   }
 }
 
@@ -278,7 +281,11 @@ void insert_id(std::vector<int64_t>& m, int64_t x) {
 // d = w[x] - w[y] in (0, gap) closest to gap / 2. xs and ys are by increasing
 // cost, so for each x (increasing) the y closest to w[x] - gap / 2 only moves
 // forward: one two-pointer scan, O(|xs| + |ys|). Scores are |2d - gap|,
-// exact for integer costs. fits(x, y) filters (cap, counts).
+// exact for integer costs. fits(x, y) filters (cap, counts). The scan stops
+// at the best score possible, 0, or 1 for integer costs and an odd gap (2d -
+// gap is then odd): no later pair can beat it, so the stop changes no result
+// (it cut the rank refinement's time up to 10x: the scan ran to its end
+// whenever the gap was odd).
 template <typename C>
 struct Exchange {
   int64_t x = -1, y = -1;
@@ -290,6 +297,8 @@ Exchange<C> best_exchange(const std::vector<int64_t>& xs, const std::vector<int6
                           const C* w, C gap, Fits&& fits) {
   Exchange<C> best;
   best.score = gap;  // a candidate must beat it: d strictly inside (0, gap)
+  C floor{0};        // the best score possible
+  if constexpr (std::is_integral_v<C>) floor = gap & 1;
   auto consider = [&](int64_t x, int64_t y, C d) {
     if (d <= C{0} || d >= gap) return;
     C s = 2 * d - gap;
@@ -309,7 +318,7 @@ Exchange<C> best_exchange(const std::vector<int64_t>& xs, const std::vector<int6
     }
   }
   int64_t j = 0;
-  for (int64_t i = 0; i < nx && best.score > C{0}; ++i) {
+  for (int64_t i = 0; i < nx && best.score > floor; ++i) {
     const int64_t x = xs[i];
     const C t = 2 * w[x] - gap;  // want 2 w[y] close to t
     while (j < ny && 2 * w[ys[j]] < t) ++j;
@@ -489,10 +498,15 @@ C ceil_div(C a, int64_t k) {
 // sweep stops while the items left exceed the lift of every rank to the
 // heaviest by a margin (kSnakeMargin), and LPT places those: it levels the
 // ranks to within one of its items, as LPT on every item would; the
-// refinement then reaches the same bound.
+// refinement then reaches the same bound. Each rank's members (by decreasing
+// id) are then written rank by rank: its snake items follow from its place
+// in the sweep, so only the items LPT placed are looked up (writing every
+// item to its rank's list in id order scatters the writes over k lists and
+// cost 6 ns an item at 64k / 256).
 template <typename C>
 void lpt_ranks(const std::vector<C>& w, int64_t k, bool card, Bins<C>& b, MinTree<C>& heap,
-               std::vector<int64_t>& rank_of, std::vector<int64_t>& count) {
+               std::vector<int64_t>& rank_of, std::vector<int64_t>& count,
+               std::vector<int64_t>& by_load) {
   const int64_t g = static_cast<int64_t>(w.size());
   b.reset(k);
   C total{0};
@@ -520,8 +534,8 @@ void lpt_ranks(const std::vector<C>& w, int64_t k, bool card, Bins<C>& b, MinTre
   };
   int64_t j = 0;
   for (; j < a; ++j) place(j);
+  int64_t snake_end = a;  // the sweep placed [a, snake_end)
   if (a < g) {
-    std::vector<int64_t>& by_load = count;  // count serves equal_samples only
     by_load.resize(k);
     std::iota(by_load.begin(), by_load.end(), int64_t{0});
     std::sort(by_load.begin(), by_load.end(), [&](int64_t x, int64_t y) {
@@ -534,22 +548,50 @@ void lpt_ranks(const std::vector<C>& w, int64_t k, bool card, Bins<C>& b, MinTre
     // w[j]) - every load, by kSnakeMargin * k * w[j + k] iff
     // top + w[j] + kSnakeMargin * w[j + k] <= mean
     for (bool fwd = true; j + k < g && top + w[j] + kSnakeMargin * w[j + k] <= mean; fwd = !fwd) {
-      for (int64_t i = 0; i < k; ++i, ++j) {
+      for (int64_t i = 0; i < k; ++i, ++j) {  // item j goes to by_load[fwd ? i : k - 1 - i]
         const int64_t r = by_load[fwd ? i : k - 1 - i];
-        rank_of[j] = r;
         b.load[r] += w[j];
         top = std::max(top, b.load[r]);
       }
     }
+    snake_end = j;
     COMPASS_COUNT("snake items", j - a);
     for (int64_t r = 0; r < k; ++r) heap.set(r, b.load[r]);
   }
   for (; j < g; ++j) place(j);
-  std::fill(b.load.begin(), b.load.end(), C{0});
-  for (int64_t j = g - 1; j >= 0; --j) {  // members by decreasing id
-    const int64_t r = rank_of[j];
-    b.mem[r].push_back(j);
-    b.load[r] += w[j];
+  // members by decreasing id: each rank's list sized first, then filled from
+  // its end by ascending id: LPT's head items, the sweep's (rank by_load[p]
+  // took item a + t k + p of even blocks t, a + t k + k - 1 - p of odd ones),
+  // LPT's tail items
+  const int64_t blocks = (snake_end - a) / k;
+  count.assign(k, blocks);
+  for (int64_t i = 0; i < a; ++i) ++count[rank_of[i]];
+  for (int64_t i = snake_end; i < g; ++i) ++count[rank_of[i]];
+  for (int64_t r = 0; r < k; ++r) b.mem[r].resize(count[r]);
+  for (int64_t i = 0; i < a; ++i) {
+    const int64_t r = rank_of[i];
+    b.mem[r][--count[r]] = i;
+  }
+  if (blocks > 0) {
+    for (int64_t p = 0; p < k; ++p) {
+      const int64_t r = by_load[p];
+      int64_t* out = b.mem[r].data() + count[r];
+      for (int64_t t = 0; t < blocks; ++t) *--out = a + t * k + (t & 1 ? k - 1 - p : p);
+      count[r] -= blocks;
+    }
+  }
+  for (int64_t i = snake_end; i < g; ++i) {
+    const int64_t r = rank_of[i];
+    b.mem[r][--count[r]] = i;
+  }
+  if constexpr (!std::is_integral_v<C>) {
+    // float loads summed again from each rank's lightest item up, the order
+    // the KK seed sums in (integer sums are exact in any order)
+    for (int64_t r = 0; r < k; ++r) {
+      C sum{0};
+      for (int64_t x : b.mem[r]) sum += w[x];
+      b.load[r] = sum;
+    }
   }
 }
 
@@ -893,7 +935,8 @@ inline C cost_of(const Input& in, int64_t p) {
 template <typename C>
 struct Work {
   std::vector<uint64_t> key_a, key_b;
-  std::vector<int64_t> seq_desc, tokd, tmp, rank_of, other_rank, count, base, by_rank, by_tok, rank_tok, big,
+  std::vector<SeqTok> st;
+  std::vector<int64_t> tmp, rank_of, count, base, by_rank, by_tok, rank_tok, big,
       count_of, scratch, mb_order, lpt_ok_at, written_at;
   std::vector<int64_t> slot_of, first, slot;
   std::vector<int32_t> rank_seq;
@@ -914,16 +957,15 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
   const int64_t n = in.n, k = in.k;
   Work<C>& ws = work<C>();
   COMPASS_PHASE("start");
-  sort_tokens_desc(in.tok, n, ws.key_a, ws.key_b, ws.seq_desc, ws.tokd);
-  const std::vector<int64_t>& seq_desc = ws.seq_desc;  // decreasing tokens = decreasing cost
-  const std::vector<int64_t>& tokd = ws.tokd;          // their tokens
+  sort_tokens_desc(in.tok, n, ws.key_a, ws.key_b, ws.st);
+  const SeqTok* st = ws.st.data();  // by decreasing tokens = decreasing cost
   COMPASS_PHASE("sort");
 
   // ---- items, relabelled by decreasing cost
   Items<C>& it = ws.it;
-  if (in.gid == nullptr) {  // item j is sequence seq_desc[j]
+  if (in.gid == nullptr) {  // item j is sequence st[j].seq
     it.w.resize(n);
-    for (int64_t j = 0; j < n; ++j) it.w[j] = cost_of<C>(in, tokd[j]);
+    for (int64_t j = 0; j < n; ++j) it.w[j] = cost_of<C>(in, st[j].tok);
   } else {
     std::vector<int64_t>& tmp = ws.tmp;
     const int64_t* gid = in.gid;
@@ -984,7 +1026,7 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
   }
   const int64_t iters = in.iters >= 0 ? in.iters : 16 * k + 256;
   std::vector<int64_t>& count_of = ws.count_of;
-  auto refine_ranks = [&](Bins<C>& b, std::vector<int64_t>& rank_item) {
+  auto refine_ranks = [&](Bins<C>& b) {
     count_of.resize(k);
     for (int64_t r = 0; r < k; ++r) count_of[r] = static_cast<int64_t>(b.mem[r].size());
     refine(
@@ -993,17 +1035,15 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
           if (y >= 0) return true;  // swaps keep every count
           return in.equal ? count_of[h] > count_of[r] : count_of[h] > 1;
         },
-        [&](int64_t h, int64_t r, int64_t x, int64_t y) {
-          rank_item[x] = r;
-          if (y >= 0) rank_item[y] = h;
-          else --count_of[h], ++count_of[r];
+        [&](int64_t h, int64_t r, int64_t, int64_t y) {
+          if (y < 0) --count_of[h], ++count_of[r];
         },
         ws.scratch);
   };
   Bins<C>& best = ws.best;
-  lpt_ranks(it.w, k, in.equal, best, ws.heap, ws.rank_of, ws.count);
+  lpt_ranks(it.w, k, in.equal, best, ws.heap, ws.rank_of, ws.count, ws.scratch);
   COMPASS_PHASE("lpt");
-  refine_ranks(best, ws.rank_of);
+  refine_ranks(best);
   COMPASS_PHASE("refine");
   if (best.max_load() > target) {
     std::vector<int64_t>& ascending = ws.tmp;  // ids g-1 .. 0
@@ -1012,19 +1052,13 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
     const std::vector<int32_t> rank = karmarkar_karp(it.w.data(), ascending, k);
     Bins<C>& other = ws.other;
     other.reset(k);
-    std::vector<int64_t>& other_rank = ws.other_rank;
-    other_rank.resize(g);
     for (int64_t j = g - 1; j >= 0; --j) {  // decreasing id within each rank
       other.mem[rank[j]].push_back(j);
       other.load[rank[j]] += it.w[j];
-      other_rank[j] = rank[j];
     }
     COMPASS_PHASE("kk");
-    refine_ranks(other, other_rank);
-    if (other.max_load() < best.max_load()) {
-      std::swap(ws.best, ws.other);
-      std::swap(ws.rank_of, ws.other_rank);
-    }
+    refine_ranks(other);
+    if (other.max_load() < best.max_load()) std::swap(ws.best, ws.other);
     COMPASS_PHASE("kk refine");
   }
 
@@ -1038,17 +1072,27 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
   rank_tok.assign(k, 0);
   big.assign(k, 0);
   const int64_t cap = in.cap;
-  if (in.gid == nullptr) {  // item j is sequence seq_desc[j]: one sequential pass
-    const std::vector<int64_t>& rank_item = ws.rank_of;
-    for (int64_t r = 0; r < k; ++r) base[r + 1] = base[r] + static_cast<int64_t>(best.mem[r].size());
-    std::vector<int64_t>& cursor = ws.tmp;
-    cursor.assign(base.begin(), base.end() - 1);
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t t = tokd[j], r = rank_item[j], c = cursor[r]++;
-      by_rank[c] = seq_desc[j];
-      by_tok[c] = t;
-      rank_tok[r] += t;
-      big[r] += 2 * t > cap;
+  if (in.gid == nullptr) {
+    // item j is sequence st[j].seq; each rank's members by decreasing id,
+    // read backwards, are its sequences by decreasing tokens (ties by index):
+    // written rank by rank, sequentially
+    for (int64_t r = 0; r < k; ++r) {
+      const std::vector<int64_t>& mem = best.mem[r];
+      const int64_t m = static_cast<int64_t>(mem.size());
+      int64_t* out_s = by_rank.data() + base[r];
+      int64_t* out_t = by_tok.data() + base[r];
+      int64_t sum = 0, over = 0;
+      for (int64_t i = 0; i < m; ++i) {
+        const SeqTok x = st[mem[m - 1 - i]];
+        const int64_t t = x.tok;
+        out_s[i] = x.seq;
+        out_t[i] = t;
+        sum += t;
+        over += 2 * t > cap;
+      }
+      base[r + 1] = base[r] + m;
+      rank_tok[r] = sum;
+      big[r] = over;
     }
   } else {
     std::vector<int32_t>& rank_of = ws.rank_seq;
@@ -1063,7 +1107,7 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
     std::vector<int64_t>& cursor = ws.tmp;
     cursor.assign(base.begin(), base.end() - 1);
     for (int64_t j = 0; j < n; ++j) {
-      const int64_t s = seq_desc[j], t = tokd[j], r = rank_of[s];
+      const int64_t s = st[j].seq, t = st[j].tok, r = rank_of[s];
       by_rank[cursor[r]] = s;
       by_tok[cursor[r]++] = t;
       rank_tok[r] += t;
