@@ -182,7 +182,7 @@ void sort_tokens_desc(const int64_t* tok, int64_t n, std::vector<uint64_t>& a,
     for (int64_t j = 0; j < n; ++j) st[j] = {seq[j], tok[seq[j]]};
     return;
   }
-  if (n > 64 && range < (uint64_t{1} << 17) && range <= 2 * static_cast<uint64_t>(n)) {
+  if (n > 64 && range < (uint64_t{1} << 17) && range <= 8 * static_cast<uint64_t>(n)) {
     // counts of top - tokens, ascending (ties keep ascending index); n <=
     // 2^17 + 2^16 here, so 32-bit counts hold them; the table lives in `a`
     std::vector<uint64_t>& store = a;
@@ -504,13 +504,15 @@ C ceil_div(C a, int64_t k) {
 // item to its rank's list in id order scatters the writes over k lists and
 // cost 6 ns an item at 64k / 256).
 template <typename C>
-void lpt_ranks(const std::vector<C>& w, int64_t k, bool card, Bins<C>& b, MinTree<C>& heap,
+void lpt_ranks(const std::vector<C>& w, C total, int64_t k, bool card, Bins<C>& b,
+               MinTree<C>& heap,
                std::vector<int64_t>& rank_of, std::vector<int64_t>& count,
                std::vector<int64_t>& by_load) {
   const int64_t g = static_cast<int64_t>(w.size());
-  b.reset(k);
-  C total{0};
-  for (C v : w) total += v;
+  // (b.reset without emptying the member lists: they are resized below,
+  // and zeroing what is then overwritten cost a pass over every item)
+  b.mem.resize(k);
+  b.load.assign(k, C{0});
   heap.init(k, total);
   const int64_t lo = g / k, rem = g % k;
   count.assign(k, 0);
@@ -961,11 +963,12 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
   const SeqTok* st = ws.st.data();  // by decreasing tokens = decreasing cost
   COMPASS_PHASE("sort");
 
-  // ---- items, relabelled by decreasing cost
+  // ---- items, relabelled by decreasing cost; their total cost
   Items<C>& it = ws.it;
+  C total{0};
   if (in.gid == nullptr) {  // item j is sequence st[j].seq
     it.w.resize(n);
-    for (int64_t j = 0; j < n; ++j) it.w[j] = cost_of<C>(in, st[j].tok);
+    for (int64_t j = 0; j < n; ++j) total += (it.w[j] = cost_of<C>(in, st[j].tok));
   } else {
     std::vector<int64_t>& tmp = ws.tmp;
     const int64_t* gid = in.gid;
@@ -1007,6 +1010,7 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
       it.member.insert(it.member.end(), by_gid.begin() + gstart[q], by_gid.begin() + gstart[q + 1]);
       it.start.push_back(static_cast<int64_t>(it.member.size()));
     }
+    for (C v : it.w) total += v;
   }
   const int64_t g = it.size();
   COMPASS_CHECK(g >= k, "lengths: need at least dp_size = ", k,
@@ -1014,8 +1018,6 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
   COMPASS_PHASE("items");
 
   // ---- ranks: LPT + refinement; KK + refinement only if the bound is missed
-  C total{0};
-  for (C v : it.w) total += v;
   const double lb = std::max(static_cast<double>(total) / static_cast<double>(k),
                              static_cast<double>(it.w[0]));
   C target;
@@ -1041,7 +1043,7 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
         ws.scratch);
   };
   Bins<C>& best = ws.best;
-  lpt_ranks(it.w, k, in.equal, best, ws.heap, ws.rank_of, ws.count, ws.scratch);
+  lpt_ranks(it.w, total, k, in.equal, best, ws.heap, ws.rank_of, ws.count, ws.scratch);
   COMPASS_PHASE("lpt");
   refine_ranks(best);
   COMPASS_PHASE("refine");
