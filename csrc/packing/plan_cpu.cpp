@@ -91,6 +91,9 @@ constexpr int64_t kBulkMinPerBin = 96;
 // to the heaviest by kSnakeMargin * k times the largest of them: LPT levels
 // with those (a wider margin: more tree updates, fewer refinement steps).
 constexpr int64_t kSnakeMargin = 8;
+// Refinement over this many bins or more finds the heaviest and the lightest
+// by tournament trees (ranks at dp 32+); fewer bins: by scans.
+constexpr int64_t kTreeMinBins = 32;
 // Micro-batches: while LPT fails on most ranks the level fit goes first; every
 // kLptProbe-th rank tries LPT first anyway.
 constexpr int64_t kLptProbe = 16;
@@ -292,7 +295,7 @@ struct Exchange {
   C score{};
 };
 
-template <typename C, typename Fits>
+template <bool kSwapsFit = false, typename C, typename Fits>
 Exchange<C> best_exchange(const std::vector<int64_t>& xs, const std::vector<int64_t>& ys,
                           const C* w, C gap, Fits&& fits) {
   Exchange<C> best;
@@ -322,84 +325,25 @@ Exchange<C> best_exchange(const std::vector<int64_t>& xs, const std::vector<int6
     const int64_t x = xs[i];
     const C t = 2 * w[x] - gap;  // want 2 w[y] close to t
     while (j < ny && 2 * w[ys[j]] < t) ++j;
-    for (int64_t q = std::max<int64_t>(j - 2, 0); q < std::min(j + 2, ny); ++q) {
-      consider(x, ys[q], w[x] - w[ys[q]]);
+    if constexpr (kSwapsFit && std::is_integral_v<C>) {
+      // every swap fits and scores are exact: of j - 2, j - 1 (below t,
+      // scores growing away from it) only j - 1 can win, or j - 2 where its
+      // cost is the same (it comes first); of j, j + 1 only j
+      if (j > 0) {
+        const int64_t q = j >= 2 && w[ys[j - 2]] == w[ys[j - 1]] ? j - 2 : j - 1;
+        consider(x, ys[q], w[x] - w[ys[q]]);
+      }
+      if (j < ny) consider(x, ys[j], w[x] - w[ys[j]]);
+    } else {
+      for (int64_t q = std::max<int64_t>(j - 2, 0); q < std::min(j + 2, ny); ++q) {
+        consider(x, ys[q], w[x] - w[ys[q]]);
+      }
     }
   }
   return best;
 }
 
-// Until the heaviest bin is at `target` or cannot be lowered: the heaviest bin
-// h exchanges with the lightest bin that offers an exchange (lightest first,
-// at most max_partners tried). fits(h, r, x, y) says whether the exchange keeps
-// both bins feasible; applied(h, r, x, y) is told of each change made.
-// Returns the steps taken.
-template <typename C, typename Fits, typename Applied>
-int64_t refine(Bins<C>& b, const C* w, C target, int64_t max_iter, int64_t max_partners,
-               Fits&& fits, Applied&& applied, std::vector<int64_t>& scratch) {
-  const int64_t nb = b.size();
-  if (nb < 2) return 0;
-  auto attempt = [&](int64_t h, int64_t r) -> bool {
-    const C gap = b.load[h] - b.load[r];
-    if (gap <= C{0}) return false;
-    const Exchange<C> e = best_exchange(b.mem[h], b.mem[r], w, gap,
-                                        [&](int64_t x, int64_t y) { return fits(h, r, x, y); });
-    if (e.x < 0) return false;
-    if constexpr (!std::is_integral_v<C>) {
-      // the pair's larger load drops by (gap - score) / 2: no float crumbs
-      if (gap - e.score <= b.load[h] * 1e-13) return false;
-    }
-    erase_id(b.mem[h], e.x);
-    insert_id(b.mem[r], e.x);
-    C d = w[e.x];
-    if (e.y >= 0) {
-      erase_id(b.mem[r], e.y);
-      insert_id(b.mem[h], e.y);
-      d -= w[e.y];
-    }
-    b.load[h] -= d;
-    b.load[r] += d;
-    applied(h, r, e.x, e.y);
-    return true;
-  };
-  int64_t iter = 0;
-  for (; iter < max_iter; ++iter) {
-    int64_t h = 0, l = -1;
-    for (int64_t j = 1; j < nb; ++j) {
-      if (b.load[j] > b.load[h]) h = j;
-    }
-    if (b.load[h] <= target) break;
-    for (int64_t j = 0; j < nb; ++j) {
-      if (j != h && (l < 0 || b.load[j] < b.load[l])) l = j;
-    }
-    if (attempt(h, l)) continue;
-    bool improved = false;
-    if (max_partners > 1 && nb > 2) {
-      scratch.clear();
-      for (int64_t j = 0; j < nb; ++j) {
-        if (j != h && j != l) scratch.push_back(j);
-      }
-      const int64_t keep = std::min<int64_t>(max_partners - 1, scratch.size());
-      // lightest first (ties by index, a total order): a min-heap popped
-      // lazily, O(nb + tried * log nb), since the first partners usually do
-      auto heavier = [&](int64_t x, int64_t y) {
-        return b.load[x] != b.load[y] ? b.load[x] > b.load[y] : x > y;
-      };
-      std::make_heap(scratch.begin(), scratch.end(), heavier);
-      auto end = scratch.end();
-      for (int64_t p = 0; p < keep && !improved; ++p) {
-        std::pop_heap(scratch.begin(), end, heavier);
-        --end;
-        improved = attempt(h, *end);
-      }
-    }
-    if (!improved) break;
-  }
-  COMPASS_COUNT(nb == max_partners ? "rank steps" : "mb steps", iter);
-  return iter;
-}
-
-// ------------------------------------------------------------ rank seeds
+// ------------------------------------------------------- min tree
 // The least-loaded bin, ties to the lower index: a tournament (winner) tree
 // over the bins, LPT's one operation per item. Updating a leaf recomputes the
 // minima on its path to the root: log2(k) levels whose addresses are known in
@@ -478,6 +422,111 @@ struct MinTree {
     set(r, top_load() + d);
   }
 };
+
+// Until the heaviest bin is at `target` or cannot be lowered: the heaviest bin
+// h exchanges with the lightest bin that offers an exchange (lightest first,
+// at most max_partners tried). fits(h, r, x, y) says whether the exchange keeps
+// both bins feasible; applied(h, r, x, y) is told of each change made.
+// kSwapsFit: the caller's fits accepts every swap (y >= 0), so the scan
+// considers fewer candidates (same result). Returns the steps taken.
+template <bool kSwapsFit = false, typename C, typename Fits, typename Applied>
+int64_t refine(Bins<C>& b, const C* w, C target, int64_t max_iter, int64_t max_partners,
+               Fits&& fits, Applied&& applied, std::vector<int64_t>& scratch) {
+  const int64_t nb = b.size();
+  if (nb < 2) return 0;
+  // From kTreeMinBins bins the heaviest and the lightest come from two
+  // tournament trees (keys: total - load, and load; ties to the lower index,
+  // as the scans below) updated for the two bins a step changes, not from two
+  // scans of every load per step
+  const bool trees = nb >= kTreeMinBins;
+  static thread_local MinTree<C> light, heavy;
+  C total{0};
+  auto heavy_key = [&](C load) {
+    if constexpr (std::is_integral_v<C>) return total - load;
+    else return -load;
+  };
+  if (trees) {
+    for (int64_t j = 0; j < nb; ++j) total += b.load[j];
+    light.init(nb, total);
+    heavy.init(nb, total);
+    for (int64_t j = 0; j < nb; ++j) {
+      light.set(j, b.load[j]);
+      heavy.set(j, heavy_key(b.load[j]));
+    }
+  }
+  auto attempt = [&](int64_t h, int64_t r) -> bool {
+    const C gap = b.load[h] - b.load[r];
+    if (gap <= C{0}) return false;
+    const Exchange<C> e = best_exchange<kSwapsFit>(b.mem[h], b.mem[r], w, gap,
+                                        [&](int64_t x, int64_t y) { return fits(h, r, x, y); });
+    if (e.x < 0) return false;
+    if constexpr (!std::is_integral_v<C>) {
+      // the pair's larger load drops by (gap - score) / 2: no float crumbs
+      if (gap - e.score <= b.load[h] * 1e-13) return false;
+    }
+    erase_id(b.mem[h], e.x);
+    insert_id(b.mem[r], e.x);
+    C d = w[e.x];
+    if (e.y >= 0) {
+      erase_id(b.mem[r], e.y);
+      insert_id(b.mem[h], e.y);
+      d -= w[e.y];
+    }
+    b.load[h] -= d;
+    b.load[r] += d;
+    if (trees) {
+      light.set(h, b.load[h]);
+      light.set(r, b.load[r]);
+      heavy.set(h, heavy_key(b.load[h]));
+      heavy.set(r, heavy_key(b.load[r]));
+    }
+    applied(h, r, e.x, e.y);
+    return true;
+  };
+  int64_t iter = 0;
+  for (; iter < max_iter; ++iter) {
+    int64_t h = 0, l = -1;
+    if (trees) {
+      h = heavy.top();
+    } else {
+      for (int64_t j = 1; j < nb; ++j) {
+        if (b.load[j] > b.load[h]) h = j;
+      }
+    }
+    if (b.load[h] <= target) break;
+    if (trees && light.top() != h) {
+      l = light.top();
+    } else {  // (with the trees: every load equal)
+      for (int64_t j = 0; j < nb; ++j) {
+        if (j != h && (l < 0 || b.load[j] < b.load[l])) l = j;
+      }
+    }
+    if (attempt(h, l)) continue;
+    bool improved = false;
+    if (max_partners > 1 && nb > 2) {
+      scratch.clear();
+      for (int64_t j = 0; j < nb; ++j) {
+        if (j != h && j != l) scratch.push_back(j);
+      }
+      const int64_t keep = std::min<int64_t>(max_partners - 1, scratch.size());
+      // lightest first (ties by index, a total order): a min-heap popped
+      // lazily, O(nb + tried * log nb), since the first partners usually do
+      auto heavier = [&](int64_t x, int64_t y) {
+        return b.load[x] != b.load[y] ? b.load[x] > b.load[y] : x > y;
+      };
+      std::make_heap(scratch.begin(), scratch.end(), heavier);
+      auto end = scratch.end();
+      for (int64_t p = 0; p < keep && !improved; ++p) {
+        std::pop_heap(scratch.begin(), end, heavier);
+        --end;
+        improved = attempt(h, *end);
+      }
+    }
+    if (!improved) break;
+  }
+  COMPASS_COUNT(nb == max_partners ? "rank steps" : "mb steps", iter);
+  return iter;
+}
 
 template <typename C>
 C ceil_div(C a, int64_t k) {
@@ -1031,7 +1080,7 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
   auto refine_ranks = [&](Bins<C>& b) {
     count_of.resize(k);
     for (int64_t r = 0; r < k; ++r) count_of[r] = static_cast<int64_t>(b.mem[r].size());
-    refine(
+    refine<true>(  // swaps keep every count
         b, it.w.data(), target, iters, k,
         [&](int64_t h, int64_t r, int64_t, int64_t y) {
           if (y >= 0) return true;  // swaps keep every count
