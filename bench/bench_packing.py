@@ -18,14 +18,25 @@ the careful Python a framework could ship, not verl's slower classes:
   rank into micro-batches under the cap (KK does not: frameworks run a second
   pass for that), so the comparison favours the baseline.
 
-``verl (ms)``: verl's own ``seqlen_balancing.karmarkar_karp`` (equal-size),
-timed only where ``verl.utils.seqlen_balancing`` imports (it pulls in
-verl.protocol, hence ray and tensordict; verl is not a dependency of this
-project); otherwise the table says the column is absent and why.
+``verl (ms)`` (speed table) and ``verl kk_equal (python)`` (harness):
+verl's own, unmodified ``seqlen_balancing.karmarkar_karp`` (equal-size), from
+an installed verl (not a dependency of this project: ``pip install --no-deps
+verl`` into a bench environment; verl 0.9.1's wheel also installs top-level
+``tests`` and ``scripts`` packages into site-packages, which shadow this
+repository's tests package: delete those two directories after installing).
+Its module imports verl.protocol (ray,
+tensordict) and two verl helpers at load time; where those do not import,
+the installed file is executed on its own with exactly three names stubbed
+(``_VERL_STUBBED``: verl.protocol.DataProto, verl.utils.tensordict_utils,
+verl.utils.device.get_device_name; the stubs raise if used), after checking
+that karmarkar_karp's code looks up none of them. The table prints how it was
+loaded, or that the column is absent and why. ``/verl``: verl's time over
+ours.
 
 ``--check`` verifies, for every candidate, that its output is a partition of
-all sequences into dp non-empty parts, and for ours that its rank max/mean is
-no worse than the baseline's (the `!=` of :class:`Partition`).
+all sequences into dp non-empty parts, for ours that its rank max/mean is no
+worse than the baseline's, and for verl's that its parts are the reference's
+(the `!=` of :class:`Partition`).
 
 ``python -m bench.bench_packing`` prints the speed table in thread CPU time
 (interleaved, median; with ``--balance``: the balance table, exact KK too)
