@@ -4,7 +4,7 @@ Baseline: Karmarkar-Karp (largest differencing) in Python, the algorithm RL
 frameworks run to balance sequence lengths over data-parallel ranks (verl's
 seqlen_balancing.karmarkar_karp), re-expressed from the algorithm in
 ``compass_kernels.packing.reference.karmarkar_karp``: the same partitions as
-verl's code, ties included, and 1.3-3.8x faster than it (heap entries are
+verl's code, ties included, and 1.5-4x faster than it (heap entries are
 tuples compared in C, sets are lists; see its docstring), so the baseline is
 the careful Python a framework could ship, not verl's slower classes:
 
