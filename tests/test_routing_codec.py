@@ -232,6 +232,25 @@ def test_r12_decode_names_the_corrupted_pack(e, k, pack):
             _setcode.decode_sets(bytes(payload), rows, k, e, torch.uint8, impl=impl)
 
 
+@pytest.mark.parametrize("impl", [0, 2])
+def test_parallel_decode_names_the_first_corrupted_pack(impl):
+    """Over 2^16 rows the packs are decoded in chunks of ~2^14 rows taken in
+    turn by the threads: with two corrupted chunks the first one is named."""
+    e, k, rows = 256, 8, 70_001
+    payload = bytearray(_setcode.encode_sets(random_sets(rows, e, k, seed=5), e))
+    _, b = ref_layout(e, k)
+    for pack in (60_000, 20_003):
+        for i in range(b):
+            o = pack * b + i
+            payload[o // 8] |= 1 << (o % 8)
+    prev = _setcode.set_threads(2)
+    try:
+        with pytest.raises(ValueError, match=r"data: pack 20003 holds a value past"):
+            _setcode.decode_sets(bytes(payload), rows, k, e, torch.uint8, impl=impl)
+    finally:
+        _setcode.set_threads(prev)
+
+
 def test_decode_impl_argument_is_checked():
     payload = _setcode.encode_sets(random_sets(10, 256, 8, seed=2), 256)
     with pytest.raises(ValueError, match=r"impl: expected 0 \(auto\), 1 \(baseline x86-64\) or 2"):

@@ -24,6 +24,7 @@
 #include "routing/codec_args.h"
 #include "routing/routing_api.h"
 #include "routing/setcode.h"
+#define COMPASS_R12_ASM 1
 
 namespace compass {
 namespace routing {
@@ -63,7 +64,12 @@ struct R12 {
 
 // Inlined into each ISA build of decode_packs (lzcnt in the AVX2 one, bsr in the baseline).
 __attribute__((always_inline)) inline uint64_t lz_key(uint64_t big_r) {  // big_r >= 2^9 (its low field)
+#if defined(COMPASS_R12_ASM)
+  uint64_t lz;  // lzcnt without the dependency-breaking xor GCC adds (none needed on AMD)
+  asm("lzcntq %1, %0" : "=r"(lz) : "r"(big_r));
+#else
   const int lz = __builtin_clzll(big_r);
+#endif
   return (static_cast<uint64_t>(lz) << 7) + ((big_r << lz) >> 56);
 }
 
@@ -331,8 +337,18 @@ __attribute__((always_inline)) inline void r12_batch(uint64_t* big_r, const R12&
 #endif
     for (int j = 0; j < kR12Batch; ++j) {
       const uint64_t h = hm[lz_key(big_r[j])];
+#if defined(COMPASS_R12_ASM)
+      uint64_t sel;
+      asm("movq 8(%[cm],%[h],8), %[sel]\n\t"
+          "cmpq %[sel], %[r]\n\t"
+          "cmovbq (%[cm],%[h],8), %[sel]"
+          : [sel] "=&r"(sel)
+          : [cm] "r"(cm), [h] "r"(h), [r] "r"(big_r[j])
+          : "cc");
+#else
       const uint64_t lo = cm[h], hi = cm[h + 1];  // both loaded before the compare
       const uint64_t sel = big_r[j] >= hi ? hi : lo;
+#endif
       big_r[j] -= sel;
       out[j * K + m - 1] = static_cast<uint8_t>(sel);
     }
@@ -350,12 +366,15 @@ __attribute__((always_inline)) inline void r12_batch(uint64_t* big_r, const R12&
 // bits -> uint8 ids by R12, batches of 8 packs (byte aligned) read straight
 // from the payload, the rank check (< C(E, K)) one compare per row. Returns
 // the first corrupted pack, or -1.
-template <int K>
-__attribute__((always_inline)) inline int64_t decode_packs_r12(const DecodeArgs& g, uint8_t* ids, int64_t p0, int64_t p1) {
+// kBits: B as a constant (DeepSeek-V3 49, Qwen3-MoE 41: the pack offsets and
+// shifts become immediates), or 0 (B at run time).
+template <int K, int kBits>
+__attribute__((always_inline)) inline int64_t decode_packs_r12(const DecodeArgs& g, uint8_t* ids,
+                                                               int64_t p0, int64_t p1) {
   const Tables& t = *g.t;
   const R12& x = *g.r12;
   const uint16_t* pair = t.pair.data();
-  const int bits = static_cast<int>(t.bits);
+  const int bits = kBits > 0 ? kBits : static_cast<int>(t.bits);
   const uint64_t field = (uint64_t{1} << (bits + kLowBits)) - 1;  // bits + 12 <= 64
   const uint64_t lim = t.n << kLowBits;                            // R >= lim: rank >= C(E, K)
   int off[kR12Batch], shl[kR12Batch];  // pack j of a batch: byte off[j], bit (12 - shl[j])
@@ -445,7 +464,13 @@ template <typename I, int K, int W>
 __attribute__((always_inline)) inline int64_t decode_packs(const DecodeArgs& g, I* ids, int64_t p0,
                                                            int64_t p1) {
   if constexpr (sizeof(I) == 1 && (K == 6 || K == 8)) {
-    if (g.r12) return decode_packs_r12<K>(g, ids, p0, p1);
+    if (g.r12) {
+      if constexpr (K == 8) {
+        if (g.t->bits == 49) return decode_packs_r12<K, 49>(g, ids, p0, p1);
+        if (g.t->bits == 41) return decode_packs_r12<K, 41>(g, ids, p0, p1);
+      }
+      return decode_packs_r12<K, 0>(g, ids, p0, p1);
+    }
   }
   const Tables& t = *g.t;
   const int64_t k = g.k, group = t.group, bits = t.bits;
@@ -672,13 +697,17 @@ void decode_sets_cpu(TensorView data, int64_t num_experts, TensorView ids, int64
       bad[0] = decode_packs_any<I>(avx2, g, dst, 0, packs);
       return;
     }
-    const int64_t chunk = chunk_packs(packs, nt);
-    bad.assign(static_cast<size_t>(nt), -1);
-#pragma omp parallel num_threads(nt)
-    {
-      const int me = omp_get_thread_num();
-      bad[static_cast<size_t>(me)] = decode_packs_any<I>(
-          avx2, g, dst, std::min(packs, me * chunk), std::min(packs, (me + 1) * chunk));
+    // Chunks of ~2^14 rows (byte aligned) taken in turn: a thread whose core is
+    // busy with other work takes fewer (the host's cores are shared), instead
+    // of the call waiting for its fixed half.
+    const int64_t chunks = std::max<int64_t>(nt, (packs * t.group) >> 14);
+    const int64_t chunk = chunk_packs(packs, static_cast<int>(std::min<int64_t>(chunks, 1 << 20)));
+    const int64_t n_chunks = (packs + chunk - 1) / chunk;
+    bad.assign(static_cast<size_t>(n_chunks), -1);
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
+    for (int64_t c = 0; c < n_chunks; ++c) {
+      bad[static_cast<size_t>(c)] = decode_packs_any<I>(
+          avx2, g, dst, std::min(packs, c * chunk), std::min(packs, (c + 1) * chunk));
     }
   });
   for (int64_t b : bad) {
