@@ -363,6 +363,7 @@ def _time_codec(tr, ids, payload, back, repeat: int) -> dict[str, tuple[float, f
     steps = {
         "encode": lambda: _setcode.encode_into(ids, e, payload),
         "decode": lambda: _setcode.decode_into(payload, e, back),
+        "decode_v1": lambda: _setcode.decode_into(payload, e, back, impl=2),  # the v1 unrank
         "trace_encode": lambda: tr.encode(codec="set"),
         "trace_decode": lambda: RoutingTrace.decode(data),
     }
@@ -381,7 +382,9 @@ def codec_report(tokens: int = CODEC_TOKENS, repeat: int = 7, threads=(1, 2)) ->
     kernel and of RoutingTrace.encode / decode, per thread count: ``python -m
     bench.bench_routing``. GB/s = bytes of the uint8 (E <= 256) / int16 id
     array in (encode) or out (decode) per second; best of ``repeat``. ``cpu``
-    columns: process CPU time, which contention inflates less than wall time."""
+    columns: process CPU time, which contention inflates less than wall time.
+    ``decode_v1``: the same decode with the v1 level-by-level unrank (impl=2),
+    timed in the same loop (R12's before)."""
     import math
 
     from compass_kernels.routing import _setcode

@@ -159,6 +159,107 @@ def test_layout_argument_errors():
         _setcode.decode_sets(bytes(28), 10, 4, 64, torch.uint8)
 
 
+# ------------------------------------------------------ the R12 decode (AVX2)
+# uint8 ids, K in {6, 8}, one rank per pack of <= 52 bits: rows unranked 8 at a
+# time straight from the payload (codec_cpu.cpp decode_packs_r12); impl=2 runs
+# the v1 level-by-level unrank on the same input, impl=1 the baseline.
+R12_SHAPES = [(256, 8), (128, 8), (255, 8), (160, 6), (256, 6), (129, 8)]
+
+
+def edge_sets(e: int, k: int) -> torch.Tensor:
+    """Rows whose rank sits on a level boundary or just below one: {0..k-2, a}
+    (rank C(a, k)), the runs {a-k+1..a} (the largest rank below C(a+1, k)), and
+    for each lower level m, {0..m-2, a} under the top k-m ids (a level-m
+    remainder of exactly C(a, m)), in random order within each row."""
+    rows = []
+    for a in range(k - 1, e):
+        rows.append(list(range(k - 1)) + [a])
+        rows.append(list(range(a - k + 1, a + 1)))
+    for m in range(2, k):
+        top = list(range(e - (k - m), e))
+        for a in range(m - 1, e - (k - m)):
+            rows.append(list(range(m - 1)) + [a] + top)
+    ids = torch.tensor(rows, dtype=torch.uint8)
+    order = torch.rand(ids.shape, generator=make_generator(e + k)).argsort(-1)
+    return ids.gather(1, order)
+
+
+def decode_poisoned(payload: bytes, rows: int, k: int, e: int, impl: int) -> torch.Tensor:
+    out = torch.full((rows, k), 0xEE, dtype=torch.uint8)  # every byte must be written
+    _setcode.decode_into(torch.frombuffer(bytearray(payload), dtype=torch.uint8), e, out,
+                         impl=impl)  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 301, 4099])
+@pytest.mark.parametrize("e,k", R12_SHAPES)
+def test_r12_decode_matches_the_reference_and_the_v1_unrank(e, k, rows):
+    assert _setcode.decode_path(e, k, torch.uint8, 0) == "r12"
+    assert _setcode.decode_path(e, k, torch.uint8, 2) == "hint"
+    assert _setcode.decode_path(e, k, torch.int16, 0) == "hint"
+    ids = random_sets(rows, e, k, seed=e * 7 + k * 3 + rows)
+    payload = _setcode.encode_sets(ids, e)
+    if rows <= 301:
+        assert payload == ref_payload(ids.numpy(), e, k)
+    want = ids.sort(-1).values
+    for impl in (0, 2, 1):
+        assert torch.equal(decode_poisoned(payload, rows, k, e, impl), want), impl
+
+
+@pytest.mark.parametrize("e,k", R12_SHAPES)
+def test_r12_decode_of_ranks_on_level_boundaries(e, k):
+    ids = edge_sets(e, k)
+    rows = ids.shape[0]
+    payload = _setcode.encode_sets(ids, e)
+    assert payload == ref_payload(ids.numpy(), e, k)
+    back = decode_poisoned(payload, rows, k, e, 0)
+    assert torch.equal(back, ids.sort(-1).values)
+    assert torch.equal(back, decode_poisoned(payload, rows, k, e, 2))
+
+
+@pytest.mark.parametrize("e,k", [(256, 8), (128, 8), (160, 6)])
+@pytest.mark.parametrize("pack", [0, 1234, 4095, 4099, 4100])  # batches; the last, partial one
+def test_r12_decode_names_the_corrupted_pack(e, k, pack):
+    rows = 4101  # 512 batches of 8, then 5 packs read one by one at the payload's end
+    ids = random_sets(rows, e, k, seed=pack)
+    payload = bytearray(_setcode.encode_sets(ids, e))
+    _, b = ref_layout(e, k)
+    for i in range(b):  # all ones: past C(E, K)
+        o = pack * b + i
+        payload[o // 8] |= 1 << (o % 8)
+    msg = rf"data: pack {pack} holds a value past C\({e}, {k}\)"
+    for impl in (0, 2):
+        with pytest.raises(ValueError, match=msg):
+            _setcode.decode_sets(bytes(payload), rows, k, e, torch.uint8, impl=impl)
+
+
+@pytest.mark.parametrize("impl", [0, 2])
+def test_parallel_decode_names_the_first_corrupted_pack(impl):
+    """Over 2^16 rows the packs are decoded in chunks of ~2^14 rows taken in
+    turn by the threads: with two corrupted chunks the first one is named."""
+    e, k, rows = 256, 8, 70_001
+    payload = bytearray(_setcode.encode_sets(random_sets(rows, e, k, seed=5), e))
+    _, b = ref_layout(e, k)
+    for pack in (60_000, 20_003):
+        for i in range(b):
+            o = pack * b + i
+            payload[o // 8] |= 1 << (o % 8)
+    prev = _setcode.set_threads(2)
+    try:
+        with pytest.raises(ValueError, match=r"data: pack 20003 holds a value past"):
+            _setcode.decode_sets(bytes(payload), rows, k, e, torch.uint8, impl=impl)
+    finally:
+        _setcode.set_threads(prev)
+
+
+def test_decode_impl_argument_is_checked():
+    payload = _setcode.encode_sets(random_sets(10, 256, 8, seed=2), 256)
+    with pytest.raises(ValueError, match=r"impl: expected 0 \(auto\), 1 \(baseline x86-64\) or 2"):
+        _setcode.decode_sets(payload, 10, 8, 256, torch.uint8, impl=3)
+    with pytest.raises(ValueError, match="impl: expected 0, 1 or 2, got -1"):
+        _setcode.decode_path(256, 8, torch.uint8, -1)
+
+
 # ------------------------------------------------- the encode op, every backend
 # csrc/routing/codec.cu (the CUDA encoder) runs here as "cuda-emulated": the
 # payload must equal the pure-Python format and the C++ encoder byte for byte.

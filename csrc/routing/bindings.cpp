@@ -16,7 +16,7 @@ void bind(pybind11::module_& root) {
   COMPASS_DEF_NOGIL(m, replay_topk_backward_cpu, bwd);
   COMPASS_DEF_NOGIL(m, encode_sets_cpu, "(ids [rows, K] uint8|int16, num_experts, missing [rows] bool|None, out uint8, impl 0 auto|1 "
                     "baseline): set coding");
-  COMPASS_DEF_NOGIL(m, decode_sets_cpu, "(data uint8, num_experts, ids [rows, K] out, impl 0 auto|1 baseline)");
+  COMPASS_DEF_NOGIL(m, decode_sets_cpu, "(data uint8, num_experts, ids [rows, K] out, impl 0 auto|1 baseline|2 AVX2 without R12)");
   const char* enc = "(ids [rows, K] uint8|int16, num_experts, missing [rows] bool|None, payload "
                     "uint8, status int64[2], table int64[K*E][, stream]): the encode op";
   COMPASS_DEF_NOGIL(m, encode_sets_op_cpu, enc);
@@ -24,6 +24,8 @@ void bind(pybind11::module_& root) {
   m.def("set_code_threads", &set_code_threads, "(threads, 0: OpenMP default) -> the previous");
   m.def("set_code_pack_bits", &set_code_pack_bits, "(num_experts, top_k) -> bits per pack");
   m.def("set_code_bytes", &set_code_bytes, "(rows, num_experts, top_k) -> payload bytes");
+  m.def("set_code_decode_path", &set_code_decode_path,
+        "(num_experts, top_k, uint8_ids, impl) -> the unrank decode runs: r12|hint|bisect|none");
 #ifdef COMPASS_WITH_CUDA
   COMPASS_DEF(m, replay_topk_cuda, fwd);
   COMPASS_DEF(m, replay_topk_backward_cuda, bwd);

@@ -24,6 +24,7 @@
 #include "routing/codec_args.h"
 #include "routing/routing_api.h"
 #include "routing/setcode.h"
+#define COMPASS_R12_ASM 1
 
 namespace compass {
 namespace routing {
@@ -34,16 +35,97 @@ using setcode::Tables;
 constexpr int64_t kParallelMinRows = int64_t{1} << 16;
 constexpr int64_t kBlockRows = 512;
 
+// ------------------------------------------------------ unrank tables (R12)
+// The decode of uint8 ids with E <= 256, 3 <= K <= 8, C(E, K) < 2^52 (DeepSeek-V3,
+// Qwen3-MoE). A rank r travels as R = r << 12 | 0xfff. Level m = K .. 3: a
+// byte hint h = hint[m][lz_key(R)] with the answer a in {h, h + 1}; the two
+// candidates c[m][h], c[m][h + 1] hold C(a, m) << 12 | a, so one compare R >= c
+// (the low field of R is >= 4095 - 6 * 255 > 255 >= a: it never decides),
+// one conditional move and R -= sel give the next R, and the id is sel's low
+// byte, stored straight into the row. The low field only shrinks by the ids
+// subtracted (<= 255 per level, K - 2 levels) and never borrows from r, so no
+// mask or OR per level. Levels 2 and 1: the pair table at R >> 12.
+//
+// lz_key(R) = lz * 128 + the top 8 bits of R << lz (lz = leading zeros):
+// exponent and 7 mantissa bits, as key_of but on integers: lzcnt, shift,
+// shift, shift and add (about 4 cycles of latency against 11 for the int ->
+// double -> int round trip of key_of, which this loop, latency bound, feels).
+constexpr int kLowBits = 12;
+constexpr uint64_t kLowFill = (uint64_t{1} << kLowBits) - 1;
+constexpr int64_t kLzKeys = 64 * 128 + 256;  // lz in [0, 64) x top byte in [128, 256)
+constexpr int64_t kC12Stride = 264;          // a in [0, 256], padded
+constexpr int kR12Batch = 8;                 // rows unranked together
+
+struct R12 {
+  bool ok = false;
+  std::vector<uint8_t> hint;  // [m * kLzKeys + lz_key(R)], m in [3, K]
+  std::vector<uint64_t> c;    // [m * kC12Stride + a] = C(a, m) << 12 | a; a > min(E, 255): ~0
+};
+
+// Inlined into each ISA build of decode_packs (lzcnt in the AVX2 one, bsr in the baseline).
+__attribute__((always_inline)) inline uint64_t lz_key(uint64_t big_r) {  // big_r >= 2^9 (its low field)
+#if defined(COMPASS_R12_ASM)
+  uint64_t lz;  // lzcnt without the dependency-breaking xor GCC adds (none needed on AMD)
+  asm("lzcntq %1, %0" : "=r"(lz) : "r"(big_r));
+#else
+  const int lz = __builtin_clzll(big_r);
+#endif
+  return (static_cast<uint64_t>(lz) << 7) + ((big_r << lz) >> 56);
+}
+
+R12 make_r12(const Tables& t) {
+  R12 x;
+  const int64_t e = t.e, k = t.k;
+  if (e > 256 || k < 3 || k > 8 || t.pair.empty() || t.n >= (uint64_t{1} << 52)) return x;
+  x.c.assign(static_cast<size_t>((k + 1) * kC12Stride), ~uint64_t{0});
+  for (int64_t m = 1; m <= k; ++m) {
+    for (int64_t a = 0; a <= std::min<int64_t>(e, 255); ++a) {
+      x.c[m * kC12Stride + a] = t.binom(a, m) << kLowBits | static_cast<uint64_t>(a);
+    }
+  }
+  x.hint.assign(static_cast<size_t>((k + 1) * kLzKeys), 0);
+  for (int64_t m = 3; m <= k; ++m) {
+    const uint64_t* cm = t.c.data() + m * t.stride;
+    const uint64_t top = t.binom(e, m);  // ranks at level m are < C(E, m)
+    for (int lz = 0; lz < 64; ++lz) {
+      for (int byte = 128; byte < 256; ++byte) {
+        // the R with this key: [byte << 56 >> lz, (byte + 1) << 56 >> lz); their r = R >> 12
+        const unsigned __int128 lo = static_cast<unsigned __int128>(byte) << 56 >> lz;
+        const unsigned __int128 hi = (static_cast<unsigned __int128>(byte + 1) << 56 >> lz) - 1;
+        const uint64_t r0 = static_cast<uint64_t>(lo >> kLowBits);
+        const uint64_t r1 = std::min<uint64_t>(static_cast<uint64_t>(hi >> kLowBits), top - 1);
+        if (r0 >= top) continue;  // no valid rank has this key
+        const int64_t a0 = setcode::largest_a(cm, r0, m - 1, e - 1);
+        const int64_t a1 = setcode::largest_a(cm, r1, m - 1, e - 1);
+        if (a1 - a0 > 1) return R12{};  // more than two candidates: not this path
+        x.hint[m * kLzKeys + lz * 128 + byte] = static_cast<uint8_t>(a0);
+      }
+    }
+  }
+  x.ok = true;
+  return x;
+}
+
+struct CodecTables {
+  Tables t;
+  R12 r12;
+};
+
 // One Tables per (E, K), built once per process and thread.
-const Tables& tables(int64_t e, int64_t k) {
-  static thread_local std::deque<Tables> cache;  // stable references
-  for (const Tables& t : cache) {
-    if (t.e == e && t.k == k) return t;
+const CodecTables& codec_tables(int64_t e, int64_t k) {
+  static thread_local std::deque<CodecTables> cache;  // stable references
+  for (const CodecTables& c : cache) {
+    if (c.t.e == e && c.t.k == k) return c;
   }
   check_set_layout(e, k);
-  cache.push_back(setcode::make_tables(e, k));
+  CodecTables c;
+  c.t = setcode::make_tables(e, k);
+  c.r12 = make_r12(c.t);
+  cache.push_back(std::move(c));
   return cache.back();
 }
+
+const Tables& tables(int64_t e, int64_t k) { return codec_tables(e, k).t; }
 
 // The first bad row of ids[r0, r1) (cold path: names the row and the id).
 // block: the ids of rows [r0, r1).
@@ -131,8 +213,9 @@ __attribute__((target("avx2,bmi,bmi2"))) void rank_rows_avx2(
   *max_id = hi;
 }
 
-bool use_avx2() {
-  static const bool ok = __builtin_cpu_supports("avx2");
+bool use_avx2() {  // the AVX2 build also uses BMI2 shifts and lzcnt
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi2") &&
+                         __builtin_cpu_supports("lzcnt");
   return ok;
 }
 
@@ -235,7 +318,106 @@ struct DecodeArgs {
   int64_t rows, k;
   const uint8_t* src;
   int64_t size;
+  const R12* r12;  // usable (ok) or null
 };
+
+// R12 unrank of kR12Batch rows: R[j] = rank << 12 | 0xfff -> rows out[j * K, j * K + K).
+template <int K>
+__attribute__((always_inline)) inline void r12_batch(uint64_t* big_r, const R12& x, const uint16_t* pair, uint8_t* out) {
+  const uint8_t* hint = x.hint.data();
+  const uint64_t* c = x.c.data();
+#ifndef __CUDACC__
+#pragma GCC unroll 8
+#endif
+  for (int m = K; m >= 3; --m) {
+    const uint8_t* hm = hint + m * kLzKeys;
+    const uint64_t* cm = c + m * kC12Stride;
+#ifndef __CUDACC__
+#pragma GCC unroll 8
+#endif
+    for (int j = 0; j < kR12Batch; ++j) {
+      const uint64_t h = hm[lz_key(big_r[j])];
+#if defined(COMPASS_R12_ASM)
+      uint64_t sel;
+      asm("movq 8(%[cm],%[h],8), %[sel]\n\t"
+          "cmpq %[sel], %[r]\n\t"
+          "cmovbq (%[cm],%[h],8), %[sel]"
+          : [sel] "=&r"(sel)
+          : [cm] "r"(cm), [h] "r"(h), [r] "r"(big_r[j])
+          : "cc");
+#else
+      const uint64_t lo = cm[h], hi = cm[h + 1];  // both loaded before the compare
+      const uint64_t sel = big_r[j] >= hi ? hi : lo;
+#endif
+      big_r[j] -= sel;
+      out[j * K + m - 1] = static_cast<uint8_t>(sel);
+    }
+  }
+#ifndef __CUDACC__
+#pragma GCC unroll 8
+#endif
+  for (int j = 0; j < kR12Batch; ++j) {
+    const uint16_t p = pair[big_r[j] >> kLowBits];  // a_1 << 8 | a_0: little-endian bytes a_0, a_1
+    std::memcpy(out + j * K, &p, 2);
+  }
+}
+
+// Packs [p0, p1) of a G = 1 layout with B <= 52 bits (p0 a multiple of 8 or 0):
+// bits -> uint8 ids by R12, batches of 8 packs (byte aligned) read straight
+// from the payload, the rank check (< C(E, K)) one compare per row. Returns
+// the first corrupted pack, or -1.
+// kBits: B as a constant (DeepSeek-V3 49, Qwen3-MoE 41: the pack offsets and
+// shifts become immediates), or 0 (B at run time).
+template <int K, int kBits>
+__attribute__((always_inline)) inline int64_t decode_packs_r12(const DecodeArgs& g, uint8_t* ids,
+                                                               int64_t p0, int64_t p1) {
+  const Tables& t = *g.t;
+  const R12& x = *g.r12;
+  const uint16_t* pair = t.pair.data();
+  const int bits = kBits > 0 ? kBits : static_cast<int>(t.bits);
+  const uint64_t field = (uint64_t{1} << (bits + kLowBits)) - 1;  // bits + 12 <= 64
+  const uint64_t lim = t.n << kLowBits;                            // R >= lim: rank >= C(E, K)
+  int off[kR12Batch], shl[kR12Batch];  // pack j of a batch: byte off[j], bit (12 - shl[j])
+  for (int j = 0; j < kR12Batch; ++j) {
+    off[j] = j * bits >> 3;
+    shl[j] = kLowBits - (j * bits & 7);
+  }
+  // packs whose 8-byte load stays inside the payload: [0, safe)
+  const int64_t safe = g.size >= 8 ? ((g.size - 8) * 8) / bits + 1 : 0;
+  const int64_t fast_end = std::max(p0, std::min(p1, safe) - kR12Batch + 1);
+  int64_t q = p0;
+  for (; q < fast_end; q += kR12Batch) {
+    const uint8_t* p = g.src + q / 8 * bits;  // q is a multiple of 8
+    uint64_t big_r[kR12Batch];
+    uint64_t bad = 0;
+    for (int j = 0; j < kR12Batch; ++j) {
+      uint64_t v;
+      std::memcpy(&v, p + off[j], 8);
+      big_r[j] = ((v << shl[j]) & field) | kLowFill;
+      bad |= big_r[j] >= lim;
+    }
+    if (bad) {
+      for (int j = 0; j < kR12Batch; ++j) {
+        if (big_r[j] >= lim) return q + j;
+      }
+    }
+    r12_batch<K>(big_r, x, pair, ids + q * K);
+  }
+  // the last packs (fewer than a batch, or at the payload's end): padded with rank 0
+  for (; q < p1; q += kR12Batch) {
+    const int64_t n = std::min<int64_t>(kR12Batch, p1 - q);
+    uint64_t big_r[kR12Batch];
+    for (int j = 0; j < kR12Batch; ++j) {
+      const uint64_t r = j < n ? setcode::read_bits(g.src, g.size, (q + j) * bits, bits) : 0;
+      if (r >= t.n) return q + j;
+      big_r[j] = r << kLowBits | kLowFill;
+    }
+    uint8_t tmp[kR12Batch * K];
+    r12_batch<K>(big_r, x, pair, tmp);
+    std::memcpy(ids + q * K, tmp, static_cast<size_t>(n * K));
+  }
+  return -1;
+}
 
 // Unranks n <= kBatch ranks into rows out[0, n).
 template <typename I, int K, int W>
@@ -276,8 +458,20 @@ void unrank_into(const uint64_t* ranks, int64_t n, const Tables& t, I* out) {
 }
 
 // Packs [p0, p1): bits -> ids. Returns the first corrupted pack, or -1.
+// always_inline: each ISA wrapper below gets its own copy (else the AVX2 one is
+// a jump to the one baseline copy).
 template <typename I, int K, int W>
-int64_t decode_packs(const DecodeArgs& g, I* ids, int64_t p0, int64_t p1) {
+__attribute__((always_inline)) inline int64_t decode_packs(const DecodeArgs& g, I* ids, int64_t p0,
+                                                           int64_t p1) {
+  if constexpr (sizeof(I) == 1 && (K == 6 || K == 8)) {
+    if (g.r12) {
+      if constexpr (K == 8) {
+        if (g.t->bits == 49) return decode_packs_r12<K, 49>(g, ids, p0, p1);
+        if (g.t->bits == 41) return decode_packs_r12<K, 41>(g, ids, p0, p1);
+      }
+      return decode_packs_r12<K, 0>(g, ids, p0, p1);
+    }
+  }
   const Tables& t = *g.t;
   const int64_t k = g.k, group = t.group, bits = t.bits;
   const int64_t block_packs = std::max<int64_t>(1, kBlockRows / group);
@@ -345,7 +539,7 @@ int64_t decode_packs(const DecodeArgs& g, I* ids, int64_t p0, int64_t p1) {
     return decode_packs<I, K, W>(g, ids, p0, p1);                                          \
   }
 COMPASS_SETCODE_ISA(base, )
-COMPASS_SETCODE_ISA(avx2, __attribute__((target("avx2,bmi,bmi2"))))
+COMPASS_SETCODE_ISA(avx2, __attribute__((target("avx2,bmi,bmi2,lzcnt"))))
 #undef COMPASS_SETCODE_ISA
 
 template <typename I, int K, int W>
@@ -387,6 +581,16 @@ std::atomic<int> g_threads{0};  // set_code_threads: 0 = the OpenMP default
 int threads_for(int64_t rows) {
   const int cap = g_threads.load(std::memory_order_relaxed);
   return rows < kParallelMinRows ? 1 : std::max(1, cap > 0 ? cap : omp_get_max_threads());
+}
+
+// R12 decodes: uint8 ids, K in {6, 8} (the specialised kernels; K = 4 never has
+// G = 1 with E <= 256), a G = 1 layout of <= 52 bits (R = r << 12 fits 64 bits),
+// in the AVX2 build (lzcnt: the baseline's bsr would make it slower than the
+// v1 unrank) and impl 0.
+bool use_r12(const CodecTables& ct, bool uint8_ids, int64_t impl, bool avx2) {
+  const Tables& t = ct.t;
+  return ct.r12.ok && (t.k == 6 || t.k == 8) && t.group == 1 && t.bits > 0 && t.bits <= 52 &&
+         uint8_ids && impl == 0 && avx2;
 }
 
 bool pick_avx2(int64_t impl) {
@@ -457,18 +661,33 @@ void encode_sets_cpu(TensorView ids, int64_t num_experts, std::optional<TensorVi
   });
 }
 
+std::string set_code_decode_path(int64_t num_experts, int64_t top_k, bool uint8_ids,
+                                 int64_t impl) {
+  COMPASS_CHECK(impl >= 0 && impl <= 2, "impl: expected 0, 1 or 2, got ", impl);
+  const CodecTables& ct = codec_tables(num_experts, top_k);
+  if (ct.t.bits == 0) return "none";
+  if (use_r12(ct, uint8_ids, impl, impl != 1 && use_avx2())) return "r12";
+  return ct.t.fast ? "hint" : "bisect";
+}
+
 void decode_sets_cpu(TensorView data, int64_t num_experts, TensorView ids, int64_t impl) {
   COMPASS_NAME_ARGS(data, ids);
   data.expect_vector().expect_dtype(DType::kUInt8).expect_device(DeviceType::kCPU);
   ids.expect_ndim(2).expect_contiguous().expect_device(DeviceType::kCPU);
-  const bool avx2 = pick_avx2(impl);
+  COMPASS_CHECK(impl >= 0 && impl <= 2,
+                "impl: expected 0 (auto), 1 (baseline x86-64) or 2 (AVX2, the level-by-level "
+                "unrank without R12), got ",
+                impl);
+  const bool avx2 = impl != 1 && use_avx2();
   const int64_t rows = ids.size(0), k = ids.size(1);
-  const Tables& t = tables(num_experts, k);
+  const CodecTables& ct = codec_tables(num_experts, k);
+  const Tables& t = ct.t;
   const int64_t need = set_code_bytes(rows, num_experts, k);
   COMPASS_CHECK(data.numel() == need, data.name, ": expected ", need, " bytes for ", rows,
                 " rows, got ", data.numel());
   const int64_t packs = (rows + t.group - 1) / t.group;
-  const DecodeArgs g{&t, rows, k, data.ptr<uint8_t>(), need};
+  const bool r12 = use_r12(ct, ids.dtype == DType::kUInt8, impl, avx2);
+  const DecodeArgs g{&t, rows, k, data.ptr<uint8_t>(), need, r12 ? &ct.r12 : nullptr};
   std::vector<int64_t> bad(1, -1);
   dispatch(ids, Types<uint8_t, int16_t>{}, [&](auto tag) {
     using I = decltype(tag);
@@ -478,13 +697,17 @@ void decode_sets_cpu(TensorView data, int64_t num_experts, TensorView ids, int64
       bad[0] = decode_packs_any<I>(avx2, g, dst, 0, packs);
       return;
     }
-    const int64_t chunk = chunk_packs(packs, nt);
-    bad.assign(static_cast<size_t>(nt), -1);
-#pragma omp parallel num_threads(nt)
-    {
-      const int me = omp_get_thread_num();
-      bad[static_cast<size_t>(me)] = decode_packs_any<I>(
-          avx2, g, dst, std::min(packs, me * chunk), std::min(packs, (me + 1) * chunk));
+    // Chunks of ~2^14 rows (byte aligned) taken in turn: a thread whose core is
+    // busy with other work takes fewer (the host's cores are shared), instead
+    // of the call waiting for its fixed half.
+    const int64_t chunks = std::max<int64_t>(nt, (packs * t.group) >> 14);
+    const int64_t chunk = chunk_packs(packs, static_cast<int>(std::min<int64_t>(chunks, 1 << 20)));
+    const int64_t n_chunks = (packs + chunk - 1) / chunk;
+    bad.assign(static_cast<size_t>(n_chunks), -1);
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
+    for (int64_t c = 0; c < n_chunks; ++c) {
+      bad[static_cast<size_t>(c)] = decode_packs_any<I>(
+          avx2, g, dst, std::min(packs, c * chunk), std::min(packs, (c + 1) * chunk));
     }
   });
   for (int64_t b : bad) {

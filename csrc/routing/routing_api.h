@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 
 #include "compass/routing.h"
 #include "compass/tensor_view.h"
@@ -48,7 +49,13 @@ int64_t set_code_pack_bits(int64_t num_experts, int64_t top_k);
 int64_t set_code_bytes(int64_t rows, int64_t num_experts, int64_t top_k);
 void encode_sets_cpu(TensorView ids, int64_t num_experts, std::optional<TensorView> missing,
                      TensorView out, int64_t impl);
+// impl for decode: 0 auto, 1 the x86-64 baseline, 2 AVX2 with the v1 level-by-level
+// unrank (no R12: the before of the bench, and the other path of the tests).
 void decode_sets_cpu(TensorView data, int64_t num_experts, TensorView ids, int64_t impl);
+// The unrank decode_sets_cpu runs for these arguments: "r12", "hint", "bisect" or
+// "none" (K == E: nothing stored).
+std::string set_code_decode_path(int64_t num_experts, int64_t top_k, bool uint8_ids,
+                                 int64_t impl);
 // The encode op (compass_kernels/routing/_setcode.py: encode_sets_op), every backend
 // (checks: codec_args.h): ids [rows, K] uint8 | int16 contiguous; missing [rows] bool or
 // None; all on ids' device. Outputs: payload; status int64 [2] =
