@@ -24,7 +24,10 @@
 #include "routing/codec_args.h"
 #include "routing/routing_api.h"
 #include "routing/setcode.h"
+// The R12 level step in inline asm (x86-64 GCC / Clang only; elsewhere the C++ form).
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define COMPASS_R12_ASM 1
+#endif
 
 namespace compass {
 namespace routing {
