@@ -1190,6 +1190,7 @@ struct Work {
   LptLanes lanes;
   LevelLanes levels;
   std::vector<MbKey<C>> mb_keys;
+  std::vector<uint32_t> slot32;
 };
 
 template <typename C>
@@ -1408,6 +1409,11 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
   lpt_ok_at.assign(k, 0);
   written_at.assign(k, 0);
   int64_t lpt_packed = 0, lpt_failed = 0;  // ranks LPT packed / failed on, this call
+  // each sequence's micro-batch: uint32 where they fit (k * nb <= n), half the
+  // cache footprint of the scattered writes and the final pass's reads
+  const bool narrow = n <= std::numeric_limits<uint32_t>::max();
+  std::vector<uint32_t>& slot32 = ws.slot32;
+  if (narrow) slot32.resize(n);
   // Ranks go in groups of kLanes (those not yet written at this nb). A group
   // tries LPT first unless LPT has failed on more ranks than it packed so far
   // (ranks are alike, and a failed LPT costs most of a pass) and no rank of
@@ -1509,7 +1515,7 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
         first[q] = std::min(first[q], seqs[i]);
         ++slot[q];
       }
-      // (load, first, bin) records: sorted directly, no comparisons through
+      // (load, first, bin) records sorted directly, no comparisons through
       // an index; insertion sort for the usual few dozen micro-batches
       std::vector<MbKey<C>>& keys = ws.mb_keys;
       keys.resize(nb);
@@ -1524,14 +1530,19 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
       } else {
         std::sort(keys.begin(), keys.end(), [](const MbKey<C>& x, const MbKey<C>& y) { return x.before(y); });
       }
+      for (int64_t j = 0; j < nb; ++j) mb_order[j] = keys[j].bin;
       int64_t pos = base[r];
       for (int64_t j = 0; j < nb; ++j) {
-        const int64_t q = keys[j].bin;
+        const int64_t q = mb_order[j];
         off[r * nb + j] = pos;
         pos += slot[q];
         slot[q] = r * nb + j;
       }
-      for (int64_t i = 0; i < m; ++i) slot_of[seqs[i]] = slot[bin_of[i]];
+      if (narrow) {
+        for (int64_t i = 0; i < m; ++i) slot32[seqs[i]] = static_cast<uint32_t>(slot[bin_of[i]]);
+      } else {
+        for (int64_t i = 0; i < m; ++i) slot_of[seqs[i]] = slot[bin_of[i]];
+      }
       written_at[r] = nb;
     }
   }
@@ -1539,7 +1550,11 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
   {  // each micro-batch by ascending sequence index
     std::vector<int64_t>& cursor = ws.slot;
     cursor.assign(off, off + k * nb);
-    for (int64_t s = 0; s < n; ++s) ord[cursor[slot_of[s]]++] = s;
+    if (narrow) {
+      for (int64_t s = 0; s < n; ++s) ord[cursor[slot32[s]]++] = s;
+    } else {
+      for (int64_t s = 0; s < n; ++s) ord[cursor[slot_of[s]]++] = s;
+    }
   }
   COMPASS_PHASE("micro-batches");
   return {nb, lb};
