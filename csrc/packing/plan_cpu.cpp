@@ -38,8 +38,13 @@
 //    M grows to the largest such count and ranks LPT cannot pack use FFD plus
 //    splitting of their heaviest bins. Then the same move / swap refinement
 //    between bins (bounded: partners and steps), never breaking the cap.
+//    Ranks go in groups of kLanes: the group's first choice (LPT for integer
+//    costs, LptLanes; the level fit's first fit, LevelLanes) runs on all its
+//    ranks at once, interleaved step by step, so the dependent tree updates
+//    of one rank overlap those of the others. Same packings as one at a time.
 // 4. Output: each micro-batch by ascending sequence index, written by one pass
-//    over all sequences (each knows its micro-batch), not by per-bin sorts.
+//    over all sequences (each knows its micro-batch: a uint32 map), not by
+//    per-bin sorts.
 // Deterministic: every tie is broken by index. Serial: a host step that runs
 // once per training step, where waking an OpenMP team on a busy host costs
 // more than it saves. Buffers live in a per-thread workspace reused across
