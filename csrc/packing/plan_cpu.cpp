@@ -38,8 +38,13 @@
 //    M grows to the largest such count and ranks LPT cannot pack use FFD plus
 //    splitting of their heaviest bins. Then the same move / swap refinement
 //    between bins (bounded: partners and steps), never breaking the cap.
+//    Ranks go in groups of kLanes: the group's first choice (LPT for integer
+//    costs, LptLanes; the level fit's first fit, LevelLanes) runs on all its
+//    ranks at once, interleaved step by step, so the dependent tree updates
+//    of one rank overlap those of the others. Same packings as one at a time.
 // 4. Output: each micro-batch by ascending sequence index, written by one pass
-//    over all sequences (each knows its micro-batch), not by per-bin sorts.
+//    over all sequences (each knows its micro-batch: a uint32 map), not by
+//    per-bin sorts.
 // Deterministic: every tie is broken by index. Serial: a host step that runs
 // once per training step, where waking an OpenMP team on a busy host costs
 // more than it saves. Buffers live in a per-thread workspace reused across
@@ -772,11 +777,220 @@ int64_t first_fit(const int64_t* tokens, int64_t m, int64_t cap, std::vector<int
   return used;
 }
 
+// Interleaved LPT: the micro-batches of kLanes ranks at once (integer
+// costs). One rank's LPT is a chain of dependent tree updates (each placement
+// reads the root its predecessor wrote, then recomputes log2(M) minima up to
+// it): alone, the core mostly waits on that chain. kLanes independent chains,
+// advanced step by step together, overlap those waits (measured ~2x the
+// placements per second of one rank at a time). The same packing as
+// RankPacker::lpt: keys (load << shift | bin), the least-loaded bin (ties to
+// the lower) at the root; the first M sequences open bins 0..M-1 in order (the
+// tree is built with them). For integer costs a bin's load is the cap less
+// its room, so the least-loaded bin has the most room: a sequence it cannot
+// take fits nowhere, and that lane's LPT has failed (it runs on, ignored:
+// the lanes stay in step without a branch per lane).
+constexpr int kLanes = 4;
+struct LptLanes {
+  int64_t leaves = 1, stride = 0;
+  int shift = 0;
+  uint64_t mask = 0;
+  std::vector<uint64_t> tree;   // lane g: [g * 2 * leaves, (g + 1) * 2 * leaves), root at 1
+  std::vector<int64_t> bin_of;  // lane g: [g * stride, g * stride + m_g)
+  int64_t rank[kLanes];         // the rank in each lane, -1 for none
+  bool ok[kLanes];
+
+  // Whether keys fit: loads reach at most `most` (a rank's tokens).
+  static bool fits(int64_t nbins, int64_t most) {
+    int64_t l = 1;
+    while (l < nbins) l *= 2;
+    const int sh = l > 1 ? 64 - __builtin_clzll(static_cast<uint64_t>(l - 1)) : 0;
+    return static_cast<uint64_t>(most) < (uint64_t{1} << (62 - sh));
+  }
+  int lane_of(int64_t r) const {
+    for (int g = 0; g < kLanes; ++g) {
+      if (rank[g] == r) return g;
+    }
+    return -1;
+  }
+  // LPT of the ranks ranks[0..n) (n <= kLanes), their sequences tok[g][0..m[g])
+  // by decreasing tokens, into nbins bins of cap tokens; ok[g] says whether
+  // it fit. Unused lanes repeat lane 0 (their results are ignored).
+  void run(int n, const int64_t* ranks, const int64_t* const* tok_in, const int64_t* m_in,
+           int64_t nbins, int64_t cap) {
+    const int64_t* tok[kLanes];
+    int64_t m[kLanes];
+    int64_t mm = m_in[0], most = 0;
+    for (int g = 0; g < kLanes; ++g) {
+      rank[g] = g < n ? ranks[g] : -1;
+      tok[g] = tok_in[g < n ? g : 0];
+      m[g] = m_in[g < n ? g : 0];
+      mm = std::min(mm, m[g]);
+      most = std::max(most, m[g]);
+    }
+    leaves = 1;
+    while (leaves < nbins) leaves *= 2;
+    shift = leaves > 1 ? 64 - __builtin_clzll(static_cast<uint64_t>(leaves - 1)) : 0;
+    mask = (uint64_t{1} << shift) - 1;
+    stride = most;
+    const int64_t L = leaves;
+    tree.assign(kLanes * 2 * L, ~uint64_t{0});
+    bin_of.resize(kLanes * stride);
+    uint64_t* t[kLanes];
+    int64_t* bo[kLanes];
+    const uint64_t full = static_cast<uint64_t>(cap) << shift;  // a key's load part, at most
+    uint64_t bad[kLanes];
+    for (int g = 0; g < kLanes; ++g) {
+      t[g] = tree.data() + g * 2 * L;
+      bo[g] = bin_of.data() + g * stride;
+      const int64_t head = std::min(m[g], nbins);
+      for (int64_t q = 0; q < nbins; ++q) t[g][L + q] = static_cast<uint64_t>(q);
+      for (int64_t i = 0; i < head; ++i) {
+        t[g][L + i] |= static_cast<uint64_t>(tok[g][i]) << shift;
+        bo[g][i] = i;
+      }
+      for (int64_t v = L - 1; v >= 1; --v) t[g][v] = std::min(t[g][2 * v], t[g][2 * v + 1]);
+      bad[g] = 0;
+    }
+    auto step = [&](int g, int64_t i) {  // one placement of lane g, alone
+      uint64_t* tg = t[g];
+      const uint64_t top = tg[1];
+      const uint64_t cur = top + (static_cast<uint64_t>(tok[g][i]) << shift);
+      bad[g] |= (cur & ~mask) > full;
+      bo[g][i] = static_cast<int64_t>(top & mask);
+      int64_t j = L + static_cast<int64_t>(top & mask);
+      uint64_t c = cur;
+      tg[j] = c;
+      for (; j > 1; j >>= 1) {
+        c = std::min(c, tg[j ^ 1]);
+        tg[j >> 1] = c;
+      }
+    };
+    for (int64_t i = std::min(mm, nbins); i < mm; ++i) {
+      uint64_t cur[kLanes];
+      int64_t j[kLanes];
+      for (int g = 0; g < kLanes; ++g) {
+        const uint64_t top = t[g][1];
+        cur[g] = top + (static_cast<uint64_t>(tok[g][i]) << shift);
+        bad[g] |= (cur[g] & ~mask) > full;
+        bo[g][i] = static_cast<int64_t>(top & mask);
+        j[g] = L + static_cast<int64_t>(top & mask);
+        t[g][j[g]] = cur[g];
+      }
+      for (int64_t l = 1; l < L; l *= 2) {
+        for (int g = 0; g < kLanes; ++g) {
+          cur[g] = std::min(cur[g], t[g][j[g] ^ 1]);
+          j[g] >>= 1;
+          t[g][j[g]] = cur[g];
+        }
+      }
+    }
+    for (int g = 0; g < kLanes; ++g) {
+      for (int64_t i = std::max(mm, std::min(m[g], nbins)); i < m[g]; ++i) step(g, i);
+      ok[g] = bad[g] == 0;
+    }
+  }
+};
+
+// The level fit's first fit, interleaved the same way: kLanes ranks, each
+// its own max-tree of room under its level; a step descends every lane's
+// tree to the lowest bin with room and replays the maxima above it, without
+// a branch per lane (a sequence that fits under no level descends anyway and
+// takes 0 tokens; it is marked -1, left for LPT under the cap).
+struct LevelLanes {
+  int64_t size = 1, stride = 0;
+  std::vector<int64_t> tree;    // lane g: [g * 2 * size, (g + 1) * 2 * size), root at 1
+  std::vector<int64_t> bin_of;  // lane g: [g * stride, g * stride + m_g); -1: no room
+  int64_t rank[kLanes], level[kLanes];
+
+  int lane_of(int64_t r) const {
+    for (int g = 0; g < kLanes; ++g) {
+      if (rank[g] == r) return g;
+    }
+    return -1;
+  }
+  void run(int n, const int64_t* ranks, const int64_t* const* tok_in, const int64_t* m_in,
+           const int64_t* level_in, int64_t nbins) {
+    const int64_t* tok[kLanes];
+    int64_t m[kLanes];
+    int64_t mm = m_in[0], most = 0;
+    for (int g = 0; g < kLanes; ++g) {
+      const int src = g < n ? g : 0;
+      rank[g] = g < n ? ranks[g] : -1;
+      tok[g] = tok_in[src];
+      m[g] = m_in[src];
+      mm = std::min(mm, m[g]);
+      most = std::max(most, m[g]);
+    }
+    size = 1;
+    while (size < nbins) size *= 2;
+    stride = most;
+    const int64_t S = size;
+    tree.assign(kLanes * 2 * S, -1);
+    bin_of.resize(kLanes * stride);
+    int64_t* t[kLanes];
+    int64_t* bo[kLanes];
+    for (int g = 0; g < kLanes; ++g) {
+      t[g] = tree.data() + g * 2 * S;
+      bo[g] = bin_of.data() + g * stride;
+      level[g] = level_in[g < n ? g : 0];
+      std::fill(t[g] + S, t[g] + S + nbins, level[g]);
+      for (int64_t v = S - 1; v >= 1; --v) t[g][v] = std::max(t[g][2 * v], t[g][2 * v + 1]);
+    }
+    auto step = [&](int g, int64_t i) {  // one placement of lane g, alone
+      int64_t* tg = t[g];
+      const int64_t x = tok[g][i];
+      const bool fit = tg[1] >= x;
+      int64_t v = 1;
+      while (v < S) v = 2 * v + (tg[2 * v] < x);
+      bo[g][i] = fit ? v - S : -1;
+      int64_t c = tg[v] - (fit ? x : 0);
+      tg[v] = c;
+      for (; v > 1; v >>= 1) {  // the running maximum stays in a register
+        c = std::max(c, tg[v ^ 1]);
+        tg[v >> 1] = c;
+      }
+    };
+    for (int64_t i = 0; i < mm; ++i) {
+      int64_t x[kLanes], v[kLanes];
+      bool fit[kLanes];
+#pragma GCC unroll 4
+      for (int g = 0; g < kLanes; ++g) {
+        x[g] = tok[g][i];
+        fit[g] = t[g][1] >= x[g];
+        v[g] = 1;
+      }
+      for (int64_t l = 1; l < S; l *= 2) {
+#pragma GCC unroll 4
+        for (int g = 0; g < kLanes; ++g) v[g] = 2 * v[g] + (t[g][2 * v[g]] < x[g]);
+      }
+      int64_t c[kLanes];
+#pragma GCC unroll 4
+      for (int g = 0; g < kLanes; ++g) {
+        bo[g][i] = fit[g] ? v[g] - S : -1;
+        c[g] = t[g][v[g]] - (fit[g] ? x[g] : 0);
+        t[g][v[g]] = c[g];
+      }
+      for (int64_t l = 1; l < S; l *= 2) {
+  #pragma GCC unroll 4
+      for (int g = 0; g < kLanes; ++g) {
+          c[g] = std::max(c[g], t[g][v[g] ^ 1]);
+          v[g] >>= 1;
+          t[g][v[g]] = c[g];
+        }
+      }
+    }
+    for (int g = 0; g < kLanes; ++g) {
+      for (int64_t i = mm; i < m[g]; ++i) step(g, i);
+    }
+  }
+};
+
 // One rank's packing state, reused across ranks (no allocation per rank).
 template <typename C>
 struct RankPacker {
-  std::vector<C> w;          // local id (decreasing cost) -> cost
-  std::vector<int64_t> tok;  // local id -> tokens
+  const C* w = nullptr;          // local id (decreasing cost) -> cost
+  const int64_t* tok = nullptr;  // local id -> tokens
+  std::vector<C> wbuf;           // w for float costs (integer costs: w is tok)
   std::vector<int64_t> room, bin_of, scratch, all, ff_room;
   Bins<C> b;
   MinTree<C> heap;
@@ -800,6 +1014,10 @@ struct RankPacker {
       for (int64_t i : b.mem[q]) bin_of[i] = q;
     }
   }
+
+  // The packing of lane g of an interleaved LPT (LptLanes::run, which
+  // succeeded on it): the same as lpt(m_, nbins, cap).
+  void adopt(const struct LptLanes& lanes, int g, int64_t m_, int64_t nbins, int64_t cap);
 
   // One LPT step: sequence i to the least-loaded bin of the heap with room for
   // it (bins without room set aside for this step only). False when none has room.
@@ -868,9 +1086,18 @@ struct RankPacker {
       bin_of[i] = q;
       room[q] -= t;
       b.load[q] += w[i];
-      lv[node] -= t;
-      for (node /= 2; node >= 1; node /= 2) lv[node] = std::max(lv[2 * node], lv[2 * node + 1]);
+      int64_t c = lv[node] - t;
+      lv[node] = c;
+      for (; node > 1; node >>= 1) {  // the running maximum stays in a register
+        c = std::max(c, lv[node ^ 1]);
+        lv[node >> 1] = c;
+      }
     }
+    return level_finish(nbins, cap);
+  }
+
+  // The level fit's end: the sequences in `all` by LPT under the cap.
+  bool level_finish(int64_t nbins, int64_t cap) {
     if (!all.empty()) {
       heap.init(nbins, total);
       for (int64_t q = 0; q < nbins; ++q) heap.set(q, b.load[q]);
@@ -884,6 +1111,10 @@ struct RankPacker {
     }
     return true;
   }
+
+  // The level fit of lane g of LevelLanes::run (its first fit under the
+  // level done there): the same as level_fit(m_, nbins, cap, its level).
+  bool adopt_level(const struct LevelLanes& lanes, int g, int64_t m_, int64_t nbins, int64_t cap);
 
   // The first-fit-decreasing packing of bin_of (first_fit's output, `used`
   // bins).
@@ -941,7 +1172,7 @@ struct RankPacker {
     if (b.max_load() <= target) return;  // the common case: no member lists needed
     ensure_mem();
     refine(
-        b, w.data(), target, max_iter, kBinPartners,
+        b, w, target, max_iter, kBinPartners,
         [&](int64_t h, int64_t r, int64_t x, int64_t y) {
           if (y < 0) return b.mem[h].size() >= 2 && room[r] >= tok[x];
           return room[r] + tok[y] >= tok[x] && room[h] + tok[x] >= tok[y];
@@ -957,6 +1188,58 @@ struct RankPacker {
   }
 };
 
+
+template <typename C>
+void RankPacker<C>::adopt(const LptLanes& lanes, int g, int64_t m_, int64_t nbins, int64_t cap) {
+  m = m_;
+  has_mem = false;
+  const int64_t* src = lanes.bin_of.data() + g * lanes.stride;
+  bin_of.assign(src, src + m);
+  b.load.resize(nbins);
+  room.resize(nbins);
+  const uint64_t* leaf = lanes.tree.data() + g * 2 * lanes.leaves + lanes.leaves;
+  for (int64_t q = 0; q < nbins; ++q) {
+    const int64_t load = static_cast<int64_t>(leaf[q] >> lanes.shift);
+    b.load[q] = static_cast<C>(load);
+    room[q] = cap - load;
+  }
+}
+
+template <typename C>
+bool RankPacker<C>::adopt_level(const LevelLanes& lanes, int g, int64_t m_, int64_t nbins,
+                                int64_t cap) {
+  m = m_;
+  has_mem = false;
+  b.load.assign(nbins, C{0});
+  bin_of.resize(m);
+  room.assign(nbins, cap);
+  all.clear();
+  const int64_t* src = lanes.bin_of.data() + g * lanes.stride;
+  if constexpr (std::is_integral_v<C>) {  // each bin holds its level less its room under it
+    bin_of.assign(src, src + m);
+    for (int64_t i = 0; i < m; ++i) {
+      if (src[i] < 0) all.push_back(i);
+    }
+    const int64_t* leaf = lanes.tree.data() + g * 2 * lanes.size + lanes.size;
+    for (int64_t q = 0; q < nbins; ++q) {
+      const int64_t placed = lanes.level[g] - leaf[q];
+      b.load[q] = placed;
+      room[q] = cap - placed;
+    }
+  } else {
+    for (int64_t i = 0; i < m; ++i) {
+      const int64_t q = src[i];
+      if (q < 0) {
+        all.push_back(i);
+        continue;
+      }
+      bin_of[i] = q;
+      room[q] -= tok[i];
+      b.load[q] += w[i];
+    }
+  }
+  return level_finish(nbins, cap);
+}
 
 // ------------------------------------------------------------------- plan
 struct Input {
@@ -979,6 +1262,14 @@ inline C cost_of(const Input& in, int64_t p) {
   }
 }
 
+// A micro-batch in the output order: heaviest first, ties by first sequence.
+template <typename C>
+struct MbKey {
+  C load;
+  int64_t first, bin;
+  bool before(const MbKey& o) const { return load != o.load ? load > o.load : first < o.first; }
+};
+
 // Everything plan_impl allocates, kept per thread between calls: a plan is a
 // per-step host call, and allocating (and page-faulting) its buffers anew each
 // time cost more than the search at small n. Holds O(n + k) memory of the
@@ -995,6 +1286,10 @@ struct Work {
   Bins<C> best, other;
   MinTree<C> heap;
   RankPacker<C> pk;
+  LptLanes lanes;
+  LevelLanes levels;
+  std::vector<MbKey<C>> mb_keys;
+  std::vector<uint32_t> slot32;
 };
 
 template <typename C>
@@ -1189,14 +1484,20 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
   };
   check_counts();
   RankPacker<C>& pk = ws.pk;
-  auto load_rank = [&](int64_t r) {
+  auto load_rank = [&](int64_t r) {  // no copy: the rank's slice of by_tok
     const int64_t m = base[r + 1] - base[r];
     const int64_t* t = by_tok.data() + base[r];
-    pk.w.resize(m);
-    pk.tok.assign(t, t + m);
-    C sum{0};
-    for (int64_t i = 0; i < m; ++i) sum += (pk.w[i] = cost_of<C>(in, t[i]));
-    pk.total = sum;
+    pk.tok = t;
+    if constexpr (std::is_integral_v<C>) {
+      pk.w = t;  // the cost is the tokens
+      pk.total = rank_tok[r];
+    } else {
+      pk.wbuf.resize(m);
+      C sum{0};
+      for (int64_t i = 0; i < m; ++i) sum += (pk.wbuf[i] = cost_of<C>(in, t[i]));
+      pk.w = pk.wbuf.data();
+      pk.total = sum;
+    }
     return m;
   };
   // Ranks are packed and written one by one. If one needs more bins than nb
@@ -1208,35 +1509,86 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
   lpt_ok_at.assign(k, 0);
   written_at.assign(k, 0);
   int64_t lpt_packed = 0, lpt_failed = 0;  // ranks LPT packed / failed on, this call
+  // each sequence's micro-batch: uint32 where they fit (k * nb <= n), half the
+  // cache footprint of the scattered writes and the final pass's reads
+  const bool narrow = n <= std::numeric_limits<uint32_t>::max();
+  std::vector<uint32_t>& slot32 = ws.slot32;
+  if (narrow) slot32.resize(n);
+  // Ranks go in groups of kLanes (those not yet written at this nb). A group
+  // tries LPT first unless LPT has failed on more ranks than it packed so far
+  // (ranks are alike, and a failed LPT costs most of a pass) and no rank of
+  // it is a probe (every kLptProbe-th rank). The group's first choice runs
+  // ahead on all its ranks at once: LPT on LptLanes (integer costs), the
+  // level fit's first fit on LevelLanes (and in a probe group while LPT is
+  // failing, both).
+  LptLanes& lanes = ws.lanes;
+  LevelLanes& levels = ws.levels;
+  const int64_t most_tok = *std::max_element(rank_tok.begin(), rank_tok.end());
+  auto level_of = [&](int64_t r) {  // the balanced level of rank r, with tolerance
+    const int64_t level = (rank_tok[r] + nb - 1) / nb;
+    const int64_t slack = static_cast<int64_t>(static_cast<double>(level) * kBinTolerance);
+    return std::min(cap, level + slack);
+  };
   for (bool grown = true; grown;) {
     grown = false;
     mb_order.resize(nb);
     const int64_t mb_iters = 2 * nb + 32;
+    const bool lpt_lanes = std::is_integral_v<C> && LptLanes::fits(nb, most_tok);
+    int64_t next = 0;  // ranks from here are in no group yet
+    bool level_first = false;  // the current group's first choice
+    std::fill(lanes.rank, lanes.rank + kLanes, int64_t{-1});
+    std::fill(levels.rank, levels.rank + kLanes, int64_t{-1});
     for (int64_t r = 0; r < k; ++r) {
       if (written_at[r] == nb) continue;
+      if (r >= next) {  // the next group
+        int64_t rs[kLanes], ms[kLanes], lv[kLanes];
+        const int64_t* ts[kLanes];
+        int cnt = 0;
+        bool probe = false;
+        for (next = r; next < k && cnt < kLanes; ++next) {
+          if (written_at[next] == nb) continue;
+          probe |= next % kLptProbe == 0;
+          rs[cnt] = next;
+          ms[cnt] = base[next + 1] - base[next];
+          lv[cnt] = level_of(next);
+          ts[cnt++] = by_tok.data() + base[next];
+        }
+        const bool failing = lpt_failed > lpt_packed;
+        level_first = failing && !probe;
+        std::fill(lanes.rank, lanes.rank + kLanes, int64_t{-1});
+        std::fill(levels.rank, levels.rank + kLanes, int64_t{-1});
+        // the level fit runs ahead where it goes first, and where a probe
+        // group's LPT will likely fail
+        if (failing) levels.run(cnt, rs, ts, ms, lv, nb);
+        if (!level_first && lpt_lanes) lanes.run(cnt, rs, ts, ms, nb, cap);
+      }
       const int64_t m = load_rank(r);
       // LPT on cost, and where it finds no room for some long sequence the
       // level fit (bins filled to the balanced level by first fit, not to
-      // the cap). While LPT has failed on more ranks than it packed, ranks
-      // try the level fit first (ranks are alike, and a failed LPT costs
-      // most of a pass); every kLptProbe-th rank tries LPT first regardless
-      const int64_t level = (rank_tok[r] + nb - 1) / nb;
+      // the cap), or the other way round (level_first)
       auto level_fit = [&] {
-        const int64_t slack = static_cast<int64_t>(static_cast<double>(level) * kBinTolerance);
-        const bool ok = pk.level_fit(m, nb, cap, std::min(cap, level + slack));
+        const int g = levels.lane_of(r);
+        const bool ok = g >= 0 ? pk.adopt_level(levels, g, m, nb, cap)
+                               : pk.level_fit(m, nb, cap, level_of(r));
         COMPASS_COUNT("level fit", ok);
         return ok;
       };
-      const bool try_level = lpt_failed > lpt_packed && r % kLptProbe != 0;
+      auto lpt = [&] {
+        const int g = lanes.lane_of(r);
+        if (g < 0) return pk.lpt(m, nb, cap);
+        if (lanes.ok[g]) pk.adopt(lanes, g, m, nb, cap);
+        return lanes.ok[g];
+      };
+      const bool try_level = level_first;
       bool packed = try_level && level_fit();
-      const bool lpt_ok = !packed && pk.lpt(m, nb, cap);
+      const bool lpt_ok = !packed && lpt();
       if (!packed && !lpt_ok && !try_level) packed = level_fit();
       if (!packed || !try_level) ++(lpt_ok ? lpt_packed : lpt_failed);
       if (lpt_ok) {
         lpt_ok_at[r] = nb;
       } else if (!packed) {
         COMPASS_COUNT("first fit", 1);
-        const int64_t used = first_fit(pk.tok.data(), m, cap, pk.bin_of, pk.ff_room);
+        const int64_t used = first_fit(pk.tok, m, cap, pk.bin_of, pk.ff_room);
         if (used <= nb) {
           pk.from_first_fit(m, used, cap);
         } else if (lpt_ok_at[r] > 0) {
@@ -1263,19 +1615,34 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
         first[q] = std::min(first[q], seqs[i]);
         ++slot[q];
       }
-      const std::vector<C>& load = pk.b.load;
-      std::iota(mb_order.begin(), mb_order.end(), int64_t{0});
-      std::sort(mb_order.begin(), mb_order.end(), [&](int64_t x, int64_t y) {
-        if (load[x] != load[y]) return load[x] > load[y];
-        return first[x] < first[y];
-      });
+      // (load, first, bin) records sorted directly, no comparisons through
+      // an index; insertion sort for the usual few dozen micro-batches
+      std::vector<MbKey<C>>& keys = ws.mb_keys;
+      keys.resize(nb);
+      for (int64_t q = 0; q < nb; ++q) keys[q] = {pk.b.load[q], first[q], q};
+      if (nb <= 64) {
+        for (int64_t j = 1; j < nb; ++j) {
+          const MbKey<C> x = keys[j];
+          int64_t p = j;
+          for (; p > 0 && x.before(keys[p - 1]); --p) keys[p] = keys[p - 1];
+          keys[p] = x;
+        }
+      } else {
+        std::sort(keys.begin(), keys.end(), [](const MbKey<C>& x, const MbKey<C>& y) { return x.before(y); });
+      }
+      for (int64_t j = 0; j < nb; ++j) mb_order[j] = keys[j].bin;
       int64_t pos = base[r];
       for (int64_t j = 0; j < nb; ++j) {
+        const int64_t q = mb_order[j];
         off[r * nb + j] = pos;
-        pos += slot[mb_order[j]];
-        slot[mb_order[j]] = r * nb + j;
+        pos += slot[q];
+        slot[q] = r * nb + j;
       }
-      for (int64_t i = 0; i < m; ++i) slot_of[seqs[i]] = slot[bin_of[i]];
+      if (narrow) {
+        for (int64_t i = 0; i < m; ++i) slot32[seqs[i]] = static_cast<uint32_t>(slot[bin_of[i]]);
+      } else {
+        for (int64_t i = 0; i < m; ++i) slot_of[seqs[i]] = slot[bin_of[i]];
+      }
       written_at[r] = nb;
     }
   }
@@ -1283,7 +1650,11 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
   {  // each micro-batch by ascending sequence index
     std::vector<int64_t>& cursor = ws.slot;
     cursor.assign(off, off + k * nb);
-    for (int64_t s = 0; s < n; ++s) ord[cursor[slot_of[s]]++] = s;
+    if (narrow) {
+      for (int64_t s = 0; s < n; ++s) ord[cursor[slot32[s]]++] = s;
+    } else {
+      for (int64_t s = 0; s < n; ++s) ord[cursor[slot_of[s]]++] = s;
+    }
   }
   COMPASS_PHASE("micro-batches");
   return {nb, lb};

@@ -1,0 +1,125 @@
+"""ck.packing.plan's micro-batch phase against plain-Python oracles.
+
+The planner packs each rank's sequences into M micro-batches by LPT (run
+interleaved over several ranks at once in C++), else by the level fit (first
+fit under the balanced level, the leftovers by LPT under the cap), then
+refines only where the heaviest micro-batch is over its bound by more than
+0.5%. On cases where no refinement runs, the micro-batches must be exactly
+the oracle's: same members, heaviest first (ties by first sequence), each by
+ascending index. Ranks come from the plan itself (the rank phase is tested
+elsewhere)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import compass_kernels as ck
+from compass_kernels.packing import reference as ref
+
+TOL = 5e-3  # the planner's micro-batch tolerance (kBinTolerance)
+
+
+def _desc(seqs, lengths):
+    """A rank's sequences by decreasing tokens, ties by index."""
+    return sorted(seqs, key=lambda s: (-int(lengths[s]), s))
+
+
+def _lpt(seqs, lengths, nb, cap):
+    """LPT onto the least-loaded bin (ties to the lower bin) with room; None
+    if a sequence fits nowhere."""
+    load = [0] * nb
+    bins = [[] for _ in range(nb)]
+    for s in _desc(seqs, lengths):
+        t = int(lengths[s])
+        ok = [q for q in range(nb) if load[q] + t <= cap]
+        if not ok:
+            return None
+        q = min(ok, key=lambda q: (load[q], q))
+        load[q] += t
+        bins[q].append(s)
+    return bins
+
+
+def _level_fit(seqs, lengths, nb, cap):
+    """First fit under the level ceil(tokens / nb) + 0.5%, then the sequences
+    that fit under no level by LPT under the cap; None if one fits nowhere
+    or a bin stays empty."""
+    total = sum(int(lengths[s]) for s in seqs)
+    level = -(-total // nb)
+    level = min(cap, level + int(level * TOL))
+    under = [level] * nb
+    load = [0] * nb
+    bins = [[] for _ in range(nb)]
+    left = []
+    for s in _desc(seqs, lengths):
+        t = int(lengths[s])
+        q = next((q for q in range(nb) if under[q] >= t), None)
+        if q is None:
+            left.append(s)
+            continue
+        under[q] -= t
+        load[q] += t
+        bins[q].append(s)
+    for s in left:
+        t = int(lengths[s])
+        ok = [q for q in range(nb) if load[q] + t <= cap]
+        if not ok:
+            return None
+        q = min(ok, key=lambda q: (load[q], q))
+        load[q] += t
+        bins[q].append(s)
+    return None if any(not b for b in bins) else bins
+
+
+def _ordered(bins, lengths):
+    """Micro-batches as the plan writes them: heaviest first, ties by first
+    sequence, each ascending."""
+    out = [sorted(b) for b in bins]
+    return sorted(out, key=lambda b: (-sum(int(lengths[s]) for s in b), b[0]))
+
+
+def _within_tolerance(bins, lengths):
+    loads = [sum(int(lengths[s]) for s in b) for b in bins]
+    lb = max(-(-sum(loads) // len(bins)), max(int(lengths[s]) for b in bins for s in b))
+    return max(loads) <= lb + int(lb * TOL)
+
+
+@pytest.mark.parametrize("dp", [1, 3, 4, 5, 9])
+def test_micro_batches_are_lpt(dp):
+    """Many short sequences per micro-batch: LPT fits every rank within the
+    tolerance, so each rank's micro-batches are exactly LPT's. dp = 1, 3, 5, 9
+    leave lanes of the last interleaved group empty; ranks hold different
+    counts (the lanes' ragged ends)."""
+    g = np.random.default_rng(50 + dp)
+    n = dp * int(g.integers(300, 420))
+    lengths = g.integers(1, 120, n).astype(np.int64)
+    cap = int(g.choice([3000, 4000, 6000]))
+    p = ck.packing.plan(lengths, dp_size=dp, max_tokens=cap)
+    ref.check_plan(p, lengths, dp_size=dp, max_tokens=cap)
+    nb = p.num_micro_batches
+    assert nb >= 4
+    for r, mbs in enumerate(p.assignment):
+        seqs = [s for mb in mbs for s in mb]
+        want = _lpt(seqs, lengths, nb, cap)
+        assert want is not None and _within_tolerance(want, lengths), "case must not refine"
+        assert mbs == _ordered(want, lengths), f"rank {r}"
+
+
+@pytest.mark.parametrize(("n", "dp", "seed"), [(4096, 16, 1), (3000, 11, 3), (6000, 23, 5)])
+def test_tight_micro_batches_are_the_level_fit(n, dp, seed):
+    """Bimodal lengths (~250 per rank) filling ~97% of M micro-batches of
+    65536: LPT finds no room for a late long sequence on any rank, and each
+    rank's micro-batches are exactly the level fit's (run interleaved over
+    ranks in C++; dp = 11 and 23 leave lanes of the last group empty)."""
+    lengths = ref.bimodal_lengths(n, seed)
+    cap = 65536
+    p = ck.packing.plan(lengths, dp_size=dp, max_tokens=cap)
+    ref.check_plan(p, lengths, dp_size=dp, max_tokens=cap)
+    nb = p.num_micro_batches
+    for r, mbs in enumerate(p.assignment):
+        seqs = [s for mb in mbs for s in mb]
+        assert _lpt(seqs, lengths, nb, cap) is None, "case must make LPT fail"
+        want = _level_fit(seqs, lengths, nb, cap)
+        assert want is not None and _within_tolerance(want, lengths), "case must not refine"
+        assert mbs == _ordered(want, lengths), f"rank {r}"
