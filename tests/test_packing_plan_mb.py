@@ -25,19 +25,26 @@ def _desc(seqs, lengths):
     return sorted(seqs, key=lambda s: (-int(lengths[s]), s))
 
 
+def _place_least_loaded(s, t, load, bins, cap):
+    """One LPT step: s (t tokens) onto the least-loaded bin (ties to the lower
+    bin) with room under cap; False if it fits nowhere."""
+    ok = [q for q in range(len(load)) if load[q] + t <= cap]
+    if not ok:
+        return False
+    q = min(ok, key=lambda q: (load[q], q))
+    load[q] += t
+    bins[q].append(s)
+    return True
+
+
 def _lpt(seqs, lengths, nb, cap):
     """LPT onto the least-loaded bin (ties to the lower bin) with room; None
     if a sequence fits nowhere."""
     load = [0] * nb
     bins = [[] for _ in range(nb)]
     for s in _desc(seqs, lengths):
-        t = int(lengths[s])
-        ok = [q for q in range(nb) if load[q] + t <= cap]
-        if not ok:
+        if not _place_least_loaded(s, int(lengths[s]), load, bins, cap):
             return None
-        q = min(ok, key=lambda q: (load[q], q))
-        load[q] += t
-        bins[q].append(s)
     return bins
 
 
@@ -62,13 +69,8 @@ def _level_fit(seqs, lengths, nb, cap):
         load[q] += t
         bins[q].append(s)
     for s in left:
-        t = int(lengths[s])
-        ok = [q for q in range(nb) if load[q] + t <= cap]
-        if not ok:
+        if not _place_least_loaded(s, int(lengths[s]), load, bins, cap):
             return None
-        q = min(ok, key=lambda q: (load[q], q))
-        load[q] += t
-        bins[q].append(s)
     return None if any(not b for b in bins) else bins
 
 
