@@ -44,12 +44,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import importlib
 import inspect
 import math
 import socket
-import textwrap
 import threading
 import time
 from collections.abc import Callable
@@ -57,6 +55,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from . import _megatron_pin as _pin
+from ._megatron_pin import SUPPORTED_VERSION_PREFIX
 
 __all__ = [
     "PATCHES",
@@ -75,8 +76,6 @@ __all__ = [
     "upstream_source_hashes",
 ]
 
-#: megatron-core versions this shim was written against.
-SUPPORTED_VERSION_PREFIX = "0.16."
 
 _MISSING = object()
 # Resources this module created (and may therefore destroy): flags, plus
@@ -363,19 +362,11 @@ def check_version() -> str:
     ShimError
         If megatron-core is not 0.16.x.
     """
-    import megatron.core
-
-    version = getattr(megatron.core, "__version__", "unknown")
-    if not version.startswith(SUPPORTED_VERSION_PREFIX):
-        raise ShimError(
-            f"{__name__} supports megatron-core {SUPPORTED_VERSION_PREFIX}x, "
-            f"found {version}; review the patches before widening the range"
-        )
-    return version
+    return _pin.check_version(__name__, ShimError, "patches")
 
 
 #: megatron-core version -> {patch name: sha256 of the normalized upstream source
-#: (:func:`_source_sha256`) of the function that patch replaces}. The shim
+#: (:func:`_megatron_pin.source_sha256`) of the function that patch replaces}. The shim
 #: re-implements those functions, so any upstream change must be reviewed:
 #: apply() refuses a version without an entry here, or a function whose source
 #: hash differs. Patches of plain values (a stream attribute, a missing
@@ -396,15 +387,6 @@ UPSTREAM_SOURCE_SHA256: dict[str, dict[str, str]] = {
 }
 
 
-def _source_sha256(obj: Any) -> str:
-    """sha256 of ``obj``'s source, dedented, trailing spaces and blank lines dropped
-    (so re-indentation or a file moved within the package does not count as a
-    change; any change of code, comments or docstrings does)."""
-    source = textwrap.dedent(inspect.getsource(obj))
-    lines = [ln.rstrip() for ln in source.splitlines() if ln.strip()]
-    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
-
-
 def _hashed(current: Any) -> bool:
     return inspect.isfunction(current) or inspect.ismethod(current)
 
@@ -418,7 +400,7 @@ def upstream_source_hashes() -> dict[str, str]:
         if patch.name in _APPLIED:  # hash upstream's function, not ours
             current = _APPLIED[patch.name][2]
         if _hashed(current):
-            out[patch.name] = _source_sha256(current)
+            out[patch.name] = _pin.source_sha256(current)
     return out
 
 
@@ -438,7 +420,7 @@ def _check_hash(patch: _Patch, current: Any, where: str, version: str) -> None:
     if not _hashed(current):
         return
     expected = pinned.get(patch.name)
-    actual = _source_sha256(current)
+    actual = _pin.source_sha256(current)
     if expected != actual:
         raise ShimError(
             f"patch {patch.name}: upstream {where} in megatron-core {version} is not the "

@@ -51,9 +51,7 @@ The arithmetic (gating, routing map, agreement) is all in
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import inspect
-import textwrap
 import threading
 import weakref
 from collections.abc import Iterator
@@ -61,6 +59,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from . import _megatron_pin as _pin
+from ._megatron_pin import SUPPORTED_VERSION_PREFIX
 
 __all__ = [
     "SUPPORTED_VERSION_PREFIX",
@@ -74,9 +75,6 @@ __all__ = [
     "revert",
     "upstream_source_sha256",
 ]
-
-#: megatron-core versions the patch was written against.
-SUPPORTED_VERSION_PREFIX = "0.16."
 
 #: megatron-core version -> {upstream function: sha256 of its normalized source}.
 #: ``TopKRouter.routing`` is re-implemented around replay_topk; the others are
@@ -101,22 +99,8 @@ class ReplayError(RuntimeError):
     """Replay cannot be applied faithfully (bad config, missing rows, unconsumed layer)."""
 
 
-def _source_sha256(obj: Any) -> str:
-    source = textwrap.dedent(inspect.getsource(obj))
-    lines = [ln.rstrip() for ln in source.splitlines() if ln.strip()]
-    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
-
-
 def _version() -> str:
-    import megatron.core
-
-    version = getattr(megatron.core, "__version__", "unknown")
-    if not version.startswith(SUPPORTED_VERSION_PREFIX):
-        raise ReplayError(
-            f"{__name__} supports megatron-core {SUPPORTED_VERSION_PREFIX}x, "
-            f"found {version}; review the patch before widening the range"
-        )
-    return version
+    return _pin.check_version(__name__, ReplayError, "patch")
 
 
 # ---------------------------------------------------------------------------
@@ -149,7 +133,7 @@ def upstream_source_sha256() -> dict[str, str]:
     for name, fn in _upstream_functions().items():
         if fn is None:
             raise ReplayError(f"megatron-core has no {name}")
-        out[name] = _source_sha256(fn)
+        out[name] = _pin.source_sha256(fn)
     return out
 
 

@@ -1,0 +1,38 @@
+"""What the two megatron-core patches share (megatron_cpu, the CPU shim, and
+megatron_replay, the router replay patch): the version range both were written
+against, its check, and the source fingerprint each pins the upstream
+functions it replaces by. Imports megatron-core only when a check runs."""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import textwrap
+from typing import Any
+
+#: megatron-core versions the patches were written against.
+SUPPORTED_VERSION_PREFIX = "0.16."
+
+
+def check_version(owner: str, error: type[Exception], what: str) -> str:
+    """The installed megatron-core version; raises ``error`` naming ``owner``
+    (a module) and ``what`` it must review when the version is outside
+    :data:`SUPPORTED_VERSION_PREFIX`."""
+    import megatron.core
+
+    version = getattr(megatron.core, "__version__", "unknown")
+    if not version.startswith(SUPPORTED_VERSION_PREFIX):
+        raise error(
+            f"{owner} supports megatron-core {SUPPORTED_VERSION_PREFIX}x, "
+            f"found {version}; review the {what} before widening the range"
+        )
+    return version
+
+
+def source_sha256(obj: Any) -> str:
+    """sha256 of ``obj``'s source, dedented, trailing spaces and blank lines dropped
+    (so re-indentation or a file moved within the package does not count as a
+    change; any change of code, comments or docstrings does)."""
+    source = textwrap.dedent(inspect.getsource(obj))
+    lines = [ln.rstrip() for ln in source.splitlines() if ln.strip()]
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
