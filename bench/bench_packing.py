@@ -58,6 +58,7 @@ MAX_TOKENS = 65536
 SHAPES = ((256, 8), (512, 16), (4096, 64), (8192, 8), (16384, 128), (65536, 256))
 QUICK_SHAPES = ((256, 8), (2048, 16))
 EXACT_MAX = 4096  # kk_exact costs O(n*k) Python objects: up to this many sequences
+PIPELINE_ONCE_S = 0.5  # kk_pipeline calls longer than this are timed once
 
 
 class Partition:
@@ -106,6 +107,30 @@ class Partition:
         return f"Partition(parts={len(self.parts)}, imbalance={self.imbalance():.6f})"
 
 
+class PlanPartition(Partition):
+    """A two-pass pipeline's output: ``[rank][micro-batch] -> indices``.
+    Equal to the baseline (KK's rank partition) when, on top of
+    :class:`Partition`'s checks, every rank has the same number of non-empty
+    micro-batches, each within the cap, and, given ``same_as`` (a callable
+    returning the expected nested lists), every micro-batch is the expected
+    one, in order."""
+
+    def __init__(self, nested, values, same_as=None):
+        super().__init__([[i for mb in mbs for i in mb] for mbs in nested], values, False, True)
+        self.nested, self.same_as = nested, same_as
+
+    def __eq__(self, other) -> bool:
+        if not super().__eq__(other):
+            return False
+        m = len(self.nested[0])
+        v = self.values
+        if any(len(mbs) != m or not all(mbs) for mbs in self.nested):
+            return False
+        if any(sum(int(v[i]) for i in mb) > MAX_TOKENS for mbs in self.nested for mb in mbs):
+            return False
+        return self.same_as is None or self.nested == self.same_as()
+
+
 def _ours(lengths: np.ndarray, dp: int) -> Partition:
     return Partition(ck.packing.plan(lengths, dp_size=dp, max_tokens=MAX_TOKENS), lengths, True)
 
@@ -117,15 +142,24 @@ def case(dist: str, n: int, dp: int) -> Case:
         "kk_equal (python)": lambda: Partition(ref.karmarkar_karp(as_list, dp, True), lengths),
         "compass.plan": lambda: _ours(lengths, dp),
     }
-    verl_kk = _verl_kk()[0]
-    if verl_kk is not None:
+    verl = _verl_kk()[0]
+    if verl is not None:
         providers["verl kk_equal (python)"] = lambda: Partition(
-            verl_kk(as_list, dp, True), lengths, claims_same=True
+            verl.karmarkar_karp(as_list, dp, True), lengths, claims_same=True
         )
     if n <= EXACT_MAX:
         providers["kk_exact (python)"] = lambda: Partition(
             ref.karmarkar_karp(as_list, dp, False), lengths
         )
+        providers["kk ranks+mb (python)"] = lambda: PlanPartition(
+            ref.kk_pipeline(as_list, dp, MAX_TOKENS), lengths
+        )
+        if verl is not None:  # verl's own two passes: the same micro-batches as ours
+            providers["verl ranks+mb (python)"] = lambda: PlanPartition(
+                ref.kk_pipeline(as_list, dp, MAX_TOKENS, partition=verl.partitions),
+                lengths,
+                same_as=lambda: ref.kk_pipeline(as_list, dp, MAX_TOKENS),
+            )
     return Case(
         name=f"{OP}_{dist}",
         shape={"n": n, "dp": dp},
@@ -201,9 +235,9 @@ def _load_verl_kk():
 
     version = importlib.metadata.version("verl")  # PackageNotFoundError: not installed
     try:
-        from verl.utils.seqlen_balancing import karmarkar_karp
+        from verl.utils import seqlen_balancing
 
-        return karmarkar_karp, f"verl {version}, imported"
+        return _VerlKK(seqlen_balancing), f"verl {version}, imported"
     except ImportError as e:
         why = f"{type(e).__name__}: {e}"
     spec = importlib.util.find_spec("verl")  # locates the package, runs nothing
@@ -238,21 +272,34 @@ def _load_verl_kk():
                 sys.modules.pop(name, None)
             else:
                 sys.modules[name] = old
-    kk = mod.karmarkar_karp
-    used = _verl_names(kk.__code__) & {"DataProto", "tu", "get_device_name", "dist", "torch"}
-    if used:
-        raise RuntimeError(f"verl's karmarkar_karp uses stubbed names {sorted(used)}")
-    return kk, (
+    for fn in (mod.karmarkar_karp, mod.get_seqlen_balanced_partitions):
+        used = _verl_names(fn.__code__) & {"DataProto", "tu", "get_device_name", "dist", "torch"}
+        if used:
+            raise RuntimeError(f"verl's {fn.__name__} uses stubbed names {sorted(used)}")
+    return _VerlKK(mod), (
         f"verl {version}, {path} run with {', '.join(_VERL_STUBBED)} stubbed "
-        f"(the import failed: {why}; karmarkar_karp uses none of them)"
+        f"(the import failed: {why}; karmarkar_karp and get_seqlen_balanced_partitions "
+        "use none of them)"
     )
+
+
+class _VerlKK:
+    """verl's two entry points: ``karmarkar_karp(values, k, equal_size)`` (what
+    the rank column times) and ``partitions(values, k, equal_size)``, its
+    ``get_seqlen_balanced_partitions`` (KK plus its checks and sorted parts:
+    what verl's trainer and ``rearrange_micro_batches`` call)."""
+
+    def __init__(self, mod):
+        self.karmarkar_karp = mod.karmarkar_karp
+        self.partitions = mod.get_seqlen_balanced_partitions
 
 
 _VERL = None
 
 
 def _verl_kk():
-    """(verl's karmarkar_karp, how it was loaded), or (None, why it is absent)."""
+    """(verl's KK entry points (_VerlKK), how they were loaded), or (None, why
+    they are absent)."""
     global _VERL
     if _VERL is None:
         try:
@@ -293,44 +340,85 @@ def _quality(lengths, dp: int) -> tuple[float, dict, float]:
     return kk, p.stats, q.stats["imbalance"]
 
 
+def _pipeline_time(values: list[int], dp: int, reps: int) -> tuple[float, int]:
+    """Thread CPU seconds of one ``ref.kk_pipeline`` call (GC paused): the
+    median of ``reps`` calls, or the first call alone where it takes over
+    PIPELINE_ONCE_S (seconds-long Python: one call is its own stable sample).
+    Also returns how many calls the figure is over."""
+    import gc
+    import statistics
+    import time
+
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        samples = []
+        for _ in range(reps):
+            t = time.thread_time()
+            ref.kk_pipeline(values, dp, MAX_TOKENS)
+            samples.append(time.thread_time() - t)
+            if samples[0] > PIPELINE_ONCE_S:
+                break
+    finally:
+        if was:
+            gc.enable()
+    return statistics.median(samples), len(samples)
+
+
 def speed_table(shapes=SHAPES, reps: int = 7) -> str:
-    """Per (dist, n, dp): median thread CPU time of Python KK (equal-size),
-    of verl's KK where verl imports, and of ck.packing.plan; the ratio to the
-    Python KK, and the quality columns: rank max/mean of KK and ours (default
-    and equal_samples), ours over the lower bound, the micro-batch count and
-    the largest micro-batch (cap 65536)."""
-    verl_kk, why = _verl_kk()
-    vcol = f" {'verl (ms)':>9}" if verl_kk else ""
-    vratio = f" {'/verl':>7}" if verl_kk else ""
+    """Per (dist, n, dp): median thread CPU time of Python KK's rank pass
+    (equal-size), of verl's where verl imports, of the whole two-pass pipeline
+    (``ref.kk_pipeline``: ranks, then each rank's micro-batches under the cap,
+    what verl runs to get what plan() returns) and of ck.packing.plan; the
+    ratios, and the quality columns: rank max/mean of KK and ours (default and
+    equal_samples), ours over the lower bound, the micro-batch count and the
+    largest micro-batch (cap 65536)."""
+    from tqdm import tqdm
+
+    verl, why = _verl_kk()
+    vcol = f" {'verl (ms)':>9}" if verl else ""
+    vratio = f" {'/verl':>7}" if verl else ""
     head = (
-        f"{'dist':9} {'n':>6} {'dp':>4} {'kk (ms)':>9}{vcol} {'plan (ms)':>9} {'ratio':>7}{vratio} "
+        f"{'dist':9} {'n':>6} {'dp':>4} {'kk (ms)':>9}{vcol} {'kk+mb (ms)':>11} {'plan (ms)':>9} "
+        f"{'/kk':>7}{vratio} {'/kk+mb':>8} "
         f"{'kk max/mean':>11} {'ours':>9} {'ours(eq)':>9} {'max/LB':>9} {'M':>4} {'max_mb':>7}"
     )
     lines = [head]
-    for dist, gen in ref.DISTRIBUTIONS.items():
-        for n, dp in shapes:
-            L = gen(n, n + dp)
-            as_list = L.tolist()
-            fns = {
-                "kk": lambda a=as_list, k=dp: ref.karmarkar_karp(a, k, True),
-                "plan": lambda x=L, k=dp: ck.packing.plan(x, dp_size=k, max_tokens=MAX_TOKENS),
-            }
-            if verl_kk:
-                fns["verl"] = lambda a=as_list, k=dp: verl_kk(a, k, True)
-            t = _cpu_times(fns, reps)
-            vt = f" {t['verl'] * 1e3:9.3f}" if verl_kk else ""
-            vr = f" {t['verl'] / t['plan']:6.1f}x" if verl_kk else ""
-            kk, s, eq = _quality(L, dp)
-            lines.append(
-                f"{dist:9} {n:6d} {dp:4d} {t['kk'] * 1e3:9.3f}{vt} {t['plan'] * 1e3:9.3f} "
-                f"{t['kk'] / t['plan']:6.1f}x{vr} {kk:11.6f} {s['imbalance']:9.6f} "
-                f"{eq:9.6f} {s['max_over_lower_bound']:9.6f} "
-                f"{s['num_micro_batches']:4d} {s['max_mb_tokens']:7d}"
-            )
-    if verl_kk:
-        lines.append(f"verl (ms): {why}; ratio: kk / plan, /verl: verl / plan")
+    once = []
+    todo = [(d, n, dp) for d in ref.DISTRIBUTIONS for n, dp in shapes]
+    for dist, n, dp in tqdm(todo, desc="bench_packing", leave=False):
+        L = ref.DISTRIBUTIONS[dist](n, n + dp)
+        as_list = L.tolist()
+        fns = {
+            "kk": lambda a=as_list, k=dp: ref.karmarkar_karp(a, k, True),
+            "plan": lambda x=L, k=dp: ck.packing.plan(x, dp_size=k, max_tokens=MAX_TOKENS),
+        }
+        if verl:
+            fns["verl"] = lambda a=as_list, k=dp: verl.karmarkar_karp(a, k, True)
+        t = _cpu_times(fns, reps)
+        tp, calls = _pipeline_time(as_list, dp, reps)
+        if calls == 1:
+            once.append(f"{dist} {n}/{dp}")
+        vt = f" {t['verl'] * 1e3:9.3f}" if verl else ""
+        vr = f" {t['verl'] / t['plan']:6.1f}x" if verl else ""
+        kk, s, eq = _quality(L, dp)
+        lines.append(
+            f"{dist:9} {n:6d} {dp:4d} {t['kk'] * 1e3:9.3f}{vt} {tp * 1e3:11.1f} "
+            f"{t['plan'] * 1e3:9.3f} {t['kk'] / t['plan']:6.1f}x{vr} {tp / t['plan']:7.0f}x "
+            f"{kk:11.6f} {s['imbalance']:9.6f} "
+            f"{eq:9.6f} {s['max_over_lower_bound']:9.6f} "
+            f"{s['num_micro_batches']:4d} {s['max_mb_tokens']:7d}"
+        )
+    if verl:
+        lines.append(f"verl (ms): {why}; /kk: kk / plan, /verl: verl / plan")
     else:
         lines.append(f"verl (ms) column absent: verl's seqlen_balancing does not load: {why}")
+    lines.append(
+        "kk+mb: ref.kk_pipeline with the Python KK above (verl's rank pass + "
+        "rearrange_micro_batches' pass: KK unequal-size per rank, M grown until no "
+        "micro-batch breaks the cap); /kk+mb: kk+mb / plan"
+        + (f"; one call (over {PIPELINE_ONCE_S:g} s) on {', '.join(once)}" if once else "")
+    )
     lines.append(call_floor(reps))
     return "\n".join(lines)
 

@@ -139,6 +139,36 @@ def test_reference_karmarkar_karp_small_cases():
         ref.karmarkar_karp([1, 2, 3], 2, equal_size=True)
 
 
+def test_reference_kk_pipeline_grows_m_until_the_cap_holds():
+    """The bench's two-pass baseline (verl's rank pass + its micro-batch pass):
+    one rank, [60, 60, 60, 20] under cap 100 starts at M = ceil(200 / 100) = 2,
+    where KK pairs two 60s (120 > cap), so M grows to 3: {60}, {60}, {60, 20}."""
+    mbs = ref.kk_pipeline([60, 60, 60, 20], 1, 100)
+    assert len(mbs) == 1 and len(mbs[0]) == 3
+    assert sorted(sum([60, 60, 60, 20][i] for i in mb) for mb in mbs[0]) == [60, 60, 80]
+    assert sorted(i for mb in mbs[0] for i in mb) == [0, 1, 2, 3]
+    # micro_batch_multiple: M = 2 -> 4 (3 is not a multiple of 2)
+    assert len(ref.kk_pipeline([60, 60, 60, 20, 10, 5], 1, 100, micro_batch_multiple=2)[0]) == 4
+    with pytest.raises(ValueError, match="exceeds max_tokens"):
+        ref.kk_pipeline([60, 120], 1, 100)
+
+
+@pytest.mark.parametrize("dist,n,dp", [("lognormal", 512, 8), ("bimodal", 384, 16)])
+def test_reference_kk_pipeline_holds_every_constraint(dist, n, dp):
+    """Its ranks are KK's equal-size parts; every rank has the same number of
+    non-empty micro-batches, each within the cap, and no fewer than ours."""
+    lengths = ref.DISTRIBUTIONS[dist](n, 7 * n + dp).tolist()
+    nested = ref.kk_pipeline(lengths, dp, 65536)
+    assert [sorted(i for mb in mbs for i in mb) for mbs in nested] == ref.karmarkar_karp(
+        lengths, dp, True
+    )
+    m = len(nested[0])
+    assert all(len(mbs) == m and all(mbs) for mbs in nested)
+    assert max(sum(lengths[i] for i in mb) for mbs in nested for mb in mbs) <= 65536
+    ours = ck.packing.plan(lengths, dp_size=dp, max_tokens=65536)
+    assert m >= ours.num_micro_batches
+
+
 def test_attention_cost_from_model_config():
     cfg = ModelConfig(hidden_size=64, ffn_hidden_size=32, num_layers=3, num_attention_heads=4,
                       moe_top_k=2, num_query_groups=2)  # fmt: skip

@@ -96,6 +96,46 @@ def karmarkar_karp(values: list[float], k: int, equal_size: bool) -> list[list[i
     return [sorted(s[2]) for s in heap[0][5]]
 
 
+def kk_pipeline(values: list[int], k: int, max_tokens: int, *, micro_batch_multiple: int = 1,
+                partition=None) -> list[list[list[int]]]:  # fmt: skip
+    """What an RL framework runs to get what :func:`ck.packing.plan` returns:
+    ranks, then each rank's micro-batches under the token cap, the same count
+    on every rank. verl's two passes, written from its algorithm:
+
+    1. ranks: Karmarkar-Karp, equal-size mode (the trainer's batch balancing);
+    2. micro-batches (``rearrange_micro_batches`` with dynamic batch size):
+       M = the largest over ranks of min(sequences, ceil(tokens / cap)) (the
+       all-reduce MAX of the per-rank counts), rounded up to
+       ``micro_batch_multiple``; every rank splits its sequences into M parts
+       by Karmarkar-Karp in unequal-size mode; while a part on any rank holds
+       more than ``max_tokens`` (the all-reduce MIN of the per-rank checks),
+       M grows by the multiple and every rank partitions again. A rank with
+       fewer than M sequences is an error, as in verl.
+
+    ``partition(values, k, equal_size)`` is the KK that runs both passes
+    (default :func:`karmarkar_karp`; the bench passes verl's own). Returns
+    ``[rank][micro-batch] -> sorted sequence indices``.
+    """
+    kk = partition or karmarkar_karp
+    if max(values) > max_tokens:
+        raise ValueError(f"values: a sequence of {max(values)} tokens exceeds max_tokens")
+    ranks = kk(values, k, True)
+    local = [[values[i] for i in part] for part in ranks]
+    m = max(min(len(v), -(-sum(v) // max_tokens)) for v in local)
+    m = -(-m // micro_batch_multiple) * micro_batch_multiple
+    while True:
+        if m > min(len(v) for v in local):
+            raise ValueError(f"{m} micro-batches per rank: a rank has fewer sequences")
+        split = [kk(v, m, False) for v in local]
+        pairs = zip(local, split, strict=True)
+        if all(sum(v[i] for i in mb) <= max_tokens for v, mbs in pairs for mb in mbs):
+            break
+        m += micro_batch_multiple
+    return [
+        [sorted(part[i] for i in mb) for mb in mbs] for part, mbs in zip(ranks, split, strict=True)
+    ]
+
+
 def _set_key(s):
     # (sum, count, first item), sorted with reverse=True: verl compares
     # (sum, count, item list), and item lists of distinct sets differ in
