@@ -425,23 +425,32 @@ def speed_table(shapes=SHAPES, reps: int = 7) -> str:
 
 def balance_table(shapes=SHAPES) -> str:
     """Rank max/mean of KK (equal, exact where affordable) and ours, with the
-    plan's micro-batch count, largest micro-batch and max/lower bound."""
+    plan's micro-batch count, largest micro-batch and max/lower bound, and the
+    same micro-batch figures for the two-pass pipeline (``ref.kk_pipeline``):
+    its M, and micro-batch max/mean (over all dp * M micro-batches) beside
+    ours."""
+    from tqdm import tqdm
+
     head = (
         f"{'dist':9} {'n':>6} {'dp':>4} {'kk_equal':>9} {'kk_exact':>9} {'ours':>9} "
-        f"{'ours(eq)':>9} {'max/LB':>8} {'M':>4} {'max_mb':>7}"
+        f"{'ours(eq)':>9} {'max/LB':>8} {'M':>4} {'max_mb':>7} {'kk+mb M':>7} "
+        f"{'mb max/mean':>11} {'kk+mb':>7}"
     )
     lines = [head]
-    for dist, gen in ref.DISTRIBUTIONS.items():
-        for n, dp in shapes:
-            L = gen(n, n + dp)
-            kk, s, eq = _quality(L, dp)
-            ex = ref.imbalance(L, ref.karmarkar_karp(L.tolist(), dp, False)) if n <= 2048 else None
-            exs = f"{ex:9.5f}" if ex is not None else f"{'-':>9}"
-            lines.append(
-                f"{dist:9} {n:6d} {dp:4d} {kk:9.5f} {exs} {s['imbalance']:9.5f} "
-                f"{eq:9.5f} {s['max_over_lower_bound']:8.5f} "
-                f"{s['num_micro_batches']:4d} {s['max_mb_tokens']:7d}"
-            )
+    todo = [(d, n, dp) for d in ref.DISTRIBUTIONS for n, dp in shapes]
+    for dist, n, dp in tqdm(todo, desc="bench_packing --balance", leave=False):
+        L = ref.DISTRIBUTIONS[dist](n, n + dp)
+        kk, s, eq = _quality(L, dp)
+        ex = ref.imbalance(L, ref.karmarkar_karp(L.tolist(), dp, False)) if n <= 2048 else None
+        exs = f"{ex:9.5f}" if ex is not None else f"{'-':>9}"
+        nested = ref.kk_pipeline(L.tolist(), dp, MAX_TOKENS)
+        sums = [int(L[mb].sum()) for mbs in nested for mb in mbs]
+        lines.append(
+            f"{dist:9} {n:6d} {dp:4d} {kk:9.5f} {exs} {s['imbalance']:9.5f} "
+            f"{eq:9.5f} {s['max_over_lower_bound']:8.5f} "
+            f"{s['num_micro_batches']:4d} {s['max_mb_tokens']:7d} {len(nested[0]):7d} "
+            f"{s['mb_imbalance']:11.4f} {max(sums) / (sum(sums) / len(sums)):7.4f}"
+        )
     return "\n".join(lines)
 
 
