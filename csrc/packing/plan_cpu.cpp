@@ -1868,6 +1868,26 @@ std::pair<int64_t, double> plan_cpu(COMPASS_PLAN_ARGS) {
   return plan_impl<double>(in, ord, off);
 }
 
+std::pair<int64_t, int64_t> sort_tokens_desc_cpu(TensorView tokens, TensorView order) {
+  COMPASS_NAME_ARGS(tokens, order);
+  tokens.expect_vector().expect_dtype(DType::kInt64).expect_device(DeviceType::kCPU);
+  const int64_t n = tokens.numel();
+  COMPASS_CHECK(n >= 1, "tokens: expected at least one value, got none");
+  order.expect_vector().expect_dtype(DType::kInt64).expect_device(DeviceType::kCPU);
+  order.expect_size(0, n, "one per token count");
+  const int64_t* tok = tokens.ptr<int64_t>();
+  int64_t lo = tok[0], hi = tok[0];
+  for (int64_t i = 1; i < n; ++i) lo = std::min(lo, tok[i]), hi = std::max(hi, tok[i]);
+  COMPASS_CHECK(lo >= 0, "tokens: expected values >= 0, got ", lo);
+  TokOrder o;
+  const SortPath path = sort_tokens_desc(tok, n, hi, lo, o);
+  int64_t* out = order.ptr<int64_t>();
+  with_order(o, [&](const auto v) {
+    for (int64_t j = 0; j < n; ++j) out[j] = v[j].seq;
+  });
+  return {static_cast<int64_t>(path), static_cast<int64_t>(o.width)};
+}
+
 void karmarkar_karp_cpu(TensorView cost, int64_t k, TensorView rank_of) {
   COMPASS_NAME_ARGS(cost, rank_of);
   cost.expect_vector().expect_dtype(DType::kFloat64).expect_device(DeviceType::kCPU);
