@@ -6,11 +6,13 @@
 //    balances are exact) or a*P + b*P^2 (float64). Both grow with P, so one
 //    order by decreasing tokens is also decreasing cost.
 // 1. Items: a group (group_ids) or a single sequence; items never split across
-//    ranks. Sequences are ordered by a stable LSD radix sort of packed
-//    (tokens, index) keys, or a counting sort on the tokens where their range
-//    is small (decreasing, ties by index either way), O(n); items are
-//    relabelled by that order, so item j is at least as heavy as item j + 1
-//    and an id comparison is a cost comparison.
+//    ranks. Sequences are ordered by packed keys (top - tokens) << ib | index,
+//    32 bits wide where they fit (64 else), by a stable LSD radix sort in
+//    8-bit digits, or a counting sort where the token range is small
+//    (decreasing, ties by index either way), O(n); the keys stay packed and
+//    their readers (items, by_rank) decode them. Items are relabelled by that
+//    order, so item j is at least as heavy as item j + 1 and an id comparison
+//    is a cost comparison.
 // 2. Ranks: LPT (largest first onto the least-loaded rank, a tournament tree:
 //    O(n log dp); with equal_samples a rank takes at most ceil(G/k) items and
 //    only G % k ranks that many; without it, the middle of the sorted items
@@ -325,11 +327,11 @@ void count_keys(const int64_t* tok, int64_t n, int64_t top, uint64_t range, int 
   }
 }
 
-// Sequences by decreasing tokens, ties by index, into o (see TokOrder); top and
-// bot are the largest and smallest tokens. Keys of 32 bits where they fit, else
-// 64; a counting sort where the range is at most COUNT_RANGE... (see the
-// condition), else the radix sort; keys over 64 bits: order_desc into pairs.
-SortPath sort_tokens_desc(const int64_t* tok, int64_t n, int64_t top, int64_t bot, TokOrder& o) {
+// Sequences by decreasing tokens, ties by index, into o (see TokOrder); bot and
+// top are the smallest and largest tokens (plan_cpu's check pass has them).
+// Keys of 32 bits where they fit, else 64: sorted by counting where the range is
+// small next to n, else by radix; keys over 64 bits: order_desc into pairs.
+SortPath sort_tokens_desc(const int64_t* tok, int64_t n, int64_t bot, int64_t top, TokOrder& o) {
   const uint64_t range = static_cast<uint64_t>(top) - static_cast<uint64_t>(bot);
   const int ib = n > 1 ? 64 - __builtin_clzll(static_cast<uint64_t>(n - 1)) : 1;
   const int kb = range ? 64 - __builtin_clzll(range) : 0;
@@ -1880,7 +1882,7 @@ std::pair<int64_t, int64_t> sort_tokens_desc_cpu(TensorView tokens, TensorView o
   for (int64_t i = 1; i < n; ++i) lo = std::min(lo, tok[i]), hi = std::max(hi, tok[i]);
   COMPASS_CHECK(lo >= 0, "tokens: expected values >= 0, got ", lo);
   TokOrder o;
-  const SortPath path = sort_tokens_desc(tok, n, hi, lo, o);
+  const SortPath path = sort_tokens_desc(tok, n, lo, hi, o);
   int64_t* out = order.ptr<int64_t>();
   with_order(o, [&](const auto v) {
     for (int64_t j = 0; j < n; ++j) out[j] = v[j].seq;
