@@ -350,7 +350,7 @@ SortPath sort_tokens_desc(const int64_t* tok, int64_t n, int64_t bot, int64_t to
   // and prefix then cost less than the radix sort's second pass); n < 2^32 for
   // 32-bit counts
   const bool counting = n > 64 && kb > kMaxDigit && range <= 8 * static_cast<uint64_t>(n) &&
-                        range < (uint64_t{1} << 17);
+                        range < (uint64_t{1} << 17) && n < (int64_t{1} << 32);
   if (o.width == 32) {
     if (counting) count_keys(tok, n, top, range, ib, o.cnt, o.a32);
     else radix_keys(tok, n, top, kb, ib, o.a32, o.b32);
