@@ -32,6 +32,12 @@ std::pair<int64_t, double> plan_cpu(COMPASS_PLAN_ARGS);
 // bench and as the planner's second seed: rank_of [n] int64 written.
 void karmarkar_karp_cpu(TensorView cost, int64_t k, TensorView rank_of);
 
+// Test hook: the planner's sort of tokens [n] int64 (>= 0) by decreasing value,
+// ties by index, into order [n] int64. Returns (path, key width): path 0 a
+// comparison sort (n <= 64) or none (one value), 1 counting sort, 2 radix sort,
+// 3 (sequence, tokens) pairs by order_desc; width 32 or 64 (packed keys), 0 (pairs).
+std::pair<int64_t, int64_t> sort_tokens_desc_cpu(TensorView tokens, TensorView order);
+
 // THD pack / unpack (compass/packing.h has the layout). Rows are opaque bytes:
 // every per-token tensor [T, ...] of any dtype travels as uint8 [T, W].
 // pack: src [Ts, W] uint8 (the batch's tokens, jagged); seq_start [m] int64

@@ -6,11 +6,13 @@
 //    balances are exact) or a*P + b*P^2 (float64). Both grow with P, so one
 //    order by decreasing tokens is also decreasing cost.
 // 1. Items: a group (group_ids) or a single sequence; items never split across
-//    ranks. Sequences are ordered by a stable LSD radix sort of packed
-//    (tokens, index) keys, or a counting sort on the tokens where their range
-//    is small (decreasing, ties by index either way), O(n); items are
-//    relabelled by that order, so item j is at least as heavy as item j + 1
-//    and an id comparison is a cost comparison.
+//    ranks. Sequences are ordered by packed keys (top - tokens) << ib | index,
+//    32 bits wide where they fit (64 else), by a stable LSD radix sort in
+//    8-bit digits, or a counting sort where the token range is small
+//    (decreasing, ties by index either way), O(n); the keys stay packed and
+//    their readers (items, by_rank) decode them. Items are relabelled by that
+//    order, so item j is at least as heavy as item j + 1 and an id comparison
+//    is a cost comparison.
 // 2. Ranks: LPT (largest first onto the least-loaded rank, a tournament tree:
 //    O(n log dp); with equal_samples a rank takes at most ceil(G/k) items and
 //    only G % k ranks that many; without it, the middle of the sorted items
@@ -57,6 +59,10 @@
 #include <type_traits>
 #include <utility>
 #include <vector>
+
+#ifdef __SSE2__
+#include <emmintrin.h>
+#endif
 
 #include "packing/packing_api.h"
 
@@ -157,98 +163,202 @@ void order_desc(const C* v, int64_t n, std::vector<int64_t>& out, std::vector<in
   }
 }
 
-// A sequence and its tokens, side by side: what later passes read together
-// (by_rank gathers both by item id; one cache line miss serves the pair).
+// A sequence and its tokens.
 struct SeqTok {
   int64_t seq, tok;
 };
 
-// Sequences by decreasing tokens, ties by index: st[j] = the j-th sequence and
-// its tokens. Where the token range is small (under 2^17 values and at most 2
-// per sequence: lengths capped by max_tokens), a counting sort on the tokens:
-// one histogram pass (32-bit counts: the table stays in L2), one scatter pass
-// that writes each (sequence, tokens) pair at its place. Otherwise a stable
-// LSD radix sort of packed keys ((top - tokens) << ib | index): every pass
-// moves the keys themselves (sequential reads, no gather through an index
-// array), one read pass builds every pass's histogram, 8-bit digits for short
-// inputs (small count arrays) and up to 11 bits otherwise. Keys that do not
-// fit 64 bits: order_desc.
-void sort_tokens_desc(const int64_t* tok, int64_t n, std::vector<uint64_t>& a,
-                      std::vector<uint64_t>& b, std::vector<SeqTok>& st) {
-  st.resize(n);
-  int64_t top = tok[0], bot = tok[0];
-  for (int64_t i = 1; i < n; ++i) {
-    top = std::max(top, tok[i]);
-    bot = std::min(bot, tok[i]);
+// The sequences by decreasing tokens, ties by index, as sort_tokens_desc
+// leaves them: packed keys (top - tokens) << ib | index in increasing order,
+// 32 bits wide where kb + ib <= 32 (ib index bits, kb bits of the token range:
+// n = 64k with ranges under 2^16, every bench case), else 64 bits; or
+// (sequence, tokens) pairs where no 64-bit key holds both. The keys stay
+// packed: a reader decodes the one it loads (a mask, a shift), so the sort
+// writes no decoded copy and by_rank's gather reads 4 bytes per sequence
+// (16 as pairs: at n = 64k the gathered array is 256 KB, not 1 MB).
+struct TokOrder {
+  int width = 32;  // 32, 64: the keys are in a32 / a64; 0: pairs in st
+  int ib = 0;
+  int64_t top = 0;
+  std::vector<uint32_t> a32, b32, cnt;
+  std::vector<uint64_t> a64, b64;
+  std::vector<SeqTok> st;
+};
+
+// Readers of a TokOrder: v[j] = the j-th sequence by decreasing tokens, and its
+// tokens; v.tok(j) alone.
+template <typename K>
+struct PackedView {
+  const K* a;
+  int ib;
+  K imask;
+  int64_t top;
+  SeqTok operator[](int64_t j) const {
+    const K v = a[j];
+    return {static_cast<int64_t>(v & imask), top - static_cast<int64_t>(v >> ib)};
   }
-  const uint64_t range = static_cast<uint64_t>(top - bot);
-  const int ib = n > 1 ? 64 - __builtin_clzll(static_cast<uint64_t>(n - 1)) : 1;
-  const int kb = range ? 64 - __builtin_clzll(range) : 0;
-  if (kb + ib > 64) {
-    std::vector<int64_t> seq, tmp;
-    order_desc(tok, n, seq, tmp);
-    for (int64_t j = 0; j < n; ++j) st[j] = {seq[j], tok[seq[j]]};
-    return;
+  int64_t tok(int64_t j) const { return top - static_cast<int64_t>(a[j] >> ib); }
+};
+struct PairView {
+  const SeqTok* st;
+  SeqTok operator[](int64_t j) const { return st[j]; }
+  int64_t tok(int64_t j) const { return st[j].tok; }
+};
+
+// f(view) with the view that reads o (one instantiation of f per width).
+template <typename F>
+void with_order(const TokOrder& o, F&& f) {
+  if (o.width == 32) {
+    f(PackedView<uint32_t>{o.a32.data(), o.ib, (uint32_t{1} << o.ib) - 1, o.top});
+  } else if (o.width == 64) {
+    f(PackedView<uint64_t>{o.a64.data(), o.ib, (uint64_t{1} << o.ib) - 1, o.top});
+  } else {
+    f(PairView{o.st.data()});
   }
-  if (n > 64 && range < (uint64_t{1} << 17) && range <= 8 * static_cast<uint64_t>(n)) {
-    // counts of top - tokens, ascending (ties keep ascending index); n <=
-    // 2^17 + 2^16 here, so 32-bit counts hold them; the table lives in `a`
-    std::vector<uint64_t>& store = a;
-    store.assign(range / 2 + 1, 0);
-    uint32_t* cnt = reinterpret_cast<uint32_t*>(store.data());
-    for (int64_t i = 0; i < n; ++i) ++cnt[static_cast<uint64_t>(top - tok[i])];
-    uint32_t sum = 0;
-    for (uint64_t d = 0; d <= range; ++d) {
-      const uint32_t v = cnt[d];
-      cnt[d] = sum;
-      sum += v;
-    }
-    SeqTok* out = st.data();
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t t = tok[i];
-      out[cnt[static_cast<uint64_t>(top - t)]++] = {i, t};
-    }
-    return;
-  }
+}
+
+// How sort_tokens_desc ordered (the test hook reports it).
+enum SortPath : int64_t { kSortCompare = 0, kSortCount = 1, kSortRadix = 2, kSortPairs = 3 };
+
+// Radix digits: at most 8 bits, 256 counters per pass (every pass's table
+// together is a few KB, in L1) and 256 write streams per scatter. The bench's
+// 16-bit ranges take two passes with 8- or 11-bit digits alike, and 11 bits
+// measured no faster there.
+constexpr int kMaxDigit = 8;
+
+// Stable LSD radix sort of the keys (top - tokens) << ib | index on their kb
+// token bits: the index bits need no pass, the keys start in index order. One
+// read pass builds the keys and every pass's histogram; a pass whose digit is
+// one value for every key is skipped. K is the key width (uint32_t: half the
+// bytes per pass); counts are K too (n < 2^ib fits).
+template <typename K>
+void radix_keys(const int64_t* tok, int64_t n, int64_t top, int kb, int ib, std::vector<K>& a,
+                std::vector<K>& b) {
   a.resize(n);
-  for (int64_t i = 0; i < n; ++i) {
-    a[i] = (static_cast<uint64_t>(top - tok[i]) << ib) | static_cast<uint64_t>(i);
+  K* pa = a.data();
+  if (kb == 0 || n <= 64) {  // one token value, or short: a comparison sort
+    for (int64_t i = 0; i < n; ++i) pa[i] = (static_cast<K>(top - tok[i]) << ib) | static_cast<K>(i);
+    if (kb > 0) std::sort(pa, pa + n);  // keys are distinct: the stable order
+    return;
   }
-  if (kb > 0) {
-    if (n <= 64) {
-      std::sort(a.begin(), a.end());  // keys are distinct: the same order
-    } else {
-      const int max_d = n <= 2048 ? 8 : 11;
-      const int passes = (kb + max_d - 1) / max_d;
-      const int d = (kb + passes - 1) / passes;
-      const size_t buckets = size_t{1} << d;
-      const uint64_t mask = buckets - 1;
-      uint64_t count[6][2048];  // passes <= ceil(64 / 11) = 6
-      for (int p = 0; p < passes; ++p) std::memset(count[p], 0, buckets * sizeof(uint64_t));
-      for (int64_t i = 0; i < n; ++i) {
-        const uint64_t key = a[i] >> ib;
+  const int passes = (kb + kMaxDigit - 1) / kMaxDigit;  // <= 8
+  const int d = (kb + passes - 1) / passes;
+  const K mask = (K{1} << d) - 1;
+  const size_t buckets = size_t{1} << d;
+  K count[8][size_t{1} << kMaxDigit];
+  for (int p = 0; p < passes; ++p) std::memset(count[p], 0, buckets * sizeof(K));
+  auto build = [&](auto fixed) {  // fixed: the pass count known at compile time, or 0
+    constexpr int P = decltype(fixed)::value;
+    for (int64_t i = 0; i < n; ++i) {
+      const K key = static_cast<K>(top - tok[i]);
+      pa[i] = (key << ib) | static_cast<K>(i);
+      if constexpr (P > 0) {
+        for (int p = 0; p < P; ++p) ++count[p][(key >> (p * d)) & mask];
+      } else {
         for (int p = 0; p < passes; ++p) ++count[p][(key >> (p * d)) & mask];
       }
-      b.resize(n);
-      for (int p = 0; p < passes; ++p) {
-        const int shift = ib + p * d;
-        if (count[p][(a[0] >> shift) & mask] == static_cast<uint64_t>(n)) continue;  // one digit
-        uint64_t sum = 0;
-        for (size_t c = 0; c < buckets; ++c) {
-          const uint64_t v = count[p][c];
-          count[p][c] = sum;
-          sum += v;
-        }
-        uint64_t* cp = count[p];
-        for (int64_t i = 0; i < n; ++i) b[cp[(a[i] >> shift) & mask]++] = a[i];
-        a.swap(b);
-      }
     }
+  };
+  if (passes == 2) build(std::integral_constant<int, 2>{});
+  else if (passes == 1) build(std::integral_constant<int, 1>{});
+  else build(std::integral_constant<int, 0>{});
+  b.resize(n);
+  for (int p = 0; p < passes; ++p) {
+    const int shift = ib + p * d;
+    K* cp = count[p];
+    if (cp[(a[0] >> shift) & mask] == static_cast<K>(n)) continue;  // one digit value
+    K sum = 0;
+    for (size_t c = 0; c < buckets; ++c) {
+      const K v = cp[c];
+      cp[c] = sum;
+      sum += v;
+    }
+    const K* src = a.data();
+    K* dst = b.data();
+    for (int64_t i = 0; i < n; ++i) {
+      const K v = src[i];
+      dst[cp[(v >> shift) & mask]++] = v;
+    }
+    a.swap(b);
   }
-  const uint64_t imask = (uint64_t{1} << ib) - 1;
-  for (int64_t j = 0; j < n; ++j) {
-    st[j] = {static_cast<int64_t>(a[j] & imask), top - static_cast<int64_t>(a[j] >> ib)};
+}
+
+// c[0:m] -> its exclusive prefix sums. The counting sort's table has as many
+// entries as token values (64k for the bench's lengths, 8-16 per sequence):
+// 4 lanes at once halve its cost (one dependent add per 4 entries, not per
+// entry).
+void exclusive_prefix(uint32_t* c, uint64_t m) {
+  uint32_t sum = 0;
+  uint64_t v = 0;
+#ifdef __SSE2__
+  __m128i carry = _mm_setzero_si128();
+  for (; v + 4 <= m; v += 4) {
+    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + v));
+    __m128i inc = _mm_add_epi32(x, _mm_slli_si128(x, 4));
+    inc = _mm_add_epi32(inc, _mm_slli_si128(inc, 8));  // inclusive sums within the 4
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(c + v), _mm_add_epi32(carry, _mm_sub_epi32(inc, x)));
+    carry = _mm_add_epi32(carry, _mm_shuffle_epi32(inc, 0xFF));
   }
+  sum = static_cast<uint32_t>(_mm_cvtsi128_si32(carry));
+#endif
+  for (; v < m; ++v) {
+    const uint32_t x = c[v];
+    c[v] = sum;
+    sum += x;
+  }
+}
+
+// Counting sort of the same keys where the token range is small next to n:
+// one histogram of top - tokens (32-bit counts), one scatter of the keys to
+// their places (ties keep index order). Fewer passes than radix once the
+// range needs two digits.
+template <typename K>
+void count_keys(const int64_t* tok, int64_t n, int64_t top, uint64_t range, int ib,
+                std::vector<uint32_t>& cnt, std::vector<K>& a) {
+  cnt.assign(range + 1, 0);
+  uint32_t* c = cnt.data();
+  for (int64_t i = 0; i < n; ++i) ++c[static_cast<uint64_t>(top - tok[i])];
+  exclusive_prefix(c, range + 1);
+  a.resize(n);
+  K* pa = a.data();
+  for (int64_t i = 0; i < n; ++i) {
+    const K key = static_cast<K>(top - tok[i]);
+    pa[c[key]++] = (key << ib) | static_cast<K>(i);
+  }
+}
+
+// Sequences by decreasing tokens, ties by index, into o (see TokOrder); bot and
+// top are the smallest and largest tokens (plan_cpu's check pass has them).
+// Keys of 32 bits where they fit, else 64: sorted by counting where the range is
+// small next to n, else by radix; keys over 64 bits: order_desc into pairs.
+SortPath sort_tokens_desc(const int64_t* tok, int64_t n, int64_t bot, int64_t top, TokOrder& o) {
+  const uint64_t range = static_cast<uint64_t>(top) - static_cast<uint64_t>(bot);
+  const int ib = n > 1 ? 64 - __builtin_clzll(static_cast<uint64_t>(n - 1)) : 1;
+  const int kb = range ? 64 - __builtin_clzll(range) : 0;
+  o.ib = ib;
+  o.top = top;
+  if (kb + ib > 64) {
+    o.width = 0;
+    std::vector<int64_t> seq, tmp;
+    order_desc(tok, n, seq, tmp);
+    o.st.resize(n);
+    for (int64_t j = 0; j < n; ++j) o.st[j] = {seq[j], tok[seq[j]]};
+    return kSortPairs;
+  }
+  o.width = kb + ib <= 32 ? 32 : 64;
+  // counting: a range past one digit and at most 8 per sequence (its table
+  // and prefix then cost less than the radix sort's second pass); n < 2^32 for
+  // 32-bit counts
+  const bool counting = n > 64 && kb > kMaxDigit && range <= 8 * static_cast<uint64_t>(n) &&
+                        range < (uint64_t{1} << 17) && n < (int64_t{1} << 32);
+  if (o.width == 32) {
+    if (counting) count_keys(tok, n, top, range, ib, o.cnt, o.a32);
+    else radix_keys(tok, n, top, kb, ib, o.a32, o.b32);
+  } else {
+    if (counting) count_keys(tok, n, top, range, ib, o.cnt, o.a64);
+    else radix_keys(tok, n, top, kb, ib, o.a64, o.b64);
+  }
+  return counting ? kSortCount : kb == 0 || n <= 64 ? kSortCompare : kSortRadix;
 }
 
 // ------------------------------------------------------------------- items
@@ -1247,7 +1357,8 @@ struct Input {
   const int64_t* gid;  // or nullptr
   int64_t n, k, cap, mbm, iters;
   bool equal;
-  double a, b;  // float costs: a * P + b * P^2
+  double a, b;          // float costs: a * P + b * P^2
+  int64_t tmin, tmax;   // the fewest and most padded tokens
 };
 
 // The cost of a sequence of p padded tokens: p itself (integer costs), or
@@ -1276,8 +1387,7 @@ struct MbKey {
 // largest plan made on the thread.
 template <typename C>
 struct Work {
-  std::vector<uint64_t> key_a, key_b;
-  std::vector<SeqTok> st;
+  TokOrder sorted;
   std::vector<int64_t> tmp, rank_of, count, base, by_rank, by_tok, rank_tok, big,
       count_of, scratch, mb_order, lpt_ok_at, written_at;
   std::vector<int64_t> slot_of, first, slot;
@@ -1303,16 +1413,18 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
   const int64_t n = in.n, k = in.k;
   Work<C>& ws = work<C>();
   COMPASS_PHASE("start");
-  sort_tokens_desc(in.tok, n, ws.key_a, ws.key_b, ws.st);
-  const SeqTok* st = ws.st.data();  // by decreasing tokens = decreasing cost
+  sort_tokens_desc(in.tok, n, in.tmin, in.tmax, ws.sorted);  // decreasing tokens = decreasing cost
   COMPASS_PHASE("sort");
 
   // ---- items, relabelled by decreasing cost; their total cost
   Items<C>& it = ws.it;
   C total{0};
-  if (in.gid == nullptr) {  // item j is sequence st[j].seq
+  if (in.gid == nullptr) {  // item j is the j-th sequence by decreasing tokens
     it.w.resize(n);
-    for (int64_t j = 0; j < n; ++j) total += (it.w[j] = cost_of<C>(in, st[j].tok));
+    C* w = it.w.data();
+    with_order(ws.sorted, [&](const auto v) {
+      for (int64_t j = 0; j < n; ++j) total += (w[j] = cost_of<C>(in, v.tok(j)));
+    });
   } else {
     std::vector<int64_t>& tmp = ws.tmp;
     const int64_t* gid = in.gid;
@@ -1419,27 +1531,29 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
   big.assign(k, 0);
   const int64_t cap = in.cap;
   if (in.gid == nullptr) {
-    // item j is sequence st[j].seq; each rank's members by decreasing id,
-    // read backwards, are its sequences by decreasing tokens (ties by index):
-    // written rank by rank, sequentially
-    for (int64_t r = 0; r < k; ++r) {
-      const std::vector<int64_t>& mem = best.mem[r];
-      const int64_t m = static_cast<int64_t>(mem.size());
-      int64_t* out_s = by_rank.data() + base[r];
-      int64_t* out_t = by_tok.data() + base[r];
-      int64_t sum = 0, over = 0;
-      for (int64_t i = 0; i < m; ++i) {
-        const SeqTok x = st[mem[m - 1 - i]];
-        const int64_t t = x.tok;
-        out_s[i] = x.seq;
-        out_t[i] = t;
-        sum += t;
-        over += 2 * t > cap;
+    // item j is the j-th sequence by decreasing tokens; each rank's members by
+    // decreasing id, read backwards, are its sequences by decreasing tokens
+    // (ties by index): written rank by rank, sequentially
+    with_order(ws.sorted, [&](const auto v) {
+      for (int64_t r = 0; r < k; ++r) {
+        const std::vector<int64_t>& mem = best.mem[r];
+        const int64_t m = static_cast<int64_t>(mem.size());
+        const int64_t* id = mem.data() + m - 1;
+        int64_t* out_s = by_rank.data() + base[r];
+        int64_t* out_t = by_tok.data() + base[r];
+        int64_t sum = 0, over = 0;
+        for (int64_t i = 0; i < m; ++i) {
+          const SeqTok x = v[id[-i]];
+          out_s[i] = x.seq;
+          out_t[i] = x.tok;
+          sum += x.tok;
+          over += 2 * x.tok > cap;
+        }
+        base[r + 1] = base[r] + m;
+        rank_tok[r] = sum;
+        big[r] = over;
       }
-      base[r + 1] = base[r] + m;
-      rank_tok[r] = sum;
-      big[r] = over;
-    }
+    });
   } else {
     std::vector<int32_t>& rank_of = ws.rank_seq;
     rank_of.resize(n);
@@ -1452,13 +1566,16 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
     for (int64_t r = 0; r < k; ++r) base[r + 1] += base[r];
     std::vector<int64_t>& cursor = ws.tmp;
     cursor.assign(base.begin(), base.end() - 1);
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t s = st[j].seq, t = st[j].tok, r = rank_of[s];
-      by_rank[cursor[r]] = s;
-      by_tok[cursor[r]++] = t;
-      rank_tok[r] += t;
-      big[r] += 2 * t > cap;
-    }
+    with_order(ws.sorted, [&](const auto v) {
+      for (int64_t j = 0; j < n; ++j) {
+        const SeqTok x = v[j];
+        const int64_t r = rank_of[x.seq];
+        by_rank[cursor[r]] = x.seq;
+        by_tok[cursor[r]++] = x.tok;
+        rank_tok[r] += x.tok;
+        big[r] += 2 * x.tok > cap;
+      }
+    });
   }
   std::vector<int64_t>& slot_of = ws.slot_of;  // sequence -> its micro-batch (r * nb + j)
   slot_of.resize(n);
@@ -1733,8 +1850,10 @@ std::pair<int64_t, double> plan_cpu(COMPASS_PLAN_ARGS) {
     }
   }
   const int64_t top = ((hi - 1) / pad_multiple + 1) * pad_multiple;
+  const int64_t bot = ((lo - 1) / pad_multiple + 1) * pad_multiple;  // padding keeps the order
   const Input in{tok, group_ids ? group_ids->ptr<int64_t>() : nullptr, n, dp_size,
-                 max_tokens, micro_batch_multiple, refine_iters, equal_samples, cost_a, cost_b};
+                 max_tokens, micro_batch_multiple, refine_iters, equal_samples, cost_a, cost_b,
+                 bot, top};
   int64_t* ord = order.ptr<int64_t>();
   int64_t* off = offsets.ptr<int64_t>();
   if (cost_b == 0.0) {  // a*P: balancing P is the same problem, in exact integers
@@ -1749,6 +1868,26 @@ std::pair<int64_t, double> plan_cpu(COMPASS_PLAN_ARGS) {
     }
   }
   return plan_impl<double>(in, ord, off);
+}
+
+std::pair<int64_t, int64_t> sort_tokens_desc_cpu(TensorView tokens, TensorView order) {
+  COMPASS_NAME_ARGS(tokens, order);
+  tokens.expect_vector().expect_dtype(DType::kInt64).expect_device(DeviceType::kCPU);
+  const int64_t n = tokens.numel();
+  COMPASS_CHECK(n >= 1, "tokens: expected at least one value, got none");
+  order.expect_vector().expect_dtype(DType::kInt64).expect_device(DeviceType::kCPU);
+  order.expect_size(0, n, "one per token count");
+  const int64_t* tok = tokens.ptr<int64_t>();
+  int64_t lo = tok[0], hi = tok[0];
+  for (int64_t i = 1; i < n; ++i) lo = std::min(lo, tok[i]), hi = std::max(hi, tok[i]);
+  COMPASS_CHECK(lo >= 0, "tokens: expected values >= 0, got ", lo);
+  TokOrder o;
+  const SortPath path = sort_tokens_desc(tok, n, lo, hi, o);
+  int64_t* out = order.ptr<int64_t>();
+  with_order(o, [&](const auto v) {
+    for (int64_t j = 0; j < n; ++j) out[j] = v[j].seq;
+  });
+  return {static_cast<int64_t>(path), static_cast<int64_t>(o.width)};
 }
 
 void karmarkar_karp_cpu(TensorView cost, int64_t k, TensorView rank_of) {
