@@ -29,15 +29,19 @@
 // 3. Micro-batches: M = the largest per-rank lower bound (ceil(tokens / cap), or
 //    the number of sequences longer than cap / 2, each needing its own), rounded
 //    up to micro_batch_multiple; every rank is packed into exactly M bins by
-//    LPT on cost among the bins with room. Where that fails, the level fit:
-//    first fit by decreasing tokens into M bins of the balanced level (mean
-//    tokens + kBinTolerance) rather than the cap, the sequences fitting under
-//    no level then by LPT under the cap (after a rank where LPT failed the
-//    next tries this first). Where that fails too, first-fit
+//    LPT on cost among the bins with room. Where that fails or leaves the
+//    heaviest bin over the rank's bound (its lower bound + kBinTolerance),
+//    the level fit: first fit by decreasing tokens into M bins of the
+//    balanced level (mean tokens + kBinTolerance) rather than the cap, the
+//    sequences fitting under no level then by LPT under the cap (while LPT
+//    misses on most ranks, ranks try this first). The first packing within
+//    the bound is taken; if both fit over it, both are refined and the better
+//    kept. Where neither fits, first-fit
 //    decreasing (a max-tree over bin room, O(m log m)) gives a feasible count:
 //    M grows to the largest such count and ranks LPT cannot pack use FFD plus
-//    splitting of their heaviest bins. Then the same move / swap refinement
-//    between bins (bounded: partners and steps), never breaking the cap.
+//    splitting of their heaviest bins. Then, over the bound, the same move /
+//    swap refinement between bins (bounded: partners and steps), never
+//    breaking the cap.
 //    Ranks go in groups of kLanes: the group's first choice (LPT for integer
 //    costs, LptLanes; the level fit's first fit, LevelLanes) runs on all its
 //    ranks at once, interleaved step by step, so the dependent tree updates
@@ -798,6 +802,7 @@ struct LptLanes {
   std::vector<int64_t> bin_of;  // lane g: [g * stride, g * stride + m_g)
   int64_t rank[kLanes];         // the rank in each lane, -1 for none
   bool ok[kLanes];
+  int64_t heaviest[kLanes];     // each lane's heaviest bin load
 
   // Whether keys fit: loads reach at most `most` (a rank's tokens).
   static bool fits(int64_t nbins, int64_t most) {
@@ -887,6 +892,9 @@ struct LptLanes {
     for (int g = 0; g < kLanes; ++g) {
       for (int64_t i = std::max(mm, std::min(m[g], nbins)); i < m[g]; ++i) step(g, i);
       ok[g] = bad[g] == 0;
+      uint64_t hi = 0;
+      for (int64_t q = 0; q < nbins; ++q) hi = std::max(hi, t[g][L + q]);
+      heaviest[g] = static_cast<int64_t>(hi >> shift);
     }
   }
 };
@@ -984,6 +992,18 @@ struct LevelLanes {
     }
   }
 };
+
+// A rank's bound for its heaviest micro-batch: its lower bound max(total /
+// nbins, largest cost) plus kBinTolerance. Packings under it are not refined.
+template <typename C>
+C bin_target(C total, C largest, int64_t nbins) {
+  if constexpr (std::is_integral_v<C>) {
+    const C lb = std::max<C>((total + nbins - 1) / nbins, largest);
+    return lb + static_cast<C>(static_cast<double>(lb) * kBinTolerance);
+  } else {
+    return std::max(total / static_cast<C>(nbins), largest) * (1.0 + kBinTolerance);
+  }
+}
 
 // One rank's packing state, reused across ranks (no allocation per rank).
 template <typename C>
@@ -1161,14 +1181,22 @@ struct RankPacker {
     bin_of_from_mem();
   }
 
+  // The heaviest bin's bound: the rank's lower bound max(total / nbins,
+  // largest) plus kBinTolerance.
+  C target(int64_t nbins) const { return bin_target<C>(total, w[0], nbins); }
+
+  // The packing (bin_of, b.load, room; no member lists) set aside, and back.
+  std::vector<int64_t> kept_bin_of, kept_room;
+  std::vector<C> kept_load;
+  void keep() {
+    has_mem = false;
+    bin_of.swap(kept_bin_of);
+    b.load.swap(kept_load);
+    room.swap(kept_room);
+  }
+
   void balance(int64_t nbins, int64_t max_iter) {
-    C target;
-    if constexpr (std::is_integral_v<C>) {
-      const C lb = std::max<C>((total + nbins - 1) / nbins, w[0]);
-      target = lb + static_cast<C>(static_cast<double>(lb) * kBinTolerance);
-    } else {
-      target = std::max(total / static_cast<C>(nbins), w[0]) * (1.0 + kBinTolerance);
-    }
+    const C target = this->target(nbins);
     if (b.max_load() <= target) return;  // the common case: no member lists needed
     ensure_mem();
     refine(
@@ -1508,19 +1536,20 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
   &written_at = ws.written_at;
   lpt_ok_at.assign(k, 0);
   written_at.assign(k, 0);
-  int64_t lpt_packed = 0, lpt_failed = 0;  // ranks LPT packed / failed on, this call
+  // ranks LPT packed within their bound / failed on or left over it, this call
+  int64_t lpt_packed = 0, lpt_failed = 0;
   // each sequence's micro-batch: uint32 where they fit (k * nb <= n), half the
   // cache footprint of the scattered writes and the final pass's reads
   const bool narrow = n <= std::numeric_limits<uint32_t>::max();
   std::vector<uint32_t>& slot32 = ws.slot32;
   if (narrow) slot32.resize(n);
   // Ranks go in groups of kLanes (those not yet written at this nb). A group
-  // tries LPT first unless LPT has failed on more ranks than it packed so far
-  // (ranks are alike, and a failed LPT costs most of a pass) and no rank of
-  // it is a probe (every kLptProbe-th rank). The group's first choice runs
-  // ahead on all its ranks at once: LPT on LptLanes (integer costs), the
-  // level fit's first fit on LevelLanes (and in a probe group while LPT is
-  // failing, both).
+  // tries LPT first unless LPT has failed (or missed the bound) on more ranks
+  // than it packed so far (ranks are alike, and a failed LPT costs most of a
+  // pass) and no rank of it is a probe (every kLptProbe-th rank). The
+  // group's first choice runs ahead on all its ranks at once: LPT on
+  // LptLanes (integer costs), the level fit's first fit on LevelLanes (and
+  // after LPT, on the ranks where it failed or missed the bound).
   LptLanes& lanes = ws.lanes;
   LevelLanes& levels = ws.levels;
   const int64_t most_tok = *std::max_element(rank_tok.begin(), rank_tok.end());
@@ -1557,10 +1586,23 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
         level_first = failing && !probe;
         std::fill(lanes.rank, lanes.rank + kLanes, int64_t{-1});
         std::fill(levels.rank, levels.rank + kLanes, int64_t{-1});
-        // the level fit runs ahead where it goes first, and where a probe
-        // group's LPT will likely fail
-        if (failing) levels.run(cnt, rs, ts, ms, lv, nb);
-        if (!level_first && lpt_lanes) lanes.run(cnt, rs, ts, ms, nb, cap);
+        // the level fit runs ahead where it goes first, and on the ranks
+        // whose LPT ran ahead and failed or missed their bound (two or more:
+        // alone, one rank's level fit costs less than a lane group's)
+        if (level_first || (failing && !lpt_lanes)) {
+          levels.run(cnt, rs, ts, ms, lv, nb);
+        } else if (lpt_lanes) {
+          lanes.run(cnt, rs, ts, ms, nb, cap);
+          int bad = 0;
+          for (int g = 0; g < cnt; ++g) {
+            if (lanes.ok[g] && lanes.heaviest[g] <= bin_target<int64_t>(rank_tok[rs[g]], ts[g][0], nb)) {
+              continue;
+            }
+            rs[bad] = rs[g], ts[bad] = ts[g], ms[bad] = ms[g], lv[bad] = lv[g];
+            ++bad;
+          }
+          if (bad >= 2) levels.run(bad, rs, ts, ms, lv, nb);
+        }
       }
       const int64_t m = load_rank(r);
       // LPT on cost, and where it finds no room for some long sequence the
@@ -1573,20 +1615,44 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
         COMPASS_COUNT("level fit", ok);
         return ok;
       };
+      bool lpt_ok = false;  // LPT found room for every sequence
       auto lpt = [&] {
         const int g = lanes.lane_of(r);
-        if (g < 0) return pk.lpt(m, nb, cap);
+        if (g < 0) return lpt_ok = pk.lpt(m, nb, cap);
         if (lanes.ok[g]) pk.adopt(lanes, g, m, nb, cap);
-        return lanes.ok[g];
+        return lpt_ok = lanes.ok[g];
       };
-      const bool try_level = level_first;
-      bool packed = try_level && level_fit();
-      const bool lpt_ok = !packed && lpt();
-      if (!packed && !lpt_ok && !try_level) packed = level_fit();
-      if (!packed || !try_level) ++(lpt_ok ? lpt_packed : lpt_failed);
-      if (lpt_ok) {
-        lpt_ok_at[r] = nb;
-      } else if (!packed) {
+      // The first choice is taken if it fits with its heaviest bin within the
+      // rank's bound, else the second if it does (LPT fits over the bound on
+      // ranks with few short sequences to level long ones, bimodal lengths,
+      // where the level fit is within: refining LPT took hundreds of steps
+      // there and stopped at the step limit over the bound). If both fit over
+      // the bound, both are refined and the better kept (ties: the first).
+      const C bound = pk.target(nb);
+      const bool ok1 = level_first ? level_fit() : lpt();
+      bool packed = ok1 && pk.b.max_load() <= bound, refined = false;
+      const bool lpt_tried = !level_first || !packed;
+      bool lpt_good = !level_first && packed;
+      if (!packed) {
+        if (ok1) pk.keep();
+        const bool ok2 = level_first ? lpt() : level_fit();
+        packed = ok2 && pk.b.max_load() <= bound;
+        lpt_good = level_first && packed;
+        if (!packed && ok1 && ok2) {
+          pk.balance(nb, mb_iters);
+          const C top2 = pk.b.max_load();
+          pk.keep();
+          pk.balance(nb, mb_iters);
+          if (top2 < pk.b.max_load()) pk.keep();
+          refined = true;
+        } else if (!packed && ok1) {
+          pk.keep();
+        }
+        packed |= ok1 || ok2;
+      }
+      if (lpt_tried) ++(lpt_good ? lpt_packed : lpt_failed);
+      if (lpt_ok) lpt_ok_at[r] = nb;
+      if (!packed) {
         COMPASS_COUNT("first fit", 1);
         const int64_t used = first_fit(pk.tok, m, cap, pk.bin_of, pk.ff_room);
         if (used <= nb) {
@@ -1601,7 +1667,7 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
         }
         pk.split_to(nb, cap);
       }
-      pk.balance(nb, mb_iters);
+      if (!refined) pk.balance(nb, mb_iters);
       // micro-batches heaviest first (ties by first sequence): their offsets,
       // and each sequence's micro-batch (the sequences are written after the
       // loop, by one pass in ascending index)
