@@ -169,7 +169,10 @@ def test_tight_micro_batches_are_the_level_fit(n, dp, seed):
         assert mbs == _ordered(want, lengths), f"rank {r}"
 
 
-@pytest.mark.parametrize(("n", "dp", "seed"), [(1536, 12, 4), (2560, 20, 5), (1700, 13, 11)])
+@pytest.mark.parametrize(
+    ("n", "dp", "seed"),
+    [(1536, 12, 4), (2560, 20, 5), (1700, 13, 11), (600, 16, 617), (256, 8, 264)],
+)
 def test_micro_batches_take_the_first_packing_within_tolerance(n, dp, seed):
     """Bimodal lengths, ~130 per rank: on some ranks LPT fits but leaves its
     heaviest micro-batch over the tolerance (too few short sequences to level
