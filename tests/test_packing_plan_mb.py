@@ -150,12 +150,17 @@ def test_micro_batches_are_lpt(dp):
         assert mbs == _ordered(want, lengths), f"rank {r}"
 
 
-@pytest.mark.parametrize(("n", "dp", "seed"), [(4096, 16, 1), (3000, 11, 3), (6000, 23, 5)])
+@pytest.mark.parametrize(
+    ("n", "dp", "seed"),
+    [(4096, 16, 1), (3000, 11, 3), (6000, 23, 5), (3000, 8, 7), (2900, 7, 12), (900, 12, 21)],
+)
 def test_tight_micro_batches_are_the_level_fit(n, dp, seed):
-    """Bimodal lengths (~250 per rank) filling ~97% of M micro-batches of
+    """Bimodal lengths (75-420 per rank) filling ~97% of M micro-batches of
     65536: LPT finds no room for a late long sequence on any rank, and each
     rank's micro-batches are exactly the level fit's (run interleaved over
-    ranks in C++; dp = 11 and 23 leave lanes of the last group empty)."""
+    ranks in C++: up to 32 micro-batches by whole-row compares, rows of 8, 16
+    and 32; 36 and 40 (dp = 8, 7) by trees; dp = 7, 11 and 23 leave lanes of
+    the last group empty)."""
     lengths = ref.bimodal_lengths(n, seed)
     cap = 65536
     p = ck.packing.plan(lengths, dp_size=dp, max_tokens=cap)

@@ -45,10 +45,13 @@
 //    Ranks go in groups of kLanes: the group's first choice (LPT for integer
 //    costs, LptLanes; the level fit's first fit, LevelLanes) runs on all its
 //    ranks at once, interleaved step by step, so the dependent tree updates
-//    of one rank overlap those of the others. Same packings as one at a time.
+//    of one rank overlap those of the others (the level fit's first fit, up
+//    to 32 bins: whole-row SSE2 compares instead of a tree). Same packings as
+//    one at a time.
 // 4. Output: each micro-batch by ascending sequence index, written by one pass
-//    over all sequences (each knows its micro-batch: a uint32 map), not by
-//    per-bin sorts.
+//    over all sequences (each knows its rank's bin: a uint32 map written in
+//    the pass that sizes the bins; each bin knows where its sequences go),
+//    not by per-bin sorts.
 // Deterministic: every tie is broken by index. Serial: a host step that runs
 // once per training step, where waking an OpenMP team on a busy host costs
 // more than it saves. Buffers live in a per-thread workspace reused across
@@ -63,6 +66,10 @@
 #include <vector>
 
 #include "packing/packing_api.h"
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 // Per-phase timers: a profiling driver defines COMPASS_PHASE(name) before
 // including this file (scripts/profile_plan.cpp: thread CPU time per phase,
@@ -909,6 +916,19 @@ struct LevelLanes {
   std::vector<int64_t> tree;    // lane g: [g * 2 * size, (g + 1) * 2 * size), root at 1
   std::vector<int64_t> bin_of;  // lane g: [g * stride, g * stride + m_g); -1: no room
   int64_t rank[kLanes], level[kLanes];
+  // Up to 32 bins and levels under 2^31 (SSE2): each lane's room as int32
+  // in blocks of 4, bins past nbins at -1; a step compares the whole row
+  // with the sequence (one compare and mask per 4 bins) and takes the lowest
+  // bin whose room holds it: no tree to descend and replay, a third of the
+  // instructions at 25 bins. Same first fit.
+  bool flat = false;
+  int64_t row = 0, at = 0;      // int32 rooms per lane (a multiple of 4); lane 0's start
+  std::vector<int32_t> rooms;   // lane g: [g * row, (g + 1) * row), 16-byte aligned
+
+  // Lane g's room under its level in bin q after run.
+  int64_t room(int g, int64_t q) const {
+    return flat ? rooms[at + g * row + q] : tree[g * 2 * size + size + q];
+  }
 
   int lane_of(int64_t r) const {
     for (int g = 0; g < kLanes; ++g) {
@@ -916,6 +936,40 @@ struct LevelLanes {
     }
     return -1;
   }
+  int32_t* row_of(int g) { return rooms.data() + at + g * row; }
+#if defined(__SSE2__)
+  // The flat first fit: NV blocks of 4 bins per lane.
+  template <int NV>
+  void run_flat(const int64_t* const* tok, const int64_t* m, int64_t mm, int64_t* const* bo) {
+    int32_t* rg[kLanes];
+    for (int g = 0; g < kLanes; ++g) rg[g] = row_of(g);
+    auto lowest = [](const int32_t* r, int32_t x) -> uint32_t {  // bins with room >= x
+      const __m128i below = _mm_set1_epi32(x - 1);
+      uint32_t mask = 0;
+      for (int v = 0; v < NV; ++v) {
+        const __m128i c = _mm_cmpgt_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(r) + v), below);
+        mask |= static_cast<uint32_t>(_mm_movemask_ps(_mm_castsi128_ps(c))) << (4 * v);
+      }
+      return mask;
+    };
+    auto place = [&](int g, int64_t i) {
+      const int32_t x = static_cast<int32_t>(tok[g][i]);
+      const uint32_t mask = lowest(rg[g], x);
+      // no room: bin q = the row's last, less 0 tokens
+      const int64_t q = __builtin_ctz(mask | (1u << (4 * NV - 1)));
+      bo[g][i] = mask ? q : -1;
+      rg[g][q] -= mask ? x : 0;
+    };
+    for (int64_t i = 0; i < mm; ++i) {
+#pragma GCC unroll 4
+      for (int g = 0; g < kLanes; ++g) place(g, i);
+    }
+    for (int g = 0; g < kLanes; ++g) {
+      for (int64_t i = mm; i < m[g]; ++i) place(g, i);
+    }
+  }
+#endif
+
   void run(int n, const int64_t* ranks, const int64_t* const* tok_in, const int64_t* m_in,
            const int64_t* level_in, int64_t nbins) {
     const int64_t* tok[kLanes];
@@ -932,15 +986,40 @@ struct LevelLanes {
     size = 1;
     while (size < nbins) size *= 2;
     stride = most;
-    const int64_t S = size;
-    tree.assign(kLanes * 2 * S, -1);
     bin_of.resize(kLanes * stride);
-    int64_t* t[kLanes];
     int64_t* bo[kLanes];
+    int64_t top_level = 0;
     for (int g = 0; g < kLanes; ++g) {
-      t[g] = tree.data() + g * 2 * S;
       bo[g] = bin_of.data() + g * stride;
       level[g] = level_in[g < n ? g : 0];
+      top_level = std::max(top_level, level[g]);
+    }
+#if defined(__SSE2__)
+    int64_t top_tok = 0;  // (the lanes' first sequences are their longest)
+    for (int g = 0; g < kLanes; ++g) top_tok = std::max(top_tok, m[g] > 0 ? tok[g][0] : 0);
+    flat = nbins <= 32 && std::max(top_level, top_tok) < std::numeric_limits<int32_t>::max();
+    if (flat) {
+      row = nbins <= 8 ? 8 : nbins <= 16 ? 16 : 32;
+      rooms.resize(kLanes * row + 4);  // room to align the rows to 16 bytes
+      at = static_cast<int64_t>((16 - reinterpret_cast<uintptr_t>(rooms.data()) % 16) % 16 / 4);
+      for (int g = 0; g < kLanes; ++g) {
+        int32_t* rg = row_of(g);
+        std::fill(rg, rg + nbins, static_cast<int32_t>(level[g]));
+        std::fill(rg + nbins, rg + row, int32_t{-1});
+      }
+      if (row == 8) run_flat<2>(tok, m, mm, bo);
+      else if (row == 16) run_flat<4>(tok, m, mm, bo);
+      else run_flat<8>(tok, m, mm, bo);
+      return;
+    }
+#else
+    flat = false;
+#endif
+    const int64_t S = size;
+    tree.assign(kLanes * 2 * S, -1);
+    int64_t* t[kLanes];
+    for (int g = 0; g < kLanes; ++g) {
+      t[g] = tree.data() + g * 2 * S;
       std::fill(t[g] + S, t[g] + S + nbins, level[g]);
       for (int64_t v = S - 1; v >= 1; --v) t[g][v] = std::max(t[g][2 * v], t[g][2 * v + 1]);
     }
@@ -1248,9 +1327,8 @@ bool RankPacker<C>::adopt_level(const LevelLanes& lanes, int g, int64_t m_, int6
     for (int64_t i = 0; i < m; ++i) {
       if (src[i] < 0) all.push_back(i);
     }
-    const int64_t* leaf = lanes.tree.data() + g * 2 * lanes.size + lanes.size;
     for (int64_t q = 0; q < nbins; ++q) {
-      const int64_t placed = lanes.level[g] - leaf[q];
+      const int64_t placed = lanes.level[g] - lanes.room(g, q);
       b.load[q] = placed;
       room[q] = cap - placed;
     }
@@ -1298,6 +1376,54 @@ struct MbKey {
   bool before(const MbKey& o) const { return load != o.load ? load > o.load : first < o.first; }
 };
 
+// order[0..nb) = the bins heaviest first, ties by first sequence (first[q] <
+// n, distinct). Integer loads: one uint64 key per bin, (top - load, first,
+// bin) packed where they fit, so the sort compares single words; otherwise
+// (load, first, bin) records. Insertion sort for the usual few dozen bins.
+template <typename C>
+void sort_bins(const C* load, const int64_t* first, int64_t nb, int64_t n,
+               std::vector<MbKey<C>>& keys, std::vector<uint64_t>& packed,
+               std::vector<int64_t>& order) {
+  auto bits = [](uint64_t v) { return v ? 64 - __builtin_clzll(v) : 0; };
+  if constexpr (std::is_integral_v<C>) {
+    const C top = *std::max_element(load, load + nb);
+    const int bb = bits(static_cast<uint64_t>(nb - 1)), bf = bits(static_cast<uint64_t>(n));
+    if (bits(static_cast<uint64_t>(top)) + bf + bb <= 64) {
+      packed.resize(nb);
+      for (int64_t q = 0; q < nb; ++q) {
+        packed[q] = (static_cast<uint64_t>(top - load[q]) << (bf + bb)) |
+                    (static_cast<uint64_t>(first[q]) << bb) | static_cast<uint64_t>(q);
+      }
+      if (nb <= 64) {
+        for (int64_t j = 1; j < nb; ++j) {
+          const uint64_t x = packed[j];
+          int64_t p = j;
+          for (; p > 0 && x < packed[p - 1]; --p) packed[p] = packed[p - 1];
+          packed[p] = x;
+        }
+      } else {
+        std::sort(packed.begin(), packed.end());
+      }
+      const uint64_t mask = (uint64_t{1} << bb) - 1;
+      for (int64_t j = 0; j < nb; ++j) order[j] = static_cast<int64_t>(packed[j] & mask);
+      return;
+    }
+  }
+  keys.resize(nb);
+  for (int64_t q = 0; q < nb; ++q) keys[q] = {load[q], first[q], q};
+  if (nb <= 64) {
+    for (int64_t j = 1; j < nb; ++j) {
+      const MbKey<C> x = keys[j];
+      int64_t p = j;
+      for (; p > 0 && x.before(keys[p - 1]); --p) keys[p] = keys[p - 1];
+      keys[p] = x;
+    }
+  } else {
+    std::sort(keys.begin(), keys.end(), [](const MbKey<C>& x, const MbKey<C>& y) { return x.before(y); });
+  }
+  for (int64_t j = 0; j < nb; ++j) order[j] = keys[j].bin;
+}
+
 // Everything plan_impl allocates, kept per thread between calls: a plan is a
 // per-step host call, and allocating (and page-faulting) its buffers anew each
 // time cost more than the search at small n. Holds O(n + k) memory of the
@@ -1317,6 +1443,8 @@ struct Work {
   LptLanes lanes;
   LevelLanes levels;
   std::vector<MbKey<C>> mb_keys;
+  std::vector<uint64_t> mb_packed;
+  std::vector<int64_t> cursor;
   std::vector<uint32_t> slot32;
 };
 
@@ -1558,9 +1686,11 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
     const int64_t slack = static_cast<int64_t>(static_cast<double>(level) * kBinTolerance);
     return std::min(cap, level + slack);
   };
+  std::vector<int64_t>& cursor = ws.cursor;  // (rank, bin) -> where its next sequence goes
   for (bool grown = true; grown;) {
     grown = false;
     mb_order.resize(nb);
+    cursor.resize(k * nb);
     const int64_t mb_iters = 2 * nb + 32;
     const bool lpt_lanes = std::is_integral_v<C> && LptLanes::fits(nb, most_tok);
     int64_t next = 0;  // ranks from here are in no group yet
@@ -1668,54 +1798,46 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
         pk.split_to(nb, cap);
       }
       if (!refined) pk.balance(nb, mb_iters);
-      // micro-batches heaviest first (ties by first sequence): their offsets,
-      // and each sequence's micro-batch (the sequences are written after the
-      // loop, by one pass in ascending index)
+      // micro-batches heaviest first (ties by first sequence): their offsets
+      // and where each bin's sequences start (cursor); each sequence's bin
+      // (r * nb + bin, in the bins' packing order: the one pass over the
+      // rank's sequences that finds each bin's size and first sequence also
+      // writes the map; the sequences are written after the loop, by one
+      // pass in ascending index)
       const int64_t* seqs = by_rank.data() + base[r];
       const int64_t* bin_of = pk.bin_of.data();
-      std::vector<int64_t>&first = ws.first, &slot = ws.slot;
+      std::vector<int64_t>&first = ws.first, &size = ws.slot;
       first.assign(nb, n);
-      slot.assign(nb, 0);  // first the sizes
-      for (int64_t i = 0; i < m; ++i) {
-        const int64_t q = bin_of[i];
-        first[q] = std::min(first[q], seqs[i]);
-        ++slot[q];
-      }
-      // (load, first, bin) records sorted directly, no comparisons through
-      // an index; insertion sort for the usual few dozen micro-batches
-      std::vector<MbKey<C>>& keys = ws.mb_keys;
-      keys.resize(nb);
-      for (int64_t q = 0; q < nb; ++q) keys[q] = {pk.b.load[q], first[q], q};
-      if (nb <= 64) {
-        for (int64_t j = 1; j < nb; ++j) {
-          const MbKey<C> x = keys[j];
-          int64_t p = j;
-          for (; p > 0 && x.before(keys[p - 1]); --p) keys[p] = keys[p - 1];
-          keys[p] = x;
+      size.assign(nb, 0);
+      const int64_t at = r * nb;
+      if (narrow) {
+        for (int64_t i = 0; i < m; ++i) {
+          const int64_t q = bin_of[i], s = seqs[i];
+          first[q] = std::min(first[q], s);
+          ++size[q];
+          slot32[s] = static_cast<uint32_t>(at + q);
         }
       } else {
-        std::sort(keys.begin(), keys.end(), [](const MbKey<C>& x, const MbKey<C>& y) { return x.before(y); });
+        for (int64_t i = 0; i < m; ++i) {
+          const int64_t q = bin_of[i], s = seqs[i];
+          first[q] = std::min(first[q], s);
+          ++size[q];
+          slot_of[s] = at + q;
+        }
       }
-      for (int64_t j = 0; j < nb; ++j) mb_order[j] = keys[j].bin;
+      sort_bins(pk.b.load.data(), first.data(), nb, n, ws.mb_keys, ws.mb_packed, mb_order);
       int64_t pos = base[r];
       for (int64_t j = 0; j < nb; ++j) {
         const int64_t q = mb_order[j];
-        off[r * nb + j] = pos;
-        pos += slot[q];
-        slot[q] = r * nb + j;
-      }
-      if (narrow) {
-        for (int64_t i = 0; i < m; ++i) slot32[seqs[i]] = static_cast<uint32_t>(slot[bin_of[i]]);
-      } else {
-        for (int64_t i = 0; i < m; ++i) slot_of[seqs[i]] = slot[bin_of[i]];
+        off[at + j] = pos;
+        cursor[at + q] = pos;
+        pos += size[q];
       }
       written_at[r] = nb;
     }
   }
   off[k * nb] = n;
   {  // each micro-batch by ascending sequence index
-    std::vector<int64_t>& cursor = ws.slot;
-    cursor.assign(off, off + k * nb);
     if (narrow) {
       for (int64_t s = 0; s < n; ++s) ord[cursor[slot32[s]]++] = s;
     } else {
