@@ -1445,6 +1445,7 @@ struct Work {
   std::vector<MbKey<C>> mb_keys;
   std::vector<uint64_t> mb_packed;
   std::vector<int64_t> cursor;
+  std::vector<uint32_t> cursor32;
   std::vector<uint32_t> slot32;
 };
 
@@ -1668,7 +1669,7 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
   int64_t lpt_packed = 0, lpt_failed = 0;
   // each sequence's micro-batch: uint32 where they fit (k * nb <= n), half the
   // cache footprint of the scattered writes and the final pass's reads
-  const bool narrow = n <= std::numeric_limits<uint32_t>::max();
+  const bool narrow = n < std::numeric_limits<uint32_t>::max();
   std::vector<uint32_t>& slot32 = ws.slot32;
   if (narrow) slot32.resize(n);
   // Ranks go in groups of kLanes (those not yet written at this nb). A group
@@ -1686,11 +1687,15 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
     const int64_t slack = static_cast<int64_t>(static_cast<double>(level) * kBinTolerance);
     return std::min(cap, level + slack);
   };
-  std::vector<int64_t>& cursor = ws.cursor;  // (rank, bin) -> where its next sequence goes
+  // (rank, bin) -> where its next sequence goes; uint32 where n fits (the
+  // final pass's random reads then stay in L1 at 256 ranks x 25 bins)
+  std::vector<int64_t>& cursor = ws.cursor;
+  std::vector<uint32_t>& cursor32 = ws.cursor32;
   for (bool grown = true; grown;) {
     grown = false;
     mb_order.resize(nb);
-    cursor.resize(k * nb);
+    if (narrow) cursor32.resize(k * nb);
+    else cursor.resize(k * nb);
     const int64_t mb_iters = 2 * nb + 32;
     const bool lpt_lanes = std::is_integral_v<C> && LptLanes::fits(nb, most_tok);
     int64_t next = 0;  // ranks from here are in no group yet
@@ -1830,7 +1835,8 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
       for (int64_t j = 0; j < nb; ++j) {
         const int64_t q = mb_order[j];
         off[at + j] = pos;
-        cursor[at + q] = pos;
+        if (narrow) cursor32[at + q] = static_cast<uint32_t>(pos);
+        else cursor[at + q] = pos;
         pos += size[q];
       }
       written_at[r] = nb;
@@ -1839,7 +1845,7 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
   off[k * nb] = n;
   {  // each micro-batch by ascending sequence index
     if (narrow) {
-      for (int64_t s = 0; s < n; ++s) ord[cursor[slot32[s]]++] = s;
+      for (int64_t s = 0; s < n; ++s) ord[cursor32[slot32[s]]++] = s;
     } else {
       for (int64_t s = 0; s < n; ++s) ord[cursor[slot_of[s]]++] = s;
     }
