@@ -947,7 +947,8 @@ struct LevelLanes {
       const __m128i below = _mm_set1_epi32(x - 1);
       uint32_t mask = 0;
       for (int v = 0; v < NV; ++v) {
-        const __m128i c = _mm_cmpgt_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(r) + v), below);
+        const __m128i row = _mm_load_si128(reinterpret_cast<const __m128i*>(r) + v);
+        const __m128i c = _mm_cmpgt_epi32(row, below);
         mask |= static_cast<uint32_t>(_mm_movemask_ps(_mm_castsi128_ps(c))) << (4 * v);
       }
       return mask;
@@ -1419,7 +1420,8 @@ void sort_bins(const C* load, const int64_t* first, int64_t nb, int64_t n,
       keys[p] = x;
     }
   } else {
-    std::sort(keys.begin(), keys.end(), [](const MbKey<C>& x, const MbKey<C>& y) { return x.before(y); });
+    std::sort(keys.begin(), keys.end(),
+              [](const MbKey<C>& x, const MbKey<C>& y) { return x.before(y); });
   }
   for (int64_t j = 0; j < nb; ++j) order[j] = keys[j].bin;
 }
@@ -1730,9 +1732,8 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
           lanes.run(cnt, rs, ts, ms, nb, cap);
           int bad = 0;
           for (int g = 0; g < cnt; ++g) {
-            if (lanes.ok[g] && lanes.heaviest[g] <= bin_target<int64_t>(rank_tok[rs[g]], ts[g][0], nb)) {
-              continue;
-            }
+            const int64_t bound = bin_target<int64_t>(rank_tok[rs[g]], ts[g][0], nb);
+            if (lanes.ok[g] && lanes.heaviest[g] <= bound) continue;
             rs[bad] = rs[g], ts[bad] = ts[g], ms[bad] = ms[g], lv[bad] = lv[g];
             ++bad;
           }
