@@ -31,22 +31,29 @@
 // 3. Micro-batches: M = the largest per-rank lower bound (ceil(tokens / cap), or
 //    the number of sequences longer than cap / 2, each needing its own), rounded
 //    up to micro_batch_multiple; every rank is packed into exactly M bins by
-//    LPT on cost among the bins with room. Where that fails, the level fit:
-//    first fit by decreasing tokens into M bins of the balanced level (mean
-//    tokens + kBinTolerance) rather than the cap, the sequences fitting under
-//    no level then by LPT under the cap (after a rank where LPT failed the
-//    next tries this first). Where that fails too, first-fit
+//    LPT on cost among the bins with room. Where that fails or leaves the
+//    heaviest bin over the rank's bound (its lower bound + kBinTolerance),
+//    the level fit: first fit by decreasing tokens into M bins of the
+//    balanced level (mean tokens + kBinTolerance) rather than the cap, the
+//    sequences fitting under no level then by LPT under the cap (while LPT
+//    misses on most ranks, ranks try this first). The first packing within
+//    the bound is taken; if both fit over it, both are refined and the better
+//    kept. Where neither fits, first-fit
 //    decreasing (a max-tree over bin room, O(m log m)) gives a feasible count:
 //    M grows to the largest such count and ranks LPT cannot pack use FFD plus
-//    splitting of their heaviest bins. Then the same move / swap refinement
-//    between bins (bounded: partners and steps), never breaking the cap.
+//    splitting of their heaviest bins. Then, over the bound, the same move /
+//    swap refinement between bins (bounded: partners and steps), never
+//    breaking the cap.
 //    Ranks go in groups of kLanes: the group's first choice (LPT for integer
 //    costs, LptLanes; the level fit's first fit, LevelLanes) runs on all its
 //    ranks at once, interleaved step by step, so the dependent tree updates
-//    of one rank overlap those of the others. Same packings as one at a time.
+//    of one rank overlap those of the others (the level fit's first fit, up
+//    to 32 bins: whole-row SSE2 compares instead of a tree). Same packings as
+//    one at a time.
 // 4. Output: each micro-batch by ascending sequence index, written by one pass
-//    over all sequences (each knows its micro-batch: a uint32 map), not by
-//    per-bin sorts.
+//    over all sequences (each knows its rank's bin: a uint32 map written in
+//    the pass that sizes the bins; each bin knows where its sequences go),
+//    not by per-bin sorts.
 // Deterministic: every tie is broken by index. Serial: a host step that runs
 // once per training step, where waking an OpenMP team on a busy host costs
 // more than it saves. Buffers live in a per-thread workspace reused across
@@ -65,6 +72,10 @@
 #endif
 
 #include "packing/packing_api.h"
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 // Per-phase timers: a profiling driver defines COMPASS_PHASE(name) before
 // including this file (scripts/profile_plan.cpp: thread CPU time per phase,
@@ -908,6 +919,7 @@ struct LptLanes {
   std::vector<int64_t> bin_of;  // lane g: [g * stride, g * stride + m_g)
   int64_t rank[kLanes];         // the rank in each lane, -1 for none
   bool ok[kLanes];
+  int64_t heaviest[kLanes];     // each lane's heaviest bin load
 
   // Whether keys fit: loads reach at most `most` (a rank's tokens).
   static bool fits(int64_t nbins, int64_t most) {
@@ -997,6 +1009,9 @@ struct LptLanes {
     for (int g = 0; g < kLanes; ++g) {
       for (int64_t i = std::max(mm, std::min(m[g], nbins)); i < m[g]; ++i) step(g, i);
       ok[g] = bad[g] == 0;
+      uint64_t hi = 0;
+      for (int64_t q = 0; q < nbins; ++q) hi = std::max(hi, t[g][L + q]);
+      heaviest[g] = static_cast<int64_t>(hi >> shift);
     }
   }
 };
@@ -1011,6 +1026,19 @@ struct LevelLanes {
   std::vector<int64_t> tree;    // lane g: [g * 2 * size, (g + 1) * 2 * size), root at 1
   std::vector<int64_t> bin_of;  // lane g: [g * stride, g * stride + m_g); -1: no room
   int64_t rank[kLanes], level[kLanes];
+  // Up to 32 bins and levels under 2^31 (SSE2): each lane's room as int32
+  // in blocks of 4, bins past nbins at -1; a step compares the whole row
+  // with the sequence (one compare and mask per 4 bins) and takes the lowest
+  // bin whose room holds it: no tree to descend and replay, a third of the
+  // instructions at 25 bins. Same first fit.
+  bool flat = false;
+  int64_t row = 0, at = 0;      // int32 rooms per lane (a multiple of 4); lane 0's start
+  std::vector<int32_t> rooms;   // lane g: [g * row, (g + 1) * row), 16-byte aligned
+
+  // Lane g's room under its level in bin q after run.
+  int64_t room(int g, int64_t q) const {
+    return flat ? rooms[at + g * row + q] : tree[g * 2 * size + size + q];
+  }
 
   int lane_of(int64_t r) const {
     for (int g = 0; g < kLanes; ++g) {
@@ -1018,6 +1046,41 @@ struct LevelLanes {
     }
     return -1;
   }
+  int32_t* row_of(int g) { return rooms.data() + at + g * row; }
+#if defined(__SSE2__)
+  // The flat first fit: NV blocks of 4 bins per lane.
+  template <int NV>
+  void run_flat(const int64_t* const* tok, const int64_t* m, int64_t mm, int64_t* const* bo) {
+    int32_t* rg[kLanes];
+    for (int g = 0; g < kLanes; ++g) rg[g] = row_of(g);
+    auto lowest = [](const int32_t* r, int32_t x) -> uint32_t {  // bins with room >= x
+      const __m128i below = _mm_set1_epi32(x - 1);
+      uint32_t mask = 0;
+      for (int v = 0; v < NV; ++v) {
+        const __m128i row = _mm_load_si128(reinterpret_cast<const __m128i*>(r) + v);
+        const __m128i c = _mm_cmpgt_epi32(row, below);
+        mask |= static_cast<uint32_t>(_mm_movemask_ps(_mm_castsi128_ps(c))) << (4 * v);
+      }
+      return mask;
+    };
+    auto place = [&](int g, int64_t i) {
+      const int32_t x = static_cast<int32_t>(tok[g][i]);
+      const uint32_t mask = lowest(rg[g], x);
+      // no room: bin q = the row's last, less 0 tokens
+      const int64_t q = __builtin_ctz(mask | (1u << (4 * NV - 1)));
+      bo[g][i] = mask ? q : -1;
+      rg[g][q] -= mask ? x : 0;
+    };
+    for (int64_t i = 0; i < mm; ++i) {
+#pragma GCC unroll 4
+      for (int g = 0; g < kLanes; ++g) place(g, i);
+    }
+    for (int g = 0; g < kLanes; ++g) {
+      for (int64_t i = mm; i < m[g]; ++i) place(g, i);
+    }
+  }
+#endif
+
   void run(int n, const int64_t* ranks, const int64_t* const* tok_in, const int64_t* m_in,
            const int64_t* level_in, int64_t nbins) {
     const int64_t* tok[kLanes];
@@ -1034,15 +1097,40 @@ struct LevelLanes {
     size = 1;
     while (size < nbins) size *= 2;
     stride = most;
-    const int64_t S = size;
-    tree.assign(kLanes * 2 * S, -1);
     bin_of.resize(kLanes * stride);
-    int64_t* t[kLanes];
     int64_t* bo[kLanes];
+    int64_t top_level = 0;
     for (int g = 0; g < kLanes; ++g) {
-      t[g] = tree.data() + g * 2 * S;
       bo[g] = bin_of.data() + g * stride;
       level[g] = level_in[g < n ? g : 0];
+      top_level = std::max(top_level, level[g]);
+    }
+#if defined(__SSE2__)
+    int64_t top_tok = 0;  // (the lanes' first sequences are their longest)
+    for (int g = 0; g < kLanes; ++g) top_tok = std::max(top_tok, m[g] > 0 ? tok[g][0] : 0);
+    flat = nbins <= 32 && std::max(top_level, top_tok) < std::numeric_limits<int32_t>::max();
+    if (flat) {
+      row = nbins <= 8 ? 8 : nbins <= 16 ? 16 : 32;
+      rooms.resize(kLanes * row + 4);  // room to align the rows to 16 bytes
+      at = static_cast<int64_t>((16 - reinterpret_cast<uintptr_t>(rooms.data()) % 16) % 16 / 4);
+      for (int g = 0; g < kLanes; ++g) {
+        int32_t* rg = row_of(g);
+        std::fill(rg, rg + nbins, static_cast<int32_t>(level[g]));
+        std::fill(rg + nbins, rg + row, int32_t{-1});
+      }
+      if (row == 8) run_flat<2>(tok, m, mm, bo);
+      else if (row == 16) run_flat<4>(tok, m, mm, bo);
+      else run_flat<8>(tok, m, mm, bo);
+      return;
+    }
+#else
+    flat = false;
+#endif
+    const int64_t S = size;
+    tree.assign(kLanes * 2 * S, -1);
+    int64_t* t[kLanes];
+    for (int g = 0; g < kLanes; ++g) {
+      t[g] = tree.data() + g * 2 * S;
       std::fill(t[g] + S, t[g] + S + nbins, level[g]);
       for (int64_t v = S - 1; v >= 1; --v) t[g][v] = std::max(t[g][2 * v], t[g][2 * v + 1]);
     }
@@ -1094,6 +1182,18 @@ struct LevelLanes {
     }
   }
 };
+
+// A rank's bound for its heaviest micro-batch: its lower bound max(total /
+// nbins, largest cost) plus kBinTolerance. Packings under it are not refined.
+template <typename C>
+C bin_target(C total, C largest, int64_t nbins) {
+  if constexpr (std::is_integral_v<C>) {
+    const C lb = std::max<C>((total + nbins - 1) / nbins, largest);
+    return lb + static_cast<C>(static_cast<double>(lb) * kBinTolerance);
+  } else {
+    return std::max(total / static_cast<C>(nbins), largest) * (1.0 + kBinTolerance);
+  }
+}
 
 // One rank's packing state, reused across ranks (no allocation per rank).
 template <typename C>
@@ -1271,14 +1371,22 @@ struct RankPacker {
     bin_of_from_mem();
   }
 
+  // The heaviest bin's bound: the rank's lower bound max(total / nbins,
+  // largest) plus kBinTolerance.
+  C target(int64_t nbins) const { return bin_target<C>(total, w[0], nbins); }
+
+  // The packing (bin_of, b.load, room; no member lists) set aside, and back.
+  std::vector<int64_t> kept_bin_of, kept_room;
+  std::vector<C> kept_load;
+  void keep() {
+    has_mem = false;
+    bin_of.swap(kept_bin_of);
+    b.load.swap(kept_load);
+    room.swap(kept_room);
+  }
+
   void balance(int64_t nbins, int64_t max_iter) {
-    C target;
-    if constexpr (std::is_integral_v<C>) {
-      const C lb = std::max<C>((total + nbins - 1) / nbins, w[0]);
-      target = lb + static_cast<C>(static_cast<double>(lb) * kBinTolerance);
-    } else {
-      target = std::max(total / static_cast<C>(nbins), w[0]) * (1.0 + kBinTolerance);
-    }
+    const C target = this->target(nbins);
     if (b.max_load() <= target) return;  // the common case: no member lists needed
     ensure_mem();
     refine(
@@ -1330,9 +1438,8 @@ bool RankPacker<C>::adopt_level(const LevelLanes& lanes, int g, int64_t m_, int6
     for (int64_t i = 0; i < m; ++i) {
       if (src[i] < 0) all.push_back(i);
     }
-    const int64_t* leaf = lanes.tree.data() + g * 2 * lanes.size + lanes.size;
     for (int64_t q = 0; q < nbins; ++q) {
-      const int64_t placed = lanes.level[g] - leaf[q];
+      const int64_t placed = lanes.level[g] - lanes.room(g, q);
       b.load[q] = placed;
       room[q] = cap - placed;
     }
@@ -1381,6 +1488,55 @@ struct MbKey {
   bool before(const MbKey& o) const { return load != o.load ? load > o.load : first < o.first; }
 };
 
+// order[0..nb) = the bins heaviest first, ties by first sequence (first[q] <
+// n, distinct). Integer loads: one uint64 key per bin, (top - load, first,
+// bin) packed where they fit, so the sort compares single words; otherwise
+// (load, first, bin) records. Insertion sort for the usual few dozen bins.
+template <typename C>
+void sort_bins(const C* load, const int64_t* first, int64_t nb, int64_t n,
+               std::vector<MbKey<C>>& keys, std::vector<uint64_t>& packed,
+               std::vector<int64_t>& order) {
+  auto bits = [](uint64_t v) { return v ? 64 - __builtin_clzll(v) : 0; };
+  if constexpr (std::is_integral_v<C>) {
+    const C top = *std::max_element(load, load + nb);
+    const int bb = bits(static_cast<uint64_t>(nb - 1)), bf = bits(static_cast<uint64_t>(n));
+    if (bits(static_cast<uint64_t>(top)) + bf + bb <= 64) {
+      packed.resize(nb);
+      for (int64_t q = 0; q < nb; ++q) {
+        packed[q] = (static_cast<uint64_t>(top - load[q]) << (bf + bb)) |
+                    (static_cast<uint64_t>(first[q]) << bb) | static_cast<uint64_t>(q);
+      }
+      if (nb <= 64) {
+        for (int64_t j = 1; j < nb; ++j) {
+          const uint64_t x = packed[j];
+          int64_t p = j;
+          for (; p > 0 && x < packed[p - 1]; --p) packed[p] = packed[p - 1];
+          packed[p] = x;
+        }
+      } else {
+        std::sort(packed.begin(), packed.end());
+      }
+      const uint64_t mask = (uint64_t{1} << bb) - 1;
+      for (int64_t j = 0; j < nb; ++j) order[j] = static_cast<int64_t>(packed[j] & mask);
+      return;
+    }
+  }
+  keys.resize(nb);
+  for (int64_t q = 0; q < nb; ++q) keys[q] = {load[q], first[q], q};
+  if (nb <= 64) {
+    for (int64_t j = 1; j < nb; ++j) {
+      const MbKey<C> x = keys[j];
+      int64_t p = j;
+      for (; p > 0 && x.before(keys[p - 1]); --p) keys[p] = keys[p - 1];
+      keys[p] = x;
+    }
+  } else {
+    std::sort(keys.begin(), keys.end(),
+              [](const MbKey<C>& x, const MbKey<C>& y) { return x.before(y); });
+  }
+  for (int64_t j = 0; j < nb; ++j) order[j] = keys[j].bin;
+}
+
 // Everything plan_impl allocates, kept per thread between calls: a plan is a
 // per-step host call, and allocating (and page-faulting) its buffers anew each
 // time cost more than the search at small n. Holds O(n + k) memory of the
@@ -1399,6 +1555,9 @@ struct Work {
   LptLanes lanes;
   LevelLanes levels;
   std::vector<MbKey<C>> mb_keys;
+  std::vector<uint64_t> mb_packed;
+  std::vector<int64_t> cursor;
+  std::vector<uint32_t> cursor32;
   std::vector<uint32_t> slot32;
 };
 
@@ -1625,19 +1784,20 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
   &written_at = ws.written_at;
   lpt_ok_at.assign(k, 0);
   written_at.assign(k, 0);
-  int64_t lpt_packed = 0, lpt_failed = 0;  // ranks LPT packed / failed on, this call
+  // ranks LPT packed within their bound / failed on or left over it, this call
+  int64_t lpt_packed = 0, lpt_failed = 0;
   // each sequence's micro-batch: uint32 where they fit (k * nb <= n), half the
   // cache footprint of the scattered writes and the final pass's reads
-  const bool narrow = n <= std::numeric_limits<uint32_t>::max();
+  const bool narrow = n < std::numeric_limits<uint32_t>::max();
   std::vector<uint32_t>& slot32 = ws.slot32;
   if (narrow) slot32.resize(n);
   // Ranks go in groups of kLanes (those not yet written at this nb). A group
-  // tries LPT first unless LPT has failed on more ranks than it packed so far
-  // (ranks are alike, and a failed LPT costs most of a pass) and no rank of
-  // it is a probe (every kLptProbe-th rank). The group's first choice runs
-  // ahead on all its ranks at once: LPT on LptLanes (integer costs), the
-  // level fit's first fit on LevelLanes (and in a probe group while LPT is
-  // failing, both).
+  // tries LPT first unless LPT has failed (or missed the bound) on more ranks
+  // than it packed so far (ranks are alike, and a failed LPT costs most of a
+  // pass) and no rank of it is a probe (every kLptProbe-th rank). The
+  // group's first choice runs ahead on all its ranks at once: LPT on
+  // LptLanes (integer costs), the level fit's first fit on LevelLanes (and
+  // after LPT, on the ranks where it failed or missed the bound).
   LptLanes& lanes = ws.lanes;
   LevelLanes& levels = ws.levels;
   const int64_t most_tok = *std::max_element(rank_tok.begin(), rank_tok.end());
@@ -1646,9 +1806,15 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
     const int64_t slack = static_cast<int64_t>(static_cast<double>(level) * kBinTolerance);
     return std::min(cap, level + slack);
   };
+  // (rank, bin) -> where its next sequence goes; uint32 where n fits (the
+  // final pass's random reads then stay in L1 at 256 ranks x 25 bins)
+  std::vector<int64_t>& cursor = ws.cursor;
+  std::vector<uint32_t>& cursor32 = ws.cursor32;
   for (bool grown = true; grown;) {
     grown = false;
     mb_order.resize(nb);
+    if (narrow) cursor32.resize(k * nb);
+    else cursor.resize(k * nb);
     const int64_t mb_iters = 2 * nb + 32;
     const bool lpt_lanes = std::is_integral_v<C> && LptLanes::fits(nb, most_tok);
     int64_t next = 0;  // ranks from here are in no group yet
@@ -1674,10 +1840,22 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
         level_first = failing && !probe;
         std::fill(lanes.rank, lanes.rank + kLanes, int64_t{-1});
         std::fill(levels.rank, levels.rank + kLanes, int64_t{-1});
-        // the level fit runs ahead where it goes first, and where a probe
-        // group's LPT will likely fail
-        if (failing) levels.run(cnt, rs, ts, ms, lv, nb);
-        if (!level_first && lpt_lanes) lanes.run(cnt, rs, ts, ms, nb, cap);
+        // the level fit runs ahead where it goes first, and on the ranks
+        // whose LPT ran ahead and failed or missed their bound (two or more:
+        // alone, one rank's level fit costs less than a lane group's)
+        if (level_first || (failing && !lpt_lanes)) {
+          levels.run(cnt, rs, ts, ms, lv, nb);
+        } else if (lpt_lanes) {
+          lanes.run(cnt, rs, ts, ms, nb, cap);
+          int bad = 0;
+          for (int g = 0; g < cnt; ++g) {
+            const int64_t bound = bin_target<int64_t>(rank_tok[rs[g]], ts[g][0], nb);
+            if (lanes.ok[g] && lanes.heaviest[g] <= bound) continue;
+            rs[bad] = rs[g], ts[bad] = ts[g], ms[bad] = ms[g], lv[bad] = lv[g];
+            ++bad;
+          }
+          if (bad >= 2) levels.run(bad, rs, ts, ms, lv, nb);
+        }
       }
       const int64_t m = load_rank(r);
       // LPT on cost, and where it finds no room for some long sequence the
@@ -1690,20 +1868,44 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
         COMPASS_COUNT("level fit", ok);
         return ok;
       };
+      bool lpt_ok = false;  // LPT found room for every sequence
       auto lpt = [&] {
         const int g = lanes.lane_of(r);
-        if (g < 0) return pk.lpt(m, nb, cap);
+        if (g < 0) return lpt_ok = pk.lpt(m, nb, cap);
         if (lanes.ok[g]) pk.adopt(lanes, g, m, nb, cap);
-        return lanes.ok[g];
+        return lpt_ok = lanes.ok[g];
       };
-      const bool try_level = level_first;
-      bool packed = try_level && level_fit();
-      const bool lpt_ok = !packed && lpt();
-      if (!packed && !lpt_ok && !try_level) packed = level_fit();
-      if (!packed || !try_level) ++(lpt_ok ? lpt_packed : lpt_failed);
-      if (lpt_ok) {
-        lpt_ok_at[r] = nb;
-      } else if (!packed) {
+      // The first choice is taken if it fits with its heaviest bin within the
+      // rank's bound, else the second if it does (LPT fits over the bound on
+      // ranks with few short sequences to level long ones, bimodal lengths,
+      // where the level fit is within: refining LPT took hundreds of steps
+      // there and stopped at the step limit over the bound). If both fit over
+      // the bound, both are refined and the better kept (ties: the first).
+      const C bound = pk.target(nb);
+      const bool ok1 = level_first ? level_fit() : lpt();
+      bool packed = ok1 && pk.b.max_load() <= bound, refined = false;
+      const bool lpt_tried = !level_first || !packed;
+      bool lpt_good = !level_first && packed;
+      if (!packed) {
+        if (ok1) pk.keep();
+        const bool ok2 = level_first ? lpt() : level_fit();
+        packed = ok2 && pk.b.max_load() <= bound;
+        lpt_good = level_first && packed;
+        if (!packed && ok1 && ok2) {
+          pk.balance(nb, mb_iters);
+          const C top2 = pk.b.max_load();
+          pk.keep();
+          pk.balance(nb, mb_iters);
+          if (top2 < pk.b.max_load()) pk.keep();
+          refined = true;
+        } else if (!packed && ok1) {
+          pk.keep();
+        }
+        packed |= ok1 || ok2;
+      }
+      if (lpt_tried) ++(lpt_good ? lpt_packed : lpt_failed);
+      if (lpt_ok) lpt_ok_at[r] = nb;
+      if (!packed) {
         COMPASS_COUNT("first fit", 1);
         const int64_t used = first_fit(pk.tok, m, cap, pk.bin_of, pk.ff_room);
         if (used <= nb) {
@@ -1718,57 +1920,50 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
         }
         pk.split_to(nb, cap);
       }
-      pk.balance(nb, mb_iters);
-      // micro-batches heaviest first (ties by first sequence): their offsets,
-      // and each sequence's micro-batch (the sequences are written after the
-      // loop, by one pass in ascending index)
+      if (!refined) pk.balance(nb, mb_iters);
+      // micro-batches heaviest first (ties by first sequence): their offsets
+      // and where each bin's sequences start (cursor); each sequence's bin
+      // (r * nb + bin, in the bins' packing order: the one pass over the
+      // rank's sequences that finds each bin's size and first sequence also
+      // writes the map; the sequences are written after the loop, by one
+      // pass in ascending index)
       const int64_t* seqs = by_rank.data() + base[r];
       const int64_t* bin_of = pk.bin_of.data();
-      std::vector<int64_t>&first = ws.first, &slot = ws.slot;
+      std::vector<int64_t>&first = ws.first, &size = ws.slot;
       first.assign(nb, n);
-      slot.assign(nb, 0);  // first the sizes
-      for (int64_t i = 0; i < m; ++i) {
-        const int64_t q = bin_of[i];
-        first[q] = std::min(first[q], seqs[i]);
-        ++slot[q];
-      }
-      // (load, first, bin) records sorted directly, no comparisons through
-      // an index; insertion sort for the usual few dozen micro-batches
-      std::vector<MbKey<C>>& keys = ws.mb_keys;
-      keys.resize(nb);
-      for (int64_t q = 0; q < nb; ++q) keys[q] = {pk.b.load[q], first[q], q};
-      if (nb <= 64) {
-        for (int64_t j = 1; j < nb; ++j) {
-          const MbKey<C> x = keys[j];
-          int64_t p = j;
-          for (; p > 0 && x.before(keys[p - 1]); --p) keys[p] = keys[p - 1];
-          keys[p] = x;
+      size.assign(nb, 0);
+      const int64_t at = r * nb;
+      if (narrow) {
+        for (int64_t i = 0; i < m; ++i) {
+          const int64_t q = bin_of[i], s = seqs[i];
+          first[q] = std::min(first[q], s);
+          ++size[q];
+          slot32[s] = static_cast<uint32_t>(at + q);
         }
       } else {
-        std::sort(keys.begin(), keys.end(), [](const MbKey<C>& x, const MbKey<C>& y) { return x.before(y); });
+        for (int64_t i = 0; i < m; ++i) {
+          const int64_t q = bin_of[i], s = seqs[i];
+          first[q] = std::min(first[q], s);
+          ++size[q];
+          slot_of[s] = at + q;
+        }
       }
-      for (int64_t j = 0; j < nb; ++j) mb_order[j] = keys[j].bin;
+      sort_bins(pk.b.load.data(), first.data(), nb, n, ws.mb_keys, ws.mb_packed, mb_order);
       int64_t pos = base[r];
       for (int64_t j = 0; j < nb; ++j) {
         const int64_t q = mb_order[j];
-        off[r * nb + j] = pos;
-        pos += slot[q];
-        slot[q] = r * nb + j;
-      }
-      if (narrow) {
-        for (int64_t i = 0; i < m; ++i) slot32[seqs[i]] = static_cast<uint32_t>(slot[bin_of[i]]);
-      } else {
-        for (int64_t i = 0; i < m; ++i) slot_of[seqs[i]] = slot[bin_of[i]];
+        off[at + j] = pos;
+        if (narrow) cursor32[at + q] = static_cast<uint32_t>(pos);
+        else cursor[at + q] = pos;
+        pos += size[q];
       }
       written_at[r] = nb;
     }
   }
   off[k * nb] = n;
   {  // each micro-batch by ascending sequence index
-    std::vector<int64_t>& cursor = ws.slot;
-    cursor.assign(off, off + k * nb);
     if (narrow) {
-      for (int64_t s = 0; s < n; ++s) ord[cursor[slot32[s]]++] = s;
+      for (int64_t s = 0; s < n; ++s) ord[cursor32[slot32[s]]++] = s;
     } else {
       for (int64_t s = 0; s < n; ++s) ord[cursor[slot_of[s]]++] = s;
     }
