@@ -508,7 +508,24 @@ int64_t refine(Bins<C>& b, const C* w, C target, int64_t max_iter, int64_t max_p
     }
     if (attempt(h, l)) continue;
     bool improved = false;
-    if (max_partners > 1 && nb > 2) {
+    if (trees && max_partners > 1) {
+      // the next lightest from the light tree, with h, l and each partner
+      // tried set aside and put back after: the heap's order below (load,
+      // then index), without building a heap of every bin per failed step
+      // (it cost more than the attempts at 256 ranks)
+      scratch.clear();
+      light.set_aside(h);
+      light.set_aside(l);
+      for (int64_t p = 1; p < max_partners && !improved && !light.empty(); ++p) {
+        const int64_t r = light.top();
+        light.set_aside(r);
+        scratch.push_back(r);
+        improved = attempt(h, r);
+      }
+      light.set(h, b.load[h]);
+      light.set(l, b.load[l]);
+      for (int64_t r : scratch) light.set(r, b.load[r]);
+    } else if (max_partners > 1 && nb > 2) {
       scratch.clear();
       for (int64_t j = 0; j < nb; ++j) {
         if (j != h && j != l) scratch.push_back(j);
