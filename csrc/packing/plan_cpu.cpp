@@ -426,6 +426,19 @@ struct MinTree {
     const int64_t r = top();
     set(r, top_load() + d);
   }
+  // Packed only: the root is `root` (the caller keeps it in a register);
+  // the least-loaded bin gains d. Returns the new root: LPT's next step
+  // starts from it without reading back what the replay just stored.
+  uint64_t add_top_packed(uint64_t root, C d) {
+    int64_t i = leaves + static_cast<int64_t>(root & mask);
+    uint64_t cur = root + (static_cast<uint64_t>(d) << shift);
+    tk[i] = cur;
+    for (; i > 1; i >>= 1) {
+      cur = std::min(cur, tk[i ^ 1]);
+      tk[i >> 1] = cur;
+    }
+    return cur;
+  }
 };
 
 // Until the heaviest bin is at `target` or cannot be lowered: the heaviest bin
@@ -605,8 +618,23 @@ void lpt_ranks(const std::vector<C>& w, C total, int64_t k, bool card, Bins<C>& 
     b.load[r] += w[j];
     heap.add_top(w[j]);
   };
+  // without `card`, packed keys: the same steps with the root in a register
+  auto lpt = [&](int64_t from, int64_t to) {
+    if (card || !heap.packed) {
+      for (int64_t q = from; q < to; ++q) place(q);
+      return;
+    }
+    uint64_t root = heap.tk[1];
+    for (int64_t q = from; q < to; ++q) {
+      const int64_t r = static_cast<int64_t>(root & heap.mask);
+      rank_of[q] = r;
+      b.load[r] += w[q];
+      root = heap.add_top_packed(root, w[q]);
+    }
+  };
   int64_t j = 0;
-  for (; j < a; ++j) place(j);
+  lpt(0, a);
+  j = a;
   int64_t snake_end = a;  // the sweep placed [a, snake_end)
   if (a < g) {
     by_load.resize(k);
@@ -631,7 +659,7 @@ void lpt_ranks(const std::vector<C>& w, C total, int64_t k, bool card, Bins<C>& 
     COMPASS_COUNT("snake items", j - a);
     for (int64_t r = 0; r < k; ++r) heap.set(r, b.load[r]);
   }
-  for (; j < g; ++j) place(j);
+  lpt(j, g);
   // members by decreasing id: each rank's list sized first, then filled from
   // its end by ascending id: LPT's head items, the sweep's (rank by_load[p]
   // took item a + t k + p of even blocks t, a + t k + k - 1 - p of odd ones),
