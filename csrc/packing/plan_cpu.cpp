@@ -547,6 +547,19 @@ struct MinTree {
     const int64_t r = top();
     set(r, top_load() + d);
   }
+  // Packed only: the root is `root` (the caller keeps it in a register);
+  // the least-loaded bin gains d. Returns the new root: LPT's next step
+  // starts from it without reading back what the replay just stored.
+  uint64_t add_top_packed(uint64_t root, C d) {
+    int64_t i = leaves + static_cast<int64_t>(root & mask);
+    uint64_t cur = root + (static_cast<uint64_t>(d) << shift);
+    tk[i] = cur;
+    for (; i > 1; i >>= 1) {
+      cur = std::min(cur, tk[i ^ 1]);
+      tk[i >> 1] = cur;
+    }
+    return cur;
+  }
 };
 
 // Until the heaviest bin is at `target` or cannot be lowered: the heaviest bin
@@ -629,7 +642,24 @@ int64_t refine(Bins<C>& b, const C* w, C target, int64_t max_iter, int64_t max_p
     }
     if (attempt(h, l)) continue;
     bool improved = false;
-    if (max_partners > 1 && nb > 2) {
+    if (trees && max_partners > 1) {
+      // the next lightest from the light tree, with h, l and each partner
+      // tried set aside and put back after: the heap's order below (load,
+      // then index), without building a heap of every bin per failed step
+      // (it cost more than the attempts at 256 ranks)
+      scratch.clear();
+      light.set_aside(h);
+      light.set_aside(l);
+      for (int64_t p = 1; p < max_partners && !improved && !light.empty(); ++p) {
+        const int64_t r = light.top();
+        light.set_aside(r);
+        scratch.push_back(r);
+        improved = attempt(h, r);
+      }
+      light.set(h, b.load[h]);
+      light.set(l, b.load[l]);
+      for (int64_t r : scratch) light.set(r, b.load[r]);
+    } else if (max_partners > 1 && nb > 2) {
       scratch.clear();
       for (int64_t j = 0; j < nb; ++j) {
         if (j != h && j != l) scratch.push_back(j);
@@ -709,8 +739,23 @@ void lpt_ranks(const std::vector<C>& w, C total, int64_t k, bool card, Bins<C>& 
     b.load[r] += w[j];
     heap.add_top(w[j]);
   };
+  // without `card`, packed keys: the same steps with the root in a register
+  auto lpt = [&](int64_t from, int64_t to) {
+    if (card || !heap.packed) {
+      for (int64_t q = from; q < to; ++q) place(q);
+      return;
+    }
+    uint64_t root = heap.tk[1];
+    for (int64_t q = from; q < to; ++q) {
+      const int64_t r = static_cast<int64_t>(root & heap.mask);
+      rank_of[q] = r;
+      b.load[r] += w[q];
+      root = heap.add_top_packed(root, w[q]);
+    }
+  };
   int64_t j = 0;
-  for (; j < a; ++j) place(j);
+  lpt(0, a);
+  j = a;
   int64_t snake_end = a;  // the sweep placed [a, snake_end)
   if (a < g) {
     by_load.resize(k);
@@ -735,7 +780,7 @@ void lpt_ranks(const std::vector<C>& w, C total, int64_t k, bool card, Bins<C>& 
     COMPASS_COUNT("snake items", j - a);
     for (int64_t r = 0; r < k; ++r) heap.set(r, b.load[r]);
   }
-  for (; j < g; ++j) place(j);
+  lpt(j, g);
   // members by decreasing id: each rank's list sized first, then filled from
   // its end by ascending id: LPT's head items, the sweep's (rank by_load[p]
   // took item a + t k + p of even blocks t, a + t k + k - 1 - p of odd ones),
