@@ -16,7 +16,16 @@ the careful Python a framework could ship, not verl's slower classes:
   :class:`Plan` (index tensors: order and offsets, what pack() consumes; the
   nested lists KK returns are built only by ``--check``). It also packs every
   rank into micro-batches under the cap (KK does not: frameworks run a second
-  pass for that), so the comparison favours the baseline.
+  pass for that), so the comparison with the rank pass alone favours the
+  baseline.
+- ``kk ranks+mb (python)`` (harness, n <= EXACT_MAX) and ``kk+mb (ms)``
+  (speed table): ``reference.kk_pipeline``, both passes a framework runs to
+  get what plan() returns (verl: the rank pass above, then
+  ``rearrange_micro_batches``' pass, KK unequal-size per rank into M parts, M
+  grown until no part breaks the cap). ``verl ranks+mb (python)``: the same
+  with verl's own ``get_seqlen_balanced_partitions``; ``--check`` asserts its
+  micro-batches are the reference pipeline's, in order, within the cap.
+  Pipeline calls over PIPELINE_ONCE_S are timed once (the table says where).
 
 ``verl (ms)`` (speed table) and ``verl kk_equal (python)`` (harness):
 verl's own, unmodified ``seqlen_balancing.karmarkar_karp`` (equal-size), from
