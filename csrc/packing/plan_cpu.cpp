@@ -61,6 +61,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <numeric>
 #include <type_traits>
@@ -72,10 +73,6 @@
 #endif
 
 #include "packing/packing_api.h"
-
-#if defined(__SSE2__)
-#include <emmintrin.h>
-#endif
 
 // Per-phase timers: a profiling driver defines COMPASS_PHASE(name) before
 // including this file (scripts/profile_plan.cpp: thread CPU time per phase,
@@ -1533,10 +1530,26 @@ struct MbKey {
   bool before(const MbKey& o) const { return load != o.load ? load > o.load : first < o.first; }
 };
 
+// a[0..n) sorted by `less`: insertion sort for the usual few dozen
+// micro-batches, std::sort past 64.
+template <typename T, typename Less>
+void sort_few(T* a, int64_t n, Less less) {
+  if (n > 64) {
+    std::sort(a, a + n, less);
+    return;
+  }
+  for (int64_t j = 1; j < n; ++j) {
+    const T x = a[j];
+    int64_t p = j;
+    for (; p > 0 && less(x, a[p - 1]); --p) a[p] = a[p - 1];
+    a[p] = x;
+  }
+}
+
 // order[0..nb) = the bins heaviest first, ties by first sequence (first[q] <
 // n, distinct). Integer loads: one uint64 key per bin, (top - load, first,
 // bin) packed where they fit, so the sort compares single words; otherwise
-// (load, first, bin) records. Insertion sort for the usual few dozen bins.
+// (load, first, bin) records.
 template <typename C>
 void sort_bins(const C* load, const int64_t* first, int64_t nb, int64_t n,
                std::vector<MbKey<C>>& keys, std::vector<uint64_t>& packed,
@@ -1551,16 +1564,7 @@ void sort_bins(const C* load, const int64_t* first, int64_t nb, int64_t n,
         packed[q] = (static_cast<uint64_t>(top - load[q]) << (bf + bb)) |
                     (static_cast<uint64_t>(first[q]) << bb) | static_cast<uint64_t>(q);
       }
-      if (nb <= 64) {
-        for (int64_t j = 1; j < nb; ++j) {
-          const uint64_t x = packed[j];
-          int64_t p = j;
-          for (; p > 0 && x < packed[p - 1]; --p) packed[p] = packed[p - 1];
-          packed[p] = x;
-        }
-      } else {
-        std::sort(packed.begin(), packed.end());
-      }
+      sort_few(packed.data(), nb, std::less<uint64_t>());
       const uint64_t mask = (uint64_t{1} << bb) - 1;
       for (int64_t j = 0; j < nb; ++j) order[j] = static_cast<int64_t>(packed[j] & mask);
       return;
@@ -1568,17 +1572,7 @@ void sort_bins(const C* load, const int64_t* first, int64_t nb, int64_t n,
   }
   keys.resize(nb);
   for (int64_t q = 0; q < nb; ++q) keys[q] = {load[q], first[q], q};
-  if (nb <= 64) {
-    for (int64_t j = 1; j < nb; ++j) {
-      const MbKey<C> x = keys[j];
-      int64_t p = j;
-      for (; p > 0 && x.before(keys[p - 1]); --p) keys[p] = keys[p - 1];
-      keys[p] = x;
-    }
-  } else {
-    std::sort(keys.begin(), keys.end(),
-              [](const MbKey<C>& x, const MbKey<C>& y) { return x.before(y); });
-  }
+  sort_few(keys.data(), nb, [](const MbKey<C>& x, const MbKey<C>& y) { return x.before(y); });
   for (int64_t j = 0; j < nb; ++j) order[j] = keys[j].bin;
 }
 
@@ -1978,21 +1972,17 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
       first.assign(nb, n);
       size.assign(nb, 0);
       const int64_t at = r * nb;
-      if (narrow) {
+      auto size_bins = [&](auto* slot) {  // slot32 or slot_of
+        using S = std::remove_pointer_t<decltype(slot)>;
         for (int64_t i = 0; i < m; ++i) {
           const int64_t q = bin_of[i], s = seqs[i];
           first[q] = std::min(first[q], s);
           ++size[q];
-          slot32[s] = static_cast<uint32_t>(at + q);
+          slot[s] = static_cast<S>(at + q);
         }
-      } else {
-        for (int64_t i = 0; i < m; ++i) {
-          const int64_t q = bin_of[i], s = seqs[i];
-          first[q] = std::min(first[q], s);
-          ++size[q];
-          slot_of[s] = at + q;
-        }
-      }
+      };
+      if (narrow) size_bins(slot32.data());
+      else size_bins(slot_of.data());
       sort_bins(pk.b.load.data(), first.data(), nb, n, ws.mb_keys, ws.mb_packed, mb_order);
       int64_t pos = base[r];
       for (int64_t j = 0; j < nb; ++j) {
@@ -2007,11 +1997,11 @@ std::pair<int64_t, double> plan_impl(const Input& in, int64_t* ord, int64_t* off
   }
   off[k * nb] = n;
   {  // each micro-batch by ascending sequence index
-    if (narrow) {
-      for (int64_t s = 0; s < n; ++s) ord[cursor32[slot32[s]]++] = s;
-    } else {
-      for (int64_t s = 0; s < n; ++s) ord[cursor[slot_of[s]]++] = s;
-    }
+    auto scatter = [&](const auto* slot, auto* cur) {
+      for (int64_t s = 0; s < n; ++s) ord[cur[slot[s]]++] = s;
+    };
+    if (narrow) scatter(slot32.data(), cursor32.data());
+    else scatter(slot_of.data(), cursor.data());
   }
   COMPASS_PHASE("micro-batches");
   return {nb, lb};
