@@ -183,26 +183,41 @@ def cases(quick: bool) -> list[Case]:
     return [case(d, n, dp) for d in ref.DISTRIBUTIONS for n, dp in shapes]
 
 
-def _cpu_times(fns: dict, reps: int, min_sample_s: float = 2e-3) -> dict[str, float]:
+class _Times(dict):
+    """name -> seconds per call, and ``once``: the names timed by one call."""
+
+    once: list[str]
+
+
+def _cpu_times(fns: dict, reps: int, min_sample_s: float = 2e-3,
+               once_s: float | None = None) -> _Times:  # fmt: skip
     """Median thread CPU seconds per call of each fn, interleaved repetitions,
     garbage collector paused (the harness's method, CPU time instead of wall
     time: on a shared host whose load average is several times its core count,
-    wall time measures the scheduler, not the code)."""
+    wall time measures the scheduler, not the code). A fn whose first call
+    takes over ``once_s`` is timed by that call alone (seconds-long Python:
+    one call is its own stable sample); their names are in ``.once``."""
     import gc
     import statistics
     import time
 
-    inner = {}
-    for name, fn in fns.items():  # warm up; calls per sample
-        t = time.thread_time()
-        fn()
-        inner[name] = max(1, int(min_sample_s / max(time.thread_time() - t, 1e-7)))
-    samples: dict[str, list[float]] = {name: [] for name in fns}
+    inner, once = {}, {}
+    samples: dict[str, list[float]] = {}
     was = gc.isenabled()
     gc.disable()
     try:
+        for name, fn in fns.items():  # warm up; calls per sample
+            t = time.thread_time()
+            fn()
+            t = time.thread_time() - t
+            if once_s is not None and t > once_s:
+                once[name] = t
+            else:
+                inner[name] = max(1, int(min_sample_s / max(t, 1e-7)))
+                samples[name] = []
         for _ in range(reps):
-            for name, fn in fns.items():
+            for name in samples:
+                fn = fns[name]
                 t = time.thread_time()
                 for _ in range(inner[name]):
                     fn()
@@ -210,7 +225,9 @@ def _cpu_times(fns: dict, reps: int, min_sample_s: float = 2e-3) -> dict[str, fl
     finally:
         if was:
             gc.enable()
-    return {name: statistics.median(v) for name, v in samples.items()}
+    out = _Times({name: statistics.median(v) for name, v in samples.items()} | once)
+    out.once = list(once)
+    return out
 
 
 # What seqlen_balancing.py imports at module level from verl besides its own
@@ -349,31 +366,6 @@ def _quality(lengths, dp: int) -> tuple[float, dict, float]:
     return kk, p.stats, q.stats["imbalance"]
 
 
-def _pipeline_time(values: list[int], dp: int, reps: int) -> tuple[float, int]:
-    """Thread CPU seconds of one ``ref.kk_pipeline`` call (GC paused): the
-    median of ``reps`` calls, or the first call alone where it takes over
-    PIPELINE_ONCE_S (seconds-long Python: one call is its own stable sample).
-    Also returns how many calls the figure is over."""
-    import gc
-    import statistics
-    import time
-
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        samples = []
-        for _ in range(reps):
-            t = time.thread_time()
-            ref.kk_pipeline(values, dp, MAX_TOKENS)
-            samples.append(time.thread_time() - t)
-            if samples[0] > PIPELINE_ONCE_S:
-                break
-    finally:
-        if was:
-            gc.enable()
-    return statistics.median(samples), len(samples)
-
-
 def speed_table(shapes=SHAPES, reps: int = 7) -> str:
     """Per (dist, n, dp): median thread CPU time of Python KK's rank pass
     (equal-size), of verl's where verl imports, of the whole two-pass pipeline
@@ -404,9 +396,10 @@ def speed_table(shapes=SHAPES, reps: int = 7) -> str:
         }
         if verl:
             fns["verl"] = lambda a=as_list, k=dp: verl.karmarkar_karp(a, k, True)
-        t = _cpu_times(fns, reps)
-        tp, calls = _pipeline_time(as_list, dp, reps)
-        if calls == 1:
+        fns["kk+mb"] = lambda a=as_list, k=dp: ref.kk_pipeline(a, k, MAX_TOKENS)
+        t = _cpu_times(fns, reps, once_s=PIPELINE_ONCE_S)
+        tp = t["kk+mb"]
+        if "kk+mb" in t.once:
             once.append(f"{dist} {n}/{dp}")
         vt = f" {t['verl'] * 1e3:9.3f}" if verl else ""
         vr = f" {t['verl'] / t['plan']:6.1f}x" if verl else ""
