@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # GPU runbook: on a machine with a CUDA device, in one command,
 #   1. build compass_kernels._C in place (no build isolation, no downloads),
-#   2. run every test tier that is not an engine (gpu and triton tiers on the GPU),
-#   3. run the benches (CUDA events, L2 flush, interleaved),
-#   4. write a report (report.md + report.json) to REPORT_DIR.
+#   2. `info`,
+#   3. the gpu and triton test tiers (not CUTLASS), then the CUTLASS tests in their
+#      own process with CUDA_LAUNCH_BLOCKING=1,
+#   4. a short timing script with CUDA events (scripts/gpu_timing.py),
+#   5. a report (report.md + report.json) to REPORT_DIR.
+# Sized for one 10-minute call on a bare 16-core H100 host (docs/gpu_runs/README.md).
 # Usage: scripts/gpu_check.sh [REPORT_DIR]   (default docs/gpu_runs/<date>-<gpu>)
 # Without a GPU it fails at step 0 with the reason; it never passes on a CPU.
-# Knobs: PYTHON (default python3), GPU_CHECK_BENCH=quick|full|off (default full),
+# Knobs: PYTHON (default python3), GPU_CHECK_BENCH=timing|full|off (default timing),
 #        GPU_CHECK_PYTEST_ARGS (extra pytest args), COMPASS_CUTLASS_INCLUDE (CUTLASS
 #        headers; without them the CUTLASS compile test fails, it does not skip).
 # Every skip except "interpreter only" fails the run (COMPASS_REQUIRE_ALL_TIERS=1).
@@ -38,7 +41,7 @@ step() {  # step NAME CMD...: run, tee into the log, record rc and seconds
 : >"$DIR/steps.txt"
 
 export COMPASS_REQUIRE_ALL_TIERS=1
-export COMPASS_CUDA=ON MAX_JOBS=${MAX_JOBS:-$(nproc)}
+export COMPASS_CUDA=ON COMPASS_EMU=OFF MAX_JOBS=${MAX_JOBS:-$(nproc)}
 # The GPU image's CXX/CUDAHOSTCXX (/opt/gcc wrapper) links libstdc++ statically,
 # which makes C++ errors crash Python (setup.py refuses such a module): build
 # with the system compiler when there is one.
@@ -48,18 +51,24 @@ fi
 command -v nvcc >/dev/null || export PATH="$PATH:/usr/local/cuda/bin"
 step build "$PY" setup.py -q build_ext --inplace || { "$PY" scripts/gpu_report.py "$DIR"; exit 1; }
 step info "$PY" -m compass_kernels info --json
-# xdist when present: a test that crashes its worker is reported as a failure
-# (and the junit report is still written) instead of ending the run.
+# The GPU tiers: every test marked gpu or triton (Triton runs on the GPU here),
+# the CUTLASS tests left for their own process. The compile-only tier (sm90),
+# the CPU tiers and the engines (tests/integration: not installable on a bare
+# host with no network) are left out by marker and path, explicitly: they run
+# in CI. xdist when present: a test that crashes its worker is reported as a
+# failure (the junit report is still written) instead of ending the run.
 XDIST=""
 "$PY" -c "import xdist" 2>/dev/null && XDIST="-n 4"
+PYTEST=("$PY" -m pytest tests --ignore=tests/integration -q -rfE --tb=short -p no:cacheprovider)
 # shellcheck disable=SC2086
-# The engine tier (vllm, megatron) is not installable on a bare GPU host (no
-# network): it is left out by path, explicitly, not skipped.
-step tests "$PY" -m pytest tests --ignore=tests/integration -m "not integration" -q -rfE \
-  --tb=short -p no:cacheprovider \
+step tests "${PYTEST[@]}" -m "(gpu or triton) and not cutlass and not sm90 and not integration" \
   $XDIST --junitxml="$DIR/junit.xml" ${GPU_CHECK_PYTEST_ARGS:-}
-case ${GPU_CHECK_BENCH:-full} in
-  quick) step bench "$PY" -m bench --quick --no-progress --no-plot --out "$DIR/bench" ;;
+# CUTLASS in its own process, every launch synchronous: a fault is reported at
+# the call that made it and cannot poison the tests above.
+CUDA_LAUNCH_BLOCKING=1 step tests_cutlass "${PYTEST[@]}" -m cutlass \
+  --junitxml="$DIR/junit_cutlass.xml"
+case ${GPU_CHECK_BENCH:-timing} in
+  timing) step timing "$PY" scripts/gpu_timing.py --out "$DIR/timing.json" ;;
   full) step bench "$PY" -m bench --no-progress --no-plot --out "$DIR/bench" ;;
   off) ;;
 esac

@@ -1,7 +1,8 @@
 """Write report.md and report.json for a GPU run (scripts/gpu_check.sh).
 
-Reads, from the run's folder: steps.txt (step, rc, seconds), junit.xml (each
-test's outcome), bench/results.csv (each bench row) and the device facts
+Reads, from the run's folder: steps.txt (step, rc, seconds), junit.xml and
+junit_cutlass.xml (each test's outcome), timing.json (scripts/gpu_timing.py),
+bench/results.csv (each bench row, when the full bench ran) and the device facts
 queried here (torch, CUDA, driver, GPU). The report is the only source of GPU
 numbers the project states (docs/gpu_runs/).
 """
@@ -53,6 +54,9 @@ def _device() -> dict:
     return info
 
 
+_FIRST = ("op", "backend", "shape", "ms")
+
+
 def _tests(junit: Path) -> list[dict]:
     if not junit.exists():
         return []
@@ -78,7 +82,9 @@ def main(folder: str) -> int:
         for line in (d / "steps.txt").read_text().splitlines():
             name, rc, secs = line.split()
             steps.append({"step": name, "rc": int(rc), "seconds": int(secs)})
-    tests = _tests(d / "junit.xml")
+    tests = _tests(d / "junit.xml") + _tests(d / "junit_cutlass.xml")
+    timing_json = d / "timing.json"
+    timing = json.loads(timing_json.read_text())["rows"] if timing_json.exists() else []
     bench_csv = d / "bench" / "results.csv"
     bench = list(csv.DictReader(bench_csv.open())) if bench_csv.exists() else []
     device = _device()
@@ -86,7 +92,7 @@ def main(folder: str) -> int:
     for t in tests:
         counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1
     report = {"device": device, "steps": steps, "test_counts": counts, "tests": tests,
-              "bench": bench}  # fmt: skip
+              "bench": bench, "timing": timing}  # fmt: skip
     (d / "report.json").write_text(json.dumps(report, indent=1))
 
     md = [f"# GPU run {device['date_utc']} on {device.get('gpu', '?')}", ""]
@@ -109,6 +115,15 @@ def main(folder: str) -> int:
         md += ["## Bench (measured on this GPU, CUDA events)", "", "| " + " | ".join(cols) + " |",
                "|" + "---|" * len(cols)]  # fmt: skip
         md += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in bench]
+    if timing:
+        cols = sorted(
+            {k for r in timing for k in r},
+            key=lambda k: (_FIRST.index(k) if k in _FIRST else len(_FIRST), k),
+        )
+        md += ["", "## Timing (measured on this GPU, CUDA events, L2 flushed; "
+               "scripts/gpu_timing.py)", "", "| " + " | ".join(cols) + " |",
+               "|" + "---|" * len(cols)]  # fmt: skip
+        md += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in timing]
     (d / "report.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
     failed = any(s["rc"] != 0 for s in steps) or bool(bad)

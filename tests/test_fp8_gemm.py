@@ -15,7 +15,14 @@ import compass_kernels as ck
 from compass_kernels._ext import load
 from compass_kernels.fp8.grouped_gemm import OUT_DTYPES, grouped_gemm_op
 from compass_kernels.testing import empty_poisoned
-from tests.fp8_gemm_cases import COUNTS, check_close, make_problem, offsets_of
+from tests.fp8_gemm_cases import (
+    COUNTS,
+    GPU_REL_ERR,
+    check_close,
+    hopper_accumulation_model,
+    make_problem,
+    offsets_of,
+)
 
 BACKENDS = ["cpp", pytest.param("triton", marks=pytest.mark.triton)]
 
@@ -158,12 +165,53 @@ def test_consumes_permute_quantize_output(backend, scale_layout):
 
 # ------------------------------------------------------------------ GPU
 
+#: The GPU test problem (7 experts: empty first / middle / last, 1, 127, 128, 129 rows).
+GPU_PROBLEM = dict(counts=COUNTS, n=256, k=512, seed=8)
+
+
+def _gpu_problem():
+    p = GPU_PROBLEM
+    return make_problem(p["counts"], p["n"], p["k"], seed=p["seed"])
+
+
+def test_gpu_tolerance_from_hopper_accumulation_model():
+    """The GPU tolerance passes what a correct kernel computes under Hopper's FP8
+    accumulation (14-bit partial sums, fp32 promotion every 128 of K) on the exact GPU
+    test problem, where an exact-fp32 bound (1e-5) does not, and still fails the
+    planted bugs: a dropped K block, swapped block scales."""
+    args = _gpu_problem()
+    model = hopper_accumulation_model(args)
+    check_close(model, args, rel_err=GPU_REL_ERR)
+    with pytest.raises(AssertionError, match="outputs off"):
+        check_close(model, args, rel_err=1e-5)
+    for bug in ("drop_block", "swap_scales"):
+        with pytest.raises(AssertionError, match="outputs off"):
+            check_close(hopper_accumulation_model(args, bug=bug), args, rel_err=GPU_REL_ERR)
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
 def test_gpu_backends_match_reference(backend):
-    args = make_problem(COUNTS, 256, 512, seed=8)
+    args = _gpu_problem()
     dev = [t.cuda() for t in args]
-    out = empty_poisoned((args[0].shape[0], 256), torch.bfloat16, "cuda")
+    out = empty_poisoned((args[0].shape[0], GPU_PROBLEM["n"]), torch.bfloat16, "cuda")
     grouped_gemm_op.run((*dev, 0), backend, (out,))
-    check_close(out.cpu(), args)
+    check_close(out.cpu(), args, rel_err=GPU_REL_ERR)
+
+
+def test_cutlass_rejects_misaligned_views():
+    """A view at an odd byte offset would reach TMA misaligned (CUTLASS skips its own
+    per-group checks with device-side shapes): the public API refuses it for the
+    CUTLASS backend, naming the argument, before any device work."""
+    a_q, a_s, b_q, b_s, off = make_problem((3, 2), 64, 128, seed=1)
+    wide = torch.cat([a_q.view(torch.uint8).new_zeros(1, 128), a_q.view(torch.uint8)])
+    shifted = wide.view(-1)[1 : 1 + a_q.numel()].view(a_q.shape).view(torch.float8_e4m3fn)
+    assert shifted.data_ptr() % 16
+    with pytest.raises(ValueError, match=r"a_q: the CUTLASS kernel .* 16-byte aligned"):
+        ck.fp8.grouped_gemm(shifted, a_s, b_q, b_s, off, backend="cuda")
+    b_shift = torch.cat([b_q.view(torch.uint8).reshape(-1), b_q.new_zeros(16).view(torch.uint8)])
+    b_mis = b_shift[8 : 8 + b_q.numel()].view(b_q.shape).view(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"b_q: the CUTLASS kernel"):
+        ck.fp8.grouped_gemm(a_q, a_s, b_mis, b_s, off, backend="cuda")
+    # The reference-served backends take the same views.
+    ck.fp8.grouped_gemm(shifted.contiguous(), a_s, b_q, b_s, off)

@@ -131,3 +131,70 @@ def test_cutlass_units_build_at_most_two_at_a_time():
             block = text.split(f"grouped_gemm_sm90_{tile}.cu.o:", 1)
             if len(block) == 2:  # a CUDA build tree
                 assert "pool = compass_cutlass" in block[1].split("\nbuild ", 1)[0], (ninja, tile)
+
+
+# Per-expert entry sizes of the sm_90a kernel's arrays (StrideA / B / D are
+# (int64, _1, _0) strides; the scale-factor layouts are cute layouts of a few
+# ints), plus odd sizes so every rounding path is exercised.
+_ELEM_SIZES = [(8, 8, 8, 40, 40), (8, 8, 8, 24, 24), (24, 24, 24, 56, 56), (1, 3, 5, 7, 9)]
+_CUTLASS_BYTES = [0, 64, 132 * 128, 132 * 128 + 8, 1000003]
+
+
+def _layout_errors(experts, cutlass_bytes, elem, layout) -> list[str]:
+    """Why `layout` ([cutlass_offset, cutlass_bytes, 5 offsets, total]) is unsafe for CUTLASS."""
+    cut_off, cut_bytes, offs, total = layout[0], layout[1], layout[2:7], layout[7]
+    errs = []
+    if cut_off % 128:
+        errs.append(f"CUTLASS region at {cut_off}, not 128-byte aligned (TMA descriptors)")
+    if cut_bytes != cutlass_bytes:
+        errs.append(f"CUTLASS region of {cut_bytes} B, expected {cutlass_bytes}")
+    spans = [(cut_off, cut_off + cutlass_bytes)]
+    for o, size in zip(offs, elem, strict=True):
+        if o % 16:
+            errs.append(f"array at {o}, not 16-byte aligned")
+        spans.append((o, o + size * experts))
+    spans.sort()
+    for (a0, a1), (b0, _) in zip(spans, spans[1:], strict=False):
+        if a1 > b0:
+            errs.append(f"regions [{a0}, {a1}) and [{b0}, ...) overlap")
+    if spans[-1][1] > total:
+        errs.append(f"total {total} B < end of the last region {spans[-1][1]}")
+    return errs
+
+
+def _old_layout(experts, cutlass_bytes, elem):
+    """The layout before the fix: arrays first (each rounded to 16 B), CUTLASS after."""
+    offs, at = [], 0
+    for size in elem:
+        offs.append(at)
+        at += (size * experts + 15) // 16 * 16
+    return [at, cutlass_bytes, *offs, at + cutlass_bytes]
+
+
+def test_workspace_layout_cutlass_region_aligned_for_every_expert_count():
+    """The workspace carve (csrc/fp8_gemm/sm90_workspace.h): CUTLASS's region 128-byte
+    aligned, the per-expert arrays 16-byte aligned and disjoint, for E = 1..300."""
+    layout_of = _C.fp8_gemm.sm90_workspace_layout
+    for elem in _ELEM_SIZES:
+        for cutlass_bytes in _CUTLASS_BYTES:
+            for e in range(1, 301):
+                lay = layout_of(e, cutlass_bytes, list(elem))
+                errs = _layout_errors(e, cutlass_bytes, elem, lay)
+                assert not errs, f"E = {e}, CUTLASS {cutlass_bytes} B, sizes {elem}: {errs}"
+
+
+def test_workspace_layout_check_rejects_the_old_carve():
+    """The check above fails the old layout (CUTLASS after the arrays, each rounded to
+    16 B) for most expert counts, whatever the entry sizes: it is the test that would
+    have caught the misaligned TMA descriptors."""
+    for elem in _ELEM_SIZES:
+        bad = [e for e in range(1, 301)
+               if _layout_errors(e, 132 * 128, elem, _old_layout(e, 132 * 128, elem))]  # fmt: skip
+        assert len(bad) >= 150, (elem, len(bad))
+
+
+def test_workspace_layout_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="experts >= 1"):
+        _C.fp8_gemm.sm90_workspace_layout(0, 64, [8] * 5)
+    with pytest.raises(ValueError, match="elem_bytes: expected 5"):
+        _C.fp8_gemm.sm90_workspace_layout(3, 64, [8] * 4)

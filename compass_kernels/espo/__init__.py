@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from compass_kernels.espo.fused_loss import fused_linear_espo_loss
 from compass_kernels.espo.logprobs import (
+    IGNORE_INDEX,
     fused_linear_logprobs_entropy,
     token_logprobs_entropy,
 )
 from compass_kernels.espo.loss import EspoMetrics, entropy_thresholds, espo_loss
 
 __all__ = [
+    "IGNORE_INDEX",
     "token_logprobs_entropy",
     "fused_linear_logprobs_entropy",
     "fused_linear_espo_loss",

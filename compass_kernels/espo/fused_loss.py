@@ -367,7 +367,8 @@ def _grad_in_forward(h, w, y, temp, old_lp, old_ent, adv, cu, mask, cfg, G, ent_
     gd: the gradient GEMMs' operand dtype (float32, or hidden's dtype: the
     float32 d logits tile is then rounded once into a gd buffer)."""
     total, vocab = h.shape[0], w.shape[0]
-    rank, _ = _tp_info(tp_group)
+    rank, world = _tp_info(tp_group)
+    full_vocab = vocab * world
     shard = rank * vocab  # equal contiguous shards (Megatron's vocab split)
     dev = h.device
     seq, valid, counts, tok_w = _token_weights(cu, mask, total, G)
@@ -428,7 +429,7 @@ def _grad_in_forward(h, w, y, temp, old_lp, old_ent, adv, cu, mask, cfg, G, ent_
         st[1:].zero_()
         logprobs_tile_stats_op(tile, y[a:b], shard, temp, True, st, backend=common["backend"],
                                out=(st,))  # fmt: skip
-        m, log_s, lp_c, ent_c = _finalize(st, 1.0 / temp, True, tp_group)
+        m, log_s, lp_c, ent_c = _finalize(st, 1.0 / temp, True, tp_group, y[a:b], full_vocab)
         logp[a:b] = lp_c
         ent[a:b] = ent_c
         if not (want_h or want_w):

@@ -20,8 +20,10 @@ import torch
 
 from compass_kernels._op import register_op
 from compass_kernels._validate import INT_DTYPES, check_tensor, describe
+from compass_kernels.espo.reference_logprobs import IGNORE_INDEX
 
 __all__ = [
+    "IGNORE_INDEX",
     "token_logprobs_entropy",
     "fused_linear_logprobs_entropy",
     "token_logprobs_entropy_op",
@@ -138,10 +140,13 @@ def _check_targets_range(targets: torch.Tensor, vocab: int) -> None:
         return
     lo, hi = torch.aminmax(targets)
     if int(lo) < 0 or int(hi) >= vocab:
-        bad = int(((targets < 0) | (targets >= vocab)).nonzero()[0, 0])
-        raise ValueError(
-            f"targets: expected token ids in [0, {vocab}), got targets[{bad}] = {int(targets[bad])}"
-        )
+        off = ((targets < 0) | (targets >= vocab)) & (targets != IGNORE_INDEX)
+        if off.any():
+            bad = int(off.nonzero()[0, 0])
+            raise ValueError(
+                f"targets: expected token ids in [0, {vocab}) or the ignore index "
+                f"{IGNORE_INDEX}, got targets[{bad}] = {int(targets[bad])}"
+            )
 
 
 def _check_temperature(temperature: float) -> float:
@@ -166,7 +171,10 @@ def token_logprobs_entropy(
     ----------
     logits : [T, V] float32 | bfloat16, the vocab dimension contiguous (rows may
         be strided, e.g. a slice of [B, L, V]). -inf entries are masked tokens.
-    targets : [T] integer token ids in [0, V).
+    targets : [T] integer token ids in [0, V), or IGNORE_INDEX (-100): a masked
+        token, log-prob 0 and no log-prob gradient (its entropy is still computed).
+        Any other id outside [0, V) is an error where checked (validate); unchecked
+        (CUDA by default) its log-prob is NaN, and no kernel reads outside the row.
     temperature : float > 0; the distribution is softmax(logits / temperature).
     with_entropy : compute the entropy (skipping it saves ~a third of the forward).
     validate : check targets' range and that logits hold no NaN / +inf and no
@@ -332,11 +340,13 @@ def _tp_info(tp_group) -> tuple[int, int]:
     return dist.get_rank(tp_group), dist.get_world_size(tp_group)
 
 
-def _finalize(state: torch.Tensor, inv_t: float, with_entropy: bool, tp_group):
+def _finalize(state: torch.Tensor, inv_t: float, with_entropy: bool, tp_group, targets, vocab):
     """(row_max, log_norm, logp, entropy) [T] from the merged per-token state [4, T]
     (m, s, a, z_target; m and z_target in raw-logit units). With a TP group, shards
     merge with all-reduce MAX of m, then SUM of (s, a, z_target) rescaled to the
-    global max (compass/logprobs.h merge)."""
+    global max (compass/logprobs.h merge). ``targets`` [T] and the full ``vocab``
+    (all shards): an IGNORE_INDEX target gets log-prob 0, any other outside [0,
+    vocab) NaN (no tile held it)."""
     m, s, a, xt = state.unbind(0)
     if tp_group is not None:
         import torch.distributed as dist
@@ -351,6 +361,10 @@ def _finalize(state: torch.Tensor, inv_t: float, with_entropy: bool, tp_group):
         m = big_m
     log_s = torch.log(s)
     logp = torch.clamp((xt - m) * inv_t - log_s, max=0.0)  # compass/logprobs.h logprob_of
+    ok = (targets >= 0) & (targets < vocab)
+    if not (ok.all() if targets.device.type == "cpu" else False):
+        masked = torch.where(targets == IGNORE_INDEX, 0.0, float("nan")).to(logp.dtype)
+        logp = torch.where(ok, logp, masked)
     entropy = torch.clamp(log_s - a / s, min=0.0) if with_entropy else None
     return m, log_s, logp, entropy
 
@@ -392,7 +406,9 @@ class _FusedLinearLogprobs(torch.autograd.Function):
                     backend=backend, out=(st,),
                 )  # fmt: skip
             state[:, t0:t1] = st
-        m, log_s, logp, entropy = _finalize(state, 1.0 / temperature, with_entropy, tp_group)
+        m, log_s, logp, entropy = _finalize(
+            state, 1.0 / temperature, with_entropy, tp_group, targets, vocab * _tp_info(tp_group)[1]
+        )
         ctx.save_for_backward(hidden, weight, targets, m, log_s, entropy if with_entropy else m)
         ctx.cfg = (temperature, with_entropy, tp_group, chunks, backend, shard_start, grad_dtype)
         ctx.set_materialize_grads(False)

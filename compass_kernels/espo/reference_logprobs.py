@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import torch
 
+#: A target equal to this is a masked token (Hugging Face's / torch's ignore_index).
+IGNORE_INDEX = -100
+
 __all__ = [
+    "IGNORE_INDEX",
     "token_logprobs_entropy_reference",
     "fused_linear_logprobs_entropy_reference",
 ]
@@ -25,7 +29,8 @@ def token_logprobs_entropy_reference(
     Parameters
     ----------
     logits : [T, V] float (any dtype; computed in float64, differentiable).
-    targets : [T] integer token ids in [0, V).
+    targets : [T] integer token ids in [0, V), or IGNORE_INDEX (-100): log-prob 0,
+        no gradient (any other id outside [0, V) gives NaN).
     temperature : float > 0.
 
     Returns
@@ -35,7 +40,12 @@ def token_logprobs_entropy_reference(
     """
     x = logits.to(torch.float64) / temperature
     logp_all = torch.log_softmax(x, dim=-1)
-    logp = logp_all.gather(-1, targets.to(torch.int64)[:, None]).squeeze(-1)
+    y = targets.to(torch.int64)
+    ok = (y >= 0) & (y < x.shape[-1])
+    logp = logp_all.gather(-1, torch.where(ok, y, 0)[:, None]).squeeze(-1)
+    # IGNORE_INDEX: 0 (no gradient); any other target outside [0, V): NaN
+    masked = torch.where(y == IGNORE_INDEX, 0.0, float("nan")).to(logp.dtype)
+    logp = torch.where(ok, logp, masked)
     p = logp_all.exp()
     # where(): 0 * -inf would be NaN for masked (-inf) logits; 0 log 0 = 0.
     entropy = -(p * torch.where(p > 0, logp_all, 0.0)).sum(-1)

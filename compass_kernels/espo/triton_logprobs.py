@@ -74,10 +74,14 @@ def _fwd_kernel(
     m, s, a = _row_stats(row_ptr, V, inv_t, m, s, a, ENT, BLOCK)
     log_s = tl.log(s)
     y = tl.load(targets_ptr + row)
-    xt = tl.load(row_ptr + y).to(tl.float32)
+    ok = (y >= 0) & (y < V)
+    xt = tl.load(row_ptr + tl.where(ok, y, 0)).to(tl.float32)  # never outside the row
+    lp = tl.minimum((xt - m) * inv_t - log_s, 0.0)  # never positive
+    # the ignore index (-100): 0; any other target outside [0, V): NaN (logprobs.h)
+    lp = tl.where(ok, lp, tl.where(y == -100, 0.0, float("nan")))
     tl.store(max_ptr + row, m)
     tl.store(log_norm_ptr + row, log_s)
-    tl.store(logp_ptr + row, tl.minimum((xt - m) * inv_t - log_s, 0.0))  # never positive
+    tl.store(logp_ptr + row, lp)
     if ENT:
         tl.store(entropy_ptr + row, tl.maximum(log_s - a / s, 0.0))
     else:
@@ -117,8 +121,10 @@ def _bwd_kernel(
     out_ptr = grad_ptr + row * stride_grad
     m = tl.load(max_ptr + row)
     log_s = tl.load(log_norm_ptr + row)
-    y = tl.load(targets_ptr + row) - vocab_start
+    y_raw = tl.load(targets_ptr + row)
+    y = y_raw - vocab_start
     gl = tl.load(gl_ptr + row) if HAS_GL else 0.0
+    gl = tl.where(y_raw == -100, 0.0, gl)  # the ignore index: no log-prob gradient
     if HAS_GH:
         gh = tl.load(gh_ptr + row)
         h = tl.load(entropy_ptr + row)

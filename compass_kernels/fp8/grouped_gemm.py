@@ -191,5 +191,21 @@ def grouped_gemm(
             raise ValueError(f"out: expected shape [{m}, {n}] with unit stride along N, got "
                              f"{describe(out)} strides {out.stride()}")  # fmt: skip
         out = (out,)
+    if backend == "cuda" or (backend is None and dev.type == "cuda"):
+        _check_tma_alignment(a_q=a_q, b_q=b_q, out=out[0] if out is not None else None)
     return grouped_gemm_op(a_q, a_scales, b_q, b_scales, expert_offsets, code, backend=backend,
                            out=out)  # fmt: skip
+
+
+def _check_tma_alignment(**tensors: torch.Tensor | None) -> None:
+    """The CUTLASS kernel reads a_q, b_q and writes out through TMA from their base
+    addresses: each must start on 16 bytes. With device-side problem shapes CUTLASS
+    skips its own per-group checks, so a misaligned view (``a_q[1:]``) would reach
+    TMA; checked here from metadata (no sync), and again in C++."""
+    for name, t in tensors.items():
+        if t is not None and t.data_ptr() % 16:
+            raise ValueError(
+                f"{name}: the CUTLASS kernel (backend 'cuda') needs a 16-byte aligned start "
+                f"(TMA), got address {t.data_ptr():#x} ({describe(t)}, storage offset "
+                f"{t.storage_offset()}): pass a contiguous copy, or backend='triton'"
+            )

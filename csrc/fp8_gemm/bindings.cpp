@@ -15,6 +15,9 @@ void bind(pybind11::module_& root) {
   COMPASS_DEF_NOGIL(m, grouped_args_cpu, args);
   m.def("choose_sm90_tile", &choose_sm90_tile_binding,
         "(rows, experts, n, sm_count) -> CUTLASS sm_90a tile configuration (0 = m64, 1 = m128)");
+  m.def("sm90_workspace_layout", &sm90_workspace_layout_binding,
+        "(experts, cutlass_bytes, elem_bytes[5]) -> [cutlass_offset, cutlass_bytes, offsets of "
+        "StrideA, StrideB, StrideD, LayoutSFA, LayoutSFB, total bytes]");
   m.attr("SM90_TILES") = pybind11::make_tuple("m64", "m128");
 #ifdef COMPASS_WITH_CUDA
   COMPASS_DEF(m, grouped_args_cuda, args);

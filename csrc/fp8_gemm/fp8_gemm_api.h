@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "compass/fp8_gemm.h"
 #include "compass/tensor_view.h"
@@ -55,6 +56,10 @@ void grouped_args_cuda(COMPASS_FP8_GROUPED_ARGS_ARGS, uintptr_t stream);
 // The tile configuration heuristic (sm90_tiles.h), bound for the CPU tests
 // and used by the CUDA entry point below.
 int64_t choose_sm90_tile_binding(int64_t rows, int64_t experts, int64_t n, int64_t sm_count);
+// The workspace layout (sm90_workspace.h), bound for the CPU tests:
+// [cutlass_offset, cutlass_bytes, 5 array offsets, total].
+std::vector<int64_t> sm90_workspace_layout_binding(int64_t experts, int64_t cutlass_bytes,
+                                                  std::vector<int64_t> elem_bytes);
 #ifdef COMPASS_WITH_CUDA  // CUTLASS sm_90a (grouped_gemm_sm90.cuh, one TU per tile config)
 // Bytes of workspace the CUTLASS grouped GEMM with tile configuration `tile`
 // (sm90_tiles.h: Sm90Tile) needs for E experts on sm_count SMs.

@@ -29,6 +29,7 @@
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "compass/cuda_utils.cuh"
 #include "fp8_gemm/fp8_gemm_api.h"
+#include "fp8_gemm/sm90_workspace.h"
 
 namespace compass {
 namespace fp8_gemm {
@@ -99,17 +100,26 @@ __global__ void fill_group_layouts(const int32_t* shapes, int64_t groups, int64_
   lsfb[g] = ScaleConfig::tile_atom_to_shape_SFB(make_shape(m, n, k, 1));
 }
 
-// Bytes of workspace run<Cfg> needs for E experts on sm_count SMs: the
-// per-group strides and layouts, then CUTLASS's own workspace.
+// The workspace layout (sm90_workspace.h) for E experts on sm_count SMs:
+// CUTLASS's region first, then the per-group strides and layouts.
 template <class Cfg>
-int64_t workspace_bytes(int64_t experts, int64_t sm_count) {
-  const int64_t per_group = sizeof(typename Cfg::StrideA) + sizeof(typename Cfg::StrideB) +
-                            sizeof(typename Cfg::StrideD) + sizeof(LayoutSFA) + sizeof(LayoutSFB);
+Sm90WorkspaceLayout workspace_layout(int64_t experts, int64_t sm_count) {
   typename Cfg::Gemm::Arguments args;
   args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
   args.problem_shape = {static_cast<int>(experts), nullptr, nullptr};
   args.hw_info.sm_count = static_cast<int>(sm_count);
-  return 256 + per_group * experts + static_cast<int64_t>(Cfg::Gemm::get_workspace_size(args));
+  return sm90_workspace_layout(
+      experts, static_cast<int64_t>(Cfg::Gemm::get_workspace_size(args)),
+      {static_cast<int64_t>(sizeof(typename Cfg::StrideA)),
+       static_cast<int64_t>(sizeof(typename Cfg::StrideB)),
+       static_cast<int64_t>(sizeof(typename Cfg::StrideD)),
+       static_cast<int64_t>(sizeof(LayoutSFA)), static_cast<int64_t>(sizeof(LayoutSFB))});
+}
+
+// Bytes of workspace run<Cfg> needs for E experts on sm_count SMs.
+template <class Cfg>
+int64_t workspace_bytes(int64_t experts, int64_t sm_count) {
+  return workspace_layout<Cfg>(experts, sm_count).total;
 }
 
 template <class Cfg>
@@ -134,24 +144,30 @@ void run(COMPASS_FP8_GROUPED_GEMM_ARGS, TensorView shapes, TensorView ptrs, Tens
                 kb, ", 1)), got (", a_scales.strides[0], ", ", a_scales.strides[1], ")");
   COMPASS_CHECK(b_scales.is_contiguous() && b_q.is_contiguous(),
                 "b_q, b_scales: the CUTLASS kernel needs contiguous weights and scales");
-  const int64_t need = workspace_bytes<Cfg>(e, sm_count);
+  const Sm90WorkspaceLayout layout = workspace_layout<Cfg>(e, sm_count);
   workspace.expect_vector().expect_dtype(DType::kUInt8);
-  COMPASS_CHECK(workspace.numel() >= need, "workspace: expected at least ", need,
+  COMPASS_CHECK(workspace.numel() >= layout.total, "workspace: expected at least ", layout.total,
                 " bytes for tile configuration ", name, ", got ", workspace.numel());
+  auto* base = static_cast<uint8_t*>(workspace.data);
+  COMPASS_CHECK(reinterpret_cast<uintptr_t>(base) % kSm90WorkspaceAlign == 0,
+                "workspace: expected a ", kSm90WorkspaceAlign,
+                "-byte aligned start (CUTLASS keeps its TMA descriptors there), got address ",
+                reinterpret_cast<uintptr_t>(base));
+  // TMA reads the operands from their base addresses: 16-byte aligned.
+  for (const TensorView* v : {&a_q, &b_q, &out}) {
+    COMPASS_CHECK(reinterpret_cast<uintptr_t>(v->data) % 16 == 0, v->name,
+                  ": the CUTLASS kernel needs a 16-byte aligned start (TMA), got address ",
+                  reinterpret_cast<uintptr_t>(v->data), " (a view at an odd offset?)");
+  }
   DeviceGuard guard(a_q.device_id);
   auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
 
-  auto* base = static_cast<uint8_t*>(workspace.data);
-  auto carve = [&](size_t bytes) {
-    uint8_t* p = base;
-    base += (bytes + 15) / 16 * 16;
-    return p;
-  };
-  auto* sa = reinterpret_cast<StrideA*>(carve(sizeof(StrideA) * e));
-  auto* sb = reinterpret_cast<StrideB*>(carve(sizeof(StrideB) * e));
-  auto* sd = reinterpret_cast<StrideD*>(carve(sizeof(StrideD) * e));
-  auto* lsfa = reinterpret_cast<LayoutSFA*>(carve(sizeof(LayoutSFA) * e));
-  auto* lsfb = reinterpret_cast<LayoutSFB*>(carve(sizeof(LayoutSFB) * e));
+  uint8_t* cutlass_ws = base + layout.cutlass_offset;
+  auto* sa = reinterpret_cast<StrideA*>(base + layout.offsets[0]);
+  auto* sb = reinterpret_cast<StrideB*>(base + layout.offsets[1]);
+  auto* sd = reinterpret_cast<StrideD*>(base + layout.offsets[2]);
+  auto* lsfa = reinterpret_cast<LayoutSFA*>(base + layout.offsets[3]);
+  auto* lsfb = reinterpret_cast<LayoutSFB*>(base + layout.offsets[4]);
   fill_group_layouts<Cfg><<<static_cast<unsigned>((e + 127) / 128), 128, 0, stream>>>(
       shapes.ptr<int32_t>(), e, a_q.strides[0], out.strides[0], sa, sb, sd, lsfa, lsfb);
   check_launch("fp8_gemm.fill_group_layouts");
@@ -174,7 +190,7 @@ void run(COMPASS_FP8_GROUPED_GEMM_ARGS, TensorView shapes, TensorView ptrs, Tens
   Gemm gemm;
   COMPASS_CHECK(gemm.can_implement(args) == cutlass::Status::kSuccess, "fp8_gemm (", name,
                 "): CUTLASS cannot run this problem (alignment or shape)");
-  auto st = gemm.initialize(args, base, stream);
+  auto st = gemm.initialize(args, cutlass_ws, stream);
   COMPASS_CHECK(st == cutlass::Status::kSuccess, "fp8_gemm (", name, "): CUTLASS initialize failed");
   st = gemm.run(stream);
   COMPASS_CHECK(st == cutlass::Status::kSuccess, "fp8_gemm (", name, "): CUTLASS launch failed");

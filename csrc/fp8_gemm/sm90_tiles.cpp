@@ -3,6 +3,7 @@
 // builds, the dispatch to the configuration's translation unit.
 #include "fp8_gemm/fp8_gemm_api.h"
 #include "fp8_gemm/sm90_tiles.h"
+#include "fp8_gemm/sm90_workspace.h"
 
 namespace compass {
 namespace fp8_gemm {
@@ -12,6 +13,23 @@ int64_t choose_sm90_tile_binding(int64_t rows, int64_t experts, int64_t n, int64
                 "choose_sm90_tile: expected rows >= 0, experts >= 1, n >= 1, sm_count >= 1, got ",
                 rows, ", ", experts, ", ", n, ", ", sm_count);
   return choose_sm90_tile(rows, experts, n, sm_count);
+}
+
+std::vector<int64_t> sm90_workspace_layout_binding(int64_t experts, int64_t cutlass_bytes,
+                                                  std::vector<int64_t> elem_bytes) {
+  COMPASS_CHECK(experts >= 1 && cutlass_bytes >= 0,
+                "sm90_workspace_layout: expected experts >= 1 and cutlass_bytes >= 0, got ",
+                experts, ", ", cutlass_bytes);
+  COMPASS_CHECK(elem_bytes.size() == kSm90GroupArrays, "elem_bytes: expected ",
+                kSm90GroupArrays, " sizes (StrideA, StrideB, StrideD, LayoutSFA, LayoutSFB), got ",
+                elem_bytes.size());
+  std::array<int64_t, kSm90GroupArrays> sizes{};
+  for (int i = 0; i < kSm90GroupArrays; ++i) sizes[i] = elem_bytes[i];
+  const Sm90WorkspaceLayout l = sm90_workspace_layout(experts, cutlass_bytes, sizes);
+  std::vector<int64_t> out{l.cutlass_offset, l.cutlass_bytes};
+  out.insert(out.end(), l.offsets.begin(), l.offsets.end());
+  out.push_back(l.total);
+  return out;
 }
 
 #ifdef COMPASS_WITH_CUDA

@@ -78,7 +78,9 @@ __global__ void fwd_kernel(const In* __restrict__ logits, int64_t stride, int64_
   if (threadIdx.x == 0) {
     row_max[row] = st.m;
     log_norm[row] = logf(st.s);
-    logp[row] = logprob_of(widen_d(x[targets[row]]), st, inv_t);
+    const int64_t y = targets[row];
+    logp[row] = (y >= 0 && y < vocab) ? logprob_of(widen_d(x[y]), st, inv_t)
+                                      : (y == kIgnoreIndex ? 0.0f : NAN);
     entropy[row] = kEnt ? entropy_of(st) : NAN;
   }
 }
@@ -114,7 +116,7 @@ __global__ void bwd_kernel(const In* logits, In* grad, int64_t stride, int64_t g
   const In* x = logits + row * stride;
   In* out = grad + row * grad_stride;
   const float m = row_max[row], log_s = log_norm[row];
-  const float gl = kGl ? gls[row] : 0.0f;
+  const float gl = (kGl && targets[row] != kIgnoreIndex) ? gls[row] : 0.0f;
   const float gh = kGh ? ghs[row] : 0.0f;
   const float h = kGh ? entropy[row] : 0.0f;
   const int64_t y = targets[row] - vocab_start;

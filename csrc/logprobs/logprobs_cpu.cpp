@@ -129,7 +129,8 @@ __attribute__((always_inline)) inline void fwd_rows(const FwdPtrs& p, int64_t r0
     const RowState st = row_stats<In, kEnt, true>(x, p.vocab, p.inv_t, RowState{}, bad);
     p.row_max[t] = st.m;
     p.log_norm[t] = std::log(st.s);
-    p.logp[t] = logprob_of(widen(x[p.targets[t]]), st, p.inv_t);
+    const int64_t y = p.targets[t];  // checked: in [0, V) or kIgnoreIndex
+    p.logp[t] = y == kIgnoreIndex ? 0.0f : logprob_of(widen(x[y]), st, p.inv_t);
     p.entropy[t] = kEnt ? entropy_of(st) : NAN;
   }
 }
@@ -177,7 +178,8 @@ __attribute__((always_inline)) inline void bwd_rows(const BwdPtrs& p, int64_t r0
   for (int64_t t = r0; t < r1; ++t) {
     row_grad<In, kGl, kGh>(base + t * p.row_stride, gbase + t * p.grad_stride, p.vocab,
                            p.targets[t] - p.vocab_start, p.inv_t, p.row_max[t], p.log_norm[t],
-                           kGh ? p.entropy[t] : 0.0f, kGl ? p.gl[t] : 0.0f,
+                           kGh ? p.entropy[t] : 0.0f,
+                           (kGl && p.targets[t] != kIgnoreIndex) ? p.gl[t] : 0.0f,
                            kGh ? p.gh[t] : 0.0f);
   }
 }
@@ -291,8 +293,10 @@ void token_logprobs_entropy_cpu(COMPASS_LOGPROBS_FWD_ARGS) {
   const int64_t rows = logits.size(0), vocab = logits.size(1);
   const int64_t* y = targets.ptr<int64_t>();
   for (int64_t t = 0; t < rows; ++t) {
-    COMPASS_CHECK(y[t] >= 0 && y[t] < vocab, "targets: expected token ids in [0, ", vocab,
-                  ") (the vocabulary of logits), got targets[", t, "] = ", y[t]);
+    COMPASS_CHECK((y[t] >= 0 && y[t] < vocab) || y[t] == kIgnoreIndex,
+                  "targets: expected token ids in [0, ", vocab,
+                  ") (the vocabulary of logits) or the ignore index ", kIgnoreIndex,
+                  ", got targets[", t, "] = ", y[t]);
   }
   const FwdPtrs p{logits.data, logits.strides[0], rows, vocab, y,
                   inv_temperature(temperature), logp.ptr<float>(), entropy.ptr<float>(),

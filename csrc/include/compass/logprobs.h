@@ -27,6 +27,11 @@ namespace logprobs {
 // x - m below this is exp() == 0 in float32; clamping keeps (x - m) * exp(x - m)
 // at 0 * finite for x = -inf (masked vocab entries) instead of NaN.
 constexpr float kMinExponent = -200.0f;
+// A target equal to kIgnoreIndex (-100, Hugging Face's / torch's ignore_index) is
+// a masked token: log-prob 0 and no log-prob gradient. Any other target outside
+// [0, V) is invalid: the CPU entry points raise; the GPU kernels, which never read
+// outside the row, write a NaN log-prob (no host sync to raise).
+constexpr int64_t kIgnoreIndex = -100;
 
 // exp(x) for x in [-200, 88], written so the compiler vectorizes it (no libm
 // call, no branch): round-to-nearest range reduction with the 1.5 * 2^23 trick,

@@ -1,0 +1,259 @@
+"""The GPU runbook's timing step (scripts/gpu_check.sh): a few CUDA-event timings
+that say whether each GPU kernel is near its roofline, in about a minute.
+
+Each row: the op, the backend, the median device time (CUDA events, L2 flushed
+before each sample), the bytes or FLOPs it must move, the rate, and the H100
+SXM ceiling it is measured against (3.35 TB/s HBM3, 989 TFLOP/s dense bf16,
+1979 TFLOP/s dense fp8: the datasheet's numbers; the measured copy rate on the
+lent H100 was ~3.0 TB/s). Rows:
+
+- log-probs + entropy forward at 4096 x 151,936 bf16 per backend, beside torch's
+  float32 log_softmax + gather + entropy (what a user writes otherwise);
+- the FP8 permute + 1x128 quantize at 128k tokens x top-8 (K = 2048);
+- THD pack of 1 GiB of bf16 rows;
+- the FP8 grouped GEMM: device time and the host time of one call (no sync);
+- the fused linear ESPO loss (forward + backward) against its floor, the three
+  bf16 GEMMs of logits, d_hidden and d_weight timed with torch.mm.
+
+Usage: python scripts/gpu_timing.py [--out timing.json] [--small --device cpu]
+(--small --device cpu runs every row at toy sizes on the CPU: a check of the
+script itself, whose times mean nothing). Failures are recorded per row, printed,
+and make the exit status 1; the other rows still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+import compass_kernels as ck
+
+HBM_BPS = 3.35e12
+BF16_FLOPS = 989e12
+FP8_FLOPS = 1979e12
+
+
+class Timer:
+    def __init__(self, device: str, reps: int) -> None:
+        self.cuda = device == "cuda"
+        self.reps = reps
+        self.flush = torch.empty(256 << 20, dtype=torch.uint8, device=device) if self.cuda else None
+
+    def __call__(self, fn) -> float:
+        """Median seconds of fn() over reps samples (one warm-up)."""
+        fn()
+        times = []
+        for _ in range(self.reps):
+            if self.cuda:
+                self.flush.zero_()
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+
+def row(op, backend, seconds, *, bytes_=None, flops=None, ceiling=None, **extra):
+    r = {"op": op, "backend": backend, "ms": round(seconds * 1e3, 4)}
+    if bytes_ is not None:
+        r["GB/s"] = round(bytes_ / seconds / 1e9, 1)
+        r["of_peak"] = round(bytes_ / seconds / HBM_BPS, 3)
+    if flops is not None:
+        r["TFLOP/s"] = round(flops / seconds / 1e12, 1)
+        r["of_peak"] = round(flops / seconds / (ceiling or BF16_FLOPS), 3)
+    r.update(extra)
+    return r
+
+
+def logprobs_rows(t: Timer, dev: str, small: bool):
+    T, V = (64, 1000) if small else (4096, 151_936)
+    g = torch.Generator(device=dev).manual_seed(0)
+    logits = torch.randn(T, V, device=dev, generator=g).to(torch.bfloat16)
+    y = torch.randint(0, V, (T,), device=dev, generator=g)
+    out = []
+    for backend in ("cuda", "triton") if dev == "cuda" else (None,):
+        s = t(lambda b=backend: ck.espo.token_logprobs_entropy(logits, y, backend=b))
+        out.append(row("logprobs_fwd", backend or "default", s, bytes_=T * V * 2, shape=f"{T}x{V}"))
+
+    def torch_fwd():
+        lp = torch.log_softmax(logits.float(), -1)
+        return lp.gather(1, y[:, None]), -(lp.exp() * lp).sum(-1)
+
+    s = t(torch_fwd)
+    out.append(row("logprobs_fwd", "torch fp32", s, bytes_=T * V * 2, shape=f"{T}x{V}"))
+    lg = logits.clone().requires_grad_()
+    gl, gh = torch.randn(T, device=dev), torch.randn(T, device=dev)
+    for backend in ("cuda", "triton") if dev == "cuda" else (None,):
+        lp, ent = ck.espo.token_logprobs_entropy(lg, y, backend=backend)
+
+        def bwd(lp=lp, ent=ent):
+            torch.autograd.grad((lp, ent), lg, (gl, gh), retain_graph=True)
+
+        s = t(bwd)
+        out.append(row("logprobs_bwd", backend or "default", s, bytes_=T * V * 4,
+                       shape=f"{T}x{V}"))  # fmt: skip
+    return out
+
+
+def permute_rows(t: Timer, dev: str, small: bool):
+    M, K, k, E = (512, 256, 8, 16) if small else (131_072, 2048, 8, 256)
+    x = torch.randn(M, K, device=dev).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, device=dev)[:k] for _ in range(8)])[
+        torch.randint(0, 8, (M,), device=dev)
+    ].to(torch.int32)
+    moved = M * K * 2 + M * k * K * 1 + M * k * (K // 128) * 4
+    out = []
+    for backend in ("cuda", "triton") if dev == "cuda" else (None,):
+        s = t(lambda b=backend: ck.fp8.permute_quantize(x, ids, E, backend=b))
+        out.append(row("permute_quantize", backend or "default", s, bytes_=moved,
+                       shape=f"{M}x{k} K={K} E={E}"))  # fmt: skip
+    return out
+
+
+def pack_rows(t: Timer, dev: str, small: bool):
+    H = 64 if small else 4096
+    T = (1 << 16) // (2 * H) if small else (1 << 30) // (2 * H)
+    n_seq = max(4, T // 512)
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(1, 2 * (T // n_seq), (n_seq,), generator=g).tolist()
+    total = sum(lengths)
+    x = torch.randn(total, H, device=dev).to(torch.bfloat16)
+    idx = list(range(len(lengths)))[::-1]
+    out = []
+    for backend in ("cuda", "triton") if dev == "cuda" else (None,):
+        s = t(lambda b=backend: ck.packing.pack(x, lengths, idx, pad_multiple=8, backend=b))
+        out.append(row("thd_pack", backend or "default", s, bytes_=2 * total * H * 2,
+                       shape=f"{len(lengths)} seqs, {total * H * 2 / 2**30:.2f} GiB"))  # fmt: skip
+    return out
+
+
+def gemm_rows(t: Timer, dev: str, small: bool):
+    E, N, K, rows = (4, 256, 256, 300) if small else (64, 4096, 7168, 16_384)
+    x = torch.randn(rows, K, device=dev)
+    w = torch.randn(E, N, K, device=dev)
+    a_q, a_s = ck.fp8.quantize_token_groups(x)
+    b_q, b_s = ck.fp8.quantize_blockwise(w)
+    counts = torch.full((E,), rows // E, dtype=torch.int64)
+    counts[-1] += rows - int(counts.sum())
+    off = torch.zeros(E + 1, dtype=torch.int64)
+    off[1:] = counts.cumsum(0)
+    off = off.to(dev)
+    flops = 2 * rows * N * K
+    out = []
+    for backend in ("cuda", "triton") if dev == "cuda" else (None,):
+
+        def call(b=backend):
+            return ck.fp8.grouped_gemm(a_q, a_s, b_q, b_s, off, backend=b)
+
+        s = t(call)
+        call()
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        host = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            call()
+            host.append(time.perf_counter() - t0)
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        out.append(row("fp8_grouped_gemm", backend or "default", s, flops=flops, ceiling=FP8_FLOPS,
+                       host_us=round(statistics.median(host) * 1e6, 1),
+                       shape=f"E={E} rows={rows} N={N} K={K}"))  # fmt: skip
+    return out
+
+
+def espo_rows(t: Timer, dev: str, small: bool):
+    T, H, V, S = (96, 64, 1000, 6) if small else (4096, 4096, 151_936, 16)
+    dt = torch.bfloat16
+    h = (torch.randn(T, H, device=dev) / H**0.5).to(dt).requires_grad_()
+    w = (torch.randn(V, H, device=dev) / 4).to(dt).requires_grad_()
+    y = torch.randint(0, V, (T,), device=dev)
+    cu_host = [i * (T // S) for i in range(S)] + [T]
+    cu = torch.tensor(cu_host, device=dev, dtype=torch.int32)
+    old_lp = -torch.rand(T, device=dev) * 5
+    old_ent = torch.rand(T, device=dev) * 3
+    adv = torch.randn(S, device=dev)
+
+    def loss_step():
+        loss, *_ = ck.espo.fused_linear_espo_loss(h, w, y, old_lp, old_ent, adv, cu,
+                                                  cu_seqlens_host=cu_host)  # fmt: skip
+        loss.backward()
+
+    s = t(loss_step)
+    g = torch.randn(T, V, device=dev, dtype=dt)
+
+    def floor():
+        torch.mm(h.detach(), w.detach().t())
+        torch.mm(g, w.detach())
+        torch.mm(g.t(), h.detach())
+
+    f = t(floor)
+    flops = 3 * 2 * T * H * V
+    return [
+        row("espo_fused_fwd_bwd", "default", s, flops=flops, floor_ms=round(f * 1e3, 4),
+            over_floor=round(s / f, 2), shape=f"T={T} H={H} V={V}"),
+        row("espo_3gemm_floor", "torch.mm", f, flops=flops, shape=f"T={T} H={H} V={V}"),
+    ]  # fmt: skip
+
+
+SECTIONS = {
+    "logprobs": logprobs_rows,
+    "permute": permute_rows,
+    "pack": pack_rows,
+    "grouped_gemm": gemm_rows,
+    "espo": espo_rows,
+}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    p.add_argument("--out", default=None, help="write the rows as JSON here")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--small", action="store_true", help="toy sizes (a check of the script)")
+    p.add_argument("--reps", type=int, default=10, help="timed samples per row")
+    p.add_argument("--only", nargs="*", choices=sorted(SECTIONS), help="sections to run")
+    a = p.parse_args(argv)
+    if a.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_timing: FAIL: torch sees no CUDA device (use --small --device cpu to check "
+              "the script on a CPU)", file=sys.stderr)  # fmt: skip
+        return 2
+    t = Timer(a.device, a.reps)
+    rows, failed = [], []
+    for name in a.only or SECTIONS:
+        t0 = time.perf_counter()
+        try:
+            got = SECTIONS[name](t, a.device, a.small)
+        except Exception as e:  # a row's failure is recorded and reported, not hidden
+            traceback.print_exc()
+            failed.append(name)
+            got = [{"op": name, "error": f"{type(e).__name__}: {e}"[:500]}]
+        for r in got:
+            print(json.dumps(r), flush=True)
+        rows += got
+        print(f"# {name}: {time.perf_counter() - t0:.1f} s", flush=True)
+        if a.device == "cuda":
+            torch.cuda.empty_cache()
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
+                       "rows": rows, "failed": failed}, f, indent=1)  # fmt: skip
+    if failed:
+        print(f"gpu_timing: FAILED sections: {failed}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
