@@ -58,8 +58,15 @@ step info "$PY" -m compass_kernels info --json
 # in CI. xdist when present: a test that crashes its worker is reported as a
 # failure (the junit report is still written) instead of ending the run.
 XDIST=""
-"$PY" -c "import xdist" 2>/dev/null && XDIST="-n 4"
-PYTEST=("$PY" -m pytest tests --ignore=tests/integration -q -rfE --tb=short -p no:cacheprovider)
+"$PY" -c "import xdist" 2>/dev/null && XDIST="-n 8"
+# Left out by path, explicitly: the engines (tests/integration, and the Megatron
+# ESPO test, which imports megatron: not installable on a bare host with no
+# network) and the emulated tier's module (the emulator is a CPU tier, not built
+# here). A per-test timeout turns a hang into a failure with its stack, and the
+# slowest tests are listed, so one test cannot eat the call.
+PYTEST=("$PY" -m pytest tests --ignore=tests/integration --ignore=tests/test_espo_loss_megatron.py
+  --ignore=tests/test_fp8_gemm_args.py -q -rfE --tb=short -p no:cacheprovider --durations=15)
+"$PY" -c "import pytest_timeout" 2>/dev/null && PYTEST+=(--timeout "${GPU_CHECK_TEST_TIMEOUT:-60}")
 # shellcheck disable=SC2086
 step tests "${PYTEST[@]}" -m "(gpu or triton) and not cutlass and not sm90 and not integration" \
   $XDIST --junitxml="$DIR/junit.xml" ${GPU_CHECK_PYTEST_ARGS:-}
