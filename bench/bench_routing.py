@@ -363,7 +363,7 @@ def _time_codec(tr, ids, payload, back, repeat: int) -> dict[str, tuple[float, f
     steps = {
         "encode": lambda: _setcode.encode_into(ids, e, payload),
         "decode": lambda: _setcode.decode_into(payload, e, back),
-        "decode_v1": lambda: _setcode.decode_into(payload, e, back, impl=2),  # the v1 unrank
+        "decode_base": lambda: _setcode.decode_into(payload, e, back, impl=1),  # x86-64 baseline
         "trace_encode": lambda: tr.encode(codec="set"),
         "trace_decode": lambda: RoutingTrace.decode(data),
     }
@@ -383,8 +383,8 @@ def codec_report(tokens: int = CODEC_TOKENS, repeat: int = 7, threads=(1, 2)) ->
     bench.bench_routing``. GB/s = bytes of the uint8 (E <= 256) / int16 id
     array in (encode) or out (decode) per second; best of ``repeat``. ``cpu``
     columns: process CPU time, which contention inflates less than wall time.
-    ``decode_v1``: the same decode with the v1 level-by-level unrank (impl=2),
-    timed in the same loop (R12's before)."""
+    ``decode_base``: the same decode in the x86-64 baseline build (impl=1: the
+    level-by-level unrank), timed in the same loop."""
     import math
 
     from compass_kernels.routing import _setcode

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from compass_kernels import _dispatch
 from compass_kernels._ext import BackendUnavailableError, cuda_stream, load
@@ -125,8 +126,15 @@ class Op:
         return outs[0] if self._single else tuple(outs)
 
     def __call__(self, *args, backend: str | None = None, out=None):
-        if torch.compiler.is_compiling():
-            return getattr(torch.ops.compass, self.name)(*args, backend)
+        if torch.compiler.is_compiling() or _symbolic(args):
+            # FakeTensor / meta / a dispatch mode: the dispatcher runs the fake (the
+            # outputs' shapes); no data pointer ever reaches a kernel.
+            res = getattr(torch.ops.compass, self.name)(*args, backend)
+            if out is None:
+                return res
+            for o, r in zip(out, (res,) if self._single else res, strict=True):
+                o.copy_(r)  # traced / fake: the op is functional, ``out`` gets its values
+            return out[0] if self._single else tuple(out)
         return self.run(args, backend, out)
 
     def _impl(self, *args, backend=None):
@@ -137,6 +145,24 @@ class Op:
     def _fake(self, *args, backend=None):
         outs = self.outputs(*args[: self._nargs])
         return outs[0] if self._single else tuple(outs)
+
+
+def has_no_data(*tensors) -> bool:
+    """True while tracing (torch.compile) or when a tensor is fake / meta: data
+    checks (a host read) are skipped there, the kernels never run."""
+    return torch.compiler.is_compiling() or _symbolic(tensors)
+
+
+def _symbolic(args: tuple) -> bool:
+    """Whether the call must go through the dispatcher: a tensor argument that is
+    not a plain tensor with data (FakeTensor, meta, another subclass), or an
+    active TorchDispatchMode (FakeTensorMode, make_fx)."""
+    if is_in_torch_dispatch_mode():
+        return True
+    for a in args:
+        if isinstance(a, torch.Tensor) and (type(a) is not torch.Tensor or a.is_meta):
+            return True
+    return False
 
 
 def _first_tensor(args: tuple) -> torch.Tensor:

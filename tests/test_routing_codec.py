@@ -161,8 +161,8 @@ def test_layout_argument_errors():
 
 # ------------------------------------------------------ the R12 decode (AVX2)
 # uint8 ids, K in {6, 8}, one rank per pack of <= 52 bits: rows unranked 8 at a
-# time straight from the payload (codec_cpu.cpp decode_packs_r12); impl=2 runs
-# the v1 level-by-level unrank on the same input, impl=1 the baseline.
+# time straight from the payload (codec_cpu.cpp decode_packs_r12); impl=1 runs
+# the baseline build's level-by-level unrank on the same input.
 R12_SHAPES = [(256, 8), (128, 8), (255, 8), (160, 6), (256, 6), (129, 8)]
 
 
@@ -193,16 +193,16 @@ def decode_poisoned(payload: bytes, rows: int, k: int, e: int, impl: int) -> tor
 
 @pytest.mark.parametrize("rows", [1, 7, 8, 9, 301, 4099])
 @pytest.mark.parametrize("e,k", R12_SHAPES)
-def test_r12_decode_matches_the_reference_and_the_v1_unrank(e, k, rows):
+def test_r12_decode_matches_the_reference_and_the_level_unrank(e, k, rows):
     assert _setcode.decode_path(e, k, torch.uint8, 0) == "r12"
-    assert _setcode.decode_path(e, k, torch.uint8, 2) == "hint"
+    assert _setcode.decode_path(e, k, torch.uint8, 1) == "hint"
     assert _setcode.decode_path(e, k, torch.int16, 0) == "hint"
     ids = random_sets(rows, e, k, seed=e * 7 + k * 3 + rows)
     payload = _setcode.encode_sets(ids, e)
     if rows <= 301:
         assert payload == ref_payload(ids.numpy(), e, k)
     want = ids.sort(-1).values
-    for impl in (0, 2, 1):
+    for impl in (0, 1):
         assert torch.equal(decode_poisoned(payload, rows, k, e, impl), want), impl
 
 
@@ -214,7 +214,7 @@ def test_r12_decode_of_ranks_on_level_boundaries(e, k):
     assert payload == ref_payload(ids.numpy(), e, k)
     back = decode_poisoned(payload, rows, k, e, 0)
     assert torch.equal(back, ids.sort(-1).values)
-    assert torch.equal(back, decode_poisoned(payload, rows, k, e, 2))
+    assert torch.equal(back, decode_poisoned(payload, rows, k, e, 1))
 
 
 @pytest.mark.parametrize("e,k", [(256, 8), (128, 8), (160, 6)])
@@ -228,12 +228,12 @@ def test_r12_decode_names_the_corrupted_pack(e, k, pack):
         o = pack * b + i
         payload[o // 8] |= 1 << (o % 8)
     msg = rf"data: pack {pack} holds a value past C\({e}, {k}\)"
-    for impl in (0, 2):
+    for impl in (0, 1):
         with pytest.raises(ValueError, match=msg):
             _setcode.decode_sets(bytes(payload), rows, k, e, torch.uint8, impl=impl)
 
 
-@pytest.mark.parametrize("impl", [0, 2])
+@pytest.mark.parametrize("impl", [0, 1])
 def test_parallel_decode_names_the_first_corrupted_pack(impl):
     """Over 2^16 rows the packs are decoded in chunks of ~2^14 rows taken in
     turn by the threads: with two corrupted chunks the first one is named."""
@@ -254,9 +254,9 @@ def test_parallel_decode_names_the_first_corrupted_pack(impl):
 
 def test_decode_impl_argument_is_checked():
     payload = _setcode.encode_sets(random_sets(10, 256, 8, seed=2), 256)
-    with pytest.raises(ValueError, match=r"impl: expected 0 \(auto\), 1 \(baseline x86-64\) or 2"):
-        _setcode.decode_sets(payload, 10, 8, 256, torch.uint8, impl=3)
-    with pytest.raises(ValueError, match="impl: expected 0, 1 or 2, got -1"):
+    with pytest.raises(ValueError, match=r"impl: expected 0 \(auto\) or 1 \(baseline x86-64\)"):
+        _setcode.decode_sets(payload, 10, 8, 256, torch.uint8, impl=2)
+    with pytest.raises(ValueError, match="impl: expected 0 .* got -1"):
         _setcode.decode_path(256, 8, torch.uint8, -1)
 
 

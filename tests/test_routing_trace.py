@@ -156,11 +156,19 @@ def test_stitch_continues_fills_gaps_and_checks_overlap():
     t2 = RoutingTrace.concat([_rows(first, 0, 4, 10), _rows(first, 1, 6, 12)])
     s = t1.stitch(t2, expected_rows=[10, 12])
     assert s == full and s.num_missing == 0
-    # Prefix omission with a gap: turn 2 starts 2 rows later -> 2 NOT_CAPTURED rows.
+    # Prefix omission with a gap: turn 2 starts 2 rows later. The gap has no row and
+    # no reason: an error unless accepted by name, then SHORT rows.
     t2b = RoutingTrace.concat([_rows(first, 0, 6, 10), _rows(first, 1, 8, 12)])
-    s2 = t1.stitch(t2b, start=[6, 8])
-    assert s2.seq_lens() == [10, 12] and s2.missing_counts() == {"NOT_CAPTURED": 4}
+    with pytest.raises(TraceError, match="stitch: sequence 0: 2 positions from token 4 are in"):
+        t1.stitch(t2b, start=[6, 8])
+    with pytest.raises(TraceError, match="more than max_missing_fraction=0.1"):
+        t1.stitch(t2b, start=[6, 8], max_missing_fraction=0.1)
+    s2 = t1.stitch(t2b, start=[6, 8], max_missing_fraction=0.2)
+    assert s2.seq_lens() == [10, 12] and s2.missing_counts() == {"SHORT": 4}
     assert s2.num_missing == 4 * 3
+    with pytest.raises(TraceError, match=r"no row for an input token \(reason SHORT"):
+        s2.validate()
+    s2.validate(max_missing_fraction=0.2)
     # Overlap that agrees is fine; one that disagrees names sequence, token and layer.
     t2c = RoutingTrace.concat([_rows(first, 0, 2, 10), _rows(first, 1, 6, 12)])
     assert t1.stitch(t2c, start=[2, 6]) == full
@@ -405,3 +413,137 @@ def test_layer_lookup_by_global_number_not_position():
     with pytest.raises(TraceError, match="layer 3: the trace has no column"):
         stage.layer(3)
     assert make_trace([2]).layer(3)[1] is None
+
+
+# ------------------------------------------------- row-count contract (issue 21)
+
+
+def _conversation(rows, *, seed=0, e=16, k=4):
+    """One sequence's full trace of ``rows`` rows (rows + 1 tokens)."""
+    return make_trace([rows], e=e, k=k, seed=seed)
+
+
+def _turn(full, lo, hi, *, token_lens=None):
+    s = _rows(full, 0, lo, hi)
+    return (
+        s
+        if token_lens is None
+        else RoutingTrace(
+            s.expert_ids, s.cu_seqlens, s.num_experts, layer_ids=s.layer_ids, token_lens=token_lens
+        )
+    )
+
+
+def test_resumed_sequence_is_never_doubled():
+    # Issue example: a resumed request whose engine returns its whole history again
+    # (8 rows for 9 tokens) stitched onto the first segment (7 rows): 15 rows for 9 tokens.
+    full = _conversation(8, seed=11)
+    first, again = _turn(full, 0, 7), _turn(full, 0, 8)
+    with pytest.raises(TraceError, match="stitch: sequence 0: the later turn's first 7 rows"):
+        first.stitch(again)  # no counts: the overlap is seen and refused, never appended
+    assert first.stitch(again, start=[0]) == full
+    # With the capture's token counts the start is known: the rows are compared, not doubled.
+    a = _turn(full, 0, 7, token_lens=[8])
+    b = _turn(full, 0, 8, token_lens=[9])
+    s = a.stitch(b)
+    assert s.seq_lens() == [8] and s.token_lens == [9] and s.validate() is s
+    # A 15-row trace for 9 tokens (stitched the old way) is refused everywhere.
+    doubled = RoutingTrace.concat([first, again]).sequences([0])
+    doubled = RoutingTrace(
+        torch.cat([first.expert_ids, again.expert_ids]),
+        torch.tensor([0, 15]),
+        16,
+        layer_ids=[1, 3, 4],
+        token_lens=[9],
+    )
+    with pytest.raises(TraceError, match="sequence 0: 15 rows for 9 tokens"):
+        doubled.validate()
+    with pytest.raises(TraceError, match="sequence 0: 15 rows for 9 tokens"):
+        doubled.slice()
+    with pytest.raises(TraceError, match="has 15 rows but only 9 tokens"):
+        RoutingTrace(doubled.expert_ids, doubled.cu_seqlens, 16, layer_ids=[1, 3, 4]).slice(
+            token_lens=[9]
+        )
+
+
+def test_three_whole_history_turns_give_the_conversation_once():
+    # Issue example: three turns each returning the whole conversation (6, 13, 19 rows)
+    # concatenated give 38 rows for 20 tokens.
+    full = _conversation(19, seed=12)
+    t1, t2, t3 = _turn(full, 0, 6), _turn(full, 0, 13), _turn(full, 0, 19)
+    with pytest.raises(TraceError, match="may hold the whole history again"):
+        t1.stitch(t2)
+    naive = torch.cat([t.expert_ids for t in (t1, t2, t3)])
+    naive = RoutingTrace(naive, torch.tensor([0, 38]), 16, layer_ids=[1, 3, 4], token_lens=[20])
+    with pytest.raises(TraceError, match="sequence 0: 38 rows for 20 tokens"):
+        naive.validate()
+    c1, c2, c3 = (_turn(full, 0, r, token_lens=[r + 1]) for r in (6, 13, 19))
+    s = c1.stitch(c2).stitch(c3)
+    assert s == RoutingTrace(full.expert_ids, full.cu_seqlens, 16, layer_ids=[1, 3, 4],
+                             token_lens=[20])  # fmt: skip
+    # Prefix omission with counts: turn 2 returns only its new rows (7 .. 12).
+    p2 = _turn(full, 6, 13, token_lens=[14])
+    assert c1.stitch(p2).stitch(c3).seq_lens() == [19]
+    # A later turn's rows that disagree with the earlier ones name the token.
+    bad = full.expert_ids.clone()
+    bad[3, 0] = torch.tensor([15, 14, 13, 12], dtype=torch.uint8)
+    wrong = RoutingTrace(bad[:13], torch.tensor([0, 13]), 16, layer_ids=[1, 3, 4], token_lens=[14])
+    with pytest.raises(TraceError, match="sequence 0, token 3, layer 1: the turns disagree"):
+        c1.stitch(wrong)
+    # A later turn shorter than the conversation so far.
+    with pytest.raises(TraceError, match="the later turn is shorter than the conversation"):
+        c2.stitch(c1)
+
+
+def test_short_trace_raises_unless_accepted_by_name():
+    # Issue example: 17,804 rows for 18,058 tokens (254 short).
+    full = make_trace([17_804], e=8, k=2, layers=(0,), seed=13)
+    with pytest.raises(TraceError, match="sequence 0: 17804 rows for 18058 tokens"):
+        full.slice(token_lens=[18_058])
+    known = RoutingTrace(full.expert_ids, full.cu_seqlens, 8, layer_ids=[0], token_lens=[18_058])
+    with pytest.raises(TraceError, match="sequence 0: 17804 rows for 18058 tokens .* 253 input"):
+        known.validate()
+    with pytest.raises(TraceError, match="sequence 0: 17804 rows for 18058 tokens"):
+        known.slice()
+    assert not bool(known.validate(raise_on_error=False))
+    with pytest.raises(TraceError, match="more than max_missing_fraction=0.01"):
+        known.validate(max_missing_fraction=0.01)
+    assert known.validate(max_missing_fraction=0.02) is known
+    with pytest.raises(TraceError, match="253 input tokens short of a row"):
+        full.slice(token_lens=[18_058], max_missing_fraction=0.01)
+    local = full.slice(token_lens=[18_058], max_missing_fraction=0.02)
+    assert local.missing_counts() == {"SHORT": 253, "NO_ROW": 1}
+    # The sliced trace keeps the opt-in visible: validate (and TraceReplay) need it too.
+    with pytest.raises(TraceError, match=r"token 17804 \(row 17804\): no row .*reason SHORT"):
+        local.validate()
+    local.validate(max_missing_fraction=0.02)
+    # The trace's own omitted prefix is short too (rows end at the last input token).
+    tail = RoutingTrace(full.expert_ids[4:], torch.tensor([0, 17_800]), 8, layer_ids=[0],
+                        token_lens=[17_805])  # fmt: skip
+    with pytest.raises(TraceError, match="4 input tokens have no row"):
+        tail.validate()
+    s = tail.slice(max_missing_fraction=0.001)
+    assert s.missing_counts() == {"SHORT": 4, "NO_ROW": 1}
+    assert torch.equal(s.expert_ids[4:17_804], full.expert_ids[4:])
+
+
+def test_token_lens_travel_with_the_trace():
+    t = RoutingTrace(make_trace([3, 5]).expert_ids, torch.tensor([0, 3, 8]), 16,
+                     layer_ids=[1, 3, 4], token_lens=[4, 7])  # fmt: skip
+    assert t.has_token_lens and t.token_lens == [4, 7]
+    assert t.sequence(1).token_lens == [7] and t.sequences([1, 0]).token_lens == [7, 4]
+    assert RoutingTrace.concat([t, make_trace([2])]).token_lens == [4, 7, 3]
+    assert t.canonical().token_lens == [4, 7] and t.to("cpu").token_lens == [4, 7]
+    assert not make_trace([2]).has_token_lens and make_trace([2]).token_lens == [3]
+    with pytest.raises(ValueError, match="token_lens: expected 2 entries"):
+        RoutingTrace(t.expert_ids, t.cu_seqlens, 16, layer_ids=[1, 3, 4], token_lens=[4])
+    with pytest.raises(ValueError, match="token_lens: expected counts >= 1"):
+        RoutingTrace(t.expert_ids, t.cu_seqlens, 16, layer_ids=[1, 3, 4], token_lens=[0, 7])
+    # more than one NO_ROW token in a sequence: a short sliced trace made by hand
+    m = torch.zeros(8, dtype=torch.bool)
+    m[[6, 7]] = True
+    r = m.to(torch.uint8) * int(MissingReason.NO_ROW)
+    hand = RoutingTrace(t.expert_ids, t.cu_seqlens, 16, layer_ids=[1, 3, 4], missing=m,
+                        missing_reason=r)  # fmt: skip
+    with pytest.raises(TraceError, match=r"sequence 1, token 3 \(row 6\): no row .*NO_ROW"):
+        hand.validate()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from compass_kernels._ext import load
-from compass_kernels._op import register_op
+from compass_kernels._op import has_no_data, register_op
 from compass_kernels._validate import (
     FLOAT_DTYPES,
     INT_DTYPES,
@@ -148,7 +148,7 @@ def _groups_from_ids(group_ids: torch.Tensor, num_groups: int | None = None):
     the device (``torch._assert_async``: a mismatch is a device-side assert,
     never a wrong answer). On CPU tensors a mismatch raises at once."""
     n = group_ids.shape[0]
-    if group_ids.device.type == "cpu":
+    if group_ids.device.type == "cpu" and not has_no_data(group_ids):  # fake: the torch ops
         ids = group_ids if group_ids.is_contiguous() else group_ids.contiguous()
         order = torch.empty(n, dtype=torch.int64)
         offsets = torch.empty(n + 1, dtype=torch.int64)
@@ -200,6 +200,8 @@ _PLANS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 def _size_plan(n: int, group_size: int, device: torch.device):
     key = (n, group_size, device)
+    if has_no_data():  # fake mode / tracing: tensors of that mode, never cached
+        return torch.arange(n, device=device), torch.arange(0, n + 1, group_size, device=device)
     plan = _PLANS.get(key)
     if plan is None:
         if len(_PLANS) > 64:
@@ -278,7 +280,7 @@ def group_advantages(
                      size_what="one id per reward", device=dev)  # fmt: skip
         if num_groups is not None and not (isinstance(num_groups, int) and num_groups >= 0):
             raise ValueError(f"num_groups: expected a non-negative int, got {num_groups!r}")
-        if dev.type == "cpu" and backend in (None, "cpp"):
+        if dev.type == "cpu" and backend in (None, "cpp") and not has_no_data(rewards, group_ids):
             return _group_advantages_ids_cpu(rewards, group_ids, code, eps, zero_var_tol,
                                              num_groups)  # fmt: skip
         order, offsets, unique = _groups_from_ids(group_ids, num_groups)

@@ -27,7 +27,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from compass_kernels._op import register_op
+from compass_kernels._op import has_no_data, register_op
 from compass_kernels._validate import FLOAT_DTYPES, check_finite, check_offsets, check_tensor
 from compass_kernels.espo import loss_config
 
@@ -165,6 +165,8 @@ _LEVELS: dict[tuple, torch.Tensor] = {}
 
 
 def _levels(levels: tuple[float, ...], dev: torch.device) -> torch.Tensor:
+    if has_no_data():  # fake mode / tracing: a fresh tensor of that mode, never cached
+        return torch.tensor(levels, dtype=F64, device=dev)
     t = _LEVELS.get((levels, dev))
     if t is None:
         if len(_LEVELS) > 64:

@@ -168,6 +168,8 @@ def _input(name: str, x: torch.Tensor, ndim: tuple[int, ...]) -> torch.Tensor:
         raise ValueError(f"{name}: expected a {dims}-d tensor, got {describe(x)}")
     if x.requires_grad:
         x = x.detach()
+    if x.dim() >= 2 and x.shape[-1] == 0:  # no column to scale (zero rows are fine)
+        raise ValueError(f"{name}: expected at least one column, got {describe(x)}")
     if x.dim() >= 2 and x.shape[-1] > 1 and x.stride(-1) != 1:
         x = x.contiguous()
     return x

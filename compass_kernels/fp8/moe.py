@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from compass_kernels import fp8 as _fp8
+from compass_kernels._op import has_no_data
 from compass_kernels._validate import check_offsets, check_tensor, describe
 
 __all__ = ["moe_mlp", "grouped_mlp", "check_moe_weights"]
@@ -215,7 +216,9 @@ def grouped_mlp(
                          f"{describe(w13_weight)}")  # fmt: skip
     check_tensor("expert_offsets", expert_offsets, ndim=1, dtypes=(torch.int64,), size=e + 1,
                  size_what="E + 1", device=x.device)  # fmt: skip
-    if validate or (validate is None and x.device.type == "cpu"):
+    if (validate or (validate is None and x.device.type == "cpu")) and not has_no_data(
+        x, expert_offsets
+    ):
         check_offsets("expert_offsets", expert_offsets, x.shape[0], exact=True)
     a_q, a_s = _fp8.quantize_token_groups(x, validate=validate, backend=backend)
     return _experts(a_q, a_s, expert_offsets, w13_weight, w13_scale, w2_weight, w2_scale, inter,

@@ -340,14 +340,22 @@ class TraceReplay:
         DDP, Float16Module). One pipeline stage / virtual chunk per instance.
     validate : bool, default True
         Validate each micro-batch's trace against the model (layer keys,
-        top-k, experts; ids in range, no duplicates) before replaying it: one
-        small host sync per micro-batch.
+        top-k, experts; ids in range, no duplicates; row counts, see
+        ``max_missing_fraction``) before replaying it: one small host sync per
+        micro-batch. ``validate=False`` is the explicit opt-out.
     min_score_ratio : float, optional
         Passed to ``replay_topk``: replay a row only if its weakest replayed
         score is >= ratio x the weakest native top-k score.
     record : bool, default False
         Keep every (phase, micro-batch, layer, ids used) in :attr:`history`
         (tests, debugging).
+    max_missing_fraction : float, optional
+        With ``validate``, the row-count contract of ``RoutingTrace.validate``:
+        by default every token the routers see has a row or a row the engine
+        marked missing (at most one ``NO_ROW`` token per sequence, its last; no
+        ``SHORT`` token, no sequence short of its ``token_lens``). A float f
+        accepts short traces (e.g. sliced with the same ``max_missing_fraction``)
+        while at most f of the (token, layer) rows are missing, marked or short.
 
     Raises
     ------
@@ -362,12 +370,14 @@ class TraceReplay:
         validate: bool = True,
         min_score_ratio: float | None = None,
         record: bool = False,
+        max_missing_fraction: float | None = None,
     ) -> None:
         apply()
         self._model_ref = weakref.ref(model)
         self.validate = validate
         self.min_score_ratio = min_score_ratio
         self.record = record
+        self.max_missing_fraction = max_missing_fraction
         self.history: list[tuple[str, int, int, torch.Tensor]] = []
         self._routers: dict[int, Any] = {}
         self._bind()
@@ -492,7 +502,8 @@ class TraceReplay:
                 "(slice the trace for this pipeline stage; dense layers have no rows)"
             )
         if self.validate:
-            trace.validate(moe_layer_ids=layers, top_k=self.top_k, num_experts=self.num_experts)
+            trace.validate(moe_layer_ids=layers, top_k=self.top_k, num_experts=self.num_experts,
+                           max_missing_fraction=self.max_missing_fraction)  # fmt: skip
         elif trace.top_k != self.top_k or trace.num_experts != self.num_experts:
             raise ReplayError(
                 f"trace (top_k {trace.top_k}, {trace.num_experts} experts) does not match the "

@@ -567,6 +567,7 @@ class CapturedSequence:
             layer_ids=list(self.layers),
             missing=torch.from_numpy(missing) if missing.any() else None,
             missing_reason=torch.from_numpy(reason) if missing.any() else None,
+            token_lens=[self.num_prompt_tokens + self.num_output_tokens],
         )
 
 

@@ -14,6 +14,7 @@ advantages, masks, routing traces [T, layers, top_k]) move as opaque rows.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -249,6 +250,9 @@ def pack(
                 f"got {describe(t)}"
             )
         fill = _fill_byte(name, t, pad_values.get(name, 0))
+        if t.dim() > 1 and math.prod(t.shape[1:]) == 0:  # zero-width rows: nothing to move
+            packed[name] = t.new_empty((total, *t.shape[1:]))
+            continue
         rows = thd_pack_op(
             _as_rows(t), meta["seq_start"], meta["seqlens"], meta["out_offsets"], cp_size,
             cp_rank, fill, total, backend=backend,

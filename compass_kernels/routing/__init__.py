@@ -31,11 +31,12 @@ Typical training use, per MoE layer and micro-batch::
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
 
-from compass_kernels._op import register_op
+from compass_kernels._op import has_no_data, register_op
 from compass_kernels.routing import _setcode  # noqa: F401  (registers the encode op)
 from compass_kernels.routing.trace import MissingReason, RoutingTrace, TraceError, _desc, ids_dtype
 
@@ -199,6 +200,20 @@ def _check_replay_args(router_logits, expert_ids, score_function, expert_bias, v
         raise ValueError(f"scaling: expected a finite float, got {scaling!r}")
 
 
+def _check_finite_rows(name: str, t: torch.Tensor) -> None:
+    """Raise naming the first row of ``t`` [T, E] holding NaN / Inf (one reduction
+    when all are finite)."""
+    if t.numel() == 0 or math.isfinite(float(t.sum(dtype=torch.float64))):
+        return
+    bad = ~torch.isfinite(t)
+    if bool(bad.any()):
+        r, c = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(
+            f"{name}: expected finite values, got {float(t[r, c])} at row {r}, column {c} "
+            f"({int(bad.any(1).sum())} rows with NaN / Inf)"
+        )
+
+
 def replay_topk(
     router_logits: torch.Tensor,
     expert_ids: torch.Tensor,
@@ -243,6 +258,13 @@ def replay_topk(
         twice) at the cost of one host sync. Without it such rows are routed
         natively and counted in ``stats.bad_rows`` (never read out of bounds).
         On CPU the check is always made (no sync to pay).
+
+    NaN / Inf policy: ``router_logits`` must be finite. On CPU this is always
+    checked (one reduction, no sync): :class:`ValueError` naming the first bad
+    row. On CUDA it is checked with ``validate=True`` (one host sync); without
+    it a row with a NaN / Inf logit gives NaN weights for that row (unchecked,
+    as any torch router would), other rows are unaffected. ``expert_bias``
+    follows the same policy.
     backend : None (default dispatch: "cpp" on CPU, "cuda" on GPU), "cuda",
         "triton", or the test-only "cuda-emulated".
 
@@ -290,6 +312,10 @@ def replay_topk(
     else:
         w, rmap, tpe, counts, used = replay_topk_op(*args, backend=backend)
     k = ids.shape[1]
+    if (z.device.type == "cpu" or validate) and not has_no_data(z):
+        _check_finite_rows("router_logits", z)
+        if bias is not None:
+            _check_finite_rows("expert_bias", bias.reshape(1, -1))
     # The C++ kernel raises on bad rows itself; the other CPU backends and the
     # GPU with validate=True read the bad-row counter (free on CPU, a sync on GPU).
     check = validate or (z.device.type == "cpu" and backend not in (None, "cpp"))

@@ -6,8 +6,7 @@ largest with C(E, K)^G <= 2^64. Decoded rows come back ascending; missing rows
 are coded as 0..K-1 (rank 0) without reading their ids.
 
 ``impl``: 0 the fastest kernel this CPU runs (AVX2 when present), 1 the
-x86-64 baseline (tests run both); for decode also 2: AVX2 with the v1
-level-by-level unrank instead of R12 (the bench's before, the tests' other path).
+x86-64 baseline (tests run both).
 :func:`decode_path` names the unrank a decode runs.
 
 The encode op (:data:`encode_sets_op`, ``torch.ops.compass.encode_sets``) has a
@@ -41,7 +40,7 @@ def set_threads(threads: int) -> int:
 
 def decode_path(num_experts: int, top_k: int, dtype: torch.dtype, impl: int = 0) -> str:
     """The unrank :func:`decode_into` runs for these arguments: "r12" (uint8
-    ids, K in {6, 8}, one rank per pack of <= 52 bits, AVX2), "hint" (the v1
+    ids, K in {6, 8}, one rank per pack of <= 52 bits, AVX2), "hint" (the
     level-by-level unrank), "bisect" (no hint tables) or "none" (K == E)."""
     return load().routing.set_code_decode_path(num_experts, top_k, dtype == torch.uint8, impl)
 

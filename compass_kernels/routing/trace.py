@@ -28,6 +28,9 @@ class MissingReason(enum.IntEnum):
     NOT_CAPTURED = 5  # no engine recorded this row (a gap between stitched turns, other)
     PADDING = 6  # a padding token added by RoutingTrace.slice (pad_policy="missing")
     NO_ROW = 7  # the token was never an engine input (a sequence's last token), see slice
+    SHORT = 8  # an input token the trace has no row for (a short capture, an omitted
+    #            prefix, a gap between stitched turns): only where a caller accepted it
+    #            by name (max_missing_fraction=), see slice and stitch
 
 
 def ids_dtype(num_experts: int) -> torch.dtype:
@@ -81,13 +84,31 @@ class RoutingTrace:
     mtp_layer_ids : [num_mtp_layers] int64 MTP depth indices (0, 1, ...), keyed
         apart from decoder layer numbers: MTP routers are never replayed from
         decoder rows nor the reverse, and :meth:`slice` drops them unless asked.
+    token_lens : None or [n] ints (host), each sequence's token count (prompt +
+        generated of the whole conversation so far), from the capture or the
+        caller. The rows of sequence i are the routing of token positions
+        ``token_lens[i] - 1 - rows_i .. token_lens[i] - 2``: they end at the
+        last input token. ``rows_i == token_lens[i] - 1`` is a complete
+        sequence; fewer rows are an omitted prefix (a later turn to
+        :meth:`stitch`) or a short capture; more rows are never valid.
+        Default: ``rows + 1`` (the trace is complete; :attr:`has_token_lens`
+        is False and :meth:`stitch` compares rows to find a later turn's start).
+
+    Row-count contract (checked by default by :meth:`validate`, :meth:`slice`,
+    :meth:`stitch` and the Megatron ``TraceReplay``): every input token of a
+    sequence has a row, or a row marked missing with the reason the engine gave.
+    A token the trace has no row for (short by ``token_lens - 1 - rows``) is an
+    error unless the caller accepts it by name, ``max_missing_fraction=``; then
+    it gets a missing row with reason ``SHORT``. A row count above
+    ``token_lens - 1`` (duplicated turns, routes not truncated with the response)
+    is always an error.
 
     Attributes
     ----------
     expert_ids, cu_seqlens, num_experts, layer_ids, mtp_layer_ids, missing
     ([total_tokens, num_layers_stored] bool, or None), missing_reason ([total_tokens]
     uint8, or None), top_k, num_sequences, num_tokens (= total rows),
-    num_moe_layers, num_mtp_layers.
+    num_moe_layers, num_mtp_layers, token_lens (host list), has_token_lens.
 
     Construction checks shapes, dtypes and devices only (no host sync); call
     :meth:`validate` for the data checks (on by default in the replay patch).
@@ -103,6 +124,7 @@ class RoutingTrace:
         missing: torch.Tensor | None = None,
         missing_reason: torch.Tensor | None = None,
         mtp_layer_ids=None,
+        token_lens=None,
     ) -> None:
         want = ids_dtype(num_experts)
         if not isinstance(expert_ids, torch.Tensor) or expert_ids.dim() != 3:
@@ -188,6 +210,17 @@ class RoutingTrace:
         self.missing = missing
         self.missing_reason = missing_reason
         self._cu_host: list[int] | None = None
+        self._token_lens: torch.Tensor | None = None
+        if token_lens is not None:
+            tl = _as_int64_vector("token_lens", token_lens, "cpu")
+            if tl.numel() != cu_seqlens.numel() - 1:
+                raise ValueError(
+                    f"token_lens: expected {cu_seqlens.numel() - 1} entries (one per "
+                    f"sequence), got {tl.numel()}"
+                )
+            if tl.numel() and int(tl.min()) < 1:
+                raise ValueError(f"token_lens: expected counts >= 1, got {tl.tolist()}")
+            self._token_lens = tl
 
     # ------------------------------------------------------------ basics
     @property
@@ -235,6 +268,18 @@ class RoutingTrace:
         cu = self._cu()
         return [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
 
+    @property
+    def has_token_lens(self) -> bool:
+        """True when the token counts were given (capture, caller, decode), not defaulted."""
+        return self._token_lens is not None
+
+    @property
+    def token_lens(self) -> list[int]:
+        """Tokens per sequence (host list): as given, else rows + 1 (complete)."""
+        if self._token_lens is not None:
+            return self._token_lens.tolist()
+        return [r + 1 for r in self.seq_lens()]
+
     def _cu(self) -> list[int]:
         if self._cu_host is None:
             self._cu_host = self.cu_seqlens.tolist()
@@ -248,6 +293,7 @@ class RoutingTrace:
             self.expert_ids.to(device), self.cu_seqlens.to(device), self.num_experts,
             layer_ids=self.layer_ids, missing=mv(self.missing),
             missing_reason=mv(self.missing_reason), mtp_layer_ids=self.mtp_layer_ids,
+            token_lens=self._token_lens,
         )  # fmt: skip
 
     def __repr__(self) -> str:
@@ -268,6 +314,7 @@ class RoutingTrace:
             or not torch.equal(self.layer_ids, other.layer_ids)
             or not torch.equal(self.mtp_layer_ids, other.mtp_layer_ids)
             or not torch.equal(self.cu_seqlens.cpu(), other.cu_seqlens.cpu())
+            or self.token_lens != other.token_lens
         ):
             return False
         ma, mb = self._missing_mask(), other._missing_mask()
@@ -301,14 +348,16 @@ class RoutingTrace:
             ids = self.expert_ids.clone()
         if sort:
             ids = ids.sort(dim=-1).values
-        return self._with(ids, self.cu_seqlens, self.missing, self.missing_reason)
+        return self._with(ids, self.cu_seqlens, self.missing, self.missing_reason,
+                          token_lens=self._token_lens)  # fmt: skip
 
-    def _with(self, ids, cu, missing, reason, layer_ids=None, mtp=None) -> RoutingTrace:
+    def _with(self, ids, cu, missing, reason, layer_ids=None, mtp=None, token_lens=None
+              ) -> RoutingTrace:  # fmt: skip
         return RoutingTrace(
             ids, cu, self.num_experts,
             layer_ids=self.layer_ids if layer_ids is None else layer_ids,
             missing=missing, missing_reason=reason,
-            mtp_layer_ids=self.mtp_layer_ids if mtp is None else mtp,
+            mtp_layer_ids=self.mtp_layer_ids if mtp is None else mtp, token_lens=token_lens,
         )  # fmt: skip
 
     def column(self, layer_id: int, *, mtp: bool = False) -> int:
@@ -361,8 +410,16 @@ class RoutingTrace:
         numbers, e.g. found by walking its modules) equal to ``layer_ids``;
         ``num_layers`` > every layer id; ``top_k`` / ``num_experts`` equal to the
         model's; ``mtp_layer_ids`` equal; ``expected_rows`` ([n] ints: rows each
-        sequence must have, i.e. prompt + generated - 1); missing (token, layer)
-        rows at most ``max_missing_fraction`` of all.
+        sequence must have, i.e. prompt + generated - 1).
+
+        Row counts, always: no sequence has more rows than ``token_lens - 1``.
+        By default (``max_missing_fraction=None``) every input token has a row or a
+        row the engine marked missing with its reason: no sequence has fewer rows
+        than ``token_lens - 1``, no token is marked ``SHORT``, and at most one token
+        per sequence (its last) is ``NO_ROW``. With ``max_missing_fraction=f`` (a
+        caller accepting short traces by name) those are allowed as long as the
+        missing (token, layer) rows, marked or short, are at most ``f`` of
+        ``max(rows, token_lens - 1)`` summed over sequences, times the layers.
 
         Returns self, or with ``raise_on_error=False`` a 0-d bool device tensor
         (True = valid) without any host sync (model metadata checks still raise).
@@ -399,30 +456,55 @@ class RoutingTrace:
                     f"{self.mtp_layer_ids.tolist()}"
                 )
         n = self.num_sequences
+        exp = None
         if expected_rows is not None:
             exp = _as_int64_vector("expected_rows", expected_rows, self.device)
             if exp.numel() != n:
                 raise TraceError(f"expected_rows: {exp.numel()} entries for {n} sequences")
-        flags = self._flags(expected_rows=None if expected_rows is None else exp)
-        if max_missing_fraction is not None:
-            total = max(1, self.expert_ids.shape[0] * self.expert_ids.shape[1])
-            over = self._missing_mask().sum() > max_missing_fraction * total
-            flags = torch.cat([flags, over.reshape(1).to(torch.int64)])
+        if max_missing_fraction is not None and not (
+            isinstance(max_missing_fraction, (int, float)) and 0 <= max_missing_fraction <= 1
+        ):
+            raise ValueError(
+                f"max_missing_fraction: expected a number in [0, 1], got {max_missing_fraction!r}"
+            )
+        flags = self._flags(expected_rows=exp, max_missing_fraction=max_missing_fraction)
         if not raise_on_error:
             return (flags == 0).all()
         counts = flags.tolist()  # the one host sync
         if not any(counts):
             return self
-        self._raise(counts, expected_rows=None if expected_rows is None else exp,
-                    max_missing_fraction=max_missing_fraction)  # fmt: skip
+        self._raise(counts, expected_rows=exp, max_missing_fraction=max_missing_fraction)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    _CHECKS = ("cu_seqlens", "range", "duplicate", "reason", "expected_rows")
+    _CHECKS = ("cu_seqlens", "range", "duplicate", "reason", "expected_rows", "too_many_rows",
+               "short", "missing_fraction")  # fmt: skip
 
-    def _flags(self, expected_rows=None) -> torch.Tensor:
-        """int64 [5] counts of violations per check, on device, no sync."""
+    def _row_counts(self):
+        """(rows [n], tokens - 1 [n], absent [n], unmarked [] ) on the device: absent =
+        positions before the rows (short by token_lens), unmarked = absent + SHORT tokens
+        + NO_ROW tokens past one per sequence. No sync."""
+        dev = self.device
+        cu = self.cu_seqlens
+        rows = cu.diff()
+        want = rows if self._token_lens is None else self._token_lens.to(dev) - 1
+        absent = (want - rows).clamp(min=0)
+        unmarked = absent.sum()
+        if self.missing_reason is not None:
+            reason = self.missing_reason
+            unmarked = unmarked + (reason == int(MissingReason.SHORT)).sum()
+            no_row = (reason == int(MissingReason.NO_ROW)).to(torch.int64)
+            cs = torch.zeros(self.num_tokens + 1, dtype=torch.int64, device=dev)
+            torch.cumsum(no_row, 0, out=cs[1:])
+            cuc = cu.clamp(0, self.num_tokens)
+            per_seq = cs[cuc[1:]] - cs[cuc[:-1]]
+            unmarked = unmarked + (per_seq - 1).clamp(min=0).sum()
+        return rows, want, absent, unmarked
+
+    def _flags(self, expected_rows=None, max_missing_fraction=None) -> torch.Tensor:
+        """int64 [8] counts of violations per check (:attr:`_CHECKS`), on device, no sync."""
         cu = self.cu_seqlens
         ids = self.expert_ids
+        zero = torch.zeros((), dtype=torch.int64, device=self.device)
         present = ~self._missing_mask()
         bad_cu = (
             (cu[0] != 0).to(torch.int64)
@@ -431,29 +513,36 @@ class RoutingTrace:
         )
         if ids.dtype == torch.uint8:
             oob = ids >= self.num_experts if self.num_experts < 256 else None
+        elif self.num_experts > torch.iinfo(ids.dtype).max:  # E = 32768: every int16 >= 0 fits
+            oob = ids < 0  # (and never ``ids >= 32768``: the constant would wrap in int16)
         else:
             oob = (ids < 0) | (ids >= self.num_experts)
-        bad_range = (
-            torch.zeros((), dtype=torch.int64, device=self.device)
-            if oob is None
-            else (oob.any(-1) & present).sum()
-        )
+        bad_range = zero if oob is None else (oob.any(-1) & present).sum()
         if self.top_k > 1:
             s = ids.sort(dim=-1).values
             dup = ((s[..., 1:] == s[..., :-1]).any(-1) & present).sum()
         else:
-            dup = torch.zeros((), dtype=torch.int64, device=self.device)
+            dup = zero
         if self.missing is not None:
             reason = self.missing_reason
             any_missing = self.missing.any(1)
             bad_reason = (((reason != 0) != any_missing) | (reason >= len(MissingReason))).sum()
         else:
-            bad_reason = torch.zeros((), dtype=torch.int64, device=self.device)
+            bad_reason = zero
         if expected_rows is not None:
             bad_rows = (cu.diff() != expected_rows).sum()
         else:
-            bad_rows = torch.zeros((), dtype=torch.int64, device=self.device)
-        return torch.stack([bad_cu, bad_range, dup, bad_reason, bad_rows])
+            bad_rows = zero
+        rows, want, absent, unmarked = self._row_counts()
+        too_many = (rows > want).sum()
+        if max_missing_fraction is None:
+            short, over = unmarked, zero
+        else:
+            cols = self.expert_ids.shape[1]
+            total = torch.maximum(rows, want).sum().clamp(min=1) * cols
+            n_missing = self._missing_mask().sum() + absent.sum() * cols
+            short, over = zero, (n_missing > max_missing_fraction * total).to(torch.int64)
+        return torch.stack([bad_cu, bad_range, dup, bad_reason, bad_rows, too_many, short, over])
 
     def _where(self, token: int, col: int | None = None) -> str:
         cu = self.cu_seqlens.tolist()
@@ -518,11 +607,49 @@ class RoutingTrace:
             raise TraceError(
                 f"sequence {i}: {int(got[i])} rows, expected {int(exp[i])} (prompt + generated - 1)"
             )
-        total = self.expert_ids.shape[0] * self.expert_ids.shape[1]
+        rows, want, absent, _ = (x.cpu() for x in self._row_counts())
+        if counts[5]:
+            i = int((rows > want).nonzero()[0, 0])
+            raise TraceError(
+                f"sequence {i}: {int(rows[i])} rows for {int(want[i]) + 1} tokens (token_lens; "
+                "at most tokens - 1: the last token is never an input). Rows twice (a resumed "
+                "or multi-turn sequence whose engine returned its whole history, stitched "
+                "again) or routes not truncated with the response"
+            )
+        if counts[6]:
+            if bool((absent > 0).any()):
+                i = int((absent > 0).nonzero()[0, 0])
+                raise TraceError(
+                    f"sequence {i}: {int(rows[i])} rows for {int(want[i]) + 1} tokens "
+                    f"(token_lens): {int(absent[i])} input tokens have no row and no reason "
+                    "(a short capture, or a later turn's omitted prefix: stitch the turns); "
+                    "pass max_missing_fraction= to accept them"
+                )
+            reason = self.missing_reason.cpu()
+            short = (reason == int(MissingReason.SHORT)).nonzero()
+            t = int(short[0, 0]) if short.numel() else self._extra_no_row(reason)
+            raise TraceError(
+                f"{self._where(t)}: no row for an input token (reason "
+                f"{MissingReason(int(reason[t])).name}; {int(counts[6])} tokens short in all; "
+                "only a sequence's last token has none); pass max_missing_fraction= to accept them"
+            )
+        total = int(torch.maximum(rows, want).sum()) * self.expert_ids.shape[1]
+        n_missing = self.num_missing + int(absent.sum()) * self.expert_ids.shape[1]
         raise TraceError(
-            f"missing rows: {self.num_missing} of {total} (token, layer) rows are missing, "
-            f"more than max_missing_fraction={max_missing_fraction} ({self.missing_counts()})"
+            f"missing rows: {n_missing} of {total} (token, layer) rows are missing, "
+            f"more than max_missing_fraction={max_missing_fraction} ({self.missing_counts()}"
+            + (f", {int(absent.sum())} tokens short of token_lens" if int(absent.sum()) else "")
+            + ")"
         )
+
+    def _extra_no_row(self, reason: torch.Tensor) -> int:
+        """The first NO_ROW token of a sequence with more than one (host)."""
+        cu = self._cu()
+        for i in range(len(cu) - 1):
+            hit = (reason[cu[i] : cu[i + 1]] == int(MissingReason.NO_ROW)).nonzero()
+            if hit.numel() > 1:
+                return cu[i] + int(hit[0, 0])
+        raise AssertionError("no extra NO_ROW token")  # pragma: no cover
 
     # ------------------------------------------------------------ pieces
     def sequence(self, i: int) -> RoutingTrace:
@@ -538,21 +665,25 @@ class RoutingTrace:
             torch.tensor([0, b - a], dtype=torch.int64, device=self.device),
             None if self.missing is None else self.missing[a:b],
             None if self.missing_reason is None else self.missing_reason[a:b],
+            token_lens=None if self._token_lens is None else self._token_lens[i : i + 1],
         )
 
     def sequences(self, index: Sequence[int]) -> RoutingTrace:
         """The sequences ``index`` (in that order) as one trace (a copy)."""
         cu = self._cu()
         n = self.num_sequences
-        rows, lens = [], []
+        rows, lens, picked = [], [], []
         for i in index:
             if not -n <= i < n:
                 raise IndexError(f"sequences: index {i} out of range for {n} sequences")
             i %= n
             rows.append(torch.arange(cu[i], cu[i + 1], dtype=torch.int64))
             lens.append(cu[i + 1] - cu[i])
+            picked.append(i)
         src = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)
-        return self._gather(src, torch.zeros_like(src, dtype=torch.uint8), lens, None)
+        tl = None if self._token_lens is None else self._token_lens[picked]
+        return self._gather(src, torch.zeros_like(src, dtype=torch.uint8), lens, None,
+                            token_lens=tl)  # fmt: skip
 
     @staticmethod
     def concat(traces: Sequence[RoutingTrace]) -> RoutingTrace:
@@ -570,7 +701,10 @@ class RoutingTrace:
             reason = torch.cat([t._reasons() for t in traces])
         else:
             missing = reason = None
-        return first._with(ids, cu, missing, reason)
+        tl = None
+        if any(t.has_token_lens for t in traces):
+            tl = [x for t in traces for x in t.token_lens]
+        return first._with(ids, cu, missing, reason, token_lens=tl)
 
     def _check_same_keys(self, other: RoutingTrace, what: str) -> None:
         if not isinstance(other, RoutingTrace):
@@ -591,21 +725,35 @@ class RoutingTrace:
         if other.device != self.device:
             raise TraceError(f"{what}: traces on {self.device} and {other.device}")
 
-    def stitch(self, other: RoutingTrace, *, start=None, expected_rows=None) -> RoutingTrace:
-        """Append a later turn's trace to this one (multi-turn, prefix omission).
+    def stitch(
+        self, other: RoutingTrace, *, start=None, expected_rows=None, max_missing_fraction=None
+    ) -> RoutingTrace:
+        """Append a later turn's trace to this one (multi-turn, resume, prefix omission).
 
         Sequence i of ``other`` holds the rows of token positions
-        ``start[i] .. start[i] + len_i - 1`` of the whole conversation (default
-        ``start[i]`` = this trace's row count of sequence i: the rows continue).
-        Positions between this trace's end and ``start[i]`` become missing rows
-        (NOT_CAPTURED). Where both traces hold a present row for the same
-        position they must be the same set (else :class:`TraceError`); a row
-        present in either one is present in the result. ``expected_rows`` ([n]
-        ints, prompt + generated - 1 of the whole conversation) checks the
-        result's length per sequence.
+        ``start[i] .. start[i] + len_i - 1`` of the whole conversation. Its start,
+        in this order: ``start[i]`` when given; else, when ``other`` knows its
+        token counts (:attr:`has_token_lens`, e.g. from the capture),
+        ``other.token_lens[i] - 1 - len_i`` (its rows end at its last input token:
+        a turn that returned its whole history starts at 0 and its rows are
+        compared, never appended twice); else this trace's end (the rows
+        continue), after comparing rows: when the later turn's first rows equal
+        this trace's first rows (an engine that returned the whole history
+        again), which reading is right cannot be told and :class:`TraceError`
+        asks for ``start`` or token counts instead of doubling the rows.
+
+        Where both traces hold a present row for the same position they must be
+        the same set (else :class:`TraceError`); a row present in either one is
+        present in the result. Positions neither trace covers (a gap before the
+        later turn's start, or this trace's own omitted prefix) are an error
+        unless accepted by ``max_missing_fraction`` (at most that fraction of the
+        result's (token, layer) rows missing, marked or not); they get missing
+        rows with reason SHORT. ``expected_rows`` ([n] ints, prompt + generated
+        - 1 of the whole conversation) checks the result's length per sequence.
 
         Both traces must have the same sequences count, experts, top_k and
-        layer keys. Returns a new trace (a copy).
+        layer keys. Returns a new trace (a copy) whose ``token_lens`` are the
+        later turn's (rows + 1 when neither trace knows its counts).
         """
         self._check_same_keys(other, "stitch")
         n = self.num_sequences
@@ -614,40 +762,78 @@ class RoutingTrace:
                 f"stitch: {n} sequences in this trace, {other.num_sequences} in the later turn"
             )
         la, lb = self.seq_lens(), other.seq_lens()
-        st = la if start is None else _as_int64_vector("start", start, "cpu").tolist()
-        if len(st) != n:
-            raise TraceError(f"stitch: start has {len(st)} entries for {n} sequences")
+        ta, tb = self.token_lens, other.token_lens
+        if start is not None:
+            st = _as_int64_vector("start", start, "cpu").tolist()
+            if len(st) != n:
+                raise TraceError(f"stitch: start has {len(st)} entries for {n} sequences")
         ca, cb = self._cu(), other._cu()
         ida, idb = self.expert_ids, other.expert_ids
         ma, mb = self._missing_mask(), other._missing_mask()
         ra, rb = self._reasons(), other._reasons()
         out_ids, out_m, out_r, lens = [], [], [], []
+        n_short = 0
         for i in range(n):
-            s = st[i]
-            if s < 0:
-                raise TraceError(f"stitch: sequence {i}: start {s} < 0")
-            total = max(la[i], s + lb[i])
-            ids = torch.zeros((total,) + ida.shape[1:], dtype=ida.dtype, device=self.device)
-            m = torch.ones((total, ida.shape[1]), dtype=torch.bool, device=self.device)
-            r = torch.full((total,), int(MissingReason.NOT_CAPTURED), dtype=torch.uint8,
-                           device=self.device)  # fmt: skip
-            ids[: la[i]] = ida[ca[i] : ca[i + 1]]
-            m[: la[i]] = ma[ca[i] : ca[i + 1]]
-            r[: la[i]] = ra[ca[i] : ca[i + 1]]
+            a0 = ta[i] - 1 - la[i]  # this trace's omitted prefix (positions before its rows)
+            if a0 < 0 or tb[i] - 1 - lb[i] < 0:
+                which, r_, t_ = ("this trace", la[i], ta[i]) if a0 < 0 else (
+                    "the later turn", lb[i], tb[i])  # fmt: skip
+                raise TraceError(
+                    f"stitch: sequence {i}: {which} has {r_} rows for {t_} tokens (at most "
+                    "tokens - 1)"
+                )
+            end_a = a0 + la[i]
+            a_rows = ida[ca[i] : ca[i + 1]]
+            a_m = ma[ca[i] : ca[i + 1]]
             b_ids = idb[cb[i] : cb[i + 1]]
             b_m = mb[cb[i] : cb[i + 1]]
             b_r = rb[cb[i] : cb[i + 1]]
-            ov = min(la[i], s + lb[i]) - s  # overlapping positions s .. s + ov - 1
+            if start is not None:
+                s = st[i]
+            elif other.has_token_lens:
+                s = tb[i] - 1 - lb[i]
+            else:
+                s = end_a
+                ov = min(la[i], lb[i])
+                if a0 == 0 and ov > 0:
+                    both = ~a_m[:ov] & ~b_m[:ov]
+                    same = (a_rows[:ov].sort(-1).values == b_ids[:ov].sort(-1).values).all(-1)
+                    if bool(both.any()) and bool((same | ~both).all()):
+                        raise TraceError(
+                            f"stitch: sequence {i}: the later turn's first {ov} rows equal this "
+                            "trace's first rows: it may hold the whole history again (a resumed "
+                            "or multi-turn engine) or continue it by chance. Pass start= (0 "
+                            f"for the whole history, {end_a} to continue) or give the traces "
+                            "token_lens (the capture's prompt + generated)"
+                        )
+            if s < 0:
+                raise TraceError(f"stitch: sequence {i}: start {s} < 0")
+            total = max(end_a, s + lb[i])
+            if other.has_token_lens and total > tb[i] - 1:
+                raise TraceError(
+                    f"stitch: sequence {i}: this trace has {end_a} rows (positions), more than "
+                    f"the later turn's {tb[i]} tokens - 1: the later turn is shorter than the "
+                    "conversation so far (wrong order, or routes not truncated with the response)"
+                )
+            ids = torch.zeros((total,) + ida.shape[1:], dtype=ida.dtype, device=self.device)
+            m = torch.ones((total, ida.shape[1]), dtype=torch.bool, device=self.device)
+            r = torch.full((total,), int(MissingReason.SHORT), dtype=torch.uint8,
+                           device=self.device)  # fmt: skip
+            ids[a0:end_a] = a_rows
+            m[a0:end_a] = a_m
+            r[a0:end_a] = ra[ca[i] : ca[i + 1]]
+            ov = min(end_a, s + lb[i]) - max(s, a0)  # positions both traces cover
             if ov > 0:
-                both = ~m[s : s + ov] & ~b_m[:ov]
-                diff = (ids[s : s + ov].sort(-1).values != b_ids[:ov].sort(-1).values).any(
-                    -1
-                ) & both
+                lo = max(s, a0)
+                both = ~m[lo : lo + ov] & ~b_m[lo - s : lo - s + ov]
+                diff = (
+                    ids[lo : lo + ov].sort(-1).values != b_ids[lo - s : lo - s + ov].sort(-1).values
+                ).any(-1) & both
                 if bool(diff.any()):
                     t, c = (int(x) for x in diff.nonzero()[0])
                     raise TraceError(
-                        f"stitch: sequence {i}, token {s + t}, {self._layer_name(c)}: the "
-                        f"turns disagree ({ids[s + t, c].tolist()} vs {b_ids[t, c].tolist()})"
+                        f"stitch: sequence {i}, token {lo + t}, {self._layer_name(c)}: the turns "
+                        f"disagree ({ids[lo + t, c].tolist()} vs {b_ids[lo - s + t, c].tolist()})"
                     )
             seg = slice(s, s + lb[i])
             take = ~b_m  # later turn's present rows win (identical where both present)
@@ -658,6 +844,18 @@ class RoutingTrace:
             rr = torch.where(b_r != 0, b_r, r[seg])
             rr = torch.where(rr != 0, rr, int(MissingReason.NOT_CAPTURED))
             r[seg] = torch.where(m[seg].any(1), rr, 0).to(torch.uint8)
+            covered = torch.zeros(total, dtype=torch.bool)
+            covered[a0:end_a] = True
+            covered[seg] = True
+            gap = total - int(covered.sum())
+            if gap and max_missing_fraction is None:
+                first = int((~covered).nonzero()[0, 0])
+                raise TraceError(
+                    f"stitch: sequence {i}: {gap} positions from token {first} are in neither "
+                    f"trace (this one ends at {end_a}, the later turn starts at {s}): no row and "
+                    "no reason; pass max_missing_fraction= to accept them (reason SHORT)"
+                )
+            n_short += gap
             out_ids.append(ids)
             out_m.append(m)
             out_r.append(r)
@@ -674,9 +872,20 @@ class RoutingTrace:
                     )
         missing = torch.cat(out_m)
         reason = torch.cat(out_r)
+        if max_missing_fraction is not None:
+            total_pairs = max(1, missing.numel())
+            n_missing = int(missing.sum())
+            if n_missing > max_missing_fraction * total_pairs:
+                raise TraceError(
+                    f"stitch: {n_missing} of {total_pairs} (token, layer) rows missing after "
+                    f"stitching ({n_short} tokens in neither trace), more than "
+                    f"max_missing_fraction={max_missing_fraction}"
+                )
         if not bool(missing.any()):
             missing = reason = None
-        return self._with(torch.cat(out_ids), _cu_from_lens(lens, self.device), missing, reason)
+        tl = [x + 1 for x in lens] if (self.has_token_lens or other.has_token_lens) else None
+        return self._with(torch.cat(out_ids), _cu_from_lens(lens, self.device), missing, reason,
+                          token_lens=tl)  # fmt: skip
 
     # ------------------------------------------------------------ re-layout
     def slice_plan(
@@ -690,13 +899,16 @@ class RoutingTrace:
         cp_layout: str | None = None,
         sp_size: int = 1,
         sp_rank: int = 0,
+        max_missing_fraction: float | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """The token-side plan of :meth:`slice` (host tensors, no layer selection).
 
         Returns (src, kind, seg_lens): for each local token of this rank, in
         order, ``src`` int64 = its row in this trace (-1 when it has none) and
-        ``kind`` uint8 = 0 (a trace row), MissingReason.NO_ROW (a token past the
-        sequence's rows, e.g. its last token) or MissingReason.PADDING; seg_lens
+        ``kind`` uint8 = 0 (a trace row), MissingReason.NO_ROW (the sequence's
+        last token), MissingReason.SHORT (an input token the trace has no row
+        for: only with ``max_missing_fraction``, see :meth:`slice`) or
+        MissingReason.PADDING; seg_lens
         = local tokens per sequence (sequences cut by the sequence-parallel
         slice keep only their piece; sequences with no local token keep 0).
         """
@@ -707,8 +919,16 @@ class RoutingTrace:
             if not 0 <= i < n:
                 raise IndexError(f"sequences: index {i} out of range for {n} sequences")
         rows = [cu[i + 1] - cu[i] for i in seqs]
+        own = self.token_lens
+        starts = [own[i] - 1 - r for i, r in zip(seqs, rows, strict=True)]  # omitted prefix
+        for j, i in enumerate(seqs):
+            if starts[j] < 0:
+                raise TraceError(
+                    f"sequence {i}: {rows[j]} rows for {own[i]} tokens (the trace's token_lens; "
+                    "at most tokens - 1)"
+                )
         if token_lens is None:
-            tl = [r + 1 for r in rows]
+            tl = [own[i] for i in seqs]
         else:
             tl = _as_int64_vector("token_lens", token_lens, "cpu").tolist()
             if len(tl) != len(seqs):
@@ -716,12 +936,15 @@ class RoutingTrace:
                     f"token_lens: expected {len(seqs)} entries (one per sequence), got {len(tl)}"
                 )
         for j, (r, t) in enumerate(zip(rows, tl, strict=True)):
-            if t < r:
+            if t - 1 < starts[j] + r:
                 raise TraceError(
                     f"token_lens: sequence {seqs[j]} has {r} rows but only {t} tokens in "
                     "the training batch (rows are tokens minus the last: token_lens must be "
-                    ">= rows)"
+                    "> rows; routes not truncated with the response?)"
                 )
+        short = [t - 1 - r for r, t in zip(rows, tl, strict=True)]
+        if any(short):
+            self._check_short(seqs, rows, tl, short, max_missing_fraction)
         for name, size, rank in (("cp", cp_size, cp_rank), ("sp", sp_size, sp_rank)):
             if not (isinstance(size, int) and size >= 1):
                 raise ValueError(f"{name}_size: expected a positive int, got {size!r}")
@@ -760,12 +983,18 @@ class RoutingTrace:
                 else:
                     c = padded // cp_size
                     pos = pos[cp_rank * c : (cp_rank + 1) * c]
+            a0 = starts[j]
+            has_row = (pos >= a0) & (pos < a0 + rows[j])
             kind = torch.where(
-                pos < rows[j],
+                has_row,
                 0,
-                torch.where(pos < tl[j], int(MissingReason.NO_ROW), int(MissingReason.PADDING)),
+                torch.where(
+                    pos < tl[j] - 1,
+                    int(MissingReason.SHORT),
+                    torch.where(pos < tl[j], int(MissingReason.NO_ROW), int(MissingReason.PADDING)),
+                ),
             ).to(torch.uint8)
-            src = torch.where(pos < rows[j], pos + cu[i], -1)
+            src = torch.where(has_row, pos - a0 + cu[i], -1)
             srcs.append(src)
             kinds.append(kind)
             seg.append(pos.numel())
@@ -790,6 +1019,32 @@ class RoutingTrace:
             seg = new_seg
         return src, kind, seg
 
+    def _check_short(self, seqs, rows, tl, short, max_missing_fraction) -> None:
+        """Raise unless the caller accepted the input tokens without a row by name."""
+        if max_missing_fraction is None:
+            j = next(j for j, x in enumerate(short) if x)
+            raise TraceError(
+                f"sequence {seqs[j]}: {rows[j]} rows for {tl[j]} tokens (rows must be tokens "
+                f"- 1): {short[j]} input tokens ({sum(short)} over the batch) have no row and "
+                "would be routed natively without a mark; pass max_missing_fraction= to "
+                "accept them (reason SHORT)"
+            )
+        if not (isinstance(max_missing_fraction, (int, float)) and 0 <= max_missing_fraction <= 1):
+            raise ValueError(
+                f"max_missing_fraction: expected a number in [0, 1], got {max_missing_fraction!r}"
+            )
+        marked = 0
+        if self.missing_reason is not None:
+            cu = self._cu()
+            per_tok = self.missing_reason.cpu() != 0
+            marked = sum(int(per_tok[cu[i] : cu[i + 1]].sum()) for i in seqs)
+        inputs = max(1, sum(t - 1 for t in tl))
+        if sum(short) + marked > max_missing_fraction * inputs:
+            raise TraceError(
+                f"missing rows: {sum(short)} input tokens short of a row and {marked} marked "
+                f"missing, of {inputs}: more than max_missing_fraction={max_missing_fraction}"
+            )
+
     def slice(
         self,
         *,
@@ -804,6 +1059,7 @@ class RoutingTrace:
         cp_layout: str | None = None,
         sp_size: int = 1,
         sp_rank: int = 0,
+        max_missing_fraction: float | None = None,
     ) -> RoutingTrace:
         """The part of the trace one training rank uses, in its packed token order.
 
@@ -815,8 +1071,17 @@ class RoutingTrace:
         include_mtp : keep the MTP columns (default: dropped, never replayed).
         sequences : the sequences of the micro-batch in packed order (default all).
         token_lens : [len(sequences)] the trainer's token count per sequence
-            (default rows + 1: prompt + generated). Tokens past a sequence's
-            rows (its last token) get missing rows, reason NO_ROW.
+            (default: the trace's :attr:`token_lens`, rows + 1 unless known). The
+            last token gets a missing row, reason NO_ROW. Rows must be at most
+            ``token_lens - 1`` (else :class:`TraceError`: e.g. routes not
+            truncated with the response).
+        max_missing_fraction : None (default): every input token must have a row
+            (``token_lens - 1 == rows``, the trace's own omitted prefix counted as
+            missing); a short trace raises :class:`TraceError` naming the
+            sequence. A float f: accept short traces as long as the input tokens
+            without a row, marked by the engine or short, are at most f of all
+            input tokens of the selected sequences; short tokens get missing rows,
+            reason SHORT (routed natively; ``TraceReplay`` needs the same opt-in).
         pad_multiple : each sequence is padded to a multiple of this (Megatron
             THD packing with CP: 2*cp*tp for zigzag). Padding tokens get rows per
             ``pad_policy``: "missing" (marked missing, reason PADDING: replay
@@ -839,7 +1104,7 @@ class RoutingTrace:
         src, kind, seg = self.slice_plan(
             sequences=sequences, token_lens=token_lens, pad_multiple=pad_multiple,
             cp_size=cp_size, cp_rank=cp_rank, cp_layout=cp_layout, sp_size=sp_size,
-            sp_rank=sp_rank,
+            sp_rank=sp_rank, max_missing_fraction=max_missing_fraction,
         )  # fmt: skip
         if layers is None:
             cols = list(range(self.num_moe_layers))
@@ -853,7 +1118,7 @@ class RoutingTrace:
         return self._gather(src, kind, seg, cols, pad_policy=pad_policy, keys=(lids, mtp))
 
     def _gather(
-        self, src, kind, seg_lens, cols, *, pad_policy="missing", keys=None
+        self, src, kind, seg_lens, cols, *, pad_policy="missing", keys=None, token_lens=None
     ) -> RoutingTrace:
         dev = self.device
         idx = src.clamp(min=0).to(dev)
@@ -884,8 +1149,9 @@ class RoutingTrace:
             reason = torch.where(missing.any(1), reason, 0).to(torch.uint8)
         lids, mtp = (None, None) if keys is None else keys
         return self._with(
-            ids, _cu_from_lens(seg_lens, dev), missing, reason, layer_ids=lids, mtp=mtp
-        )
+            ids, _cu_from_lens(seg_lens, dev), missing, reason, layer_ids=lids, mtp=mtp,
+            token_lens=token_lens,
+        )  # fmt: skip
 
     # ------------------------------------------------------------ codec
     def encode(self, *, codec: str = "set", backend: str | None = None) -> bytes:

@@ -24,10 +24,6 @@
 #include "routing/codec_args.h"
 #include "routing/routing_api.h"
 #include "routing/setcode.h"
-// The R12 level step in inline asm (x86-64 GCC / Clang only; elsewhere the C++ form).
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define COMPASS_R12_ASM 1
-#endif
 
 namespace compass {
 namespace routing {
@@ -65,14 +61,9 @@ struct R12 {
   std::vector<uint64_t> c;    // [m * kC12Stride + a] = C(a, m) << 12 | a; a > min(E, 255): ~0
 };
 
-// Inlined into each ISA build of decode_packs (lzcnt in the AVX2 one, bsr in the baseline).
+// Inlined into the AVX2 build of decode_packs (target lzcnt: __builtin_clzll is one lzcnt).
 __attribute__((always_inline)) inline uint64_t lz_key(uint64_t big_r) {  // big_r >= 2^9 (its low field)
-#if defined(COMPASS_R12_ASM)
-  uint64_t lz;  // lzcnt without the dependency-breaking xor GCC adds (none needed on AMD)
-  asm("lzcntq %1, %0" : "=r"(lz) : "r"(big_r));
-#else
   const int lz = __builtin_clzll(big_r);
-#endif
   return (static_cast<uint64_t>(lz) << 7) + ((big_r << lz) >> 56);
 }
 
@@ -340,18 +331,10 @@ __attribute__((always_inline)) inline void r12_batch(uint64_t* big_r, const R12&
 #endif
     for (int j = 0; j < kR12Batch; ++j) {
       const uint64_t h = hm[lz_key(big_r[j])];
-#if defined(COMPASS_R12_ASM)
-      uint64_t sel;
-      asm("movq 8(%[cm],%[h],8), %[sel]\n\t"
-          "cmpq %[sel], %[r]\n\t"
-          "cmovbq (%[cm],%[h],8), %[sel]"
-          : [sel] "=&r"(sel)
-          : [cm] "r"(cm), [h] "r"(h), [r] "r"(big_r[j])
-          : "cc");
-#else
       const uint64_t lo = cm[h], hi = cm[h + 1];  // both loaded before the compare
-      const uint64_t sel = big_r[j] >= hi ? hi : lo;
-#endif
+      // a select by mask, never a branch (the ?: form compiled to a branch here: 2x slower)
+      const uint64_t take_hi = uint64_t{0} - static_cast<uint64_t>(big_r[j] >= hi);
+      const uint64_t sel = lo ^ ((lo ^ hi) & take_hi);
       big_r[j] -= sel;
       out[j * K + m - 1] = static_cast<uint8_t>(sel);
     }
@@ -589,11 +572,11 @@ int threads_for(int64_t rows) {
 // R12 decodes: uint8 ids, K in {6, 8} (the specialised kernels; K = 4 never has
 // G = 1 with E <= 256), a G = 1 layout of <= 52 bits (R = r << 12 fits 64 bits),
 // in the AVX2 build (lzcnt: the baseline's bsr would make it slower than the
-// v1 unrank) and impl 0.
-bool use_r12(const CodecTables& ct, bool uint8_ids, int64_t impl, bool avx2) {
+// level-by-level unrank).
+bool use_r12(const CodecTables& ct, bool uint8_ids, bool avx2) {
   const Tables& t = ct.t;
   return ct.r12.ok && (t.k == 6 || t.k == 8) && t.group == 1 && t.bits > 0 && t.bits <= 52 &&
-         uint8_ids && impl == 0 && avx2;
+         uint8_ids && avx2;
 }
 
 bool pick_avx2(int64_t impl) {
@@ -666,10 +649,10 @@ void encode_sets_cpu(TensorView ids, int64_t num_experts, std::optional<TensorVi
 
 std::string set_code_decode_path(int64_t num_experts, int64_t top_k, bool uint8_ids,
                                  int64_t impl) {
-  COMPASS_CHECK(impl >= 0 && impl <= 2, "impl: expected 0, 1 or 2, got ", impl);
+  const bool avx2 = pick_avx2(impl);
   const CodecTables& ct = codec_tables(num_experts, top_k);
   if (ct.t.bits == 0) return "none";
-  if (use_r12(ct, uint8_ids, impl, impl != 1 && use_avx2())) return "r12";
+  if (use_r12(ct, uint8_ids, avx2)) return "r12";
   return ct.t.fast ? "hint" : "bisect";
 }
 
@@ -677,11 +660,7 @@ void decode_sets_cpu(TensorView data, int64_t num_experts, TensorView ids, int64
   COMPASS_NAME_ARGS(data, ids);
   data.expect_vector().expect_dtype(DType::kUInt8).expect_device(DeviceType::kCPU);
   ids.expect_ndim(2).expect_contiguous().expect_device(DeviceType::kCPU);
-  COMPASS_CHECK(impl >= 0 && impl <= 2,
-                "impl: expected 0 (auto), 1 (baseline x86-64) or 2 (AVX2, the level-by-level "
-                "unrank without R12), got ",
-                impl);
-  const bool avx2 = impl != 1 && use_avx2();
+  const bool avx2 = pick_avx2(impl);
   const int64_t rows = ids.size(0), k = ids.size(1);
   const CodecTables& ct = codec_tables(num_experts, k);
   const Tables& t = ct.t;
@@ -689,7 +668,7 @@ void decode_sets_cpu(TensorView data, int64_t num_experts, TensorView ids, int64
   COMPASS_CHECK(data.numel() == need, data.name, ": expected ", need, " bytes for ", rows,
                 " rows, got ", data.numel());
   const int64_t packs = (rows + t.group - 1) / t.group;
-  const bool r12 = use_r12(ct, ids.dtype == DType::kUInt8, impl, avx2);
+  const bool r12 = use_r12(ct, ids.dtype == DType::kUInt8, avx2);
   const DecodeArgs g{&t, rows, k, data.ptr<uint8_t>(), need, r12 ? &ct.r12 : nullptr};
   std::vector<int64_t> bad(1, -1);
   dispatch(ids, Types<uint8_t, int16_t>{}, [&](auto tag) {

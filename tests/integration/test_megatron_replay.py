@@ -542,7 +542,10 @@ def _pipeline_stage(rank, world_size, path):
     replay = mr.TraceReplay(model, record=True)
     seq = 12
     full = _random_sets(seq, range(4), seed=29)  # the whole model's trace, on both ranks
-    trace = RoutingTrace(full.to(torch.uint8), torch.tensor([0, seq]), _E, layer_ids=range(4))
+    # seq tokens, seq - 1 rows (the last token is never an engine input: NO_ROW, native)
+    rows = seq - 1
+    trace = RoutingTrace(full[:rows].to(torch.uint8), torch.tensor([0, rows]), _E,
+                         layer_ids=range(4))  # fmt: skip
     local = trace.slice(layers=replay.layers, token_lens=[seq])  # this stage's columns only
     ids, pos = _tokens(seq, seed=30)
     if rank == 0:
@@ -562,7 +565,7 @@ def _pipeline_stage(rank, world_size, path):
         out.float().pow(2).mean().backward()
         dist.send(hidden.grad.contiguous(), 0)
     forced = all(
-        torch.equal(_as_map(used), _as_map(full[:, layer]))
+        torch.equal(_as_map(used[:rows]), _as_map(full[:rows, layer]))
         for phase, _, layer, used in replay.history
     )
     router_grads = [float(p.grad.abs().sum()) for n, p in model.named_parameters() if "router" in n]
@@ -662,8 +665,10 @@ def _cp_rank(rank, world_size, path):
     torch.manual_seed(0)
     model = build_megatron_model(cfg, load_hf_state_dict(path))
     seq = 16
-    full = _random_sets(seq, _LAYERS, seed=31)  # the rollout's trace, all 16 tokens
-    trace = RoutingTrace(full.to(torch.uint8), torch.tensor([0, seq]), _E, layer_ids=_LAYERS)
+    full = _random_sets(seq, _LAYERS, seed=31)  # the rollout's routing of the 16 tokens
+    # rows for the 15 input tokens; the last token's (position 15) is NO_ROW, native
+    trace = RoutingTrace(full[: seq - 1].to(torch.uint8), torch.tensor([0, seq - 1]), _E,
+                         layer_ids=_LAYERS)  # fmt: skip
     ids, pos = _tokens(seq, seed=32)
     batch = get_batch_on_this_cp_rank({"tokens": ids.clone(), "position_ids": pos.clone()})
     mine = batch["position_ids"][0]  # the global token positions Megatron gave this rank
@@ -674,19 +679,21 @@ def _cp_rank(rank, world_size, path):
     try:
         with torch.no_grad(), replay.micro_batch(local):
             model(batch["tokens"], batch["position_ids"], attention_mask=None)
+        keep = mine < seq - 1  # tokens with a row
         forced = [
-            torch.equal(_as_map(used), _as_map(full[mine, layer]))
+            torch.equal(_as_map(used[keep]), _as_map(full[mine[keep], layer]))
             for _, _, layer, used in replay.history
         ]
     finally:
         replay.remove()
+    want = full[mine[keep]].to(torch.uint8)
     return (
         cp_rank,
         mine.tolist(),
         local.num_tokens,
         forced,
-        torch.equal(local.expert_ids, full[mine].to(torch.uint8)),
-        torch.equal(wrong.expert_ids, full[mine].to(torch.uint8)),
+        torch.equal(local.expert_ids[keep], want),
+        torch.equal(wrong.expert_ids[keep], want),
     )
 
 
