@@ -88,10 +88,10 @@ def feasible(lengths, *, dp_size, max_tokens, group_ids=None, micro_batch_multip
     return False
 
 
-def small_case(seed: int, micro_batch_multiple: int) -> tuple[np.ndarray, dict]:
+def small_case(seed: int, micro_batch_multiple: int, equal: float = 0.3) -> tuple[np.ndarray, dict]:
     """Small random inputs where the balanced ranks often leave some rank
     short of sequences: a few long sequences (over half the cap) among short
-    ones, 1-4 ranks, groups, equal samples."""
+    ones, 1-4 ranks, groups, equal samples (with probability ``equal``)."""
     g = np.random.default_rng(seed)
     dp = int(g.integers(1, 5))
     n = int(g.integers(dp, 10))
@@ -103,7 +103,7 @@ def small_case(seed: int, micro_batch_multiple: int) -> tuple[np.ndarray, dict]:
         kw["group_ids"] = g.integers(0, max(dp, n // 2) + 1, n)
         if len(set(kw["group_ids"].tolist())) < dp:
             kw["group_ids"] = np.arange(n) % dp
-    kw["equal_samples"] = bool(g.random() < 0.3) and "group_ids" not in kw
+    kw["equal_samples"] = bool(g.random() < equal) and "group_ids" not in kw
     return lengths, kw
 
 
@@ -115,12 +115,12 @@ def _outcome(lengths, kw):
         return None, str(e)
 
 
-def sweep(seeds, micro_batch_multiple: int) -> dict:
+def sweep(seeds, micro_batch_multiple: int, equal: float = 0.3) -> dict:
     """Counts over small_case(seed): planned, refused, refused with a plan
     existing (must be 0); every plan checked against the contract."""
     out = {"planned": 0, "refused": 0, "refused_feasible": []}
     for seed in seeds:
-        lengths, kw = small_case(seed, micro_batch_multiple)
+        lengths, kw = small_case(seed, micro_batch_multiple, equal)
         p, why = _outcome(lengths, kw)
         if p is not None:
             ref.check_plan(p, lengths, **kw)
@@ -140,6 +140,16 @@ def test_every_refusal_is_infeasible_and_every_plan_valid(mbm):
     counts = sweep(range(500 * mbm, 500 * mbm + 500), mbm)
     assert counts["refused_feasible"] == [], counts
     assert counts["refused"] > 20 and counts["planned"] > 100, counts  # the sweep tests both
+
+
+@pytest.mark.parametrize("mbm", [1, 2])
+def test_equal_samples_are_planned_by_the_search(mbm):
+    """equal_samples fixes every rank's count, so no item moves: each
+    balanced-ranks failure that has a plan is rescued by the search alone
+    (the planner before the search refused 5 feasible cases here).
+    """
+    counts = sweep(range(200_000, 200_400), mbm, equal=1.0)
+    assert counts["refused_feasible"] == [], counts
 
 
 @pytest.mark.parametrize("mbm", [1, 2])
