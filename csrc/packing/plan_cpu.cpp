@@ -1,33 +1,18 @@
 // The packing planner (ck.packing.plan): sequences -> data-parallel ranks ->
-// micro-batches, every constraint at once. docs/design.md has the contract.
-//
-// 0. Lengths padded to pad_multiple (what the cap counts); the cost balanced is
-//    the padded tokens (int64: exact) or a*P + b*P^2 (float64). Both grow with
-//    P, so one order by decreasing tokens (ties by index) is decreasing cost.
-// 1. Items: a group (group_ids) or a sequence, never split across ranks,
-//    relabelled by decreasing cost: item j is at least as heavy as j + 1.
-// 2. Ranks: LPT (the middle of long lists by a snake sweep, lpt_ranks), then
-//    exchange refinement: the heaviest rank takes the move or swap with the
-//    lightest (then the next lightest) whose cost difference is closest to half
-//    their gap, until it sits at the lower bound max(ceil(total / k), largest
-//    item) (the exact optimum for token costs; 1e-9 relative for float costs).
-//    Where the bound is missed, Karmarkar-Karp seeds a second candidate,
-//    refined the same way; the better is kept, so never worse than KK.
-// 3. Micro-batches: M = the largest per-rank lower bound (ceil(tokens / cap),
-//    sequences over cap / 2 each alone), rounded up to micro_batch_multiple.
-//    Each rank is packed into M bins by LPT on cost, or by the level fit (first
-//    fit under the balanced level, the rest by LPT under the cap): the first
-//    within the rank's bound is taken, else both are refined and the better
-//    kept; where neither fits, first-fit decreasing plus splitting, M growing
-//    to the largest first-fit count.
-// 4. Feasibility: where a rank holds fewer sequences than M, the smallest
-//    items of ranks with sequences to spare move to it. Where that fails, a
-//    depth-first search over (rank, micro-batch) for each sequence, ranks and
-//    bins tried least-loaded first, for each M from the smallest any plan could
-//    have: complete within a node budget, so a refusal is a proof (a counting
-//    bound, or the search exhausted) or says that the budget ran out.
-// 5. Output: each rank's micro-batches heaviest first (ties by first
-//    sequence), each by ascending index. Deterministic: ties broken by index.
+// micro-batches, every constraint at once (docs/design.md has the contract).
+// 1. Items (groups or sequences) by decreasing cost (padded tokens, int64, or
+//    a P + b P^2, float64: both grow with P, so one sort by tokens serves).
+// 2. Ranks: LPT (a snake sweep over the middle of long lists), exchange
+//    refinement to the lower bound max(ceil(total / k), largest item); where
+//    missed, a refined Karmarkar-Karp seed, the better kept.
+// 3. Micro-batches: M = the largest per-rank lower bound, rounded up to
+//    micro_batch_multiple; each rank by LPT or the level fit (the first within
+//    its bound, else both refined), else first fit plus splitting, M growing.
+// 4. Feasibility: items move to ranks short of sequences; else a depth-first
+//    search over (rank, micro-batch), complete within a budget, so a refusal
+//    is a proof (a counting bound, an exhausted search) or says it gave up.
+// 5. Output: micro-batches heaviest first, each by ascending index. Every tie
+//    is broken by index: deterministic.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -46,28 +31,20 @@ namespace packing {
 
 namespace {
 
-// Refinement partners tried per step for the heaviest micro-batch: bins are
-// many and cheap to rebalance, a full scan per step costs O(M^2) for little.
+// Micro-batch refinement: partners per step, and its stop within 0.5% of the
+// bound (bubbles; the last fractions of a percent cost most of the time).
 constexpr int64_t kBinPartners = 8;
-// Micro-batches stop refining within 0.5% of their lower bound: their balance
-// is a pipeline-bubble concern, and the last fractions of a percent cost most
-// of the planner's time at 64k sequences.
 constexpr double kBinTolerance = 5e-3;
-// Float costs: ranks stop within 1e-9 of max(total / k, largest item).
-constexpr double kRankTolerance = 1e-9;
-// The rank snake sweep runs from this many items per rank (below it LPT's tree
-// costs little and refinement took more steps after the sweep).
+constexpr double kRankTolerance = 1e-9;  // float costs: ranks within 1e-9 of the bound
+// The rank snake sweep: from this many items per rank, and it stops while the
+// items left exceed every rank's lift to the heaviest by kSnakeMargin * k of them.
 constexpr int64_t kBulkMinPerBin = 96;
-// The sweep stops while the items left exceed the lift of every rank to the
-// heaviest by kSnakeMargin * k times the largest of them; LPT places those.
 constexpr int64_t kSnakeMargin = 8;
-// Ranks choose LPT or the level fit first in groups of kGroup: while LPT has
-// failed (or missed the bound) on more ranks than it met it on, a group tries
-// the level fit first, unless one of its ranks is a probe (every kLptProbe-th).
+// Ranks try the level fit before LPT in groups of kGroup while LPT failed more
+// often than not, unless a rank of the group is a probe (every kLptProbe-th).
 constexpr int64_t kGroup = 4;
 constexpr int64_t kLptProbe = 16;
-// The feasibility search's budget: placements tried, over every M.
-constexpr int64_t kSearchNodes = 4'000'000;
+constexpr int64_t kSearchNodes = 4'000'000;  // the feasibility search's placements
 
 // Stable LSD radix sort of (key, index) records by key, 8-bit digits, only
 // as many passes as the keys' bits need (two for 16-bit token ranges). A
