@@ -3,11 +3,11 @@ each rank's sequences): two of its paths checked against each other, and the
 rank assignment pinned where its speed-ups promised the same plans.
 
 - Singleton groups: group_ids that put every sequence in a group of its own
-  (ids increasing with the index) take the group path (radix order of the
-  group ids, order_desc of the group costs, ranks' sequences from an
-  item -> rank array), which must give exactly the ungrouped plan (counting
-  or radix sort of the tokens, ranks' sequences read from their member
-  lists).
+  (ids increasing with the index) take the group path (groups ordered by id,
+  then by decreasing cost; ranks' sequences from a sequence -> rank map),
+  which must give exactly the ungrouped plan (ranks' sequences read from
+  their member lists), on the bench's lengths and on token ranges up to 2^40
+  (the radix sort's extra passes).
 - Pins: which rank each sequence lands on, hashed, as the planner gave before
   its rank phase was sped up (best_exchange's early stop, tournament trees,
   fewer swap candidates, LPT and by_rank rewritten): the speed-ups were meant
@@ -44,12 +44,49 @@ OPTIONS = {
 )
 @pytest.mark.parametrize("option", list(OPTIONS))
 def test_singleton_groups_give_the_ungrouped_plan(dist, n, dp, option):
-    """(1000: radix sort, 4099: radix, 8192 and up: counting sort; 96+
-    sequences per rank: the snake sweep; 64+ ranks: refinement by trees.)"""
+    """(96+ sequences per rank: the snake sweep; 64+ ranks.)"""
     lengths = ref.DISTRIBUTIONS[dist](n, n + 1)
     kw = dict(dp_size=dp, max_tokens=65536, **OPTIONS[option])
     a = ck.packing.plan(lengths, **kw)
     b = ck.packing.plan(lengths, group_ids=np.arange(n) * 3 + 5, **kw)
+    assert a.num_micro_batches == b.num_micro_batches
+    assert torch.equal(a.order, b.order) and torch.equal(a.offsets, b.offsets)
+
+
+def _tokens(n: int, lo: int, hi: int, seed: int, ties: int = 0) -> np.ndarray:
+    """n values in [lo, hi] with both ends present; ties > 0: drawn from that
+    many distinct values (many equal tokens, so the index tie-break matters)."""
+    rng = np.random.default_rng(seed)
+    if ties:
+        pool = rng.integers(lo, hi + 1, ties, dtype=np.int64)
+        t = pool[rng.integers(0, ties, n)]
+    else:
+        t = rng.integers(lo, hi + 1, n, dtype=np.int64)
+    t[rng.integers(0, n)] = lo
+    t[rng.integers(0, n)] = hi
+    return t
+
+
+@pytest.mark.parametrize(
+    "n,dp,lo,hi,ties",
+    [
+        (3001, 16, 1, 1 << 40, 0),  # five 8-bit radix passes
+        (777, 8, 1 << 30, (1 << 30) + (1 << 28), 41),  # ties
+        (70001, 64, 1, (1 << 16) + 7, 0),  # three passes, 70k sequences
+        (5001, 32, 100, 3100, 0),
+        (1003, 8, 1, (1 << 21) - 1, 97),
+        (57, 4, 1, 10**6, 0),  # a comparison sort (n <= 64)
+    ],
+)
+def test_wide_token_ranges_plan_like_the_group_path(n, dp, lo, hi, ties):
+    """The ungrouped plan reads its items from the sort of the tokens;
+    singleton groups order the same items by group id, then by group cost.
+    Equal plans: the sort gave decreasing tokens, ties by index, on every
+    range."""
+    lengths = _tokens(n, lo, hi, seed=n, ties=ties)
+    kw = dict(dp_size=dp, max_tokens=4 * hi)
+    a = ck.packing.plan(lengths, **kw)
+    b = ck.packing.plan(lengths, group_ids=np.arange(n) * 2 + 1, **kw)
     assert a.num_micro_batches == b.num_micro_batches
     assert torch.equal(a.order, b.order) and torch.equal(a.offsets, b.offsets)
 

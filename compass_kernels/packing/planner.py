@@ -1,11 +1,12 @@
 """The packing planner: sequences -> data-parallel ranks -> micro-batches.
 
 Everything per sequence runs in C++ (csrc/packing/plan_cpu.cpp: padding,
-cost, radix order, LPT with exchange refinement to the lower bound and a
-Karmarkar-Karp seed where it is missed, capped LPT micro-batches with first
-fit where LPT cannot fit); this module checks the scalar arguments, picks the
-cost coefficients, and wraps the result in a :class:`Plan` (tensors and
-statistics built on first access).
+cost, order, LPT with exchange refinement to the lower bound and a
+Karmarkar-Karp seed where it is missed, capped LPT or level-fit micro-batches
+with first fit where neither fits, and where the balanced ranks leave no plan,
+item moves and a feasibility search); this module checks the scalar
+arguments, picks the cost coefficients, and wraps the result in a
+:class:`Plan` (tensors and statistics built on first access).
 """
 
 from __future__ import annotations
@@ -307,6 +308,13 @@ def plan(
     -------
     :class:`Plan`: every rank has ``num_micro_batches`` non-empty micro-batches,
     each within max_tokens. Deterministic: the same input gives the same plan.
+
+    Raises
+    ------
+    ValueError : only where no plan exists (a counting bound, or an exhaustive
+        search, says so in the message), or, on inputs too large to search,
+        where the search for one gave up (the message says so); and for bad
+        arguments, naming them.
     """
     L = _as_int64("lengths", lengths)
     n = L.size

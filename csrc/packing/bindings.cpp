@@ -13,8 +13,6 @@ void bind(pybind11::module_& root) {
                     "-> (micro-batches per rank, lower bound)");
   COMPASS_DEF_NOGIL(m, karmarkar_karp_cpu,
                     "(cost, k, rank_of): equal-size largest differencing, rank_of in place");
-  COMPASS_DEF_NOGIL(m, sort_tokens_desc_cpu,
-                    "(tokens, order) -> (path, key width): the planner's sort, a test hook");
   const char* pack = "(src, seq_start, seqlens, out_offsets, cp_size, cp_rank, fill, total, out"
                      "[, stream]): THD pack, out in place";
   const char* unpack = "(packed, seqlens, cu_seqlens, out_offsets, cp_size, total, out"

@@ -20,6 +20,7 @@ namespace packing {
 // offsets [n + 1] int64 (micro-batch (r, m) is order[offsets[r*M+m] :
 // offsets[r*M+m+1]]). Returns (M, lower bound): M micro-batches per rank
 // (offsets[:dp*M+1] is written) and max(total cost / dp, largest item cost).
+// Plans whenever a plan exists (within a search budget); a refusal says why.
 #define COMPASS_PLAN_ARGS                                                                   \
   TensorView lengths, std::optional<TensorView> group_ids, int64_t dp_size, int64_t max_tokens, \
       int64_t micro_batch_multiple, bool equal_samples, int64_t pad_multiple, double cost_a,   \
@@ -31,12 +32,6 @@ std::pair<int64_t, double> plan_cpu(COMPASS_PLAN_ARGS);
 // frameworks run it; n not a multiple of k gets zero-cost fillers) for the
 // bench and as the planner's second seed: rank_of [n] int64 written.
 void karmarkar_karp_cpu(TensorView cost, int64_t k, TensorView rank_of);
-
-// Test hook: the planner's sort of tokens [n] int64 (>= 0) by decreasing value,
-// ties by index, into order [n] int64. Returns (path, key width): path 0 a
-// comparison sort (n <= 64) or none (one value), 1 counting sort, 2 radix sort,
-// 3 (sequence, tokens) pairs by order_desc; width 32 or 64 (packed keys), 0 (pairs).
-std::pair<int64_t, int64_t> sort_tokens_desc_cpu(TensorView tokens, TensorView order);
 
 // THD pack / unpack (compass/packing.h has the layout). Rows are opaque bytes:
 // every per-token tensor [T, ...] of any dtype travels as uint8 [T, W].
