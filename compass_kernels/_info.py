@@ -25,6 +25,7 @@ def _triton() -> dict[str, Any]:
 # What each kind of backend is verified by, without a GPU (see docs/design.md,
 # "Verification levels"); GPU runs come from the committed reports.
 _STATIC_EVIDENCE = {
+    "torch": ["the plain-torch reference: tested against the loop-level spec on CPU"],
     "cpp": ["reference-tested on CPU"],
     "triton": ["interpreter-run on CPU", "AOT-compiled for sm_90 (ptxas spills checked)"],
     "cuda": ["compiled for {archs} (SASS and ptxas resources checked)"],
@@ -98,6 +99,7 @@ def info() -> dict[str, Any]:
     out["triton"] = triton
     gpu = out["cuda_device"]["usable"]
     out["backends"] = {
+        "torch": True,
         "cpp": out["compiled"]["loaded"],
         "cuda": bool(build.get("cuda")) and gpu,
         "triton": triton["installed"] and (gpu or triton["interpreting"]),
