@@ -321,7 +321,7 @@ def _raise_bad_rows(counts, ids, valid, e) -> None:
 # its fake (the output allocator), the backend table and the dispatch.
 
 
-def _replay_outputs(logits, ids, bias, valid, score_function, normalize, scaling, ratio):
+def _replay_outputs(logits, ids, *_):
     t, e = logits.shape
     return (
         torch.empty_like(ids, dtype=logits.dtype),
@@ -357,8 +357,11 @@ replay_topk_backward_op = register_op(
 
 
 def _setup_context(ctx, inputs, output):
-    logits, _, _, _, score_function, normalize, scaling, _ = inputs[:8]
-    ctx.backend = inputs[8] if len(inputs) > 8 else None
+    # Positions of the schema: logits first, (score_function, normalize, scaling)
+    # at 4..6, backend last; arguments added later go at the end, before backend.
+    logits, score_function, normalize, scaling = inputs[0], *inputs[4:7]
+    ctx.backend = inputs[-1] if len(inputs) > replay_topk_op._nargs else None
+    ctx.num_inputs = len(inputs)
     ctx.save_for_backward(logits, output[4])
     ctx.score_function, ctx.normalize, ctx.scaling = score_function, normalize, scaling
 
@@ -374,7 +377,7 @@ def _backward(ctx, grad_w, *_):
     grad = torch.ops.compass.replay_topk_backward(
         g, logits, used, ctx.score_function, ctx.normalize, ctx.scaling, ctx.backend
     )
-    return grad, None, None, None, None, None, None, None, None
+    return (grad,) + (None,) * (ctx.num_inputs - 1)
 
 
 torch.library.register_autograd("compass::replay_topk", _backward, setup_context=_setup_context)
