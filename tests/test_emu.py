@@ -236,9 +236,9 @@ def test_module_lists_the_kernels_and_entry_points():
 def test_every_planted_mutant_is_built():
     """A mutant whose pattern no longer matches its source is left out of the build
     (cmake/emu.cmake warns); this fails until its pattern is updated."""
-    from tests.test_advantages import MUTANTS
+    from tests.test_espo_loss import MUTANTS
 
-    assert sorted(_emu.mutants().get("advantages", [])) == sorted(MUTANTS)
+    assert sorted(_emu.mutants().get("espo", [])) == sorted(MUTANTS)
     with pytest.raises(ValueError, match="unknown mutant"):
         with _emu.mutant("no_such_mutant"):
             pass
