@@ -423,7 +423,7 @@ def group_ids_case(prompts: int, samples: int, shuffled: bool, device: str) -> C
 
 
 def _raw_group_kernel(rewards: torch.Tensor, group_size: int) -> Callable[[], Adv]:
-    """The compiled CPU kernel through its binding (``group_advantages_op.kernel("cpp")``),
+    """The CPU kernel called directly (``group_advantages_op.kernel("torch")``),
     arguments prepared once: the floor the other overhead rows are measured against.
     A moved entry point makes this provider raise (an ERROR row; ``--check``
     fails) naming what to update here, never a silently missing row."""
@@ -435,12 +435,12 @@ def _raw_group_kernel(rewards: torch.Tensor, group_size: int) -> Callable[[], Ad
     try:
         from compass_kernels.advantages import group_advantages_op
 
-        fn = group_advantages_op.kernel("cpp")
+        fn = group_advantages_op.kernel("torch")
         fn(*args, *outs)
     except Exception as e:  # noqa: BLE001 - any failure is reported in the row
         return _raiser(
             "bench: the raw CPU kernel (compass_kernels.advantages.group_advantages_op"
-            f'.kernel("cpp")) failed: {type(e).__name__}: {e}; update '
+            f'.kernel("torch")) failed: {type(e).__name__}: {e}; update '
             "bench/bench_advantages.py::_raw_group_kernel"
         )
 

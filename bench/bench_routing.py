@@ -155,7 +155,7 @@ def overhead_case() -> Case:
     z, ids, valid, _ = make_inputs(t, e, k, seed=1, device="cpu")
     args = (z, ids, None, valid, 0, True, 1.0, -1.0)
     outs = replay_topk_op.outputs(*args)
-    raw = replay_topk_op.kernel("cpp")
+    raw = replay_topk_op.kernel("torch")
 
     def kernel():
         raw(*args, *outs)

@@ -1,8 +1,11 @@
 """Backend choice for every op: one rule, no silent fallbacks.
 
-- CPU tensor  -> "cpp" (compiled C++/OpenMP kernels in compass_kernels._C).
-- CUDA tensor -> "cuda" (compiled CUDA kernels) or "triton"; the default is
-  "cuda" and can be changed with COMPASS_CUDA_BACKEND=triton or per call.
+- CPU tensor  -> "torch" (the op's plain-torch reference) for GPU-native ops,
+  "cpp" (compiled C++ in compass_kernels._C) for host-side work (route codec,
+  the grouped GEMM's argument builder).
+- CUDA tensor -> the op's one GPU backend, "triton" or "cuda" (compiled CUDA /
+  CUTLASS). An op with both (the FP8 grouped GEMM) defaults to "cuda";
+  COMPASS_CUDA_BACKEND=triton or backend= picks the other.
 - "triton" on CPU tensors runs only under the Triton interpreter
   (TRITON_INTERPRET=1 set before triton is imported): that is how the Triton
   kernels are tested without a GPU.
@@ -29,7 +32,7 @@ from compass_kernels._ext import (
     triton_interpreting,
 )
 
-BACKENDS = ("cpp", "cuda", "triton")
+BACKENDS = ("torch", "cpp", "cuda", "triton")
 # Backends that run on CPU tensors and are only ever chosen by name (tests).
 TEST_BACKENDS = ("cuda-emulated",)
 
@@ -78,7 +81,7 @@ def _resolve(dev_type, dev_index, backend, op, available) -> str:
             f"{op} has no {backend!r} backend (it has {', '.join(available)})"
         )
     if dev_type == "cpu":
-        backend = backend or "cpp"
+        backend = backend or ("torch" if "torch" in available else "cpp")
         if backend == "cuda":
             raise ValueError("backend='cuda' needs CUDA tensors, got tensors on cpu")
         if backend == "triton" and not triton_interpreting():
@@ -87,9 +90,11 @@ def _resolve(dev_type, dev_index, backend, op, available) -> str:
                 "TRITON_INTERPRET=1 before importing triton (tests do this in conftest.py)"
             )
     elif dev_type == "cuda":
-        backend = backend or default_cuda_backend()
-        if backend == "cpp":
-            raise ValueError("backend='cpp' needs CPU tensors, got tensors on cuda")
+        if backend is None:
+            gpu = [b for b in ("cuda", "triton") if b in available]
+            backend = gpu[0] if len(gpu) == 1 else default_cuda_backend()
+        if backend in ("cpp", "torch"):
+            raise ValueError(f"backend={backend!r} needs CPU tensors, got tensors on cuda")
         if backend in TEST_BACKENDS:
             raise ValueError(f"backend={backend!r} runs on CPU tensors (tests only)")
     else:

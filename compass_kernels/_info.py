@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 
-from compass_kernels import _emu
 from compass_kernels._ext import BackendUnavailableError, load, triton_interpreting
 
 
@@ -25,6 +24,7 @@ def _triton() -> dict[str, Any]:
 # What each kind of backend is verified by, without a GPU (see docs/design.md,
 # "Verification levels"); GPU runs come from the committed reports.
 _STATIC_EVIDENCE = {
+    "torch": ["the plain-torch reference: tested against the loop-level spec on CPU"],
     "cpp": ["reference-tested on CPU"],
     "triton": ["interpreter-run on CPU", "AOT-compiled for sm_90 (ptxas spills checked)"],
     "cuda": ["compiled for {archs} (SASS and ptxas resources checked)"],
@@ -40,7 +40,6 @@ def evidence() -> dict[str, dict[str, list[str]]]:
     from compass_kernels._ext import compiled_cuda_archs, has_cuda_kernels
     from compass_kernels._op import OPS
 
-    _emu.install()  # registers "cuda-emulated" where _C_emu has the op's CUDA entry point
     gpu = json.loads((Path(__file__).parent / "gpu_evidence.json").read_text())
     archs = "sm_" + ", sm_".join(compiled_cuda_archs()) if has_cuda_kernels() else None
     out: dict[str, dict[str, list[str]]] = {}
@@ -65,7 +64,7 @@ def evidence() -> dict[str, dict[str, list[str]]]:
 
 def info() -> dict[str, Any]:
     """Version, compiled backends and archs, CUDA device usability, Triton state, and
-    which CUDA kernels run under the emulator ("emulated" evidence, tests only).
+    the evidence per op and backend.
 
     Returns a dict; ``python -m compass_kernels info`` prints it.
     """
@@ -98,13 +97,12 @@ def info() -> dict[str, Any]:
     out["triton"] = triton
     gpu = out["cuda_device"]["usable"]
     out["backends"] = {
+        "torch": True,
         "cpp": out["compiled"]["loaded"],
         "cuda": bool(build.get("cuda")) and gpu,
         "triton": triton["installed"] and (gpu or triton["interpreting"]),
-        "cuda-emulated": _emu.available(),
     }
     out["evidence"] = evidence()
-    out["emulated"] = _emu.evidence()
     return out
 
 

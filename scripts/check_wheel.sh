@@ -24,8 +24,14 @@ RAW=$(ls "$WORK"/raw/compass_kernels-*.whl)
 import hashlib, sys, zipfile
 from pathlib import Path
 import compass_kernels
+# Test and development tooling lives in tests/ and bench/, never in the package.
+DEV_ONLY = ("aot.py", "triton_interpreter.py", "_emu.py", "emu.py", "fp8_quality.py")
 with zipfile.ZipFile(sys.argv[1]) as z:
     for name in z.namelist():
+        if name.startswith("compass_kernels/") and name.rsplit("/", 1)[-1] in DEV_ONLY:
+            sys.exit(f"{name}: development tooling must not ship in the wheel (tests/, bench/)")
+        if not name.startswith(("compass_kernels/", "compass_kernels-")):
+            sys.exit(f"{name}: the wheel holds the compass_kernels package only")
         if name.startswith("compass_kernels/_C_emu"):
             sys.exit(f"{name}: the test-only emulation module must not ship in the wheel")
         if name.startswith("compass_kernels/_C") and name.endswith(".so"):

@@ -52,7 +52,7 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError("COMPASS_REQUIRE_ALL_TIERS=1 but triton is not installed")
     skip_gpu = pytest.mark.skip(reason=NO_CUDA_DEVICE)
     skip_triton = pytest.mark.skip(reason="triton is not installed: pip install -e '.[triton]'")
-    from compass_kernels import _emu
+    from tests import emu as _emu
 
     _emu.install()  # the "cuda-emulated" backend of every op whose CUDA kernels it has
     skip_emulated = pytest.mark.skip(reason="compass_kernels._C_emu is not built (COMPASS_EMU=OFF)")
@@ -72,7 +72,7 @@ def pytest_collection_modifyitems(config, items):
 def _triton_interpreter_fixed():
     """Apply the interpreter fix for the whole session when interpreting."""
     if HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1":
-        from compass_kernels import triton_interpreter
+        from tests import triton_interpreter
 
         triton_interpreter.apply()
     yield

@@ -1,4 +1,4 @@
-"""Compile-level checks of sm_90a code without a GPU (compass_kernels.aot).
+"""Compile-level checks of sm_90a code without a GPU (tests.aot).
 
 - An fp8 tl.dot kernel compiled for sm_90 uses the Hopper tensor-core path:
   wgmma.mma_async with e4m3 operands in the PTX, QGMMA in the SASS.
@@ -28,7 +28,7 @@ import pytest
 import torch
 import triton.language as tl
 
-from compass_kernels import aot
+from tests import aot
 from tests.tiers import INTERPRETER_ONLY
 from tests.triton_tier import have_tool, needs_cuobjdump
 
@@ -128,7 +128,7 @@ def test_spilling_kernel_is_caught():
 def test_fp32_to_fp8_converts_with_satfinite():
     # Documents the GPU semantics the interpreter fix is compared with: Triton on
     # sm_90 saturates both fp8 formats; torch saturates e4m3fn but overflows
-    # e5m2 to inf (see compass_kernels.triton_interpreter).
+    # e5m2 to inf (see tests.triton_interpreter).
     for dtype, cvt in (("fp8e4nv", "e4m3x2"), ("fp8e5", "e5m2x2")):
         sig = {"x_ptr": "*fp32", "y_ptr": f"*{dtype}", "BLOCK": "constexpr"}
         art = aot.compile_triton(_cast_kernel, sig, {"BLOCK": 256})

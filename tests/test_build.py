@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import compass_kernels as ck
-from compass_kernels import _C, aot
+from compass_kernels import _C
+from tests import aot
 
 BUILT_WITH_CUDA = bool(_C.build_info()["cuda"])
 needs_cuda_build = pytest.mark.skipif(

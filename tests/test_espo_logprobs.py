@@ -13,7 +13,6 @@ import pytest
 import torch
 
 import compass_kernels as ck
-from compass_kernels import _emu
 from compass_kernels._ext import load
 from compass_kernels.espo.logprobs import (
     logprobs_tile_stats_op,
@@ -25,6 +24,7 @@ from compass_kernels.espo.reference_logprobs import (
     token_logprobs_entropy_reference,
 )
 from compass_kernels.testing import assert_verbose_allclose, empty_poisoned, make_generator
+from tests import emu as _emu
 
 # float32 accumulation of |x| up to ~60: a few ulps of lse (6e-6) plus the
 # sum's rounding; bf16 gradients are one bf16 rounding of a float32 value.
@@ -528,7 +528,8 @@ def test_vocab_tensor_parallel_two_gloo_ranks_equal_one_process(tmp_path):
 def test_cuda_kernels_built_for_sm90a_without_spills():
     import re
 
-    from compass_kernels import _C, aot
+    from compass_kernels import _C
+    from tests import aot
 
     if not load().build_info()["cuda"]:
         pytest.fail("the CUDA kernels were not compiled (COMPASS_CUDA=OFF or no nvcc)")

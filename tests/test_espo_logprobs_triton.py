@@ -17,10 +17,10 @@ import pytest
 import torch
 
 import compass_kernels as ck
-from compass_kernels import aot
 from compass_kernels.espo import triton_logprobs as kt
 from compass_kernels.espo.reference_logprobs import token_logprobs_entropy_reference
 from compass_kernels.testing import assert_verbose_allclose, empty_poisoned
+from tests import aot
 from tests.test_espo_logprobs import (
     GRAD_TOL,
     TOL,

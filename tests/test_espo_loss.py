@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import compass_kernels as ck
-from compass_kernels import _emu
 from compass_kernels._ext import load
 from compass_kernels.espo import loss as espo_mod
 from compass_kernels.espo.loss import (
@@ -29,6 +28,7 @@ from compass_kernels.espo.reference_loss import (
     espo_loss_reference,
 )
 from compass_kernels.testing import assert_verbose_allclose, empty_poisoned, make_generator
+from tests import emu as _emu
 
 EMULATED = pytest.param("cuda-emulated", marks=pytest.mark.emulated)
 BACKENDS = ["cpp", pytest.param("triton", marks=pytest.mark.triton), EMULATED]

@@ -1,5 +1,5 @@
 """The ESPO loss's Triton kernels compile ahead of time for sm_90a without a
-GPU (compass_kernels.aot): every variant the wrappers launch for the default
+GPU (tests.aot): every variant the wrappers launch for the default
 ESPO, GSPO and GRPO configurations, with no register spills, float64
 arithmetic kept in float64."""
 
@@ -11,7 +11,7 @@ from tests import triton_tier  # noqa: F401  (TRITON_INTERPRET before triton; tr
 
 import pytest
 
-from compass_kernels import aot
+from tests import aot
 
 pytestmark = pytest.mark.sm90
 

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 import compass_kernels as ck
-from compass_kernels import _emu
 from compass_kernels._ext import dl, load
 from compass_kernels.fp8 import quantize_op
 from compass_kernels.fp8.reference import (
@@ -22,6 +21,7 @@ from compass_kernels.fp8.reference import (
     to_e4m3,
 )
 from compass_kernels.testing import assert_bitwise_equal, make_generator, poison_
+from tests import emu as _emu
 
 EMULATED = pytest.param("cuda-emulated", marks=pytest.mark.emulated)
 TRITON = pytest.param("triton", marks=pytest.mark.triton)

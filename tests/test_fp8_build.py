@@ -12,7 +12,8 @@ from tests import triton_tier  # noqa: F401  (TRITON_INTERPRET before triton; tr
 
 import pytest
 
-from compass_kernels import _C, aot
+from compass_kernels import _C
+from tests import aot
 
 pytestmark = pytest.mark.sm90
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compass_kernels import _emu
 from compass_kernels.fp8.grouped_gemm import PTR_ROWS, grouped_args_op
 from compass_kernels.testing import assert_bitwise_equal, empty_poisoned
+from tests import emu as _emu
 
 BACKENDS = ["cpp", pytest.param("cuda-emulated", marks=pytest.mark.emulated)]
 

@@ -91,7 +91,7 @@ def test_cutlass_config_uses_qgmma_without_spills(tile):
     tensor-core MMA (QGMMA) in its SASS, no spills or stack, registers
     reported, no device asserts, dynamic shared memory within the sm_90 limit
     (also a static_assert in grouped_gemm_sm90.cuh)."""
-    from compass_kernels import aot
+    from tests import aot
 
     schedule, mma, regs = KERNELS[tile]
     usage = aot.resource_usage(_C.__file__, arch="sm_90a")

@@ -13,13 +13,13 @@ from tests.triton_tier import INTERPRET
 import pytest
 import torch
 
-from compass_kernels import aot
 from compass_kernels.fp8 import triton_gemm as tg
 from compass_kernels.fp8.reference_gemm import (
     grouped_gemm_abs_reference,
     grouped_gemm_reference,
 )
 from compass_kernels.testing import assert_bitwise_equal, empty_poisoned
+from tests import aot
 from tests.fp8_gemm_cases import COUNTS, check_close, make_problem, offsets_of
 from tests.tiers import INTERPRETER_ONLY
 
@@ -84,7 +84,7 @@ PROMOTED_BOUND = 4e-5  # the per-128 promotion's error under the 14-bit model, w
 
 @pytest.mark.skipif(not INTERPRET, reason=INTERPRETER_ONLY)
 def test_promotion_survives_reduced_precision_accumulation():
-    from compass_kernels import triton_interpreter
+    from tests import triton_interpreter
 
     args = _uniform_scale_problem()
     exact = {p: _max_error(_launch(args, block_m=64, promote=p), args) for p in (True, False)}

@@ -11,7 +11,7 @@ import compass_kernels as ck
 from compass_kernels import _dispatch
 from compass_kernels._ext import BackendUnavailableError, dl, load
 from compass_kernels._op import register_op
-from compass_kernels.advantages import _device_plan, _groups_from_ids, group_advantages_op
+from compass_kernels.advantages import _groups_from_ids, group_advantages_op
 from compass_kernels.testing import make_generator
 
 # ------------------------------------------------------------ the caster
@@ -75,8 +75,7 @@ def test_outputs_never_require_grad():
 @pytest.mark.parametrize("n", [0, 1, 7, 131, 1000])
 @pytest.mark.parametrize("kind", ["compact", "wide", "int32", "uint8", "negative", "sorted"])
 def test_group_plan_matches_a_stable_sort(n, kind):
-    """The C++ plan (counting sort for compact ids, comparison sort for wide
-    ones) equals torch's stable sort + unique on fresh random ids."""
+    """The plan equals torch's stable sort + unique on fresh random ids."""
     g = make_generator(n * 7 + len(kind))
     if kind == "wide":
         ids = torch.randint(-(2**62), 2**62, (max(n // 3, 1),), generator=g)[
@@ -99,32 +98,13 @@ def test_group_plan_matches_a_stable_sort(n, kind):
     assert offsets[0] == 0 and torch.equal(offsets.diff(), ref_counts)
 
 
-@pytest.mark.parametrize("n", [0, 1, 7, 131, 1000])
-@pytest.mark.parametrize("kind", ["compact", "wide", "int32", "uint8", "sorted"])
-@pytest.mark.parametrize("known", [False, True], ids=["sync", "num_groups"])
-def test_device_plan_matches_the_cpu_plan(n, kind, known):
-    """The CUDA path's plan (torch ops: sort, scan, scatter; run here on CPU
-    tensors) equals the C++ plan, with the group count read back or given."""
-    g = make_generator(n * 5 + len(kind))
-    ids = torch.randint(0, max(n // 4, 1), (n,), generator=g)
-    if kind == "wide":
-        ids = ids * 2**50 - 2**61
-    elif kind in ("int32", "uint8"):
-        ids = ids.to(getattr(torch, kind))
-    elif kind == "sorted":
-        ids = torch.sort(ids).values
-    num_groups = int(torch.unique(ids).numel()) if known else None
-    got = _device_plan(ids, num_groups)
-    want = _groups_from_ids(ids)
-    for name, a, b in zip(("order", "offsets", "unique"), got, want, strict=True):
-        assert torch.equal(a, b), name
-
-
 @pytest.mark.parametrize("delta", [-1, 1])
-def test_device_plan_checks_num_groups_on_the_device(delta):
+def test_group_plan_checks_num_groups(delta):
     ids = torch.tensor([4, 2, 4, 9, 2])
-    with pytest.raises(RuntimeError, match="num_groups: does not equal"):
-        _device_plan(ids, 3 + delta)
+    with pytest.raises(ValueError, match=f"num_groups: expected .* 3, got {3 + delta}"):
+        _groups_from_ids(ids, 3 + delta)
+    order, offsets, unique = _groups_from_ids(ids, 3)
+    assert unique.tolist() == [2, 4, 9] and offsets.tolist() == [0, 2, 4, 5]
 
 
 def test_group_plan_full_int64_range():
@@ -156,7 +136,8 @@ def test_missing_backend_names_op_and_backend():
 
 
 def test_test_backends_are_never_chosen_by_default():
-    assert _dispatch.resolve(torch.device("cpu"), None) == "cpp"
+    assert _dispatch.resolve(torch.device("cpu"), None) == "torch"
+    assert _dispatch.resolve(torch.device("cpu"), None, available=("cpp", "cuda")) == "cpp"
     with pytest.raises(ValueError, match="runs on CPU tensors \\(tests only\\)"):
         _dispatch._resolve("cuda", 0, "cuda-emulated", "op", ("cuda-emulated",))
 
@@ -193,8 +174,8 @@ def test_compiled_archs_are_reported():
 def test_explicit_backend_is_traceable():
     """backend= is a schema argument: torch.compile(fullgraph=True) keeps it."""
     r = torch.tensor([1.0, 0.0, 1.0, 1.0])
-    fn = torch.compile(lambda x: ck.advantages.group_advantages(x, group_size=2, backend="cpp")[0],
-                       backend="eager", fullgraph=True)  # fmt: skip
+    adv = lambda x: ck.advantages.group_advantages(x, group_size=2, backend="torch")[0]
+    fn = torch.compile(adv, backend="eager", fullgraph=True)
     ref, _, _ = ck.advantages.group_advantages(r, group_size=2)
     assert torch.equal(fn(r), ref)
 
@@ -230,5 +211,5 @@ def test_gpu_evidence_is_in_sync_with_the_committed_runs():
 def test_info_reports_evidence_per_op_and_backend():
     ev = ck.info()["evidence"]
     assert set(ev) >= {"group_advantages", "rl_zvp"}
-    assert ev["group_advantages"]["cpp"] == ["reference-tested on CPU"]
+    assert ev["group_advantages"]["torch"][0].startswith("the plain-torch reference")
     assert any(lv.startswith("interpreter-run") for lv in ev["rl_zvp"]["triton"])

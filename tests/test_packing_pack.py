@@ -10,11 +10,11 @@ import pytest
 import torch
 
 import compass_kernels as ck
-from compass_kernels import _emu
 from compass_kernels._ext import load
 from compass_kernels.packing import reference as ref
 from compass_kernels.packing.thd import thd_pack_op, thd_positions_op, thd_unpack_op
 from compass_kernels.testing import empty_poisoned
+from tests import emu as _emu
 
 EMULATED = pytest.param("cuda-emulated", marks=pytest.mark.emulated)
 BACKENDS = ["cpp", pytest.param("triton", marks=pytest.mark.triton), EMULATED]
@@ -277,8 +277,8 @@ def test_every_planted_mutant_is_built():
 @pytest.mark.sm90
 def test_triton_kernels_compile_for_sm90_without_spills():
     """Every variant the Triton wrappers launch compiles ahead of time for sm_90a."""
-    from compass_kernels import aot
     from compass_kernels.packing import triton as kt
+    from tests import aot
 
     arts = [aot.compile_triton(k, sig, const, **opts) for k, sig, const, opts in kt.aot_variants()]
     assert len(arts) == 9
@@ -322,7 +322,8 @@ def test_unpack_backward_is_pack_of_the_gradient(cp):
 )
 def test_cuda_kernels_built_for_sm90a_without_spills():
     """pack (4 unit widths), unpack (4) and positions are in _C's sm_90a SASS, no spills."""
-    from compass_kernels import _C, aot
+    from compass_kernels import _C
+    from tests import aot
 
     usage = {k: v for k, v in aot.resource_usage(_C.__file__, arch="sm_90a").items()
              if "7packing" in k}  # fmt: skip

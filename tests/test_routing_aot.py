@@ -9,7 +9,7 @@ from tests import triton_tier  # noqa: F401  (TRITON_INTERPRET before triton; tr
 
 import pytest
 
-from compass_kernels import aot
+from tests import aot
 from tests.triton_tier import needs_cuobjdump
 
 pytestmark = pytest.mark.sm90

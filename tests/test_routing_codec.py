@@ -263,9 +263,9 @@ def test_decode_impl_argument_is_checked():
 # ------------------------------------------------- the encode op, every backend
 # csrc/routing/codec.cu (the CUDA encoder) runs here as "cuda-emulated": the
 # payload must equal the pure-Python format and the C++ encoder byte for byte.
-from compass_kernels import _emu  # noqa: E402
 from compass_kernels.routing.codec import encode as encode_trace  # noqa: E402
 from compass_kernels.testing import empty_poisoned  # noqa: E402
+from tests import emu as _emu  # noqa: E402
 
 EMULATED = pytest.param("cuda-emulated", marks=pytest.mark.emulated)
 ENCODE_BACKENDS = ["cpp", EMULATED]

@@ -1,4 +1,4 @@
-"""The test-only fix of the Triton interpreter (compass_kernels.triton_interpreter).
+"""The test-only fix of the Triton interpreter (tests.triton_interpreter).
 
 What is shown, against oracles that do not use torch's or NumPy's conversions:
 
@@ -39,8 +39,8 @@ import torch
 import triton.language as tl
 from triton.runtime import interpreter as _interp
 
-from compass_kernels import triton_interpreter
 from compass_kernels.testing import assert_bitwise_equal
+from tests import triton_interpreter
 from tests.tiers import INTERPRETER_ONLY
 
 pytestmark = [
@@ -524,7 +524,7 @@ def test_fix_is_needed_and_removes_the_bugs(unfixed, language_restored):
         # correct; this says which parts of it may be dropped for this version.
         pytest.skip(
             f"triton {triton.__version__}'s interpreter no longer shows every known bug "
-            f"(still present: {bugs or 'none'}); parts of compass_kernels.triton_interpreter "
+            f"(still present: {bugs or 'none'}); parts of tests.triton_interpreter "
             "may be unnecessary for this version"
         )
 

@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from compass_kernels import aot  # noqa: E402
+from tests import aot  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
@@ -35,7 +35,7 @@ LAUNCHES = pytest.mark.skipif(
 
 
 def have_tool(tool: str) -> bool:
-    """Whether a CUDA binary tool (cuobjdump, nvdisasm, ptxas) is found (compass_kernels.aot)."""
+    """Whether a CUDA binary tool (cuobjdump, nvdisasm, ptxas) is found (tests.aot)."""
     try:
         aot.find_tool(tool)
     except aot.ToolNotFoundError:

@@ -1,8 +1,8 @@
 """Group advantages, zero-variance elimination and RL-ZVP (ck.advantages).
 
 The template every op copies: public functions here (checks, dispatch,
-torch.library registration with fake kernels), kernels in csrc/advantages
-(C++ and CUDA) and ``triton.py``, the spec in ``reference.py``.
+torch.library registration with fake kernels), the GPU kernels in
+``triton.py``, the spec and the CPU kernels (plain torch) in ``reference.py``.
 
 None of these ops is differentiable: rewards carry no gradient and RL-ZVP uses
 the detached entropy, so outputs never require grad.
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 
-from compass_kernels._ext import load
 from compass_kernels._op import has_no_data, register_op
 from compass_kernels._validate import (
     FLOAT_DTYPES,
@@ -73,27 +72,6 @@ class GroupStats:
         return self.group_zero_var.to(torch.float64).mean()
 
 
-class _FusedGroupStats(GroupStats):
-    """GroupStats of the cpp group_ids path: views of its two worst-case
-    buffers, cut to the G groups found when read (slicing costs ~1 us a view)."""
-
-    __slots__ = ("_stats", "_index", "_n", "_g")
-
-    def __init__(self, stats: torch.Tensor, index: torch.Tensor, zero_var: torch.Tensor, g: int):
-        self._stats, self._index, self._zero_var, self._g = stats, index, zero_var, g
-        self._n = zero_var.shape[0]
-        self._order, self._group_size = None, 0
-
-    group_ids = property(lambda self: self._index[: self._g])  # type: ignore[assignment]
-    group_mean = property(lambda self: self._stats[: self._g])  # type: ignore[assignment]
-    group_std = property(lambda self: self._stats[self._n : self._n + self._g])  # type: ignore[assignment]
-    _offsets = property(lambda self: self._index[2 * self._n : 2 * self._n + self._g + 1])  # type: ignore[assignment]
-
-    @property
-    def group_zero_var(self) -> torch.Tensor:
-        return self._zero_var[self._index[self._n : self._n + self._g]]  # first members
-
-
 # ---------------------------------------------------------------------- ops
 # One declaration per op (compass_kernels/_op.py): torch.ops.compass.<name>,
 # its fake (the output allocator), the backend table and the dispatch.
@@ -117,8 +95,7 @@ group_advantages_op = register_op(
     " -> (Tensor, Tensor, Tensor, Tensor)",
     outputs=_group_outputs,
     kernels={
-        "cpp": "advantages.group_advantages_cpu",
-        "cuda": "advantages.group_advantages_cuda",
+        "torch": "compass_kernels.advantages.reference:group_advantages_torch",
         "triton": "compass_kernels.advantages.triton:group_advantages_triton",
     },
 )
@@ -129,8 +106,7 @@ rl_zvp_op = register_op(
     " float alpha) -> Tensor",
     outputs=lambda entropy, *_: (torch.empty_like(entropy),),
     kernels={
-        "cpp": "advantages.rl_zvp_cpu",
-        "cuda": "advantages.rl_zvp_cuda",
+        "torch": "compass_kernels.advantages.reference:rl_zvp_torch",
         "triton": "compass_kernels.advantages.triton:rl_zvp_triton",
     },
 )
@@ -142,34 +118,19 @@ rl_zvp_op = register_op(
 def _groups_from_ids(group_ids: torch.Tensor, num_groups: int | None = None):
     """(order, offsets, unique ids): members of each group made contiguous, stably.
 
-    CPU: one C++ pass (a counting sort for ids in a compact range). Other
-    devices: a stable sort and a scan, all on the device; the number of groups
-    costs one host sync unless ``num_groups`` is given, which is then checked on
-    the device (``torch._assert_async``: a mismatch is a device-side assert,
-    never a wrong answer). On CPU tensors a mismatch raises at once."""
-    n = group_ids.shape[0]
-    if group_ids.device.type == "cpu" and not has_no_data(group_ids):  # fake: the torch ops
-        ids = group_ids if group_ids.is_contiguous() else group_ids.contiguous()
-        order = torch.empty(n, dtype=torch.int64)
-        offsets = torch.empty(n + 1, dtype=torch.int64)
-        unique = torch.empty(n, dtype=torch.int64)
-        groups = load().advantages.group_plan_cpu(ids, order, offsets, unique)
-        _expect_num_groups(num_groups, groups)
-        return order, offsets[: groups + 1], unique[:groups]
-    return _device_plan(group_ids, num_groups)
-
-
-def _device_plan(group_ids: torch.Tensor, num_groups: int | None = None):
-    """The plan from torch ops on the ids' device (sort, scan, scatter): no host
-    sync with ``num_groups``. Device-agnostic: the tests run it on CPU tensors."""
+    A stable sort and a scan on the ids' device; the number of groups costs one
+    host sync unless ``num_groups`` is given, which is then checked: at once on
+    CPU tensors, on CUDA on the device (``torch._assert_async``: a mismatch is a
+    device-side assert, never a wrong answer)."""
     n = group_ids.shape[0]
     dev = group_ids.device
     sorted_ids, order = torch.sort(group_ids.to(torch.int64), stable=True)
     starts = torch.ones(n, dtype=torch.bool, device=dev)  # a group starts here
     torch.ne(sorted_ids[1:], sorted_ids[:-1], out=starts[1:])
     group_of = starts.cumsum(0).sub_(1)  # group number of each sorted position
-    if num_groups is None:
-        groups = int(group_of[-1]) + 1 if n else 0  # the one host sync
+    if num_groups is None or dev.type == "cpu":
+        groups = int(group_of[-1]) + 1 if n else 0  # the one host sync (free on CPU)
+        _expect_num_groups(num_groups, groups)
     else:
         groups = num_groups
         found = group_of[-1] + 1 if n else torch.zeros((), dtype=torch.int64, device=dev)
@@ -179,7 +140,7 @@ def _device_plan(group_ids: torch.Tensor, num_groups: int | None = None):
     offsets = torch.empty(groups + 1, dtype=torch.int64, device=dev)
     target = torch.where(starts & (group_of < groups), group_of, groups)
     offsets.scatter_(0, target, torch.arange(n, device=dev))
-    offsets[groups] = n
+    offsets[groups:].fill_(n)  # a slice fill: no host scalar copied to the device (no sync)
     unique = sorted_ids[offsets[:groups]]
     return order, offsets, unique
 
@@ -213,16 +174,16 @@ def _size_plan(n: int, group_size: int, device: torch.device):
     return plan
 
 
-def _python_checks(validate: bool | None, device: torch.device, backend: str | None) -> bool:
-    """Whether to run the checks that read the data (finite values, offsets) in Python.
+def _python_checks(validate: bool | None, device: torch.device) -> bool:
+    """Whether to run the checks that read the data (finite values, offsets).
 
-    The cpp backend's entry points check the data themselves at no extra cost.
-    On CUDA they need a host sync: opt-in (validate=True), so the GPU path never
-    syncs by default. CPU tensors on another backend (the Triton interpreter,
-    the CUDA emulation) are checked unless validate=False."""
-    if validate is not None:
-        return bool(validate) and not (device.type == "cpu" and backend in (None, "cpp"))
-    return device.type == "cpu" and backend not in (None, "cpp")
+    On CPU tensors they are cheap: on unless validate=False. On CUDA they need a
+    host sync: opt-in (validate=True), so the GPU path never syncs by default.
+    Under torch.compile only an explicit validate=True checks (a data-dependent
+    branch breaks the graph)."""
+    if validate is None:
+        return device.type == "cpu" and not torch.compiler.is_compiling()
+    return bool(validate)
 
 
 def group_advantages(
@@ -253,11 +214,10 @@ def group_advantages(
     eps : added to the std in "grpo".
     zero_var_tol : a group is zero-variance when it has one sample or its
         unbiased std, computed in float64, is <= this; its advantages are exactly 0.
-    validate : check that rewards are finite. The C++ (CPU) kernel always checks,
-        at no cost. On CUDA the check needs a host sync: off by default, on with
-        validate=True; unchecked non-finite rewards give NaN advantages for their
-        group.
-    backend : None (default dispatch), "cpp", "cuda" or "triton".
+    validate : check that rewards are finite. On by default for CPU tensors; on
+        CUDA the check needs a host sync: off by default, on with validate=True;
+        unchecked non-finite rewards give NaN advantages for their group.
+    backend : None (default dispatch), "torch" (CPU) or "triton" (CUDA).
 
     Returns
     -------
@@ -280,9 +240,6 @@ def group_advantages(
                      size_what="one id per reward", device=dev)  # fmt: skip
         if num_groups is not None and not (isinstance(num_groups, int) and num_groups >= 0):
             raise ValueError(f"num_groups: expected a non-negative int, got {num_groups!r}")
-        if dev.type == "cpu" and backend in (None, "cpp") and not has_no_data(rewards, group_ids):
-            return _group_advantages_ids_cpu(rewards, group_ids, code, eps, zero_var_tol,
-                                             num_groups)  # fmt: skip
         order, offsets, unique = _groups_from_ids(group_ids, num_groups)
     else:
         if num_groups is not None:
@@ -293,7 +250,7 @@ def group_advantages(
             raise ValueError(f"group_size: {group_size} does not divide len(rewards) = {n}")
         order, offsets = _size_plan(n, group_size, dev)
         unique = None
-    if _python_checks(validate, dev, backend):
+    if _python_checks(validate, dev):
         check_finite("rewards", rewards)
     r = _real(rewards)
     adv, zero_var, mean, std = group_advantages_op(
@@ -301,27 +258,6 @@ def group_advantages(
     )
     layout = (None, group_size) if group_ids is None else (order, 0)
     return adv, zero_var, GroupStats(unique, mean, std, offsets, zero_var, *layout)
-
-
-def _group_advantages_ids_cpu(rewards, group_ids, code, eps, zero_var_tol, num_groups):
-    """The cpp backend's group_ids path: plan and advantages in one C++ call.
-
-    Sorted ids run the contiguous kernel over their runs; shuffled ids in a
-    compact range skip the order altogether (segment sums in sample order); see
-    csrc/advantages/group_plan_cpu.cpp. Per-group outputs are allocated for the
-    worst case (n groups) in two buffers and sliced to the G groups found."""
-    n = rewards.shape[0]
-    r = _real(rewards)
-    ids = group_ids if group_ids.is_contiguous() else group_ids.contiguous()
-    adv = torch.empty_like(r)
-    zero_var = torch.empty_like(r, dtype=torch.bool)
-    stats = torch.empty(2 * n, dtype=torch.float64)  # group mean | group std
-    index = torch.empty(3 * n + 1, dtype=torch.int64)  # unique ids | first members | offsets
-    groups = load().advantages.group_advantages_ids_cpu(
-        r, ids, code, float(eps), float(zero_var_tol), adv, zero_var, stats, index
-    )
-    _expect_num_groups(num_groups, groups)
-    return adv, zero_var, _FusedGroupStats(stats, index, zero_var, groups)
 
 
 def rl_zvp(
@@ -348,8 +284,8 @@ def rl_zvp(
     advantages : optional [n] float per-sequence advantages broadcast to the
         tokens of the other sequences (0 when None).
     validate : check cu_seqlens, and that entropy (tokens before cu_seqlens[-1])
-        and rewards are finite. The C++ (CPU) kernel always checks them before
-        reading. On CUDA the checks need host syncs: off by default, on with
+        and rewards are finite. On by default for CPU tensors. On CUDA the
+        checks need host syncs: off by default, on with
         validate=True; malformed cu_seqlens on an unchecked CUDA call are
         undefined behaviour, as for any varlen kernel, and non-finite inputs
         give backend-dependent results (see ``rl_zvp_reference``).
@@ -380,9 +316,9 @@ def rl_zvp(
         raise ValueError(f"alpha: expected >= 0, got {alpha}")
     cu = cu_seqlens if cu_seqlens.dtype == torch.int64 else cu_seqlens.to(torch.int64)
     cu = cu.contiguous()
-    if _python_checks(validate, dev, backend):
+    if _python_checks(validate, dev):
         check_offsets("cu_seqlens", cu, entropy.shape[0], exact=False)
-        # Non-finite values make the backends disagree (std::max / fmaxf drop NaN,
+        # Non-finite values make the backends disagree (Triton's max drops NaN,
         # the reference propagates it); padding tokens past cu_seqlens[-1] are not read.
         tokens = torch.arange(entropy.shape[0], device=dev) < cu[-1]
         check_finite("entropy", torch.where(tokens, entropy.detach(), 0))

@@ -126,3 +126,60 @@ def overlong_penalty_reference(
         else:
             out.append(-1.0)
     return torch.tensor(out, dtype=torch.float64)
+
+
+# ------------------------------------------------------------------ kernels
+# The ops' CPU backend ("torch"): vectorised, any float dtype, the kernel
+# calling convention of compass_kernels._op (arguments, then the outputs,
+# written in place). The loops above are the readable spec they are tested
+# against.
+
+
+def _segments(offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(counts, segment number of each position) of a cu_seqlens-style vector."""
+    counts = offsets.diff()
+    seg = torch.repeat_interleave(torch.arange(counts.numel(), device=offsets.device), counts)
+    return counts, seg
+
+
+def group_advantages_torch(rewards, order, offsets, mode, eps, zero_var_tol, adv, zero_var,
+                           mean, std) -> None:  # fmt: skip
+    """``group_advantages`` op: members of group g are ``order[offsets[g]:offsets[g+1]]``;
+    mode 0 grpo, 1 dr_grpo, 2 rloo. Statistics in float64."""
+    counts, seg = _segments(offsets)
+    g = counts.numel()
+    x = rewards[order].to(torch.float64)
+    c = counts.to(torch.float64)
+    sums = torch.zeros(g, dtype=torch.float64).index_add_(0, seg, x)
+    m = sums / c
+    d = x - m[seg]
+    ss = torch.zeros(g, dtype=torch.float64).index_add_(0, seg, d * d)
+    s = torch.where(counts >= 2, (ss / (c - 1).clamp(min=1)).sqrt(), 0.0)
+    zv = (counts < 2) | (s <= zero_var_tol)
+    if mode == 0:
+        a = d / (s[seg] + eps)
+    elif mode == 1:
+        a = d
+    else:
+        a = x - (sums[seg] - x) / (c[seg] - 1)
+    a = torch.where(zv[seg], 0.0, a)
+    adv[order] = a.to(adv.dtype)
+    zero_var[order] = zv[seg]
+    mean.copy_(m)
+    std.copy_(s)
+
+
+def rl_zvp_torch(entropy, cu_seqlens, rewards, zero_var, advantages, alpha, out) -> None:
+    """``rl_zvp`` op: token advantages of the sequences cu_seqlens delimits; tokens
+    past cu_seqlens[-1] get 0. Computed in float64, written in out's dtype."""
+    counts, seq = _segments(cu_seqlens)
+    end = seq.numel()
+    h = entropy[:end].to(torch.float64)
+    n = counts.numel()
+    mx = torch.full((n,), -torch.inf, dtype=torch.float64)
+    mx.scatter_reduce_(0, seq, h, "amax")
+    pos = rewards.to(torch.float64)[seq] > 0
+    zvp = torch.where(pos, alpha * h, -alpha * (mx[seq] - h))
+    other = 0.0 if advantages is None else advantages.to(torch.float64)[seq]
+    out[:end] = torch.where(zero_var[seq], zvp, other).to(out.dtype)
+    out[end:] = 0

@@ -44,7 +44,7 @@ __all__ = ["grouped_gemm_triton", "choose_block_m", "aot_variants", "LAUNCH", "B
 #: Output columns per tile; divides 128 so a tile reads one weight scale per K block.
 #: 64, not 128: with the fresh per-K-block dot and the fp32 accumulator both
 #: live, 64x128 and 128x128 tiles reach ptxas' 255-register cap and spill on
-#: sm_90 (measured with compass_kernels.aot, ptxas 13: 300-700 B of spills).
+#: sm_90 (measured with tests.aot, ptxas 13: 300-700 B of spills).
 BLOCK_N = 64
 #: Launch options per BLOCK_M (tests/test_fp8_gemm_triton.py compiles exactly
 #: these: no spills, 3 pipelined stages of (BM + BN) x 128 fp8 operands, 48 KB

@@ -237,8 +237,7 @@ def replay_topk(
     expert_ids : [T, K] uint8 | int16 | int32 | int64: the trace's LOGICAL ids
         for this layer (e.g. ``trace.expert_ids[:, col]``), distinct within a
         row, in [0, E) (validate the trace first: rows with valid True are read
-        unchecked on GPU, ids outside [0, E) there are undefined behaviour; the
-        CPU kernel raises).
+        unchecked on GPU unless validate=True; CPU always checks).
     score_function : "softmax" | "sigmoid" (Megatron's moe_router_score_function).
     normalize : softmax: True = softmax over the K selected logits (top-k then
         softmax, Qwen3 norm_topk_prob), False = softmax over all E then take K;
@@ -265,8 +264,8 @@ def replay_topk(
     it a row with a NaN / Inf logit gives NaN weights for that row (unchecked,
     as any torch router would), other rows are unaffected. ``expert_bias``
     follows the same policy.
-    backend : None (default dispatch: "cpp" on CPU, "cuda" on GPU), "cuda",
-        "triton", or the test-only "cuda-emulated".
+    backend : None (default dispatch: "torch" on CPU, "triton" on GPU), "torch"
+        or "triton".
 
     Returns
     -------
@@ -304,11 +303,8 @@ def replay_topk(
     ratio = -1.0 if min_score_ratio is None else float(min_score_ratio)
     args = (z, ids, bias, valid, SCORE_FUNCTIONS[score_function], bool(normalize),
             float(scaling), ratio)  # fmt: skip
-    if z.requires_grad and torch.is_grad_enabled():
-        if torch.compiler.is_compiling():  # traced: the op and its registered autograd
-            w, rmap, tpe, counts, used = torch.ops.compass.replay_topk(*args, backend)
-        else:  # eager: the same kernels, ~3x less host time than the dispatcher path
-            w, rmap, tpe, counts, used = _ReplayFunction.apply(backend, *args)
+    if z.requires_grad and torch.is_grad_enabled():  # the op and its registered autograd
+        w, rmap, tpe, counts, used = torch.ops.compass.replay_topk(*args, backend)
     else:
         w, rmap, tpe, counts, used = replay_topk_op(*args, backend=backend)
     k = ids.shape[1]
@@ -316,9 +312,9 @@ def replay_topk(
         _check_finite_rows("router_logits", z)
         if bias is not None:
             _check_finite_rows("expert_bias", bias.reshape(1, -1))
-    # The C++ kernel raises on bad rows itself; the other CPU backends and the
-    # GPU with validate=True read the bad-row counter (free on CPU, a sync on GPU).
-    check = validate or (z.device.type == "cpu" and backend not in (None, "cpp"))
+    # Bad rows are read from the counter: always on CPU (free), on the GPU with
+    # validate=True (a sync).
+    check = (validate or z.device.type == "cpu") and not has_no_data(z)
     if check and not torch.compiler.is_compiling():
         _raise_bad_rows(counts, ids, valid, z.shape[1])
     if w.dtype != router_logits.dtype:
@@ -351,7 +347,7 @@ def _raise_bad_rows(counts, ids, valid, e) -> None:
 # its fake (the output allocator), the backend table and the dispatch.
 
 
-def _replay_outputs(logits, ids, bias, valid, score_function, normalize, scaling, ratio):
+def _replay_outputs(logits, ids, *_):
     t, e = logits.shape
     return (
         torch.empty_like(ids, dtype=logits.dtype),
@@ -369,8 +365,7 @@ replay_topk_op = register_op(
     " -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
     outputs=_replay_outputs,
     kernels={
-        "cpp": "routing.replay_topk_cpu",
-        "cuda": "routing.replay_topk_cuda",
+        "torch": "compass_kernels.routing.reference:replay_topk_torch",
         "triton": "compass_kernels.routing.triton:replay_topk_triton",
     },
 )
@@ -381,16 +376,18 @@ replay_topk_backward_op = register_op(
     " float scaling) -> Tensor",
     outputs=lambda g, logits, *_: (torch.empty_like(logits),),
     kernels={
-        "cpp": "routing.replay_topk_backward_cpu",
-        "cuda": "routing.replay_topk_backward_cuda",
+        "torch": "compass_kernels.routing.reference:replay_topk_backward_torch",
         "triton": "compass_kernels.routing.triton:replay_topk_backward_triton",
     },
 )
 
 
 def _setup_context(ctx, inputs, output):
-    logits, _, _, _, score_function, normalize, scaling, _ = inputs[:8]
-    ctx.backend = inputs[8] if len(inputs) > 8 else None
+    # Positions of the schema: logits first, (score_function, normalize, scaling)
+    # at 4..6, backend last; arguments added later go at the end, before backend.
+    logits, score_function, normalize, scaling = inputs[0], *inputs[4:7]
+    ctx.backend = inputs[-1] if len(inputs) > replay_topk_op._nargs else None
+    ctx.num_inputs = len(inputs)
     ctx.save_for_backward(logits, output[4])
     ctx.score_function, ctx.normalize, ctx.scaling = score_function, normalize, scaling
 
@@ -406,34 +403,7 @@ def _backward(ctx, grad_w, *_):
     grad = torch.ops.compass.replay_topk_backward(
         g, logits, used, ctx.score_function, ctx.normalize, ctx.scaling, ctx.backend
     )
-    return grad, None, None, None, None, None, None, None, None
+    return (grad,) + (None,) * (ctx.num_inputs - 1)
 
 
 torch.library.register_autograd("compass::replay_topk", _backward, setup_context=_setup_context)
-
-
-class _ReplayFunction(torch.autograd.Function):
-    """Eager autograd of replay_topk: the registered op's kernels without a trip
-    through the torch dispatcher (measured on this host: 54 us vs 165 us per
-    call with grad at T=16, E=64). Same forward and backward ops."""
-
-    @staticmethod
-    def forward(ctx, backend, logits, ids, bias, valid, score_function, normalize, scaling, ratio):
-        outs = replay_topk_op.run(
-            (logits, ids, bias, valid, score_function, normalize, scaling, ratio), backend
-        )
-        ctx.save_for_backward(logits, outs[4])
-        ctx.mark_non_differentiable(*outs[1:])
-        ctx.score_function, ctx.normalize, ctx.scaling = score_function, normalize, scaling
-        ctx.backend = backend
-        return outs
-
-    @staticmethod
-    def backward(ctx, grad_w, *_):
-        logits, used = ctx.saved_tensors
-        g = grad_w if grad_w.dtype == logits.dtype else grad_w.to(logits.dtype)
-        g = g if g.is_contiguous() else g.contiguous()
-        grad = replay_topk_backward_op(
-            g, logits, used, ctx.score_function, ctx.normalize, ctx.scaling, backend=ctx.backend
-        )
-        return None, grad, None, None, None, None, None, None, None

@@ -144,3 +144,86 @@ def replay_topk_reference(
         overlap.to(z.device),
         status.to(z.device),
     )
+
+
+# ------------------------------------------------------------------ kernels
+# The ops' CPU backend ("torch"): vectorised, in the logits' dtype (float32 or
+# float64), the kernel calling convention of compass_kernels._op (arguments,
+# then the outputs, written in place). replay_topk_reference above is the
+# readable spec they are tested against.
+
+
+def _gate(z: torch.Tensor, used: torch.Tensor, score_function: int, normalize: bool,
+          scaling: float) -> torch.Tensor:  # fmt: skip
+    """[T, K] weights of experts ``used`` from logits ``z`` (score 0 softmax, 1 sigmoid)."""
+    zu = torch.gather(z, 1, used)
+    if score_function == 0:
+        w = torch.softmax(zu, dim=-1) if normalize else torch.gather(z.softmax(-1), 1, used)
+    else:
+        w = torch.sigmoid(zu)
+        if normalize and used.shape[1] > 1:
+            w = w / (w.sum(dim=-1, keepdim=True) + SIGMOID_EPS)
+    return w * scaling
+
+
+def replay_topk_torch(logits, expert_ids, expert_bias, valid, score_function, normalize, scaling,
+                      min_score_ratio, weights, routing_map, tokens_per_expert, counts,
+                      ids_used) -> None:  # fmt: skip
+    """``replay_topk`` op: rows with a malformed replayed id (out of [0, E) or twice)
+    are routed natively and counted in counts[5]; counts = (rows, replay
+    candidates, their overlap with the native top-k, exact matches, rejected
+    by the ratio, bad rows)."""
+    t, e = logits.shape
+    k = expert_ids.shape[1]
+    z = logits.detach()
+    s = z.softmax(-1) if score_function == 0 else z.sigmoid()
+    sel = s if expert_bias is None else s + expert_bias
+    native = torch.sort(sel, dim=-1, descending=True, stable=True).indices[:, :k]
+    cand = torch.ones(t, dtype=torch.bool) if valid is None else valid.to(torch.bool)
+    rep = expert_ids.to(torch.int64)
+    srt = rep.sort(-1).values
+    bad = ((rep < 0) | (rep >= e)).any(-1) | (srt[:, 1:] == srt[:, :-1]).any(-1)
+    bad &= cand
+    ok = cand & ~bad
+    rep = torch.where(ok[:, None], rep, native)
+    overlap = (rep[:, :, None] == native[:, None, :]).any(-1).sum(-1)
+    use = ok
+    if min_score_ratio >= 0:
+        weakest = lambda ids: torch.gather(s, 1, ids).min(-1).values  # noqa: E731
+        use = ok & (weakest(rep) >= min_score_ratio * weakest(native))
+    used = torch.where(use[:, None], rep, native)
+    ids_used.copy_(used)
+    weights.copy_(_gate(z, used, score_function, normalize, scaling))
+    routing_map.zero_().scatter_(1, used, True)
+    tokens_per_expert.copy_(routing_map.sum(0))
+    counts.copy_(torch.stack([
+        torch.tensor(t), ok.sum(), overlap[ok].sum(), (ok & (overlap == k)).sum(),
+        (ok & ~use).sum(), bad.sum(),
+    ]))  # fmt: skip
+
+
+def replay_topk_backward_torch(grad_weights, logits, ids_used, score_function, normalize,
+                               scaling, grad_logits) -> None:  # fmt: skip
+    """``replay_topk_backward`` op: d loss / d logits [T, E] of the gate weights."""
+    z, u, g = logits, ids_used, grad_weights
+    zu = torch.gather(z, 1, u)
+    dense = torch.zeros_like(z)
+    if score_function == 0:
+        if normalize:
+            w0 = zu.softmax(-1)
+        else:
+            p = z.softmax(-1)
+            w0 = torch.gather(p, 1, u)
+        dot = (g * w0).sum(-1, keepdim=True)
+        gu = w0 * (g - dot)
+        if not normalize:
+            dense = -p * dot
+    else:
+        sg = zu.sigmoid()
+        ds = sg * (1 - sg)
+        if normalize and u.shape[1] > 1:
+            den = sg.sum(-1, keepdim=True) + SIGMOID_EPS
+            gu = (g - (g * sg / den).sum(-1, keepdim=True)) / den * ds
+        else:
+            gu = g * ds
+    grad_logits.copy_(dense.scatter_(1, u, gu) * scaling)

@@ -1,7 +1,7 @@
 """The measurement tools behind the FP8 quality-gate explanation
 (compass_kernels/integration/fp8_quality.py): routing replay, the FP8-dequantized copy, the
 per-GEMM error. Small sizes; the table itself is
-`python -m compass_kernels.integration.fp8_quality`."""
+`python -m bench.fp8_quality`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from compass_kernels.integration.fp8_quality import (  # noqa: E402
+from bench.fp8_quality import (  # noqa: E402
     fp8_dequantized,
     gate,
     linear_errors,

@@ -461,7 +461,7 @@ def _compilable() -> Iterator[None]:
     ``sys.modules`` is replaced by a JITFunction twin, and so are the member
     wrappers on classes of ``triton.*`` modules (``tl.tensor.sum``). Refuses
     (RuntimeError) when interpreter patches of ``triton.language`` were left
-    behind (see ``compass_kernels.triton_interpreter``).
+    behind (see ``tests.triton_interpreter``).
 
     Not thread safe: do not run interpreted kernels while compiling. Jit helpers
     held only in closures (a kernel defined inside a function, calling a local
@@ -476,7 +476,7 @@ def _compilable() -> Iterator[None]:
             "cannot compile: triton.language is still patched by the Triton interpreter "
             f"({', '.join(leftovers[:4])}, ...). An interpreted @triton.jit helper call "
             "(tl.sum, tl.max, ...) leaves these behind (a Triton interpreter bug). Call "
-            "compass_kernels.triton_interpreter.apply() before running interpreted kernels "
+            "tests.triton_interpreter.apply() before running interpreted kernels "
             "(tests/conftest.py does), or compile in a process that has not run any."
         )
     swaps: list[tuple[Any, str, Any]] = []

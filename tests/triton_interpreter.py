@@ -18,7 +18,7 @@ builders get them wrong (measured on triton 3.9, tests/test_triton_interpreter.p
   interpreter's semantics and never undoes it: ``InterpretedFunction.__call__``
   drops the ``_LangPatchScope`` that ``_patch_lang`` returns. Interpreted runs
   do not mind, but a later compile in the same process
-  (``compass_kernels.aot``) then fails deep inside code generation.
+  (``tests.aot``) then fails deep inside code generation.
 
 :func:`apply` replaces ``InterpreterBuilder.create_dot``, ``cast_impl`` and
 ``create_fp_to_fp`` with wrappers that convert through torch, and wraps
@@ -99,7 +99,7 @@ def _triton_version() -> str:
     try:
         import triton
     except ImportError as exc:  # pragma: no cover - triton is a test dependency
-        raise RuntimeError("compass_kernels.triton_interpreter needs triton installed") from exc
+        raise RuntimeError("tests.triton_interpreter needs triton installed") from exc
     return getattr(triton, "__version__", "unknown")
 
 
@@ -130,7 +130,7 @@ def _interpreter_module() -> Any:
     except ImportError as exc:
         raise RuntimeError(
             f"triton {version}: cannot import triton.runtime.interpreter ({exc}); "
-            "compass_kernels.triton_interpreter supports the Triton 3.x interpreter"
+            "tests.triton_interpreter supports the Triton 3.x interpreter"
         ) from exc
     missing = [
         f"triton.runtime.interpreter.{n}"
@@ -512,7 +512,7 @@ def apply() -> None:
         setattr(wrapper, _MARK, current)
         wrapper.__name__ = name
         wrapper.__qualname__ = key
-        wrapper.__doc__ = f"{key}, fixed by compass_kernels.triton_interpreter."
+        wrapper.__doc__ = f"{key}, fixed by tests.triton_interpreter."
         setattr(owner, name, wrapper)
 
 

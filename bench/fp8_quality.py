@@ -18,7 +18,7 @@ protocol (:func:`gate`):
 - per-GEMM error: the relative error of each FP8 linear layer's output on the
   activations it sees (does a wider K average the rounding away?).
 
-Run ``python -m compass_kernels.integration.fp8_quality`` (about a minute on 2 cores) for the
+Run ``python -m bench.fp8_quality`` (about a minute on 2 cores) for the
 table quoted in docs/design.md.
 """
 
