@@ -22,7 +22,19 @@ from compass_kernels._validate import (
     describe,
 )
 
-__all__ = ["GroupStats", "group_advantages", "rl_zvp", "overlong_penalty", "MODES"]
+__all__ = [
+    "GroupStats",
+    "group_advantages",
+    "rl_zvp",
+    "overlong_penalty",
+    "MODES",
+    # adaptive rollout budgets (budget.py)
+    "AllocationStats",
+    "RolloutAllocator",
+    "allocate_rollouts",
+    "informative_probability",
+    "token_costs",
+]
 
 MODES = {"grpo": 0, "dr_grpo": 1, "rloo": 2}
 
@@ -356,3 +368,12 @@ def overlong_penalty(lengths: torch.Tensor, *, max_len: int, cache_len: int) -> 
     ramp = (soft - length) / cache_len
     penalty = torch.where(length <= soft, 0.0, torch.where(length <= max_len, ramp, -1.0))
     return penalty.to(torch.float32)
+
+
+from compass_kernels.advantages.budget import (  # noqa: E402  (after the ops it sits beside)
+    AllocationStats,
+    RolloutAllocator,
+    allocate_rollouts,
+    informative_probability,
+    token_costs,
+)

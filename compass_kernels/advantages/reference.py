@@ -183,3 +183,130 @@ def rl_zvp_torch(entropy, cu_seqlens, rewards, zero_var, advantages, alpha, out)
     other = 0.0 if advantages is None else advantages.to(torch.float64)[seq]
     out[:end] = torch.where(zero_var[seq], zvp, other).to(out.dtype)
     out[end:] = 0
+
+# ------------------------------------------------------- adaptive rollout budgets
+
+
+def rollout_gain_table(a: torch.Tensor, b: torch.Tensor, max_n: int) -> torch.Tensor:
+    """g[i, n] = 1 - E[p^n] - E[(1-p)^n] for p ~ Beta(a_i, b_i), n = 0..max_n; [P, max_n+1]
+    float64. g[:, 0] = g[:, 1] = 0 (no group, or a group of one, is never informative).
+
+    Summed from the increments D(n) = E[p^n (1-p)] + E[(1-p)^n p] = (E[p^n] b +
+    E[(1-p)^n] a) / (a + b + n), all positive: no cancellation for confident
+    posteriors. E[p^n] = prod_{j<n} (a + j) / (a + b + j)."""
+    d = _increments(a.to(torch.float64), b.to(torch.float64), max_n)  # D(0..max_n-1)
+    g = torch.zeros(d.shape[0], max_n + 1, dtype=torch.float64)
+    if max_n >= 2:
+        g[:, 2:] = d[:, 1:].cumsum(1)
+    return g
+
+
+def allocate_rollouts_reference(
+    successes: torch.Tensor,
+    attempts: torch.Tensor,
+    budget: int,
+    *,
+    min_n: int = 2,
+    max_n: int = 64,
+    cost: torch.Tensor | None = None,
+    prior: tuple[float, float] = (1.0, 1.0),
+    required: torch.Tensor | None = None,
+    repair_rounds: int = 4,
+    min_gain: float = 1e-12,
+) -> tuple[torch.Tensor, float, float]:
+    """Samples per prompt under a budget: the spec of ``ck.advantages.allocate_rollouts``.
+
+    Returns (n [P] int64, expected informative groups, LP upper bound on the optimum).
+    ``cost`` [P] int64 >= 1 (None: 1); ``required`` [P] bool: prompts given at least min_n.
+
+    Each prompt is a chain of items in non-increasing gain per cost: the block
+    0 -> min_n (gain g(min_n), cost min_n * c), then one sample at a time (gain
+    g(n+1) - g(n), cost c); ratios are clamped non-increasing along the chain.
+    Forced blocks first; then every item by decreasing ratio (ties: prompt,
+    then position), taken if its predecessor was, it fits and its gain > 0.
+    Then up to ``repair_rounds`` exchanges: the unallocated prompt whose block,
+    paid for by dropping the lowest-ratio increments of others (reverse greedy
+    order), adds the most gain (> min_gain) gets it.
+    """
+    m, M = min_n, max_n
+    P = successes.shape[0]
+    s = successes.to(torch.float64)
+    a = prior[0] + s
+    b = prior[1] + (attempts.to(torch.float64) - s)
+    c = torch.ones(P, dtype=torch.int64) if cost is None else cost.to(torch.int64)
+    req = torch.zeros(P, dtype=torch.bool) if required is None else required.to(torch.bool)
+    g = rollout_gain_table(a, b, M)
+    cf = c.to(torch.float64)
+    block = (g[:, m] / (m * cf))[:, None]
+    d = _increments(a, b, M)[:, m:] / cf[:, None]  # D(n) itself, not a difference of sums
+    ratio = torch.cat([block, d], 1).cummin(1).values  # [P, K]
+    K = M - m + 1
+    item_cost = torch.cat([(m * c)[:, None], c[:, None].expand(P, K - 1)], 1)
+    taken = [1 if bool(req[i]) else 0 for i in range(P)]
+    spent = int((m * c)[req].sum())
+    value = float((ratio[:, 0] * (m * cf))[req].sum())
+    if spent > budget:
+        raise ValueError(f"budget: {budget} is below what min_n = {m} needs ({spent})")
+    order = torch.sort(-ratio.flatten(), stable=True).indices.tolist()
+    R, C = ratio.tolist(), item_cost.tolist()
+    upper = None
+    for idx in order:
+        i, k = divmod(idx, K)
+        if taken[i] != k or not R[i][k] > 0:
+            continue
+        if spent + C[i][k] > budget:
+            if upper is None:
+                upper = value + R[i][k] * (budget - spent)
+            continue
+        spent += C[i][k]
+        value += R[i][k] * C[i][k]
+        taken[i] = k + 1
+    if upper is None:
+        upper = value
+    cl = c.tolist()
+    for _ in range(repair_rounds if upper != value else 0):
+        left = budget - spent
+        cands = [j for j in range(P) if taken[j] == 0 and R[j][0] > 0]
+        max_need = max([m * cl[j] - left for j in cands], default=0)
+        if max_need <= 0:
+            break
+        held, seq, freed, loss = list(taken), [], [0], [0.0]
+        while freed[-1] < max_need:
+            tails = [(R[i][held[i] - 1], -i) for i in range(P) if held[i] > 1]
+            if not tails:
+                break
+            r, neg_i = min(tails)
+            i = -neg_i
+            seq.append(i)
+            freed.append(freed[-1] + cl[i])
+            loss.append(loss[-1] + r * cl[i])
+            held[i] -= 1
+        best = (0.0, -1, 0)
+        for j in cands:
+            need = m * cl[j] - left
+            kk = next((q for q, f in enumerate(freed) if f >= need), None)
+            if kk is None:
+                continue
+            net = R[j][0] * (m * cl[j]) - loss[kk]
+            if net > best[0] and net > min_gain:
+                best = (net, j, kk)
+        net, j, kk = best
+        if j < 0:
+            break
+        for q in range(kk):
+            taken[seq[q]] -= 1
+        taken[j] = 1
+        spent += m * cl[j] - freed[kk]
+        value += net
+    n = torch.tensor([0 if t == 0 else m + t - 1 for t in taken], dtype=torch.int64)
+    return n, value, max(upper, value)
+
+
+def _increments(a: torch.Tensor, b: torch.Tensor, max_n: int) -> torch.Tensor:
+    """D(n) for n = 0..max_n-1, [P, max_n] float64 (see rollout_gain_table)."""
+    s = (a + b)[:, None]
+    j = torch.arange(max_n, dtype=torch.float64)
+    ones = torch.ones(a.shape[0], 1, dtype=torch.float64)
+    ep = torch.cat([ones, ((a[:, None] + j) / (s + j)).cumprod(1)[:, :-1]], 1)  # E[p^j]
+    eq = torch.cat([ones, ((b[:, None] + j) / (s + j)).cumprod(1)[:, :-1]], 1)
+    return (ep * b[:, None] + eq * a[:, None]) / (s + j)

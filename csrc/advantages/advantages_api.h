@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <tuple>
 
 #include "compass/advantages.h"
 #include "compass/tensor_view.h"
@@ -50,6 +51,16 @@ int64_t group_plan_cpu(TensorView group_ids, TensorView order, TensorView offset
                        TensorView unique);
 int64_t group_advantages_ids_cpu(COMPASS_GROUP_ADVANTAGES_IDS_ARGS);
 void rl_zvp_cpu(COMPASS_RL_ZVP_ARGS);
+
+// Adaptive rollout budgets (budget_cpu.cpp): successes, attempts [P] float64
+// (0 <= s <= a), cost [P] int64 (>= 1 per sample), required [P] bool (prompts
+// that get at least min_n), out [P] int64 (n_i in {0} U [min_n, max_n]).
+// Returns (expected informative groups, LP upper bound on the optimum, cost spent).
+#define COMPASS_ALLOCATE_ROLLOUTS_ARGS                                                    \
+  TensorView successes, TensorView attempts, TensorView cost, TensorView required,        \
+      int64_t budget, int64_t min_n, int64_t max_n, double prior_a, double prior_b,        \
+      TensorView out
+std::tuple<double, double, int64_t> allocate_rollouts_cpu(COMPASS_ALLOCATE_ROLLOUTS_ARGS);
 #if defined(COMPASS_WITH_CUDA) || defined(COMPASS_EMULATION)  // emulated: csrc/emu
 void group_advantages_cuda(COMPASS_GROUP_ADVANTAGES_ARGS, uintptr_t stream);
 void rl_zvp_cuda(COMPASS_RL_ZVP_ARGS, uintptr_t stream);

@@ -18,6 +18,9 @@ void bind(pybind11::module_& root) {
                     "plan and advantages in one call");
   COMPASS_DEF_NOGIL(m, group_plan_cpu,
                     "(group_ids, order, offsets, unique) -> G: stable grouping by id");
+  COMPASS_DEF_NOGIL(m, allocate_rollouts_cpu,
+                    "(successes, attempts, cost, required, budget, min_n, max_n, prior_a, "
+                    "prior_b, out) -> (value, upper bound, spent): samples per prompt, out in place");
 #ifdef COMPASS_WITH_CUDA
   COMPASS_DEF(m, group_advantages_cuda, group);
   COMPASS_DEF(m, rl_zvp_cuda, zvp);

@@ -64,6 +64,11 @@ TABLE = (
     ("t_train", "t.train", "{:.1f}"),
     ("t_sync", "t.sync", "{:.1f}"),
     ("overlap_s", "overlap", "{:.2f}"),
+    # stage 0 (--allocate): samples allocated, prompts skipped, informative groups
+    ("alloc_samples", "alloc", "{:d}"),
+    ("skipped_prompts", "skip", "{:d}"),
+    ("informative_groups", "inform", "{:d}"),
+    ("informative_per_1k_tokens", "inf/1k tok", "{:.2f}"),
 )
 
 COLUMNS = (
@@ -79,6 +84,8 @@ COLUMNS = (
     "fp8_swallowed_frac",
     "t_rollout", "t_generate", "t_score_busy", "t_reward_tail", "overlap_s", "overlap_frac",
     "t_collect", "length_pred_corr", "t_pack", "t_old", "t_train", "t_sync", "t_probe", "t_step",
+    "allocate", "alloc_samples", "skipped_prompts", "explored_prompts", "expected_informative",
+    "informative_groups", "generated_tokens", "informative_per_1k_tokens",
 )  # fmt: skip
 
 
@@ -138,6 +145,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--reward-workers", type=int, default=2)
     p.add_argument("--schedule", default="longest-first", choices=("longest-first", "fifo"))
+    p.add_argument(
+        "--allocate",
+        default="off",
+        choices=("off", "samples", "tokens"),
+        help="stage 0: each prompt's N from its pass history (ck.advantages.allocate_rollouts) "
+        "under a budget of --n samples per prompt (samples) or --n x predicted tokens per "
+        "prompt (tokens); off: N for every prompt",
+    )
+    p.add_argument("--max-alloc-n", type=int, default=16, help="most samples per prompt (stage 0)")
     p.add_argument("--seed", type=int, default=0)
     sizes = p.add_argument_group("model sizes (generated model only)")
     sizes.add_argument("--model-seed", type=int, default=0)
@@ -340,12 +356,16 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         trainer = Trainer(hf_config, load_hf_state_dict(model_dir), lr=args.lr,
                           replay=not args.no_replay, seed=args.seed)  # fmt: skip
         probe_prompts = pool[:4]
+        allocator = None
+        if args.allocate != "off":
+            allocator = ck.advantages.RolloutAllocator(min_n=2, max_n=max(args.max_alloc_n, 2),
+                                                       explore_after=4)  # fmt: skip
         bar = tqdm(range(1, args.steps + 1), desc="compass-rl", unit="step", file=sys.stderr,
                    dynamic_ncols=True)  # fmt: skip
         header_printed = False
         for step in bar:
             row = _step(step, args, rng, pool, cfg, rollout, trainer, llm, probe_prompts,
-                        T, ck, Batch, gap_stats, sync_to_vllm)  # fmt: skip
+                        T, ck, Batch, gap_stats, sync_to_vllm, allocator=allocator)  # fmt: skip
             rows.append(row)
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", gap=f"{row['gap_replay']:.1e}")
             if not args.quiet:
@@ -371,14 +391,55 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def _stage0_allocation(args, chosen, rollout, allocator, row) -> list[tuple[Any, int]]:
+    """Stage 0: (prompt, N) requests; with an allocator, N from each prompt's history
+    under the budget uniform N would spend (samples, or predicted tokens)."""
+    if allocator is None:
+        row.update(allocate="off", alloc_samples=args.n * len(chosen), skipped_prompts=0,
+                   explored_prompts=0)  # fmt: skip
+        return [(p, args.n) for p in chosen]
+    import compass_kernels as ck
+
+    keys = [p.index for p in chosen]
+    cost = None
+    budget = args.n * len(chosen)
+    if args.allocate == "tokens":
+        cost = ck.advantages.token_costs(rollout.predictor, keys)
+        budget = args.n * int(cost.sum())
+    due = sum(allocator._skipped.get(k, 0) >= (allocator.explore_after or 1 << 30) for k in keys)
+    n = allocator.allocate(keys, budget, cost=cost)
+    row.update(allocate=args.allocate, alloc_samples=int(n.sum()),
+               skipped_prompts=int((n == 0).sum()), explored_prompts=int(due),
+               expected_informative=allocator.last.expected)  # fmt: skip
+    return [(p, int(k)) for p, k in zip(chosen, n.tolist(), strict=True) if k > 0]
+
+
+def _informative(samples, row, allocator) -> None:
+    """Groups with both a correct and an incorrect sample (the verifiable part: the graded
+    RM score and the penalties are shaping), per 1,000 generated tokens; feeds the history."""
+    correct = torch.tensor([bool(s.score.correct) for s in samples])
+    gid = torch.tensor([s.prompt.index for s in samples])
+    _, inv = torch.unique(gid, return_inverse=True)
+    hits = torch.zeros(int(inv.max()) + 1 if len(samples) else 0, dtype=torch.int64)
+    hits.index_add_(0, inv, correct.to(torch.int64))
+    sizes = torch.bincount(inv, minlength=hits.numel())
+    informative = int(((hits > 0) & (hits < sizes)).sum())
+    tokens = sum(len(s.response) for s in samples)
+    row.update(informative_groups=informative, generated_tokens=tokens,
+               informative_per_1k_tokens=1000.0 * informative / max(tokens, 1))  # fmt: skip
+    if allocator is not None:
+        allocator.observe(gid.tolist(), correct)
+
+
 def _step(step, args, rng, pool, cfg, rollout, trainer, llm, probe_prompts, T, ck, Batch,
-          gap_stats, sync_to_vllm) -> dict[str, Any]:  # fmt: skip
+          gap_stats, sync_to_vllm, allocator=None) -> dict[str, Any]:  # fmt: skip
     row: dict[str, Any] = {"step": step}
     t_step = time.perf_counter()
     # 1-2. rollout with capture, rewards scored as requests finish
     t0 = time.perf_counter()
     chosen = [pool[i] for i in rng.choice(len(pool), args.prompts, replace=False)]
-    samples, timing = rollout.run_round([(p, args.n) for p in chosen], round=0)
+    requests = _stage0_allocation(args, chosen, rollout, allocator, row)
+    samples, timing = rollout.run_round(requests, round=0)
 
     def stage0(ss):
         c = torch.tensor([s.score.correct for s in ss])
@@ -400,6 +461,7 @@ def _step(step, args, rng, pool, cfg, rollout, trainer, llm, probe_prompts, T, c
         timing.add(t_more)
     rollout.end_step()
     row["resampled_prompts"], row["resampled_samples"] = len(again), len(again) * args.resample_n
+    _informative(samples, row, allocator)
     r1, gid = stage0(samples)
     row["zv_resample"] = float(_zero_var_groups(r1, gid)[1].double().mean())
     row["t_rollout"] = time.perf_counter() - t0

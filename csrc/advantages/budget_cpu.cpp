@@ -1,0 +1,381 @@
+// Adaptive rollout budgets (ck.advantages.allocate_rollouts), host C++.
+//
+// Problem: prompt i's pass rate p ~ Beta(a_i, b_i); n_i samples give a group
+// that is not zero-variance with probability g_i(n) = 1 - E[p^n] - E[(1-p)^n]
+// (g(0) = g(1) = 0). Choose n_i in {0} U [m, M] maximising sum_i g_i(n_i)
+// subject to sum_i n_i * c_i <= budget (c_i >= 1, integer: samples or tokens).
+//
+// Items. The increments D(n) = g(n+1) - g(n) = E[p^n (1-p)] + E[(1-p)^n p]
+// (n >= 1) are non-increasing in n, and g(m) >= m * D(m) for m >= 2 (D(1) =
+// 2 E[p(1-p)] >= 2 D(m)), so prompt i is a chain of items in non-increasing
+// gain per cost: a block 0 -> m (gain g(m), cost m c), then unit increments
+// m -> m+1 -> ... -> M (gain D(n), cost c). Rounding is clamped so that each
+// chain's ratios never increase.
+//
+// Greedy with skip (the spec, compass_kernels/advantages/reference.py): forced
+// blocks first; then every item in decreasing gain / cost, ties by prompt then
+// position, taken when its predecessor was taken, it fits and its gain > 0.
+// Then up to kRepairRounds exchanges: an unallocated prompt gets its block in
+// place of the lowest-ratio increments of others when that adds gain.
+//
+// Fast path of the greedy (the items are never sorted): chains are generated
+// lazily to the uniform depth, item costs are histogrammed on the top 16 bits
+// of their ratio's IEEE pattern (monotone for positive doubles), the bucket
+// where the cumulative cost crosses the budget is the only one sorted, chains
+// still above it are extended once, and what follows the first item that does
+// not fit runs on a heap of the chains' next items.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "advantages/advantages_api.h"
+
+namespace compass {
+namespace advantages {
+
+namespace {
+
+constexpr int kRepairRounds = 4;
+constexpr double kMinGain = 1e-12;  // an exchange must add more (expected groups)
+constexpr int kBuckets = 1 << 15;  // top 16 bits of a positive double, sign bit 0
+
+inline uint32_t bucket(double ratio) {
+  uint64_t bits;
+  std::memcpy(&bits, &ratio, sizeof bits);
+  return static_cast<uint32_t>(bits >> 48);
+}
+
+struct Chains {
+  int64_t P, K, m, M;
+  const double* a;
+  const double* b;
+  const int64_t* c;
+  std::vector<double>& ratio;  // [P, K]: item k of prompt i at i * K + k (filled lazily)
+  std::vector<int32_t>& filled;  // items generated per prompt
+  std::vector<double>& ep;  // E[p^n], E[(1-p)^n] at the chain's next n
+  std::vector<double>& eq;
+
+  // Item 0: the block 0 -> m, its gain summed from the increments D(1..m-1)
+  // (positive terms: no cancellation in 1 - E[p^m] - E[q^m] for confident
+  // posteriors). Leaves ep / eq at n = m.
+  void block(int64_t i) {
+    const double ai = a[i], bi = b[i], s = ai + bi;
+    double p = ai / s, q = bi / s, g = 0.0;  // E[p^1], E[q^1]
+    for (int64_t n = 1; n < m; ++n) {
+      const double t = 1.0 / (s + n);
+      g += (p * bi + q * ai) * t;
+      p *= (ai + n) * t;
+      q *= (bi + n) * t;
+    }
+    ratio[i * K] = g / static_cast<double>(m * c[i]);
+    ep[i] = p;
+    eq[i] = q;
+    filled[i] = 1;
+  }
+
+  // Generate prompt i's items up to (excluding) index `upto`, or while their
+  // bucket is >= `floor_key` when upto < 0.
+  void extend(int64_t i, int64_t upto, uint32_t floor_key = 0) {
+    int64_t k = filled[i];
+    if (k >= K) return;
+    const double ai = a[i], bi = b[i], s = ai + bi, inv_c = 1.0 / static_cast<double>(c[i]);
+    double p = ep[i], q = eq[i];
+    double* row = ratio.data() + i * K;
+    double prev = row[k - 1];
+    const int64_t stop = upto < 0 ? K : std::min(upto, K);
+    for (; k < stop; ++k) {
+      const double n = static_cast<double>(m + k - 1);
+      const double t = 1.0 / (s + n);
+      double r = (p * bi + q * ai) * t * inv_c;
+      r = std::min(r, prev);
+      row[k] = prev = r;
+      p *= (ai + n) * t;
+      q *= (bi + n) * t;
+      if (upto < 0 && bucket(r) < floor_key) {
+        ++k;
+        break;
+      }
+    }
+    ep[i] = p;
+    eq[i] = q;
+    filled[i] = static_cast<int32_t>(k);
+  }
+
+  int64_t item_cost(int64_t i, int64_t k) const { return k == 0 ? m * c[i] : c[i]; }
+  double item_gain(int64_t i, int64_t k) const {
+    return ratio[i * K + k] * static_cast<double>(item_cost(i, k));
+  }
+};
+
+struct HeapItem {
+  double ratio;
+  int64_t prompt;
+};
+
+// Max-heap order of the greedy: higher ratio first, ties by lower prompt index.
+struct GreedyLess {
+  bool operator()(const HeapItem& x, const HeapItem& y) const {
+    return x.ratio < y.ratio || (x.ratio == y.ratio && x.prompt > y.prompt);
+  }
+};
+// Min-heap order of the removals: lower ratio first, ties by higher prompt index
+// (the reverse of the greedy order: the last item taken goes first).
+struct RemovalLess {
+  bool operator()(const HeapItem& x, const HeapItem& y) const {
+    return x.ratio > y.ratio || (x.ratio == y.ratio && x.prompt < y.prompt);
+  }
+};
+
+}  // namespace
+
+std::tuple<double, double, int64_t> allocate_rollouts_cpu(COMPASS_ALLOCATE_ROLLOUTS_ARGS) {
+  COMPASS_NAME_ARGS(successes, attempts, cost, required, out);
+  for (const TensorView* t : {&successes, &attempts, &cost, &required, &out}) {
+    t->expect_vector().expect_device(DeviceType::kCPU);
+  }
+  const int64_t P = successes.numel();
+  successes.expect_dtype(DType::kFloat64);
+  attempts.expect_dtype(DType::kFloat64).expect_size(0, P, "one per prompt");
+  cost.expect_dtype(DType::kInt64).expect_size(0, P, "one per prompt");
+  required.expect_dtype(DType::kBool).expect_size(0, P, "one per prompt");
+  out.expect_dtype(DType::kInt64).expect_size(0, P, "one per prompt");
+  COMPASS_CHECK(min_n >= 2 && max_n >= min_n, "min_n, max_n: expected 2 <= min_n <= max_n, got ",
+                min_n, ", ", max_n);
+  COMPASS_CHECK(std::isfinite(prior_a) && std::isfinite(prior_b) && prior_a > 0 && prior_b > 0,
+                "prior: expected two finite values > 0, got (", prior_a, ", ", prior_b, ")");
+  COMPASS_CHECK(budget >= 0, "budget: expected >= 0, got ", budget);
+  const double* s = successes.ptr<double>();
+  const double* n_att = attempts.ptr<double>();
+  const int64_t* c = cost.ptr<int64_t>();
+  const bool* req = required.ptr<bool>();
+  int64_t* n_out = out.ptr<int64_t>();
+  const int64_t m = min_n, M = max_n, K = M - m + 1;
+
+  static thread_local std::vector<double> a, b, ratio, ep, eq;
+  static thread_local std::vector<int32_t> filled;
+  a.resize(P);
+  b.resize(P);
+  ep.resize(P);
+  eq.resize(P);
+  filled.assign(P, 0);
+  if (static_cast<int64_t>(ratio.size()) < P * K) ratio.resize(P * K);
+  int64_t forced_cost = 0, total_c = 0;
+  for (int64_t i = 0; i < P; ++i) {
+    const double si = s[i], ni = n_att[i];
+    if (!(si >= 0 && std::isfinite(si) && ni >= si && std::isfinite(ni))) {
+      COMPASS_CHECK(si >= 0 && std::isfinite(si), "successes: expected finite values >= 0, got ",
+                    si, " at prompt ", i);
+      COMPASS_CHECK(std::isfinite(ni), "attempts: expected finite values, got ", ni,
+                    " at prompt ", i);
+      ::compass::fail("successes: expected <= attempts, got ", si, " > ", ni, " at prompt ", i);
+    }
+    COMPASS_CHECK(c[i] >= 1, "cost: expected >= 1 per sample, got ", c[i], " at prompt ", i);
+    a[i] = prior_a + si;
+    b[i] = prior_b + (ni - si);
+    total_c += c[i];
+    if (req[i]) forced_cost += m * c[i];
+  }
+  COMPASS_CHECK(forced_cost <= budget, "budget: ", budget, " is below what min_n = ", m,
+                " needs for the prompts that must be sampled (", forced_cost, ")");
+  Chains ch{P, K, m, M, a.data(), b.data(), c, ratio, filled, ep, eq};
+
+  // Uniform depth: enough items that the chains, if all taken, cost >= budget.
+  const int64_t uniform_n = total_c > 0 ? (budget + total_c - 1) / total_c : 0;
+  const int64_t depth = std::clamp<int64_t>(uniform_n - m + 1, 1, K);
+  for (int64_t i = 0; i < P; ++i) {
+    ch.block(i);
+    ch.extend(i, depth);
+  }
+
+  // Histogram of the candidate items' costs by ratio bucket (forced blocks are
+  // taken up front and not candidates).
+  const int64_t free_budget = budget - forced_cost;
+  static thread_local std::vector<int64_t> hist;
+  hist.assign(kBuckets, 0);
+  auto add_items = [&](int64_t i, int64_t from) {
+    const double* row = ratio.data() + i * K;
+    for (int64_t k = from; k < filled[i]; ++k) {
+      if (k == 0 && req[i]) continue;
+      if (!(row[k] > 0)) break;
+      hist[bucket(row[k])] += ch.item_cost(i, k);
+    }
+  };
+  for (int64_t i = 0; i < P; ++i) add_items(i, 0);
+  // Crossing bucket: the highest key where the cost of items at or above it
+  // exceeds the free budget; -1 when everything generated fits.
+  auto crossing = [&]() -> int64_t {
+    int64_t cum = 0;
+    for (int64_t key = kBuckets - 1; key > 0; --key) {
+      cum += hist[key];
+      if (cum > free_budget) return key;
+    }
+    return -1;
+  };
+  int64_t cross = crossing();
+  // Chains whose generated items all lie at or above the crossing may have
+  // more items there: extend them below it (to the end when nothing crossed).
+  // The crossing can only rise, and every chain then ends below the old one:
+  // one round suffices.
+  bool grew = false;
+  for (int64_t i = 0; i < P; ++i) {
+    const int64_t k = filled[i];
+    if (k >= K || !(ratio[i * K + k - 1] > 0)) continue;
+    if (cross >= 0 && bucket(ratio[i * K + k - 1]) < static_cast<uint32_t>(cross)) continue;
+    ch.extend(i, -1, cross >= 0 ? static_cast<uint32_t>(cross) : 0);
+    add_items(i, k);
+    grew = true;
+  }
+  if (grew) cross = crossing();
+
+  // Prefix: items above the crossing bucket are all taken (by monotonicity
+  // each prompt's are a prefix of its chain); the crossing bucket's items in
+  // greedy order until the first that does not fit (the critical item).
+  std::vector<int32_t> taken(P, 0);  // items of the chain taken (forced block included)
+  int64_t spent = forced_cost;
+  double value = 0.0;
+  static thread_local std::vector<std::tuple<double, int64_t, int64_t>> mid;
+  mid.clear();
+  for (int64_t i = 0; i < P; ++i) {
+    const double* row = ratio.data() + i * K;
+    int64_t k = 0;
+    if (req[i]) {
+      value += row[0] * static_cast<double>(m * c[i]);
+      k = 1;
+    }
+    for (; k < filled[i] && row[k] > 0; ++k) {
+      const uint32_t key = bucket(row[k]);
+      if (cross >= 0 && key <= static_cast<uint32_t>(cross)) {
+        if (key == static_cast<uint32_t>(cross)) {
+          for (int64_t j = k; j < filled[i] && bucket(row[j]) == key; ++j) {
+            mid.emplace_back(-row[j], i, j);
+          }
+        }
+        break;
+      }
+      spent += ch.item_cost(i, k);
+      value += ch.item_gain(i, k);
+    }
+    taken[i] = static_cast<int32_t>(k);
+  }
+  std::sort(mid.begin(), mid.end());
+  double upper = value;
+  bool critical = false;
+  for (const auto& [neg_r, i, k] : mid) {
+    const int64_t ci = ch.item_cost(i, k);
+    if (spent + ci > budget) {
+      upper = value + (-neg_r) * static_cast<double>(budget - spent);
+      critical = true;
+      break;
+    }
+    spent += ci;
+    value += ch.item_gain(i, k);
+    taken[i] = static_cast<int32_t>(k + 1);
+  }
+  if (!critical && cross >= 0) {  // cannot happen: the bucket's items exceed the budget
+    ::compass::fail("allocate_rollouts: internal error, no critical item in the crossing bucket");
+  }
+
+  // Skip phase: the chains' next items in greedy order, each taken if it fits;
+  // a chain whose next item does not fit is done (its later items cost as much).
+  if (critical) {
+    int64_t c_min = std::numeric_limits<int64_t>::max();
+    std::vector<HeapItem> heap;
+    for (int64_t i = 0; i < P; ++i) {
+      const int64_t k = taken[i];
+      if (k >= K) continue;
+      if (k == filled[i]) ch.extend(i, k + 1);
+      const double r = ratio[i * K + k];
+      if (!(r > 0) || spent + ch.item_cost(i, k) > budget) continue;
+      heap.push_back({r, i});
+      c_min = std::min(c_min, c[i]);
+    }
+    std::make_heap(heap.begin(), heap.end(), GreedyLess{});
+    while (!heap.empty() && budget - spent >= c_min) {
+      std::pop_heap(heap.begin(), heap.end(), GreedyLess{});
+      const HeapItem top = heap.back();
+      heap.pop_back();
+      const int64_t i = top.prompt, k = taken[i];
+      const int64_t ci = ch.item_cost(i, k);
+      if (spent + ci > budget) continue;
+      spent += ci;
+      value += ch.item_gain(i, k);
+      taken[i] = static_cast<int32_t>(k + 1);
+      if (k + 1 < K) {
+        if (k + 1 == filled[i]) ch.extend(i, k + 2);
+        const double r = ratio[i * K + k + 1];
+        if (r > 0) {
+          heap.push_back({r, i});
+          std::push_heap(heap.begin(), heap.end(), GreedyLess{});
+        }
+      }
+    }
+  }
+
+  // Exchange repair: give an unallocated prompt j its block, freeing room by
+  // dropping the lowest-ratio increments of allocated prompts, when the block's
+  // gain exceeds what is dropped. The drops run in reverse greedy order (a
+  // chain's last item first); the best exchange over all j is applied.
+  std::vector<HeapItem> rm;
+  std::vector<int64_t> seq_prompt, seq_freed;
+  std::vector<double> seq_loss;
+  for (int round = 0; critical && round < kRepairRounds; ++round) {
+    const int64_t left = budget - spent;
+    int64_t max_need = 0;
+    for (int64_t i = 0; i < P; ++i) {
+      if (taken[i] == 0 && ratio[i * K] > 0) max_need = std::max(max_need, m * c[i] - left);
+    }
+    if (max_need <= 0) break;
+    rm.clear();
+    for (int64_t i = 0; i < P; ++i) {
+      if (taken[i] > 1) rm.push_back({ratio[i * K + taken[i] - 1], i});
+    }
+    std::make_heap(rm.begin(), rm.end(), RemovalLess{});
+    seq_prompt.clear();
+    seq_freed.assign(1, 0);
+    seq_loss.assign(1, 0.0);
+    std::vector<int32_t> left_items(taken);  // items still held during the walk
+    while (!rm.empty() && seq_freed.back() < max_need) {
+      std::pop_heap(rm.begin(), rm.end(), RemovalLess{});
+      const HeapItem top = rm.back();
+      rm.pop_back();
+      const int64_t i = top.prompt;
+      seq_prompt.push_back(i);
+      seq_freed.push_back(seq_freed.back() + c[i]);
+      seq_loss.push_back(seq_loss.back() + top.ratio * static_cast<double>(c[i]));
+      if (--left_items[i] > 1) {
+        rm.push_back({ratio[i * K + left_items[i] - 1], i});
+        std::push_heap(rm.begin(), rm.end(), RemovalLess{});
+      }
+    }
+    double best_net = 0.0;
+    int64_t best_j = -1, best_k = 0;
+    for (int64_t j = 0; j < P; ++j) {
+      if (taken[j] != 0 || !(ratio[j * K] > 0)) continue;
+      const int64_t need = m * c[j] - left;
+      const auto it = std::lower_bound(seq_freed.begin(), seq_freed.end(), need);
+      if (it == seq_freed.end()) continue;
+      const int64_t kk = it - seq_freed.begin();
+      const double net = ratio[j * K] * static_cast<double>(m * c[j]) - seq_loss[kk];
+      if (net > best_net && net > kMinGain) {
+        best_net = net;
+        best_j = j;
+        best_k = kk;
+      }
+    }
+    if (best_j < 0) break;
+    for (int64_t q = 0; q < best_k; ++q) --taken[seq_prompt[q]];
+    taken[best_j] = 1;
+    spent += m * c[best_j] - seq_freed[best_k];
+    value += best_net;
+  }
+
+  for (int64_t i = 0; i < P; ++i) n_out[i] = taken[i] == 0 ? 0 : m + taken[i] - 1;
+  return {value, std::max(upper, value), spent};
+}
+
+}  // namespace advantages
+}  // namespace compass
