@@ -28,11 +28,14 @@ The patches (see :data:`PATCHES`):
     ``moe_utils`` references ``te_general_gemm`` but defines it only when
     Transformer Engine imports; without TE it is defined as ``None`` (the
     upstream fallback path is then a plain ``torch.mm``).
-``schedules_torch`` / ``p2p_torch``
+``schedules_torch`` / ``p2p_torch`` / ``mappings_torch`` / ``layers_torch``
     The pipeline schedules (``get_forward_backward_func``'s functions) count
-    tokens in ``torch.zeros(..., device="cuda")`` and the p2p communicator
+    tokens in ``torch.zeros(..., device="cuda")``, the p2p communicator
     allocates shape and receive buffers on ``torch.cuda.current_device()`` and
-    calls ``torch.cuda.synchronize()``. The name ``torch`` of those two modules
+    calls ``torch.cuda.synchronize()``, and the tensor-parallel mappings
+    (sequence-parallel gathers / reduce-scatters, the expert all-to-all) and
+    the sequence-parallel linear's backward allocate their outputs there. The
+    name ``torch`` of those four modules
     is bound to a stand-in that forwards everything to ``torch`` except that a
     CUDA device becomes the CPU and ``torch.cuda.synchronize`` is a no-op
     (nothing else in the modules changes; the functions that use it are pinned).
@@ -230,7 +233,14 @@ def _make_alltoall_dtoh(original: Callable) -> Callable:
     def _maybe_dtoh_and_synchronize(self, point, tokens_per_expert=None):
         if not (_cpu_only() and isinstance(self.cuda_dtoh_stream, _CpuStreamPlaceholder)):
             return original(self, point, tokens_per_expert)
-        # On CPU every tensor is already host-resident: nothing to copy or wait for.
+        # On CPU every tensor is already host-resident: nothing to copy or wait for,
+        # but upstream hands the all-to-all its split sizes as NumPy arrays (the
+        # as_numpy=True copies), which expert parallelism (ep > 1) reads.
+        if not self.drop_and_pad and point == self.cuda_dtoh_point:
+            for name in ("input_splits", "output_splits", "output_splits_tp"):
+                value = getattr(self, name, None)
+                if isinstance(value, torch.Tensor):
+                    setattr(self, name, value.numpy())
         return tokens_per_expert
 
     return _maybe_dtoh_and_synchronize
@@ -491,6 +501,30 @@ PATCHES: tuple[_Patch, ...] = (
         readers=("P2PCommunicator._communicate_shapes", "P2PCommunicator._communicate"),
     ),
     _Patch(
+        "mappings_torch",
+        "megatron.core.tensor_parallel.mappings",
+        None,
+        "torch",
+        _make_module_torch,
+        readers=(
+            "_gather_along_last_dim",
+            "_gather_along_first_dim",
+            "_reduce_scatter_along_first_dim",
+            "_AllToAll.forward",
+        ),
+    ),
+    _Patch(
+        "layers_torch",
+        "megatron.core.tensor_parallel.layers",
+        None,
+        "torch",
+        _make_module_torch,
+        readers=(
+            "LinearWithGradAccumulationAndAsyncCommunication.forward",
+            "LinearWithGradAccumulationAndAsyncCommunication.backward",
+        ),
+    ),
+    _Patch(
         "rope_cp_rank",
         "megatron.core.models.common.embeddings.rotary_pos_embedding",
         None,
@@ -554,6 +588,24 @@ UPSTREAM_SOURCE_SHA256: dict[str, dict[str, str]] = {
         ),
         "p2p_torch:P2PCommunicator._communicate": (
             "fa37a87e9c688c7d8c6098a6c74d44a0d37ee11188f0e69246047cecf1bfe43b"
+        ),
+        "mappings_torch:_gather_along_last_dim": (
+            "605c2ec305a4f9b24c3b9b90d834e7148893784c2e10cb7c719345578a3e7f3f"
+        ),
+        "mappings_torch:_gather_along_first_dim": (
+            "7d7a6b5ee66d778c2b0ae8e3ce5c3f1398b3088a653d9b774bc981ea6465726e"
+        ),
+        "mappings_torch:_reduce_scatter_along_first_dim": (
+            "9f477d99abfc7be9f46fe416954a96fdead47e7e0b92b98a8d435326b498ae9c"
+        ),
+        "mappings_torch:_AllToAll.forward": (
+            "350ac9ac33560f9f944568e03b764e250a67cdde5faaad982ae4e4558f204143"
+        ),
+        "layers_torch:LinearWithGradAccumulationAndAsyncCommunication.forward": (
+            "1982cdb2c18ee6eb56550be75425a7e7585c63350f9e687423178644dd60abe0"
+        ),
+        "layers_torch:LinearWithGradAccumulationAndAsyncCommunication.backward": (
+            "c2aef746c773366c9da87e33fac2c9a272629a2ca5c4197b790473f8dd5e5604"
         ),
         "rope_cp_rank": "adf65ad9e9521e6da0482eceaa7d0a142ec95dba7df2551c1cfa967e8fb52364",
     },

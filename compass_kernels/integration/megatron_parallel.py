@@ -41,6 +41,8 @@ __all__ = [
     "CpDotProductAttention",
     "Layout",
     "RankInfo",
+    "SequenceParallelRMSNorm",
+    "TorchRMSNorm",
     "build_rank_model",
     "finalize_grads",
     "gathered_megatron_params",
@@ -239,12 +241,38 @@ class CpDotProductAttention(torch.nn.Module):
 # The rank's model
 # ---------------------------------------------------------------------------
 
+
+class TorchRMSNorm:
+    """``torch.nn.RMSNorm`` built from Megatron's norm arguments (as upstream's
+    ``WrappedTorchNorm``, which refuses any config with sequence parallelism)."""
+
+    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **kwargs: Any):
+        if config.normalization != "RMSNorm" or config.layernorm_zero_centered_gamma:
+            raise ValueError("TorchRMSNorm: only RMSNorm without zero-centered gamma")
+        return torch.nn.RMSNorm(hidden_size, eps=eps)
+
+
+class SequenceParallelRMSNorm:
+    """:class:`TorchRMSNorm` on sequence-parallel activations: its weight is marked
+    ``sequence_parallel`` (each TP rank sees its piece of the tokens, so the
+    gradient is summed over TP, as Megatron's own norms)."""
+
+    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **kwargs: Any):
+        norm = TorchRMSNorm(config, hidden_size, eps)
+        norm.weight.sequence_parallel = bool(config.sequence_parallel)
+        return norm
+
+
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 
 
 def _is_expert(param: torch.Tensor) -> bool:
-    return not getattr(param, "allreduce", True)
+    """A routed expert's weight (marked by :func:`build_rank_model`). Not
+    Megatron's ``allreduce`` flag: that is True for experts when ep == 1, where
+    with expert TP 1 and TP > 1 the expert data-parallel group (the replicas)
+    still spans the TP ranks."""
+    return bool(getattr(param, "compass_expert", False))
 
 
 def global_name(model: torch.nn.Module, name: str) -> str:
@@ -314,6 +342,23 @@ def build_rank_model(
     )  # fmt: skip
     if layout.cp > 1:
         spec.submodules.self_attention.submodules.core_attention = CpDotProductAttention
+    if layout.tp > 1:
+        # Sequence parallelism: upstream's local (torch) norms refuse it; the same
+        # torch.nn.RMSNorm, its weight marked for the TP gradient sum.
+        from megatron.core.transformer.transformer_block import (
+            TransformerBlockSubmodules,
+            get_num_layers_to_build,
+        )
+
+        sub = spec.submodules
+        sub.input_layernorm = SequenceParallelRMSNorm
+        sub.pre_mlp_layernorm = SequenceParallelRMSNorm
+        sub.self_attention.submodules.q_layernorm = TorchRMSNorm
+        sub.self_attention.submodules.k_layernorm = TorchRMSNorm
+        spec = TransformerBlockSubmodules(
+            layer_specs=[spec] * get_num_layers_to_build(config),
+            layer_norm=SequenceParallelRMSNorm,
+        )
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -327,6 +372,8 @@ def build_rank_model(
         rotary_percent=1.0,
         rotary_base=_rope_theta(hf_config),
     )
+    for name, p in model.named_parameters():
+        p.compass_expert = ".mlp.experts." in name
     if hf_state_dict is not None:
         full = hf_to_megatron(hf_state_dict, hf_config)
         with torch.no_grad():
@@ -365,11 +412,13 @@ def finalize_grads(model: torch.nn.Module) -> None:
     edp = ps.get_expert_data_parallel_group()
     scale = 1.0 / dist.get_world_size(dp_cp)
     tp_size = dist.get_world_size(tp_group)
-    for p in model.parameters():
+    for name, p in model.named_parameters():
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         g = p.grad
-        if tp_size > 1 and getattr(p, "sequence_parallel", False):
+        # sequence-parallel weights and the QK norms (shared by the TP ranks' heads)
+        qk_norm = "q_layernorm" in name or "k_layernorm" in name
+        if tp_size > 1 and (getattr(p, "sequence_parallel", False) or qk_norm):
             dist.all_reduce(g, group=tp_group)
         group = edp if _is_expert(p) else dp_cp
         if dist.get_world_size(group) > 1:
