@@ -532,7 +532,7 @@ PATCHES: tuple[_Patch, ...] = (
         _make_rope_cp_rank,
         (
             "cp_idx = torch.tensor(",
-            "[cp_rank, (2 * cp_size - cp_rank - 1)], device=\"cpu\", pin_memory=True",
+            '[cp_rank, (2 * cp_size - cp_rank - 1)], device="cpu", pin_memory=True',
             "pos_emb = pos_emb.index_select(seq_dim, cp_idx)",
         ),
     ),

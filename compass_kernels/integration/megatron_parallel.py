@@ -380,7 +380,9 @@ def build_rank_model(
             for name, p in model.named_parameters():
                 gname = global_name(model, name)
                 if gname not in full:
-                    raise KeyError(f"rank {dist.get_rank()}: {name} ({gname}) not in the checkpoint")
+                    raise KeyError(
+                        f"rank {dist.get_rank()}: {name} ({gname}) not in the checkpoint"
+                    )
                 src = full[gname]
                 dim = _shard_dim(p.shape, src.shape, gname)
                 if dim is not None:

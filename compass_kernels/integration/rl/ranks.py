@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import pickle
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -42,6 +41,7 @@ from compass_kernels.integration.megatron_parallel import Layout, RankInfo
 
 __all__ = [
     "Layout",
+    "LoopTrainer",
     "RankMicroBatch",
     "RankTrainer",
     "RankedTrainer",
@@ -79,12 +79,16 @@ def local_tokens(lengths: np.ndarray, m: int, cp: int, cp_rank: int):
         pos = np.arange(p, dtype=np.int64)
         if cp > 1:
             c = p // (2 * cp)
+            mirror = 2 * cp - 1 - cp_rank
             pos = np.concatenate([pos[cp_rank * c : (cp_rank + 1) * c],
-                                  pos[(2 * cp - 1 - cp_rank) * c : (2 * cp - cp_rank) * c]])  # fmt: skip
+                                  pos[mirror * c : (mirror + 1) * c]])  # fmt: skip
         srcs.append(np.where(pos < n, s + pos, -1))
         seqs.append(np.full(pos.size, i, dtype=np.int64))
         poss.append(pos)
-    cat = (lambda xs: torch.from_numpy(np.concatenate(xs)) if xs else torch.zeros(0, dtype=torch.int64))  # noqa: E731
+
+    def cat(xs: list[np.ndarray]) -> torch.Tensor:
+        return torch.from_numpy(np.concatenate(xs)) if xs else torch.zeros(0, dtype=torch.int64)
+
     return cat(srcs), cat(seqs), cat(poss)
 
 
@@ -169,12 +173,7 @@ def make_shares(
             gsrc = torch.from_numpy(np.concatenate([np.arange(offsets[i], offsets[i + 1])
                                                     for i in idx]))  # fmt: skip
             real = src >= 0
-            where = gsrc[src.clamp(min=0)]
-
-            def take(t: torch.Tensor, fill: float | int = 0) -> torch.Tensor:
-                out = torch.full(src.shape, fill, dtype=t.dtype)
-                out[real] = t[where[real]]
-                return out
+            take = functools.partial(_take, real=real, where=gsrc[src.clamp(min=0)])
 
             mb = RankMicroBatch(lengths=torch.from_numpy(lens.astype(np.int64)))
             if info.first_stage:
@@ -195,6 +194,14 @@ def make_shares(
             mbs.append(mb)
         shares.append(mbs)
     return shares
+
+
+def _take(t: torch.Tensor, fill: float | int = 0, *, real: torch.Tensor,
+          where: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """t at this rank's tokens (``where``), ``fill`` at its padding."""
+    out = torch.full(real.shape, fill, dtype=t.dtype)
+    out[real] = t[where[real]]
+    return out
 
 
 def share_bytes(shares: list[list[RankMicroBatch]]) -> list[int]:
@@ -496,9 +503,22 @@ class RankedTrainer:
         self._cmds = [ctx.Queue() for _ in range(world)]
         port = find_free_port()
         self._procs = [
-            ctx.Process(target=_rank_main, args=(r, world, port, layout, self.model_dir, lr,
-                                                 replay, seed, self._cmds[r], self._res),
-                        daemon=True)  # fmt: skip
+            ctx.Process(
+                target=_rank_main,
+                args=(
+                    r,
+                    world,
+                    port,
+                    layout,
+                    self.model_dir,
+                    lr,
+                    replay,
+                    seed,
+                    self._cmds[r],
+                    self._res,
+                ),
+                daemon=True,
+            )  # fmt: skip
             for r in range(world)
         ]
         for p in self._procs:
@@ -593,20 +613,6 @@ class RankedTrainer:
             raise RankError(f"{int((seen != 1).sum())} tokens were returned by no rank or twice")
         return lp, ent
 
-    @staticmethod
-    def _sum_replay(results: list[dict]) -> dict[int, Any]:
-        from compass_kernels.routing import ReplayStats
-
-        total: dict[int, torch.Tensor] = {}
-        top_k = None
-        for res in results:
-            for layer, c in res["replay"].items():
-                t = torch.tensor(c, dtype=torch.int64)
-                total[layer] = total[layer] + t if layer in total else t
-        for _ in ():
-            pass
-        return {layer: ReplayStats(c, top_k or 0) for layer, c in sorted(total.items())}
-
     def forward(self, data: StepData, *, replay: bool = True) -> dict:
         """No-grad pass over the step's batch: per-token log-probs and entropy
         (sample order) and the replay statistics summed over ranks."""
@@ -643,9 +649,7 @@ class RankedTrainer:
             cu = torch.tensor([0, ent.numel()], dtype=torch.int64)
             thr = entropy_thresholds(ent, cu, levels=cfg.levels).reshape(-1)
         shares = self._scatter(data, "train", self.use_replay)
-        results = self._command(
-            "train", [(s, num_sequences, thr, espo_kwargs) for s in shares]
-        )
+        results = self._command("train", [(s, num_sequences, thr, espo_kwargs) for s in shares])
         return self._reduce_train(data, results)
 
     def _reduce_train(self, data: StepData, results: list[dict]) -> dict:
@@ -685,5 +689,90 @@ class RankedTrainer:
         return megatron_to_hf(full, self.hf_config)
 
 
-def _pickled_size(obj: Any) -> int:
-    return len(pickle.dumps(obj))
+# ---------------------------------------------------------------------------
+# The loop's trainer interface over the ranks
+# ---------------------------------------------------------------------------
+
+
+def _token_index(lengths: np.ndarray, idx: np.ndarray) -> torch.Tensor:
+    """Sample-order token indices of sequences ``idx`` concatenated (a packed micro-batch)."""
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    if len(idx) == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.from_numpy(np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in idx]))
+
+
+class LoopTrainer:
+    """What ``compass-rl`` calls a trainer (``pack``, ``old_policy_pass``,
+    ``train_step``, ``probe_logprobs``, ``hf_state_dict``), run by
+    :class:`RankedTrainer` on ``layout.world_size`` processes.
+
+    ``pack`` plans the ``dp`` ranks x micro-batches and keeps the driver's
+    packed view (the loop reads log-probs, entropy and advantages through it);
+    the ranks receive only their shares of it (:func:`make_shares`)."""
+
+    def __init__(self, model_dir: str | os.PathLike, layout: Layout, *, lr: float,
+                 replay: bool = True, seed: int = 0) -> None:  # fmt: skip
+        self.ranked = RankedTrainer(model_dir, layout, lr=lr, replay=replay, seed=seed)
+        self.layout = layout
+        self.use_replay = replay
+        self.hf_config = self.ranked.hf_config
+        self._data: StepData | None = None
+
+    def close(self) -> None:
+        self.ranked.close()
+
+    def pack(self, batch: Any, *, dp_size: int, max_tokens: int):
+        from compass_kernels.integration.rl.trainer import Trainer
+
+        if dp_size != self.layout.dp:
+            raise ValueError(f"dp_size {dp_size} != the layout's dp {self.layout.dp}")
+        pack = Trainer.pack(self, batch, dp_size=dp_size, max_tokens=max_tokens)
+        self._data = StepData(batch=batch, plan=pack.plan)
+        return pack
+
+    def _to_packed(self, pack: Any, name: str, values: torch.Tensor) -> None:
+        batch = self._data.batch
+        for mb in pack.micro_batches:
+            setattr(mb, name, values[_token_index(batch.lengths, mb.packed.indices)])
+
+    def _to_samples(self, pack: Any, name: str) -> torch.Tensor:
+        batch = self._data.batch
+        out = torch.zeros(batch.num_tokens, dtype=torch.float32)
+        for mb in pack.micro_batches:
+            out[_token_index(batch.lengths, mb.packed.indices)] = getattr(mb, name).float()
+        return out
+
+    def old_policy_pass(self, pack: Any) -> dict[int, dict]:
+        rep = self.ranked.forward(self._data, replay=True)
+        nat = self.ranked.forward(self._data, replay=False)
+        self._to_packed(pack, "replay_logprobs", rep["logprobs"])
+        self._to_packed(pack, "native_logprobs", nat["logprobs"])
+        old = rep if self.use_replay else nat
+        self._to_packed(pack, "old_logprobs", old["logprobs"])
+        self._to_packed(pack, "old_entropy", old["entropy"])
+        self.bytes_forward = self.ranked.last_bytes["forward"]
+        return rep["replay"]
+
+    def train_step(self, pack: Any, *, num_sequences: int, **espo_kwargs: Any) -> dict:
+        data = self._data
+        data.old_logprobs = self._to_samples(pack, "old_logprobs")
+        data.old_entropy = self._to_samples(pack, "old_entropy")
+        data.advantages = self._to_samples(pack, "advantages")
+        out = self.ranked.train(data, num_sequences=num_sequences, **espo_kwargs)
+        sent = self.ranked.last_bytes["train"]
+        out["bytes_rank_max"] = max(sent["per_rank"])
+        out["bytes_full"] = sent["full"]
+        return out
+
+    def probe_logprobs(self, batch: Any) -> torch.Tensor:
+        """Replayed log-probs of ``batch``'s masked tokens (sample order)."""
+        import compass_kernels as ck
+
+        plan = ck.packing.plan(batch.lengths, dp_size=self.layout.dp,
+                               max_tokens=max(int(batch.lengths.max()), 1))  # fmt: skip
+        fwd = self.ranked.forward(StepData(batch=batch, plan=plan), replay=True)
+        return fwd["logprobs"][batch.mask]
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        return self.ranked.hf_state_dict()
