@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 # runs again (the script is idempotent).
 STAMP := $(VENV)/.compass-setup.stamp
 
-.PHONY: env build test test-fast bench rl wheel info lint gpu-check
+.PHONY: env build test test-fast test-ranks bench rl wheel info lint gpu-check
 
 $(STAMP): pyproject.toml scripts/setup_env.sh
 	COMPASS_VENV=$(VENV) bash scripts/setup_env.sh
@@ -29,6 +29,11 @@ test: build
 # unit + triton-interpreter + sm90 compile checks, no engines
 test-fast: build
 	$(PY) -m pytest tests -m "not integration and not slow"
+
+# the trainer on real ranks: every layout (dp2, tp2, pp2, ep2, cp2, tp2xdp2, pp2xdp2,
+# ep2xtp2) against one process (tests/integration/test_ranks.py; CI runs two of them)
+test-ranks: build
+	COMPASS_TEST_RANKS=all $(PY) -m pytest tests/integration/test_ranks.py
 
 bench: build
 	$(PY) -m bench

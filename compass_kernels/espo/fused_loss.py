@@ -86,7 +86,7 @@ STRATEGIES = ("auto", "grad_in_forward", "recompute")
 CHUNK_BYTES = 1 << 27
 CHUNK_BYTES_GPU = 1 << 30
 _LOSS_KEYS = ("mode", "rho", "alpha", "clip", "vocab_size", "grouping", "num_groups",
-              "quantiles", "drop_low", "ratio_form", "dual_clip")  # fmt: skip
+              "quantiles", "drop_low", "ratio_form", "dual_clip", "entropy_threshold")  # fmt: skip
 
 
 class _StoredGrad(torch.autograd.Function):
@@ -279,8 +279,11 @@ def fused_linear_espo_loss(
         raise ValueError(f"entropy_coef: expected a finite float, got {entropy_coef!r}")
     _, world = _tp_info(tp_group)
     opts = dict(loss_options)
+    threshold = opts.pop("entropy_threshold", None)
     opts.setdefault("vocab_size", w.shape[0] * world)
     cfg = loss_config.resolve(**opts)
+    if threshold is not None:
+        opts["entropy_threshold"] = threshold  # espo_loss checks it
     total = h.shape[0]
     check_tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=(torch.int32, torch.int64),
                  device=h.device)  # fmt: skip
@@ -379,8 +382,10 @@ def _grad_in_forward(h, w, y, temp, old_lp, old_ent, adv, cu, mask, cfg, G, ent_
     adv32 = adv.detach().to(torch.float32)
     # Per-token advantages (0 after cu[-1]): every chunk passes advantages per token.
     adv_tok = adv32 if per_tok else torch.cat([adv32, adv32.new_zeros(1)])[seq]
-    thr = None
-    if cfg.num_groups > 1 and not cfg.per_sequence:
+    thr = common.get("entropy_threshold")
+    if thr is not None:
+        thr = thr.detach().to(torch.float64).reshape(-1)
+    elif cfg.num_groups > 1 and not cfg.per_sequence:
         thr = entropy_thresholds(old_ent.detach(), cu, mask, levels=cfg.levels).reshape(-1)
     if cfg.token_groups:
         chunks = _chunks_by_tokens(total, rows)
@@ -393,7 +398,8 @@ def _grad_in_forward(h, w, y, temp, old_lp, old_ent, adv, cu, mask, cfg, G, ent_
         adv_tok = adv_tok * (part[key] / counts[seq].clamp(min=1.0))
     else:
         chunks = _chunks_by_sequences(cu_host, total, rows)
-    opts = {k: v for k, v in common.items() if k not in ("num_sequences", "advantages_per_token")}
+    opts = {k: v for k, v in common.items()
+            if k not in ("num_sequences", "advantages_per_token", "entropy_threshold")}  # fmt: skip
     f32 = torch.float32
     half = gd != f32
     # Logits GEMM: half operands with a float32 result where torch.mm has

@@ -28,6 +28,22 @@ The patches (see :data:`PATCHES`):
     ``moe_utils`` references ``te_general_gemm`` but defines it only when
     Transformer Engine imports; without TE it is defined as ``None`` (the
     upstream fallback path is then a plain ``torch.mm``).
+``schedules_torch`` / ``p2p_torch`` / ``mappings_torch`` / ``layers_torch``
+    The pipeline schedules (``get_forward_backward_func``'s functions) count
+    tokens in ``torch.zeros(..., device="cuda")``, the p2p communicator
+    allocates shape and receive buffers on ``torch.cuda.current_device()`` and
+    calls ``torch.cuda.synchronize()``, and the tensor-parallel mappings
+    (sequence-parallel gathers / reduce-scatters, the expert all-to-all) and
+    the sequence-parallel linear's backward allocate their outputs there. The
+    name ``torch`` of those four modules
+    is bound to a stand-in that forwards everything to ``torch`` except that a
+    CUDA device becomes the CPU and ``torch.cuda.synchronize`` is a no-op
+    (nothing else in the modules changes; the functions that use it are pinned).
+``rope_cp_rank``
+    ``get_pos_emb_on_this_cp_rank`` (as bound in ``rotary_pos_embedding``)
+    moves its index to CUDA. On CPU it keeps Megatron's zigzag selection, or,
+    inside :func:`cp_token_positions`, selects each local token's own position
+    (packed sequences split per sequence: each token keeps its RoPE angle).
 
 Before patching, each upstream function is checked to exist and to still
 contain the source lines the patch was written against; if not,
@@ -70,6 +86,7 @@ __all__ = [
     "destroy_single_process_gloo",
     "find_free_port",
     "init_single_process_gloo",
+    "cp_token_positions",
     "patched",
     "revert",
     "run_distributed",
@@ -216,10 +233,120 @@ def _make_alltoall_dtoh(original: Callable) -> Callable:
     def _maybe_dtoh_and_synchronize(self, point, tokens_per_expert=None):
         if not (_cpu_only() and isinstance(self.cuda_dtoh_stream, _CpuStreamPlaceholder)):
             return original(self, point, tokens_per_expert)
-        # On CPU every tensor is already host-resident: nothing to copy or wait for.
+        # On CPU every tensor is already host-resident: nothing to copy or wait for,
+        # but upstream hands the all-to-all its split sizes as NumPy arrays (the
+        # as_numpy=True copies), which expert parallelism (ep > 1) reads.
+        if not self.drop_and_pad and point == self.cuda_dtoh_point:
+            for name in ("input_splits", "output_splits", "output_splits_tp"):
+                value = getattr(self, name, None)
+                if isinstance(value, torch.Tensor):
+                    setattr(self, name, value.numpy())
         return tokens_per_expert
 
     return _maybe_dtoh_and_synchronize
+
+
+class _CpuCuda:
+    """``torch.cuda`` as seen by the pipeline modules on a CPU-only machine."""
+
+    @staticmethod
+    def current_device() -> str:
+        return "cpu"
+
+    @staticmethod
+    def synchronize(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+
+def _cpu_device(device: Any) -> Any:
+    if device is not None and torch.device(device).type == "cuda":
+        return torch.device("cpu")
+    return device
+
+
+class _CpuTorch:
+    """``torch`` as seen by the pipeline modules on a CPU-only machine: every
+    attribute is torch's, except that the factories below map a CUDA device
+    to the CPU and ``cuda`` is :class:`_CpuCuda`."""
+
+    cuda = _CpuCuda()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        return torch.zeros(*args, device=_cpu_device(device), **kwargs)
+
+    @staticmethod
+    def empty(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        return torch.empty(*args, device=_cpu_device(device), **kwargs)
+
+    @staticmethod
+    def tensor(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        return torch.tensor(*args, device=_cpu_device(device), **kwargs)
+
+    def __repr__(self) -> str:
+        return "<compass CPU stand-in for torch (megatron_cpu)>"
+
+
+def _make_module_torch(original: Any) -> Any:
+    if original is torch and _cpu_only():
+        return _CpuTorch()
+    return original
+
+
+# Per-token RoPE positions of the context-parallel rank's tokens (cp_token_positions).
+_CP_POSITIONS = threading.local()
+
+
+@contextlib.contextmanager
+def cp_token_positions(positions: torch.Tensor):
+    """Inside this context, Megatron's per-CP-rank RoPE selection (patch
+    ``rope_cp_rank``) gives local token t the angle of ``positions[t]`` (its
+    position in its own sequence) instead of the zigzag of one long sequence.
+
+    positions : [T_local] int64, the rank's tokens in the order the model sees them.
+    """
+    if positions.dtype != torch.int64 or positions.dim() != 1:
+        raise ValueError(f"positions: expected a 1-D int64 tensor, got {positions.dtype} "
+                         f"{tuple(positions.shape)}")  # fmt: skip
+    prev = getattr(_CP_POSITIONS, "value", None)
+    _CP_POSITIONS.value = positions
+    try:
+        yield
+    finally:
+        _CP_POSITIONS.value = prev
+
+
+def _make_rope_cp_rank(original: Callable) -> Callable:
+    def get_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+        if not (_cpu_only() and pos_emb.device.type == "cpu"):
+            return original(pos_emb, seq_dim, cp_group)
+        if cp_group is None:
+            raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+        positions = getattr(_CP_POSITIONS, "value", None)
+        if positions is not None:
+            if seq_dim != 0:
+                raise ShimError(f"cp_token_positions: seq_dim {seq_dim}, expected 0")
+            if positions.numel() and int(positions.max()) >= pos_emb.shape[0]:
+                raise ShimError(
+                    f"cp_token_positions: position {int(positions.max())} beyond the "
+                    f"{pos_emb.shape[0]} RoPE rows Megatron computed"
+                )
+            return pos_emb.index_select(0, positions.to(pos_emb.device))
+        cp_size, cp_rank = cp_group.size(), cp_group.rank()
+        cp_idx = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1])
+        pos_emb = pos_emb.view(
+            *pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[(seq_dim + 1) :]
+        )
+        pos_emb = pos_emb.index_select(seq_dim, cp_idx)
+        return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[(seq_dim + 2) :])
+
+    return get_pos_emb_on_this_cp_rank
 
 
 def _make_te_general_gemm(original: Any) -> Any:
@@ -242,6 +369,10 @@ class _Patch:
     fingerprint: tuple[str, ...] = ()
     # The attribute may be absent upstream (it is then created and later deleted).
     may_be_missing: bool = False
+    # Functions of ``module`` (dotted names) whose behaviour the patch changes
+    # without replacing them (a module-level name they read): their sources are
+    # pinned in UPSTREAM_SOURCE_SHA256 as "<patch name>:<function>".
+    readers: tuple[str, ...] = ()
 
 
 #: All patches, in the order they are applied.
@@ -348,6 +479,63 @@ PATCHES: tuple[_Patch, ...] = (
         _make_te_general_gemm,
         may_be_missing=True,
     ),
+    _Patch(
+        "schedules_torch",
+        "megatron.core.pipeline_parallel.schedules",
+        None,
+        "torch",
+        _make_module_torch,
+        readers=(
+            "forward_backward_no_pipelining",
+            "forward_backward_pipelining_without_interleaving",
+            "forward_step",
+            "backward_step",
+        ),
+    ),
+    _Patch(
+        "p2p_torch",
+        "megatron.core.pipeline_parallel.p2p_communication",
+        None,
+        "torch",
+        _make_module_torch,
+        readers=("P2PCommunicator._communicate_shapes", "P2PCommunicator._communicate"),
+    ),
+    _Patch(
+        "mappings_torch",
+        "megatron.core.tensor_parallel.mappings",
+        None,
+        "torch",
+        _make_module_torch,
+        readers=(
+            "_gather_along_last_dim",
+            "_gather_along_first_dim",
+            "_reduce_scatter_along_first_dim",
+            "_AllToAll.forward",
+        ),
+    ),
+    _Patch(
+        "layers_torch",
+        "megatron.core.tensor_parallel.layers",
+        None,
+        "torch",
+        _make_module_torch,
+        readers=(
+            "LinearWithGradAccumulationAndAsyncCommunication.forward",
+            "LinearWithGradAccumulationAndAsyncCommunication.backward",
+        ),
+    ),
+    _Patch(
+        "rope_cp_rank",
+        "megatron.core.models.common.embeddings.rotary_pos_embedding",
+        None,
+        "get_pos_emb_on_this_cp_rank",
+        _make_rope_cp_rank,
+        (
+            "cp_idx = torch.tensor(",
+            '[cp_rank, (2 * cp_size - cp_rank - 1)], device="cpu", pin_memory=True',
+            "pos_emb = pos_emb.index_select(seq_dim, cp_idx)",
+        ),
+    ),
 )
 
 # name -> (owner object, attr, original value or _MISSING, installed value)
@@ -383,6 +571,43 @@ UPSTREAM_SOURCE_SHA256: dict[str, dict[str, str]] = {
         "memory_buffer": "09c1d73f7818f422b75f5591e53feb98554ff7f3fbd451b5819d891fd3ad9174",
         "causal_mask": "510d896df7d6deca0ddfb6c2868ec4b4c857f86c5fbc048a47f79d0effb83cb8",
         "alltoall_dtoh": "43ba412fd6e14b091545b67e0e3501fb9946f30763dea3b42200113f5096e07e",
+        "schedules_torch:forward_backward_no_pipelining": (
+            "09e5065480e0809138566f12f34b4c8c2452bd4a56860078f3a33341d995f26d"
+        ),
+        "schedules_torch:forward_backward_pipelining_without_interleaving": (
+            "c116bc96a60eff6bc54c893c734599aabd444a206b2675a8d703758320f2eaf9"
+        ),
+        "schedules_torch:forward_step": (
+            "679f915a477e3c0c923bc6e2ea1b44a7a93314603b3a822234170d739a692caf"
+        ),
+        "schedules_torch:backward_step": (
+            "f5e9f9aacc11b62db3dc430e9ac2d8299288bc97e19d5ac223131af9d5ad3aa0"
+        ),
+        "p2p_torch:P2PCommunicator._communicate_shapes": (
+            "f2d510984e4cc6f80d7e84510396e7882ab8f173a2926bbaee9b70fef41fafdb"
+        ),
+        "p2p_torch:P2PCommunicator._communicate": (
+            "fa37a87e9c688c7d8c6098a6c74d44a0d37ee11188f0e69246047cecf1bfe43b"
+        ),
+        "mappings_torch:_gather_along_last_dim": (
+            "605c2ec305a4f9b24c3b9b90d834e7148893784c2e10cb7c719345578a3e7f3f"
+        ),
+        "mappings_torch:_gather_along_first_dim": (
+            "7d7a6b5ee66d778c2b0ae8e3ce5c3f1398b3088a653d9b774bc981ea6465726e"
+        ),
+        "mappings_torch:_reduce_scatter_along_first_dim": (
+            "9f477d99abfc7be9f46fe416954a96fdead47e7e0b92b98a8d435326b498ae9c"
+        ),
+        "mappings_torch:_AllToAll.forward": (
+            "350ac9ac33560f9f944568e03b764e250a67cdde5faaad982ae4e4558f204143"
+        ),
+        "layers_torch:LinearWithGradAccumulationAndAsyncCommunication.forward": (
+            "1982cdb2c18ee6eb56550be75425a7e7585c63350f9e687423178644dd60abe0"
+        ),
+        "layers_torch:LinearWithGradAccumulationAndAsyncCommunication.backward": (
+            "c2aef746c773366c9da87e33fac2c9a272629a2ca5c4197b790473f8dd5e5604"
+        ),
+        "rope_cp_rank": "adf65ad9e9521e6da0482eceaa7d0a142ec95dba7df2551c1cfa967e8fb52364",
     },
 }
 
@@ -401,6 +626,22 @@ def upstream_source_hashes() -> dict[str, str]:
             current = _APPLIED[patch.name][2]
         if _hashed(current):
             out[patch.name] = _pin.source_sha256(current)
+        for reader, fn in _readers(patch):
+            out[f"{patch.name}:{reader}"] = _pin.source_sha256(fn)
+    return out
+
+
+def _readers(patch: _Patch) -> list[tuple[str, Any]]:
+    """(dotted name, function) of each reader of ``patch`` (see ``_Patch.readers``)."""
+    module = importlib.import_module(patch.module)
+    out = []
+    for dotted in patch.readers:
+        obj: Any = module
+        for part in dotted.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                raise ShimError(f"patch {patch.name}: upstream {patch.module}.{dotted} is missing")
+        out.append((dotted, inspect.unwrap(obj)))
     return out
 
 
@@ -417,6 +658,15 @@ def _check_hash(patch: _Patch, current: Any, where: str, version: str) -> None:
             f"{__name__}: no upstream source hashes pinned for megatron-core "
             f"{version} (pinned: {sorted(UPSTREAM_SOURCE_SHA256)}); {how}"
         )
+    for reader, fn in _readers(patch):
+        key = f"{patch.name}:{reader}"
+        actual = _pin.source_sha256(fn)
+        if pinned.get(key) != actual:
+            raise ShimError(
+                f"patch {patch.name}: upstream {patch.module}.{reader} in megatron-core {version} "
+                f"is not the function this patch was reviewed against (source sha256 {actual}, "
+                f"pinned {pinned.get(key)}); {how}"
+            )
     if not _hashed(current):
         return
     expected = pinned.get(patch.name)

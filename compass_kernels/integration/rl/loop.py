@@ -88,6 +88,10 @@ COLUMNS = (
     "informative_groups", "generated_tokens", "informative_per_1k_tokens",
 )  # fmt: skip
 
+#: the trainer's parallel layout (one process per rank) and the bytes of the
+#: step's largest per-rank share against a full broadcast of the batch.
+COLUMNS = COLUMNS + ("world_size", "tp", "pp", "ep", "cp", "dp", "bytes_rank_max", "bytes_full")
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -122,6 +126,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pool", type=int, default=48, help="prompts in the task's pool")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--dp", type=int, default=2, help="data-parallel ranks of the packing plan")
+    par = p.add_argument_group(
+        "trainer ranks (tp*pp*cp*dp processes, Megatron parallel_state; gloo on CPU)"
+    )
+    par.add_argument("--tp", type=int, default=1, help="tensor-parallel size (sequence parallel)")
+    par.add_argument("--pp", type=int, default=1, help="pipeline stages (Megatron's 1F1B)")
+    par.add_argument("--ep", type=int, default=1,
+                     help="expert-parallel size, cut from the tp*cp*dp ranks")  # fmt: skip
+    par.add_argument("--cp", type=int, default=1, help="context-parallel size (zigzag)")
     p.add_argument("--max-tokens", type=int, default=512, help="token cap of one micro-batch")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument(
@@ -198,7 +210,7 @@ def _model_dir(args: argparse.Namespace) -> Path:
 
 def _check_args(args: argparse.Namespace) -> None:
     for name in ("steps", "prompts", "n", "resample_n", "pool", "max_new_tokens", "dp",
-                 "max_tokens", "reward_workers"):  # fmt: skip
+                 "max_tokens", "reward_workers", "tp", "pp", "ep", "cp"):  # fmt: skip
         v = getattr(args, name)
         if v < 1:
             raise SystemExit(f"compass-rl: --{name.replace('_', '-')} must be >= 1, got {v}")
@@ -259,13 +271,7 @@ def _probe(rollout: Any, trainer: Any, probe_prompts: list[Any]) -> dict[str, fl
         batch.mask[off : off + n - 1] = True
         batch.infer_logprobs[off : off + n - 1] = lp
         off += n
-    pack = trainer.pack(batch, dp_size=1, max_tokens=max(int(batch.lengths.sum()), 1))
-    with torch.no_grad():
-        train = []
-        for mb in pack.micro_batches:
-            lp, _ = trainer._logprobs(mb, replay=True, with_entropy=False)
-            train.append(lp[mb.get("mask")])
-    g = gap_stats(torch.cat(train), _gather_masked_infer_lp(pack))
+    g = gap_stats(trainer.probe_logprobs(batch), batch.infer_logprobs[batch.mask])
     return {"probe_gap": g.mean_abs, "probe_k3": g.k3, "probe_tokens": g.tokens,
             "probe_max": g.max_abs}  # fmt: skip
 
@@ -314,10 +320,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     from transformers import AutoConfig
 
     import compass_kernels as ck
-    from compass_kernels.integration.megatron_convert import load_hf_state_dict
     from compass_kernels.integration.rl import task as T
+    from compass_kernels.integration.rl.ranks import Layout, LoopTrainer
     from compass_kernels.integration.rl.rollout import Rollout
-    from compass_kernels.integration.rl.trainer import Batch, Trainer, gap_stats
+    from compass_kernels.integration.rl.trainer import Batch, gap_stats
     from compass_kernels.integration.vllm_engine import shutdown_vllm, start_vllm
     from compass_kernels.integration.weight_sync import sync_to_vllm
 
@@ -325,6 +331,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     rng = np.random.default_rng(args.seed)
     model_dir = _model_dir(args)
     hf_config = AutoConfig.from_pretrained(model_dir)
+    layout = Layout(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp, dp=args.dp)
+    try:
+        layout.check(hf_config)
+    except ValueError as exc:
+        raise SystemExit(f"compass-rl: {exc}") from None
     cfg = T.TaskConfig(vocab_size=int(hf_config.vocab_size), max_new_tokens=args.max_new_tokens,
                        overlong_cache=max(1, args.max_new_tokens // 4))  # fmt: skip
     pool = T.make_prompts(cfg, args.pool, seed=args.seed)
@@ -353,8 +364,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     try:
         rollout = Rollout(llm, score, max_new_tokens=cfg.max_new_tokens, stop_token_ids=stops,
                           workers=args.reward_workers, schedule=args.schedule)  # fmt: skip
-        trainer = Trainer(hf_config, load_hf_state_dict(model_dir), lr=args.lr,
-                          replay=not args.no_replay, seed=args.seed)  # fmt: skip
+        trainer = LoopTrainer(model_dir, layout, lr=args.lr, replay=not args.no_replay,
+                              seed=args.seed)  # fmt: skip
         probe_prompts = pool[:4]
         allocator = None
         if args.allocate != "off":
@@ -380,10 +391,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         if rollout is not None:
             rollout.close()
         if trainer is not None:
-            trainer.close()
-            from compass_kernels.integration import megatron_cpu
-
-            megatron_cpu.destroy_single_process_gloo()  # before vLLM's default group goes
+            trainer.close()  # the rank processes
         shutdown_vllm(llm)
     if not args.no_plot:
         plot(rows, out_dir / "steps.png", title=_title(args, hf_config))
@@ -547,6 +555,9 @@ def _step(step, args, rng, pool, cfg, rollout, trainer, llm, probe_prompts, T, c
     m = trainer.train_step(pack, num_sequences=batch.num_sequences)
     row["t_train"] = time.perf_counter() - t0
     row["replay_train"] = {str(k): v for k, v in m["replay"].items()}
+    row.update({k: v for k, v in trainer.layout.as_dict().items()},
+               world_size=trainer.layout.world_size, bytes_rank_max=m.get("bytes_rank_max"),
+               bytes_full=m.get("bytes_full"))  # fmt: skip
     row.update(loss=m["loss"], grad_norm=m["grad_norm"], clip_frac=m.get("clip_frac", 0.0),
                ratio_mean=m.get("ratio_mean", 1.0),
                entropy_mean=m.get("entropy_mean", 0.0))  # fmt: skip

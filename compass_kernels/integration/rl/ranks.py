@@ -1,0 +1,778 @@
+"""The trainer on real ranks: ``tp * pp * cp * dp`` processes, Megatron's parallel
+state and pipeline schedule, router replay per rank, ESPO, each rank fed only its share.
+
+Driver side (the process that runs the rollout engine): :class:`RankedTrainer`
+spawns the ranks (gloo on CPU, NCCL where CUDA is available), plans the step's
+micro-batches (``ck.packing.plan`` over ``dp`` ranks) and sends each rank
+:class:`RankMicroBatch` es holding only what that rank reads
+(:func:`make_shares`): its DP rank's micro-batches, its CP rank's zigzag
+tokens, the first stage the token ids, the last stage the loss inputs
+(targets, mask, old log-probs, entropy, advantages), and every rank the
+routing rows of its stage's layers for its context- and sequence-parallel
+tokens. :func:`share_bytes` counts them.
+
+Rank side (:class:`RankTrainer`, one per process): the rank's ``GPTModel``
+chunk (:mod:`compass_kernels.integration.megatron_parallel`), a
+:class:`~compass_kernels.integration.megatron_replay.TraceReplay` of its
+stage's MoE layers, and Megatron's ``get_forward_backward_func`` (1F1B over
+``pp`` stages with several micro-batches in flight; the CPU shim makes it run
+on the CPU). The last stage's loss function is the vocab-parallel
+``fused_linear_espo_loss`` with the global batch's sequence count and entropy
+boundaries, scaled as Megatron's schedule and DDP expect (x num_microbatches
+x dp: the schedule divides by num_microbatches and multiplies by cp, DDP
+averages over dp x cp), so the step does not depend on the layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from compass_kernels.integration.megatron_parallel import Layout, RankInfo
+
+__all__ = [
+    "Layout",
+    "LoopTrainer",
+    "RankMicroBatch",
+    "RankTrainer",
+    "RankedTrainer",
+    "local_tokens",
+    "make_shares",
+    "share_bytes",
+]
+
+#: ESPO metrics reported per micro-batch (token-weighted means over the batch).
+METRICS = ("clip_frac", "ratio_mean", "entropy_mean", "kl_k3")
+
+
+# ---------------------------------------------------------------------------
+# What one rank receives
+# ---------------------------------------------------------------------------
+
+
+def _padded(lengths: np.ndarray, m: int) -> np.ndarray:
+    return np.maximum(-(-lengths // m) * m, m)
+
+
+def local_tokens(lengths: np.ndarray, m: int, cp: int, cp_rank: int):
+    """The tokens of one CP rank of a micro-batch whose sequences have ``lengths``
+    tokens, each padded to a multiple of ``m`` and split in 2 * cp chunks
+    (zigzag: chunks r and 2cp-1-r), in the order the rank holds them.
+
+    Returns (src, seq, pos): [T_local] int64 each: the token's index in the
+    micro-batch's concatenated real tokens (-1 for padding), its sequence
+    (0-based within the micro-batch) and its position in that sequence."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    padded = _padded(lengths, m)
+    start = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    srcs, seqs, poss = [], [], []
+    for i, (n, p, s) in enumerate(zip(lengths, padded, start, strict=True)):
+        pos = np.arange(p, dtype=np.int64)
+        if cp > 1:
+            c = p // (2 * cp)
+            mirror = 2 * cp - 1 - cp_rank
+            pos = np.concatenate([pos[cp_rank * c : (cp_rank + 1) * c],
+                                  pos[mirror * c : (mirror + 1) * c]])  # fmt: skip
+        srcs.append(np.where(pos < n, s + pos, -1))
+        seqs.append(np.full(pos.size, i, dtype=np.int64))
+        poss.append(pos)
+
+    def cat(xs: list[np.ndarray]) -> torch.Tensor:
+        return torch.from_numpy(np.concatenate(xs)) if xs else torch.zeros(0, dtype=torch.int64)
+
+    return cat(srcs), cat(seqs), cat(poss)
+
+
+@dataclass
+class RankMicroBatch:
+    """One micro-batch as one rank receives it (fields it does not read are None).
+
+    lengths : [n] int64 real tokens per sequence (every rank: its layout and mask).
+    tokens : [T_local] int64 token ids (first pipeline stage).
+    targets, mask : [T_local] next-token ids and loss mask (last stage).
+    old_logprobs, old_entropy, advantages : [T_local] float32 (last stage, training).
+    trace : the routing rows of this stage's MoE layers for this rank's tokens
+        (CP zigzag, then the sequence-parallel piece), or None for native routing.
+    """
+
+    lengths: torch.Tensor
+    tokens: torch.Tensor | None = None
+    targets: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    old_logprobs: torch.Tensor | None = None
+    old_entropy: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    trace: Any = None
+
+    def nbytes(self) -> int:
+        n = 0
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor):
+                n += v.numel() * v.element_size()
+            elif v is not None:  # a RoutingTrace
+                n += sum(t.numel() * t.element_size() for t in _trace_tensors(v))
+        return n
+
+
+def _trace_tensors(trace: Any) -> list[torch.Tensor]:
+    out = [trace.expert_ids, trace.cu_seqlens]
+    for name in ("missing", "missing_reason"):
+        t = getattr(trace, name, None)
+        if isinstance(t, torch.Tensor):
+            out.append(t)
+    return out
+
+
+@dataclass
+class StepData:
+    """The driver's per-token tensors of a step, sample order over all T tokens."""
+
+    batch: Any  # trainer.Batch
+    plan: Any  # ck.packing.PackingPlan
+    old_logprobs: torch.Tensor | None = None
+    old_entropy: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+
+
+def make_shares(
+    data: StepData,
+    layout: Layout,
+    infos: list[RankInfo],
+    stage_layers: list[list[int]],
+    *,
+    what: str,
+    replay: bool = True,
+) -> list[list[RankMicroBatch]]:
+    """Per rank, its micro-batches (``what``: "forward" or "train"). ``infos`` /
+    ``stage_layers``: each rank's coordinates and its stage's MoE layers."""
+    batch, plan = data.batch, data.plan
+    m = layout.pad_multiple
+    offsets = np.concatenate([[0], np.cumsum(batch.lengths)])
+    shares: list[list[RankMicroBatch]] = []
+    for info, layers in zip(infos, stage_layers, strict=True):
+        mbs = []
+        for j in range(plan.num_micro_batches):
+            idx = plan.micro_batch(info.dp, j).numpy()
+            if idx.size == 0:
+                raise ValueError(
+                    f"micro-batch {j} of data-parallel rank {info.dp} is empty (fewer sequences "
+                    "than dp x micro-batches): lower --dp or raise --max-tokens"
+                )
+            lens = batch.lengths[idx]
+            src, _, _ = local_tokens(lens, m, layout.cp, info.cp)
+            gsrc = torch.from_numpy(np.concatenate([np.arange(offsets[i], offsets[i + 1])
+                                                    for i in idx]))  # fmt: skip
+            real = src >= 0
+            take = functools.partial(_take, real=real, where=gsrc[src.clamp(min=0)])
+
+            mb = RankMicroBatch(lengths=torch.from_numpy(lens.astype(np.int64)))
+            if info.first_stage:
+                mb.tokens = take(batch.tokens)
+            if info.last_stage:
+                mb.targets = take(batch.targets)
+                mb.mask = take(batch.mask, False)
+                if what == "train":
+                    for name in ("old_logprobs", "old_entropy", "advantages"):
+                        setattr(mb, name, take(getattr(data, name)))
+            if replay:
+                mb.trace = batch.trace.slice(
+                    layers=layers, sequences=idx.tolist(), token_lens=lens, pad_multiple=m,
+                    cp_size=layout.cp, cp_rank=info.cp,
+                    cp_layout="zigzag" if layout.cp > 1 else None,
+                    sp_size=layout.tp, sp_rank=info.tp,
+                )  # fmt: skip
+            mbs.append(mb)
+        shares.append(mbs)
+    return shares
+
+
+def _take(t: torch.Tensor, fill: float | int = 0, *, real: torch.Tensor,
+          where: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """t at this rank's tokens (``where``), ``fill`` at its padding."""
+    out = torch.full(real.shape, fill, dtype=t.dtype)
+    out[real] = t[where[real]]
+    return out
+
+
+def share_bytes(shares: list[list[RankMicroBatch]]) -> list[int]:
+    """Bytes of tensors each rank received."""
+    return [sum(mb.nbytes() for mb in mbs) for mbs in shares]
+
+
+def full_broadcast_bytes(data: StepData, what: str) -> int:
+    """Bytes of the step's tensors and trace if every rank received all of them."""
+    b = data.batch
+    n = sum(t.numel() * t.element_size() for t in (b.tokens, b.targets, b.mask))
+    n += b.lengths.size * 8
+    n += sum(t.numel() * t.element_size() for t in _trace_tensors(b.trace))
+    if what == "train":
+        n += 3 * b.num_tokens * 4
+    return n
+
+
+# ---------------------------------------------------------------------------
+# The rank
+# ---------------------------------------------------------------------------
+
+
+class RankTrainer:
+    """One rank: its model chunk, replay, optimizer and Megatron's schedule.
+
+    Runs inside a process where ``torch.distributed`` and Megatron's parallel
+    state are initialized with ``layout`` (see :func:`_rank_main`)."""
+
+    def __init__(self, hf_config: Any, hf_state_dict: dict[str, torch.Tensor], layout: Layout,
+                 *, lr: float, replay: bool = True) -> None:  # fmt: skip
+        from megatron.core import parallel_state as ps
+
+        from compass_kernels.integration.megatron_parallel import build_rank_model, rank_info
+        from compass_kernels.integration.megatron_replay import TraceReplay
+
+        self.layout = layout
+        self.hf_config = hf_config
+        self.model = build_rank_model(hf_config, hf_state_dict, layout)
+        self.info = rank_info()
+        self.replay = TraceReplay(self.model)
+        self.use_replay = replay
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.0
+        )
+        self.tp_group = ps.get_tensor_model_parallel_group() if layout.tp > 1 else None
+        self.cp_group = ps.get_context_parallel_group() if layout.cp > 1 else None
+
+    @property
+    def layers(self) -> list[int]:
+        return self.replay.layers
+
+    # -- one micro-batch ---------------------------------------------------------
+
+    def _masks(self, mb: RankMicroBatch):
+        """(attention mask [1, 1, T, T * cp] True = masked, RoPE positions or None,
+        ESPO cu_seqlens [n+1], real-token flags [T]) of this rank's tokens."""
+        lay, m = self.layout, self.layout.pad_multiple
+        lens = mb.lengths.numpy()
+        src, seq, pos = local_tokens(lens, m, lay.cp, self.info.cp)
+        if lay.cp > 1:
+            keys = [local_tokens(lens, m, lay.cp, r) for r in range(lay.cp)]
+            kseq = torch.cat([k[1] for k in keys])
+            kpos = torch.cat([k[2] for k in keys])
+        else:
+            kseq, kpos = seq, pos
+        allowed = (seq[:, None] == kseq[None, :]) & (kpos[None, :] <= pos[:, None])
+        counts = torch.bincount(seq, minlength=lens.size)
+        cu = torch.zeros(lens.size + 1, dtype=torch.int64)
+        cu[1:] = torch.cumsum(counts, 0)
+        return (~allowed)[None, None], (pos if lay.cp > 1 else None), cu, src >= 0
+
+    def _forward_step(self, use_replay: bool, loss_fn):
+        from compass_kernels.integration import megatron_cpu
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            mask, positions, cu, real = self._masks(mb)
+            tokens = mb.tokens[None] if mb.tokens is not None else None
+            pos_ids = torch.arange(mask.shape[2])[None]
+            route = self.replay.micro_batch(mb.trace) if use_replay else self.replay.native()
+            rope = (megatron_cpu.cp_token_positions(positions) if positions is not None
+                    else _null())  # fmt: skip
+            prev = model.post_process
+            model.post_process = False  # hidden states: the fused path computes log-probs
+            try:
+                with route, rope:
+                    out = model(tokens, pos_ids, attention_mask=mask)
+            finally:
+                model.post_process = prev
+            return out, functools.partial(loss_fn, mb, cu, real)
+
+        return forward_step
+
+    def _hidden_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.layout.tp > 1:
+            from megatron.core.tensor_parallel.mappings import (
+                gather_from_sequence_parallel_region,
+            )
+
+            # forward: all-gather the sequence pieces; backward: keep this rank's
+            # piece (the fused loss already sums d hidden over the vocab shards).
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+        return hidden.reshape(-1, hidden.shape[-1])
+
+    def _run(self, shares: list[RankMicroBatch], forward_step, *, forward_only: bool):
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        nmb = len(shares)
+        seq_len = max(int(_padded(mb.lengths.numpy(), self.layout.pad_multiple).sum())
+                      for mb in shares) // self.layout.cp  # fmt: skip
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(shares),
+            model=[self.model],
+            num_microbatches=nmb,
+            seq_length=seq_len,
+            micro_batch_size=1,
+            forward_only=forward_only,
+        )
+
+    def _replay_counts(self, shares: list[RankMicroBatch], use_replay: bool) -> dict[int, list]:
+        """{layer: counts} of this rank's routers, padding rows taken out of ``rows``."""
+        from compass_kernels.routing import MissingReason
+
+        pads = 0
+        for mb in shares:
+            if use_replay and mb.trace is not None and mb.trace.missing_reason is not None:
+                pads += int((mb.trace.missing_reason == int(MissingReason.PADDING)).sum())
+        out = {}
+        for layer, st in self.replay.stats().items():
+            c = st.counts.clone()
+            c[0] -= pads
+            out[layer] = c.tolist()
+        return out
+
+    # -- commands ----------------------------------------------------------------
+
+    def forward(self, shares: list[RankMicroBatch], replay: bool = True) -> dict:
+        """No-grad passes (replayed or native routing): per micro-batch, the last
+        stage's log-probs and entropy of its tokens (tp rank 0 returns them)."""
+        import compass_kernels as ck
+
+        def loss_fn(mb, cu, real, hidden):
+            h = self._hidden_rows(hidden)
+            lp, ent = ck.espo.fused_linear_logprobs_entropy(
+                h, self.model.output_layer.weight, mb.targets, tp_group=self.tp_group
+            )
+            return h.new_zeros(()), {"logprobs": lp, "entropy": ent}
+
+        self.model.eval()
+        self.replay.reset_stats()
+        with torch.no_grad():
+            out = self._run(shares, self._forward_step(replay, loss_fn), forward_only=True)
+        keep = self.info.last_stage and self.info.tp == 0
+        return {
+            "per_mb": [(d["logprobs"], d["entropy"]) for d in out] if keep else None,
+            "replay": self._replay_counts(shares, replay) if replay else {},
+        }
+
+    def train(self, shares: list[RankMicroBatch], num_sequences: int,
+              entropy_threshold: torch.Tensor | None, espo_kwargs: dict) -> dict:  # fmt: skip
+        """One optimizer step over this rank's micro-batches (ESPO)."""
+        import compass_kernels as ck
+        from compass_kernels.integration.megatron_parallel import clip_grads, finalize_grads
+
+        nmb = len(shares)
+        dp = self.layout.dp
+        kwargs = dict(espo_kwargs)
+        if entropy_threshold is not None:
+            kwargs["entropy_threshold"] = entropy_threshold
+
+        def loss_fn(mb, cu, real, hidden):
+            h = self._hidden_rows(hidden)
+            loss, metrics, _, _ = ck.espo.fused_linear_espo_loss(
+                h, self.model.output_layer.weight, mb.targets, mb.old_logprobs,
+                mb.old_entropy, mb.advantages, cu, mb.mask & real, num_sequences=num_sequences,
+                advantages_per_token=True, tp_group=self.tp_group, cp_group=self.cp_group,
+                **kwargs,
+            )  # fmt: skip
+            report = {"loss": metrics["loss"].detach()}
+            report.update({k: metrics[k].detach() for k in METRICS})
+            return loss * (nmb * dp), report
+
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.replay.reset_stats()
+        out = self._run(shares, self._forward_step(self.use_replay, loss_fn), forward_only=False)
+        finalize_grads(self.model)
+        norm = clip_grads(self.model, 1.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.eval()
+        keep = self.info.last_stage and self.info.tp == 0 and self.info.cp == 0
+        return {
+            "per_mb": [{k: float(v) for k, v in d.items()} for d in out] if keep else None,
+            "grad_norm": norm,
+            "replay": self._replay_counts(shares, self.use_replay) if self.use_replay else {},
+        }
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """This rank's owned part of the full model (Megatron names, TP-gathered)."""
+        from compass_kernels.integration.megatron_parallel import gathered_megatron_params
+
+        return gathered_megatron_params(self.model)
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+# ---------------------------------------------------------------------------
+# Processes
+# ---------------------------------------------------------------------------
+
+
+def _rank_main(rank: int, world: int, port: int, layout: Layout, model_dir: str, lr: float,
+               replay: bool, seed: int, cmd_q: Any, res_q: Any) -> None:  # fmt: skip
+    import torch.distributed as dist
+    from transformers import AutoConfig
+
+    from compass_kernels.integration import megatron_cpu
+    from compass_kernels.integration.megatron_convert import load_hf_state_dict
+
+    torch.set_num_threads(1)
+    torch.manual_seed(seed)
+    trainer = None
+    try:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world)  # fmt: skip
+        megatron_cpu.apply()
+        megatron_cpu._init_megatron_parallel(seed, **layout.megatron_sizes())
+        hf_config = AutoConfig.from_pretrained(model_dir)
+        trainer = RankTrainer(hf_config, load_hf_state_dict(model_dir), layout, lr=lr,
+                              replay=replay)  # fmt: skip
+        res_q.put((rank, "ready", (trainer.info, trainer.layers)))
+        while True:
+            cmd, args = cmd_q.get()
+            if cmd == "stop":
+                break
+            t0 = time.perf_counter()
+            result = getattr(trainer, cmd)(*args)
+            res_q.put((rank, cmd, (result, time.perf_counter() - t0)))
+    except BaseException:  # noqa: BLE001 - reported to the driver, then the rank exits
+        res_q.put((rank, "error", traceback.format_exc()))
+    finally:
+        from megatron.core import parallel_state as ps
+
+        if trainer is not None:
+            trainer.replay.remove()
+        ps.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class RankError(RuntimeError):
+    """A rank failed (the message holds its traceback) or did not answer in time."""
+
+
+@dataclass
+class _Replies:
+    values: list[Any]
+    seconds: float
+    bytes_sent: list[int] = field(default_factory=list)
+
+
+class RankedTrainer:
+    """The driver's handle on ``layout.world_size`` trainer processes.
+
+    Parameters
+    ----------
+    model_dir : HF checkpoint folder every rank loads (its own slices).
+    layout : the parallel sizes.
+    lr, replay, seed : as :class:`~compass_kernels.integration.rl.trainer.Trainer`.
+    timeout : seconds to wait for any one command on all ranks.
+    """
+
+    def __init__(self, model_dir: str | os.PathLike, layout: Layout, *, lr: float = 1e-3,
+                 replay: bool = True, seed: int = 0, timeout: float = 600.0) -> None:  # fmt: skip
+        import torch.multiprocessing as mp
+        from transformers import AutoConfig
+
+        from compass_kernels.integration.megatron_cpu import find_free_port
+
+        self.model_dir = str(Path(model_dir))
+        self.hf_config = AutoConfig.from_pretrained(self.model_dir)
+        self.layout = layout.check(self.hf_config)
+        self.use_replay = replay
+        self.timeout = timeout
+        self.vocab_size = int(self.hf_config.vocab_size)
+        ctx = mp.get_context("spawn")
+        world = layout.world_size
+        self._res = ctx.Queue()
+        self._cmds = [ctx.Queue() for _ in range(world)]
+        port = find_free_port()
+        self._procs = [
+            ctx.Process(
+                target=_rank_main,
+                args=(
+                    r,
+                    world,
+                    port,
+                    layout,
+                    self.model_dir,
+                    lr,
+                    replay,
+                    seed,
+                    self._cmds[r],
+                    self._res,
+                ),
+                daemon=True,
+            )  # fmt: skip
+            for r in range(world)
+        ]
+        for p in self._procs:
+            p.start()
+        ready = self._collect("ready")
+        self.infos: list[RankInfo] = [v[0] for v in ready.values]
+        self.stage_layers: list[list[int]] = [v[1] for v in ready.values]
+        self.last_bytes: dict[str, Any] = {}
+
+    # -- plumbing ------------------------------------------------------------------
+
+    def _collect(self, cmd: str) -> _Replies:
+        import queue
+
+        t0 = time.perf_counter()
+        out: dict[int, Any] = {}
+        deadline = time.monotonic() + self.timeout
+        while len(out) < len(self._procs):
+            try:
+                rank, what, value = self._res.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in out]
+                if dead or time.monotonic() > deadline:
+                    self.close()
+                    why = f"ranks {dead} exited" if dead else f"no answer in {self.timeout} s"
+                    raise RankError(f"{cmd}: {why}") from None
+                continue
+            if what == "error":
+                self.close()
+                raise RankError(f"rank {rank} failed during {cmd}:\n{value}")
+            if what != cmd:
+                self.close()
+                raise RankError(f"rank {rank} answered {what!r} to {cmd!r}")
+            out[rank] = value
+        values = [out[r] for r in range(len(self._procs))]
+        return _Replies(values, time.perf_counter() - t0)
+
+    def _command(self, cmd: str, per_rank_args: list[tuple]) -> list[Any]:
+        for q, args in zip(self._cmds, per_rank_args, strict=True):
+            q.put((cmd, args))
+        return [v[0] for v in self._collect(cmd).values]
+
+    def close(self) -> None:
+        for q, p in zip(self._cmds, self._procs, strict=True):
+            if p.is_alive():
+                try:
+                    q.put(("stop", ()))
+                except (ValueError, OSError):
+                    pass
+        for p in self._procs:
+            p.join(timeout=20)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+
+    # -- steps -----------------------------------------------------------------------
+
+    def plan(self, batch: Any, max_tokens: int) -> StepData:
+        import compass_kernels as ck
+
+        plan = ck.packing.plan(batch.lengths, dp_size=self.layout.dp, max_tokens=max_tokens)
+        return StepData(batch=batch, plan=plan)
+
+    def _scatter(self, data: StepData, what: str, replay: bool) -> list[list[RankMicroBatch]]:
+        shares = make_shares(data, self.layout, self.infos, self.stage_layers, what=what,
+                             replay=replay)  # fmt: skip
+        sent = share_bytes(shares)
+        self.last_bytes[what] = {"per_rank": sent, "full": full_broadcast_bytes(data, what)}
+        return shares
+
+    def _assemble(self, data: StepData, results: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token log-probs and entropy in sample order from the last stages."""
+        batch, plan, lay = data.batch, data.plan, self.layout
+        T = batch.num_tokens
+        lp, ent = torch.zeros(T), torch.zeros(T)
+        seen = torch.zeros(T, dtype=torch.int64)
+        offsets = np.concatenate([[0], np.cumsum(batch.lengths)])
+        for info, res in zip(self.infos, results, strict=True):
+            if res["per_mb"] is None:
+                continue
+            for j, (l_mb, e_mb) in enumerate(res["per_mb"]):
+                idx = plan.micro_batch(info.dp, j).numpy()
+                src, _, _ = local_tokens(batch.lengths[idx], lay.pad_multiple, lay.cp, info.cp)
+                gsrc = torch.from_numpy(np.concatenate([np.arange(offsets[i], offsets[i + 1])
+                                                        for i in idx]))  # fmt: skip
+                real = src >= 0
+                where = gsrc[src[real]]
+                lp[where] = l_mb[real]
+                ent[where] = e_mb[real]
+                seen[where] += 1
+        if not bool((seen == 1).all()):
+            raise RankError(f"{int((seen != 1).sum())} tokens were returned by no rank or twice")
+        return lp, ent
+
+    def forward(self, data: StepData, *, replay: bool = True) -> dict:
+        """No-grad pass over the step's batch: per-token log-probs and entropy
+        (sample order) and the replay statistics summed over ranks."""
+        shares = self._scatter(data, "forward", replay)
+        results = self._command("forward", [(s, replay) for s in shares])
+        lp, ent = self._assemble(data, results)
+        return {"logprobs": lp, "entropy": ent,
+                "replay": self._replay_dicts(results)}  # fmt: skip
+
+    def _replay_dicts(self, results: list[dict]) -> dict[int, dict]:
+        from compass_kernels.routing import ReplayStats
+
+        top_k = int(self.hf_config.num_experts_per_tok)
+        total: dict[int, torch.Tensor] = {}
+        for res in results:
+            for layer, c in res["replay"].items():
+                t = torch.tensor(c, dtype=torch.int64)
+                total[layer] = total[layer] + t if layer in total else t
+        return {layer: ReplayStats(c, top_k).as_dict() for layer, c in sorted(total.items())}
+
+    def train(self, data: StepData, *, num_sequences: int, **espo_kwargs: Any) -> dict:
+        """One optimizer step; ``data`` holds old log-probs, entropy and advantages
+        (sample order). The entropy-group boundaries are the global batch's."""
+        from compass_kernels.espo import loss_config
+        from compass_kernels.espo.loss import entropy_thresholds
+
+        cfg = loss_config.resolve(**{k: v for k, v in espo_kwargs.items()
+                                     if k != "entropy_threshold"},
+                                  vocab_size=self.vocab_size)  # fmt: skip
+        thr = espo_kwargs.pop("entropy_threshold", None)
+        if thr is None and cfg.num_groups > 1 and not cfg.per_sequence and not cfg.token_groups:
+            m = data.batch.mask
+            ent = data.old_entropy[m]
+            cu = torch.tensor([0, ent.numel()], dtype=torch.int64)
+            thr = entropy_thresholds(ent, cu, levels=cfg.levels).reshape(-1)
+        shares = self._scatter(data, "train", self.use_replay)
+        results = self._command("train", [(s, num_sequences, thr, espo_kwargs) for s in shares])
+        return self._reduce_train(data, results)
+
+    def _reduce_train(self, data: StepData, results: list[dict]) -> dict:
+        batch, plan = data.batch, data.plan
+        loss, tokens = 0.0, 0
+        sums = dict.fromkeys(METRICS, 0.0)
+        for info, res in zip(self.infos, results, strict=True):
+            if res["per_mb"] is None:
+                continue
+            for j, rep in enumerate(res["per_mb"]):
+                idx = plan.micro_batch(info.dp, j)
+                n = int(sum(int(batch.mask[batch.seq_index == int(i)].sum()) for i in idx))
+                loss += rep["loss"]
+                tokens += n
+                for k in METRICS:
+                    sums[k] += rep[k] * n
+        norms = {round(r["grad_norm"], 9) for r in results}
+        if len(norms) != 1:
+            raise RankError(f"ranks disagree on the global grad norm: {sorted(norms)}")
+        out = {k: v / max(tokens, 1) for k, v in sums.items()}
+        out["loss"] = loss
+        out["grad_norm"] = results[0]["grad_norm"]
+        out["replay"] = self._replay_dicts(results)
+        return out
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The trained weights under HF names, gathered from the ranks."""
+        from compass_kernels.integration.megatron_convert import megatron_to_hf
+
+        parts = self._command("weights", [() for _ in self._procs])
+        full: dict[str, torch.Tensor] = {}
+        for part in parts:
+            for k, v in part.items():
+                if k in full:
+                    raise RankError(f"two ranks own {k}")
+                full[k] = v
+        return megatron_to_hf(full, self.hf_config)
+
+
+# ---------------------------------------------------------------------------
+# The loop's trainer interface over the ranks
+# ---------------------------------------------------------------------------
+
+
+def _token_index(lengths: np.ndarray, idx: np.ndarray) -> torch.Tensor:
+    """Sample-order token indices of sequences ``idx`` concatenated (a packed micro-batch)."""
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    if len(idx) == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.from_numpy(np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in idx]))
+
+
+class LoopTrainer:
+    """What ``compass-rl`` calls a trainer (``pack``, ``old_policy_pass``,
+    ``train_step``, ``probe_logprobs``, ``hf_state_dict``), run by
+    :class:`RankedTrainer` on ``layout.world_size`` processes.
+
+    ``pack`` plans the ``dp`` ranks x micro-batches and keeps the driver's
+    packed view (the loop reads log-probs, entropy and advantages through it);
+    the ranks receive only their shares of it (:func:`make_shares`)."""
+
+    def __init__(self, model_dir: str | os.PathLike, layout: Layout, *, lr: float,
+                 replay: bool = True, seed: int = 0) -> None:  # fmt: skip
+        self.ranked = RankedTrainer(model_dir, layout, lr=lr, replay=replay, seed=seed)
+        self.layout = layout
+        self.use_replay = replay
+        self.hf_config = self.ranked.hf_config
+        self._data: StepData | None = None
+
+    def close(self) -> None:
+        self.ranked.close()
+
+    def pack(self, batch: Any, *, dp_size: int, max_tokens: int):
+        from compass_kernels.integration.rl.trainer import Trainer
+
+        if dp_size != self.layout.dp:
+            raise ValueError(f"dp_size {dp_size} != the layout's dp {self.layout.dp}")
+        pack = Trainer.pack(self, batch, dp_size=dp_size, max_tokens=max_tokens)
+        self._data = StepData(batch=batch, plan=pack.plan)
+        return pack
+
+    def _to_packed(self, pack: Any, name: str, values: torch.Tensor) -> None:
+        batch = self._data.batch
+        for mb in pack.micro_batches:
+            setattr(mb, name, values[_token_index(batch.lengths, mb.packed.indices)])
+
+    def _to_samples(self, pack: Any, name: str) -> torch.Tensor:
+        batch = self._data.batch
+        out = torch.zeros(batch.num_tokens, dtype=torch.float32)
+        for mb in pack.micro_batches:
+            out[_token_index(batch.lengths, mb.packed.indices)] = getattr(mb, name).float()
+        return out
+
+    def old_policy_pass(self, pack: Any) -> dict[int, dict]:
+        rep = self.ranked.forward(self._data, replay=True)
+        nat = self.ranked.forward(self._data, replay=False)
+        self._to_packed(pack, "replay_logprobs", rep["logprobs"])
+        self._to_packed(pack, "native_logprobs", nat["logprobs"])
+        old = rep if self.use_replay else nat
+        self._to_packed(pack, "old_logprobs", old["logprobs"])
+        self._to_packed(pack, "old_entropy", old["entropy"])
+        self.bytes_forward = self.ranked.last_bytes["forward"]
+        return rep["replay"]
+
+    def train_step(self, pack: Any, *, num_sequences: int, **espo_kwargs: Any) -> dict:
+        data = self._data
+        data.old_logprobs = self._to_samples(pack, "old_logprobs")
+        data.old_entropy = self._to_samples(pack, "old_entropy")
+        data.advantages = self._to_samples(pack, "advantages")
+        out = self.ranked.train(data, num_sequences=num_sequences, **espo_kwargs)
+        sent = self.ranked.last_bytes["train"]
+        out["bytes_rank_max"] = max(sent["per_rank"])
+        out["bytes_full"] = sent["full"]
+        return out
+
+    def probe_logprobs(self, batch: Any) -> torch.Tensor:
+        """Replayed log-probs of ``batch``'s masked tokens (sample order)."""
+        import compass_kernels as ck
+
+        plan = ck.packing.plan(batch.lengths, dp_size=self.layout.dp,
+                               max_tokens=max(int(batch.lengths.max()), 1))  # fmt: skip
+        fwd = self.ranked.forward(StepData(batch=batch, plan=plan), replay=True)
+        return fwd["logprobs"][batch.mask]
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        return self.ranked.hf_state_dict()
