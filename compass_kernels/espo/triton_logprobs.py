@@ -10,7 +10,10 @@ One program per token row, looping over the vocabulary in BLOCK-wide chunks
 with the float32 online state (m, s, a): the row is read once in the forward
 and once in the backward, any V works (151,936 included), and the grid is the
 token count on axis 0 (up to 2^31 - 1 programs: no 65,535 limit of axes 1/2),
-with int64 row offsets (T * V passes 2^31 at 65,536 x 32,768).
+with int64 row offsets (T * V passes 2^31 at 65,536 x 32,768). Each row is
+read as a masked head up to the next 16-byte boundary, an unmasked aligned
+body (128-bit loads / stores: 8 bf16 or 4 fp32 per access, for any V and row
+stride) and a masked tail (docs/design_notes/gpuready.md).
 """
 
 from __future__ import annotations
