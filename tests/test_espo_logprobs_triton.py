@@ -29,6 +29,7 @@ from tests.test_espo_logprobs import (
     reference_grad,
 )
 from tests.tiers import INTERPRETER_ONLY
+from tests.triton_tier import needs_cuobjdump
 
 pytestmark = [
     pytest.mark.triton,
@@ -162,6 +163,31 @@ def test_kernels_compile_for_sm90_without_spills():
     # The exps run on the SFU (ex2.approx), the row offsets in 64-bit.
     assert "ex2.approx.f32" in arts[0].ptx
     assert "mul.wide.s32" in arts[0].ptx or "mul.lo.s64" in arts[0].ptx
+    # The vocab body is read (and the backward's grad written) 16 bytes per access
+    # (8 bf16 / 4 fp32) with V and the row stride unspecialized: the kernels' own
+    # head / body / tail split, not V % 16 == 0, gives the alignment. A plain
+    # masked loop over the row compiles to 16 ld.global.b16 per thread instead.
+    for art, (_, sig, _, _) in zip(arts, kt.aot_variants(), strict=True):
+        vec_loads = art.ptx.count("ld.global.v4.b32")
+        per_thread = kt.BLOCK // (32 * kt.LAUNCH["num_warps"])  # elements per loop step
+        elem = 4 if sig["logits_ptr"] == "*fp32" else 2
+        assert vec_loads == per_thread * elem // 16, (art.name, sig["logits_ptr"], vec_loads)
+        if art.name == "_bwd_kernel":
+            assert art.ptx.count("st.global.v4.b32") == vec_loads, art.name
+
+
+@pytest.mark.sm90
+@needs_cuobjdump
+def test_sm90_sass_has_128_bit_vocab_loads():
+    # The same in the SASS ptxas emits: LDG.E.128 in every kernel, STG.E.128 in the
+    # backward, no spills (checked above).
+    for k, sig, const, opts in kt.aot_variants():
+        if sig["logits_ptr"] != "*bf16" or False in (const.get("ENT"), const.get("HAS_GH")):
+            continue
+        art = aot.compile_triton(k, sig, const, **opts)
+        aot.assert_sass_contains(art.sass, r"LDG\.E\.128", kernel=art.name)
+        if art.name == "_bwd_kernel":
+            aot.assert_sass_contains(art.sass, r"STG\.E\.128", kernel=art.name)
 
 
 @pytest.mark.gpu

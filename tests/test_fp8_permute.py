@@ -196,6 +196,28 @@ def test_unchecked_bad_ids_on_the_gpu_path_are_dropped_not_written_out_of_bounds
     assert sorted(p.src_index[:4].tolist()) == [0, 2, 3, 5]
 
 
+@pytest.mark.triton
+@pytest.mark.parametrize("chunks,experts,cb,eb", [(1, 1, 4, 2), (37, 13, 4, 2), (9, 16, 8, 8),
+                                                  (0, 5, 4, 2), (300, 3, 256, 8)])  # fmt: skip
+def test_triton_offsets_scan_matches_cumsum(chunks, experts, cb, eb):
+    """The permutation's parallel offsets scan (programs over expert blocks, a
+    [cb, eb] tile of chunk counts per step) against cumsum, with many steps per
+    program, partial tiles on both axes, and no chunks at all."""
+    from compass_kernels.fp8 import triton as kt
+    from tests.triton_tier import DEVICE
+
+    g = make_generator(chunks * 31 + experts)
+    counts = torch.randint(0, 257, (chunks, experts), generator=g, dtype=torch.int32)
+    base = poison_(torch.empty(chunks, experts, dtype=torch.int32, device=DEVICE))
+    offsets = poison_(torch.empty(experts + 1, dtype=torch.int64, device=DEVICE))
+    kt.permute_offsets_triton(counts.to(DEVICE).flatten(), chunks, experts, base, offsets,
+                              scan_chunks=cb, scan_experts=eb)  # fmt: skip
+    assert_bitwise_equal(base.cpu(), (counts.cumsum(0) - counts).int(), name="base")
+    ref = torch.zeros(experts + 1, dtype=torch.int64)
+    ref[1:] = counts.sum(0, dtype=torch.int64).cumsum(0)
+    assert_bitwise_equal(offsets.cpu(), ref, name="expert_offsets")
+
+
 # -------------------------------------------------------------- registration
 
 

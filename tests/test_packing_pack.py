@@ -135,6 +135,55 @@ def test_kernels_write_every_output(backend, backend_device):
         assert torch.equal(pos.cpu(), want)
 
 
+def _packing_case(lengths, idx, cp, pad, seed):
+    L = np.array(lengths)
+    src_cu = np.concatenate([[0], np.cumsum(L)])
+    seqlens = L[idx]
+    local = -(-seqlens // pad) * pad // cp
+    off = np.concatenate([[0], np.cumsum(local)])
+    cu = np.concatenate([[0], np.cumsum(seqlens)])
+    return src_cu, seqlens, off, cu
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("w,tile", [(8, (1, 1)), (8, (4, 1)), (48, (1, 2)), (48, (2, 2)),
+                                    (24, (16, 4)), (6, (2, 4)), (40, (8, 8))])  # fmt: skip
+@pytest.mark.parametrize("cp", [1, 2])
+def test_triton_tiles_cross_rows_sequences_and_programs(w, tile, cp):
+    """Every tile shape the Triton wrappers can pick, forced small: one row per
+    program (the wide-row path, several unit steps per row), blocks inside one
+    sequence and blocks across many, programs whose rows straddle sequences."""
+    from compass_kernels.packing import triton as kt
+    from tests.triton_tier import DEVICE
+
+    g = np.random.default_rng(w * 10 + tile[0] + cp)
+    lengths = g.integers(1, 12, size=19).tolist()
+    idx = g.permutation(19)[:15].tolist()
+    pad = 2 * cp
+    src_cu, seqlens, off, cu = _packing_case(lengths, idx, cp, pad, w)
+    t = lambda a: torch.tensor(a, dtype=torch.int64, device=DEVICE)  # noqa: E731
+    src = torch.randint(0, 255, (int(src_cu[-1]), w), dtype=torch.uint8,
+                        generator=torch.Generator().manual_seed(w)).to(DEVICE)  # fmt: skip
+    total = int(off[-1])
+    packed = []
+    for r in range(cp):
+        out = empty_poisoned((total, w), torch.uint8, DEVICE)
+        kt.thd_pack_triton(src, t(src_cu[idx]), t(seqlens), t(off), cp, r, 0xA5, total, out,
+                           tile=tile)  # fmt: skip
+        want = ref.pack_reference(src.cpu(), lengths, idx, pad_multiple=pad, cp_size=cp,
+                                  cp_rank=r, pad_value=0xA5)  # fmt: skip
+        assert torch.equal(out.cpu(), want["packed"]), (r, tile)
+        packed.append(out)
+        pos = empty_poisoned(total, torch.int64, DEVICE)
+        kt.thd_positions_triton(t(off), cp, r, total, pos, block=tile[0] * 4)
+        assert torch.equal(pos.cpu(), want["position_ids"]), (r, tile)
+    out = empty_poisoned((int(cu[-1]), w), torch.uint8, DEVICE)
+    kt.thd_unpack_triton(torch.cat(packed), t(seqlens), t(cu), t(off), cp, int(cu[-1]), out,
+                         tile=tile)  # fmt: skip
+    want = torch.cat([src[src_cu[i] : src_cu[i + 1]] for i in idx]).cpu()
+    assert torch.equal(out.cpu(), want), tile
+
+
 @pytest.mark.emulated
 def test_emulated_kernel_spans_many_blocks():
     """More units than one block of threads; 4-byte rows (float32 log-probs)."""
@@ -280,11 +329,17 @@ def test_triton_kernels_compile_for_sm90_without_spills():
     from compass_kernels.packing import triton as kt
     from tests import aot
 
-    arts = [aot.compile_triton(k, sig, const, **opts) for k, sig, const, opts in kt.aot_variants()]
-    assert len(arts) == 9
-    for art in arts:
+    variants = kt.aot_variants()
+    arts = [aot.compile_triton(k, sig, const, **opts) for k, sig, const, opts in variants]
+    assert len(arts) == 11
+    for art, (_, _, const, _) in zip(arts, variants, strict=True):
         aot.assert_no_spills(art.resource_usage)
         aot.assert_registers_at_most(art.resource_usage, 128)
+        # No 64-bit divide (a ~70-instruction software routine) anywhere: rows and
+        # units are separate tile axes, and unpack's one divide per row is 32-bit.
+        assert "div.s64" not in art.ptx and "rem.s64" not in art.ptx, art.name
+        if const.get("COLS") == kt.BLOCK:  # wide int64 rows: 16-byte loads and stores
+            assert "ld.global.v2.b64" in art.ptx and "st.global.v2.b64" in art.ptx, art.name
 
 
 @pytest.mark.parametrize("cp", [1, 2])

@@ -10,7 +10,10 @@ One program per token row, looping over the vocabulary in BLOCK-wide chunks
 with the float32 online state (m, s, a): the row is read once in the forward
 and once in the backward, any V works (151,936 included), and the grid is the
 token count on axis 0 (up to 2^31 - 1 programs: no 65,535 limit of axes 1/2),
-with int64 row offsets (T * V passes 2^31 at 65,536 x 32,768).
+with int64 row offsets (T * V passes 2^31 at 65,536 x 32,768). Each row is
+read as a masked head up to the next 16-byte boundary, an unmasked aligned
+body (128-bit loads / stores: 8 bf16 or 4 fp32 per access, for any V and row
+stride) and a masked tail (docs/design_notes/gpuready.md).
 """
 
 from __future__ import annotations
@@ -40,38 +43,68 @@ _MIN_EXP = -200.0  # compass/logprobs.h kMinExponent
 
 
 @triton.jit
-def _row_stats(row_ptr, V, inv_t, m, s, a, ENT: tl.constexpr, BLOCK: tl.constexpr):
+def _chunk_stats(x, m, s, a, inv_t, ENT: tl.constexpr):
+    """Fold one chunk x [BLOCK] float32 (-inf in masked lanes) into the state."""
+    m_new = tl.maximum(m, tl.max(x, axis=0))
+    # Only -inf so far: shift by 0 instead (every term is then exp(-200) = 0).
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    d = tl.maximum((m - m_safe) * inv_t, -200.0)
+    c = tl.exp(d)
+    a = c * (a + s * d)
+    s = c * s
+    dd = tl.maximum((x - m_safe) * inv_t, -200.0)
+    e = tl.exp(dd)
+    s += tl.sum(e, axis=0)
+    if ENT:
+        a += tl.sum(e * dd, axis=0)
+    return m_new, s, a
+
+
+@triton.jit
+def _aligned_split(base, V, VEC: tl.constexpr, BLOCK: tl.constexpr):
+    """A row at element offset ``base`` of an aligned tensor: the head length h
+    (< VEC) that brings ``base + h`` to a multiple of VEC (16 bytes), the aligned
+    body start, and the body's whole-BLOCK length."""
+    h = tl.minimum((VEC - (base & (VEC - 1))) & (VEC - 1), V).to(tl.int32)
+    body = tl.multiple_of(base + h, VEC)
+    n_full = (V - h) // BLOCK * BLOCK
+    return h, body, n_full
+
+
+@triton.jit
+def _row_stats(logits_ptr, base, V, inv_t, m, s, a, ENT: tl.constexpr, BLOCK: tl.constexpr,
+               VEC: tl.constexpr):  # fmt: skip
+    """Online (m, s, a) over the row at ``logits_ptr + base``, V elements. The body
+    loads are unmasked and 16-byte aligned (ld.global.v4 when the tensor starts on
+    16 bytes, as every torch allocation does); the < VEC head and < BLOCK tail are
+    masked."""
     cols = tl.arange(0, BLOCK)
-    for v0 in range(0, V, BLOCK):
-        idx = v0 + cols
-        x = tl.load(row_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(x, axis=0))
-        # Only -inf so far: shift by 0 instead (every term is then exp(-200) = 0).
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        d = tl.maximum((m - m_safe) * inv_t, -200.0)
-        c = tl.exp(d)
-        a = c * (a + s * d)
-        s = c * s
-        dd = tl.maximum((x - m_safe) * inv_t, -200.0)
-        e = tl.exp(dd)
-        s += tl.sum(e, axis=0)
-        if ENT:
-            a += tl.sum(e * dd, axis=0)
-        m = m_new
+    h, body, n_full = _aligned_split(base, V, VEC, BLOCK)
+    if h > 0:
+        x = tl.load(logits_ptr + base + cols, mask=cols < h, other=float("-inf"))
+        m, s, a = _chunk_stats(x.to(tl.float32), m, s, a, inv_t, ENT)
+    for v0 in range(0, n_full, BLOCK):
+        x = tl.load(logits_ptr + body + v0 + cols).to(tl.float32)
+        m, s, a = _chunk_stats(x, m, s, a, inv_t, ENT)
+    rest = V - h - n_full
+    if rest > 0:
+        x = tl.load(logits_ptr + body + n_full + cols, mask=cols < rest, other=float("-inf"))
+        m, s, a = _chunk_stats(x.to(tl.float32), m, s, a, inv_t, ENT)
     return m, s, a
 
 
 @triton.jit
 def _fwd_kernel(
     logits_ptr, targets_ptr, logp_ptr, entropy_ptr, max_ptr, log_norm_ptr, stride_row, V, inv_t,
-    ENT: tl.constexpr, BLOCK: tl.constexpr,
+    ENT: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
-    row_ptr = logits_ptr + row * stride_row
+    base = row * stride_row
+    row_ptr = logits_ptr + base
     m = tl.full((), float("-inf"), tl.float32)
     s = tl.zeros((), tl.float32)
     a = tl.zeros((), tl.float32)
-    m, s, a = _row_stats(row_ptr, V, inv_t, m, s, a, ENT, BLOCK)
+    m, s, a = _row_stats(logits_ptr, base, V, inv_t, m, s, a, ENT, BLOCK, VEC)
     log_s = tl.log(s)
     y = tl.load(targets_ptr + row)
     ok = (y >= 0) & (y < V)
@@ -91,10 +124,11 @@ def _fwd_kernel(
 @triton.jit
 def _tile_kernel(
     logits_ptr, targets_ptr, state_in_ptr, state_out_ptr, stride_row, T, V, vocab_start, inv_t,
-    ENT: tl.constexpr, BLOCK: tl.constexpr,
+    ENT: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
-    row_ptr = logits_ptr + row * stride_row
+    base = row * stride_row
+    row_ptr = logits_ptr + base
     m = tl.load(state_in_ptr + row)
     s = tl.load(state_in_ptr + T + row)
     a = tl.load(state_in_ptr + 2 * T + row)
@@ -103,7 +137,7 @@ def _tile_kernel(
     mine = (y >= 0) & (y < V)
     xt_here = tl.load(row_ptr + tl.where(mine, y, 0)).to(tl.float32)
     xt = tl.where(mine, xt_here, xt)
-    m, s, a = _row_stats(row_ptr, V, inv_t, m, s, a, ENT, BLOCK)
+    m, s, a = _row_stats(logits_ptr, base, V, inv_t, m, s, a, ENT, BLOCK, VEC)
     tl.store(state_out_ptr + row, m)
     tl.store(state_out_ptr + T + row, s)
     tl.store(state_out_ptr + 2 * T + row, a)
@@ -114,11 +148,10 @@ def _tile_kernel(
 def _bwd_kernel(
     logits_ptr, targets_ptr, max_ptr, log_norm_ptr, entropy_ptr, gl_ptr, gh_ptr, grad_ptr,
     stride_row, stride_grad, V, vocab_start, inv_t,
-    HAS_GL: tl.constexpr, HAS_GH: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_GL: tl.constexpr, HAS_GH: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
+    SAME_ALIGN: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
-    row_ptr = logits_ptr + row * stride_row
-    out_ptr = grad_ptr + row * stride_grad
     m = tl.load(max_ptr + row)
     log_s = tl.load(log_norm_ptr + row)
     y_raw = tl.load(targets_ptr + row)
@@ -131,17 +164,44 @@ def _bwd_kernel(
     else:
         gh = 0.0
         h = 0.0
+    # Same split as the forward: aligned unmasked body, masked head and tail.
+    base = row * stride_row
+    gbase = row * stride_grad
+    head, body, n_full = _aligned_split(base, V, VEC, BLOCK)
+    gbody = gbase + head
+    if SAME_ALIGN:  # stride_grad = stride_row (mod VEC): the logits' head aligns grad too
+        gbody = tl.multiple_of(gbody, VEC)
+    if head > 0:
+        _bwd_chunk(logits_ptr + base, grad_ptr + gbase, 0, head, y, m, log_s, gl, gh, h, inv_t,
+                   True, BLOCK)  # fmt: skip
+    for v0 in range(0, n_full, BLOCK):
+        _bwd_chunk(logits_ptr + body + v0, grad_ptr + gbody + v0, head + v0, BLOCK, y, m, log_s,
+                   gl, gh, h, inv_t, False, BLOCK)  # fmt: skip
+    rest = V - head - n_full
+    if rest > 0:
+        _bwd_chunk(logits_ptr + body + n_full, grad_ptr + gbody + n_full, head + n_full, rest, y,
+                   m, log_s, gl, gh, h, inv_t, True, BLOCK)  # fmt: skip
+
+
+@triton.jit
+def _bwd_chunk(x_ptr, g_ptr, idx0, n, y, m, log_s, gl, gh, h, inv_t, MASKED: tl.constexpr,
+               BLOCK: tl.constexpr):  # fmt: skip
+    """grad of the n <= BLOCK elements at x_ptr (vocab index idx0 + i) into g_ptr."""
     cols = tl.arange(0, BLOCK)
-    for v0 in range(0, V, BLOCK):
-        idx = v0 + cols
-        mask = idx < V
-        z = tl.load(row_ptr + idx, mask=mask, other=float("-inf")).to(tl.float32)
-        d = tl.maximum((z - m) * inv_t - log_s, -200.0)  # z - m exact near the max
-        p = tl.exp(d)
-        # float32 until the store: the one-hot is added to the float32 softmax term.
-        g = -p * (gl + gh * (d + h))
-        g = tl.where(idx == y, g + gl, g)
-        tl.store(out_ptr + idx, (g * inv_t).to(grad_ptr.dtype.element_ty), mask=mask)
+    if MASKED:
+        z = tl.load(x_ptr + cols, mask=cols < n, other=float("-inf")).to(tl.float32)
+    else:
+        z = tl.load(x_ptr + cols).to(tl.float32)
+    d = tl.maximum((z - m) * inv_t - log_s, -200.0)  # z - m exact near the max
+    p = tl.exp(d)
+    # float32 until the store: the one-hot is added to the float32 softmax term.
+    g = -p * (gl + gh * (d + h))
+    g = tl.where(idx0 + cols == y, g + gl, g)
+    g = (g * inv_t).to(g_ptr.dtype.element_ty)
+    if MASKED:
+        tl.store(g_ptr + cols, g, mask=cols < n)
+    else:
+        tl.store(g_ptr + cols, g)
 
 
 # ------------------------------------------------------------------ wrappers
@@ -160,6 +220,11 @@ def _check_rows(name: str, t: torch.Tensor, rows: int, dtype: torch.dtype, devic
                  device=device)  # fmt: skip
     if not t.is_contiguous():
         raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
+
+
+def _vec(t: torch.Tensor) -> int:
+    """Elements per 16-byte load (8 bf16, 4 fp32)."""
+    return 16 // t.element_size()
 
 
 def _inv_t(temperature: float) -> float:
@@ -187,7 +252,7 @@ def token_logprobs_entropy_triton(
         return
     _fwd_kernel[(rows,)](
         logits, targets, logp, entropy, row_max, log_norm, logits.stride(0), logits.shape[1],
-        _inv_t(temperature), ENT=bool(with_entropy), BLOCK=block, **LAUNCH,
+        _inv_t(temperature), ENT=bool(with_entropy), BLOCK=block, VEC=_vec(logits), **LAUNCH,
     )  # fmt: skip
 
 
@@ -209,7 +274,8 @@ def logprobs_tile_stats_triton(
         return
     _tile_kernel[(rows,)](
         logits, targets, state_in, state_out, logits.stride(0), rows, logits.shape[1],
-        vocab_start, _inv_t(temperature), ENT=bool(with_entropy), BLOCK=block, **LAUNCH,
+        vocab_start, _inv_t(temperature), ENT=bool(with_entropy), BLOCK=block, VEC=_vec(logits),
+        **LAUNCH,
     )  # fmt: skip
 
 
@@ -237,31 +303,39 @@ def token_logprobs_entropy_bwd_triton(
         raise ValueError(f"vocab_start: expected >= 0, got {vocab_start}")
     if rows == 0:
         return
+    vec = _vec(logits)
     _bwd_kernel[(rows,)](
         logits, targets, row_max, log_norm, entropy,
         grad_logprob if grad_logprob is not None else entropy,  # unread when HAS_GL=False
         grad_entropy if grad_entropy is not None else entropy,
         grad_logits, logits.stride(0), grad_logits.stride(0), logits.shape[1], vocab_start,
         _inv_t(temperature), HAS_GL=grad_logprob is not None, HAS_GH=grad_entropy is not None,
-        BLOCK=block, **LAUNCH,
+        BLOCK=block, VEC=vec, SAME_ALIGN=(grad_logits.stride(0) - logits.stride(0)) % vec == 0,
+        **LAUNCH,
     )  # fmt: skip
 
 
 def aot_variants() -> list[tuple[object, dict[str, str], dict[str, object], dict[str, int]]]:
     """(kernel, signature, constexprs, launch options) of every variant the wrappers
-    launch, for ahead-of-time compilation for sm_90."""
+    launch, for ahead-of-time compilation for sm_90. The logits / grad pointers are
+    compiled 16-byte aligned (what Triton specializes for a torch allocation); the
+    strides and V are not (any vocab, any row stride): the body loads must be
+    128-bit from the kernel's own split, not from a lucky V % 16 == 0."""
+    aligned = LAUNCH | {"divisible_by_16": ("logits_ptr",)}
+    aligned_bwd = LAUNCH | {"divisible_by_16": ("logits_ptr", "grad_ptr")}
     out = []
     for dt in ("fp32", "bf16"):
         fwd = {
             "logits_ptr": f"*{dt}", "targets_ptr": "*i64", "logp_ptr": "*fp32",
             "entropy_ptr": "*fp32", "max_ptr": "*fp32", "log_norm_ptr": "*fp32",
             "stride_row": "i64", "V": "i32",
-            "inv_t": "fp32", "ENT": "constexpr", "BLOCK": "constexpr",
+            "inv_t": "fp32", "ENT": "constexpr", "BLOCK": "constexpr", "VEC": "constexpr",
         }  # fmt: skip
         tile = {
             "logits_ptr": f"*{dt}", "targets_ptr": "*i64", "state_in_ptr": "*fp32",
             "state_out_ptr": "*fp32", "stride_row": "i64", "T": "i64", "V": "i32",
             "vocab_start": "i64", "inv_t": "fp32", "ENT": "constexpr", "BLOCK": "constexpr",
+            "VEC": "constexpr",
         }  # fmt: skip
         bwd = {
             "logits_ptr": f"*{dt}", "targets_ptr": "*i64", "max_ptr": "*fp32",
@@ -269,11 +343,13 @@ def aot_variants() -> list[tuple[object, dict[str, str], dict[str, object], dict
             "gh_ptr": "*fp32", "grad_ptr": f"*{dt}",
             "stride_row": "i64", "stride_grad": "i64", "V": "i32", "vocab_start": "i64",
             "inv_t": "fp32", "HAS_GL": "constexpr", "HAS_GH": "constexpr", "BLOCK": "constexpr",
+            "VEC": "constexpr", "SAME_ALIGN": "constexpr",
         }  # fmt: skip
+        vec = 4 if dt == "fp32" else 8
         for ent in (True, False):
-            out.append((_fwd_kernel, fwd, {"ENT": ent, "BLOCK": BLOCK}, LAUNCH))
-            out.append((_tile_kernel, tile, {"ENT": ent, "BLOCK": BLOCK}, LAUNCH))
+            out.append((_fwd_kernel, fwd, {"ENT": ent, "BLOCK": BLOCK, "VEC": vec}, aligned))
+            out.append((_tile_kernel, tile, {"ENT": ent, "BLOCK": BLOCK, "VEC": vec}, aligned))
         for gl, gh in ((True, True), (True, False), (False, True)):
-            const = {"HAS_GL": gl, "HAS_GH": gh, "BLOCK": BLOCK}
-            out.append((_bwd_kernel, bwd, const, LAUNCH))
+            const = {"HAS_GL": gl, "HAS_GH": gh, "BLOCK": BLOCK, "VEC": vec, "SAME_ALIGN": True}
+            out.append((_bwd_kernel, bwd, const, aligned_bwd))
     return out

@@ -38,6 +38,52 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+@functools.cache
+def _cutlass_entry_points():
+    """(argument builder, GEMM, tile heuristic) of _C, looked up once."""
+    ext = load().fp8_gemm
+    if not hasattr(ext, "grouped_gemm_sm90_cuda"):
+        raise BackendUnavailableError(
+            "fp8_grouped_gemm: compass_kernels._C was built without the CUTLASS kernel: rebuild "
+            "with nvcc and COMPASS_CUTLASS_INCLUDE (pip install --no-deps nvidia-cutlass), or "
+            "pass backend='triton'"
+        )
+    return ext.grouped_args_cuda, ext.grouped_gemm_sm90_cuda, ext.choose_sm90_tile
+
+
+@functools.lru_cache(maxsize=1024)
+def _tile(rows: int, experts: int, n: int, sms: int) -> int:
+    return _cutlass_entry_points()[2](rows, experts, n, sms)
+
+
+#: (device index, stream, experts, tile, SMs) -> (shapes, ptrs, workspace): the
+#: argument builder's outputs and the CUTLASS workspace, allocated once per key
+#: and reused by every call on that stream (stream order serialises the calls
+#: that share them). Filled outside CUDA-graph capture only (a capture allocates
+#: from the graph's private pool: fresh buffers there, as before).
+_BUFFERS: dict[tuple[int, int, int, int, int], tuple[torch.Tensor, ...]] = {}
+
+
+def cutlass_launch_args(a_q, b_q, stream, sms):
+    """Everything the two C++ entries need beyond the GEMM's operands:
+    (shapes [E, 3] int32, ptrs [5, E] int64, workspace uint8, tile). Reused per
+    (device, stream, E, tile, SMs); the tile per (rows, E, N, SMs)."""
+    e, n = b_q.shape[0], b_q.shape[1]
+    tile = _tile(a_q.shape[0], e, n, sms)
+    dev = a_q.device
+    key = (dev.index or 0, stream, e, tile, sms)
+    bufs = _BUFFERS.get(key)
+    if bufs is None:
+        bufs = (
+            torch.empty((e, 3), dtype=torch.int32, device=dev),
+            torch.empty((len(PTR_ROWS), e), dtype=torch.int64, device=dev),
+            torch.empty(_workspace_bytes(tile, e, sms), dtype=torch.uint8, device=dev),
+        )
+        if dev.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            _BUFFERS[key] = bufs
+    return (*bufs, tile)
+
+
 def grouped_gemm_cutlass(a_q, a_scales, b_q, b_scales, expert_offsets, out_dtype, out, stream):
     """The ``cuda`` backend: CUTLASS sm_90a (csrc/fp8_gemm/grouped_gemm_sm90.cuh).
 
@@ -47,23 +93,14 @@ def grouped_gemm_cutlass(a_q, a_scales, b_q, b_scales, expert_offsets, out_dtype
     from shapes (64-row pingpong tiles for decode-sized groups, 128-row
     cooperative tiles for prefill). Needs K % 16 == 0, N % 8 == 0, bf16 output
     and K-major contiguous scales (checked, with a clear error, at the C++
-    boundary)."""
-    ext = load().fp8_gemm
-    if not hasattr(ext, "grouped_gemm_sm90_cuda"):
-        raise BackendUnavailableError(
-            "fp8_grouped_gemm: compass_kernels._C was built without the CUTLASS kernel: rebuild "
-            "with nvcc and COMPASS_CUTLASS_INCLUDE (pip install --no-deps nvidia-cutlass), or "
-            "pass backend='triton'"
-        )
-    e, n = b_q.shape[0], b_q.shape[1]
-    shapes = torch.empty((e, 3), dtype=torch.int32, device=a_q.device)
-    ptrs = torch.empty((len(PTR_ROWS), e), dtype=torch.int64, device=a_q.device)
-    ext.grouped_args_cuda(a_q, a_scales, b_q, b_scales, expert_offsets, out, shapes, ptrs, stream)
+    boundary). Host side per call: two C++ entries; the builder's outputs, the
+    workspace and the tile choice come from per-shape caches."""
+    build_args, gemm, _ = _cutlass_entry_points()
     sms = _sm_count(a_q.device.index or 0)
-    tile = ext.choose_sm90_tile(a_q.shape[0], e, n, sms)
-    ws = torch.empty(_workspace_bytes(tile, e, sms), dtype=torch.uint8, device=a_q.device)
-    ext.grouped_gemm_sm90_cuda(a_q, a_scales, b_q, b_scales, expert_offsets, out_dtype, out, tile,
-                               shapes, ptrs, ws, sms, stream)  # fmt: skip
+    shapes, ptrs, ws, tile = cutlass_launch_args(a_q, b_q, stream, sms)
+    build_args(a_q, a_scales, b_q, b_scales, expert_offsets, out, shapes, ptrs, stream)
+    gemm(a_q, a_scales, b_q, b_scales, expert_offsets, out_dtype, out, tile, shapes, ptrs, ws, sms,
+         stream)  # fmt: skip
 
 
 @functools.cache

@@ -24,7 +24,13 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["quantize_triton", "permute_quantize_triton", "unpermute_triton", "aot_variants"]
+__all__ = [
+    "quantize_triton",
+    "permute_quantize_triton",
+    "permute_offsets_triton",
+    "unpermute_triton",
+    "aot_variants",
+]
 
 #: Launch options of every kernel here (tests/test_aot.py compiles with these).
 LAUNCH = {"num_warps": 4, "enable_fp_fusion": False}
@@ -32,6 +38,10 @@ LAUNCH = {"num_warps": 4, "enable_fp_fusion": False}
 CHUNK = 256
 #: Slots compared per step of the rank kernel.
 RANK_STEP = 16
+#: The offsets scan's tile: chunks per step x experts per program (8 int32 = one
+#: 32-byte sector per tile row).
+SCAN_CHUNKS = 256
+SCAN_EXPERTS = 8
 #: Columns per group / block.
 TILE = 128
 #: Rows per step of the 128x128 weight-block kernel.
@@ -155,16 +165,34 @@ def _permute_rank_kernel(ids_ptr, slots, experts, rank_ptr, counts_ptr,
 
 
 @triton.jit
-def _permute_scan_kernel(counts_ptr, base_ptr, chunks, experts, offsets_ptr, EP: tl.constexpr):
-    """One program: per expert, the exclusive prefix over chunks, then the offsets."""
+def _permute_scan_kernel(counts_ptr, base_ptr, chunks, experts, offsets_ptr,
+                         CB: tl.constexpr, EB: tl.constexpr):  # fmt: skip
+    """One program per EB experts: per expert, the exclusive prefix of its chunk
+    counts, CB chunks per step (a [CB, EB] tile scanned with tl.cumsum along the
+    chunks, plus the carry of the steps before); the expert's total goes to
+    offsets[1 + e] (turned into offsets by _permute_offsets_kernel). The counts
+    are [chunks, experts] row-major: each tile row is EB contiguous ints."""
+    ex = tl.program_id(0).to(tl.int64) * EB + tl.arange(0, EB).to(tl.int64)
+    em = ex < experts
+    rows = tl.arange(0, CB).to(tl.int64)
+    carry = tl.zeros([EB], tl.int32)
+    for c0 in range(0, chunks, CB):
+        c = c0 + rows
+        m = (c[:, None] < chunks) & em[None, :]
+        at = c[:, None] * experts + ex[None, :]
+        n = tl.load(counts_ptr + at, mask=m, other=0)
+        tl.store(base_ptr + at, tl.cumsum(n, axis=0) - n + carry[None, :], mask=m)
+        carry += tl.sum(n, axis=0)
+    tl.store(offsets_ptr + 1 + ex, carry.to(tl.int64), mask=em)
+
+
+@triton.jit
+def _permute_offsets_kernel(offsets_ptr, experts, EP: tl.constexpr):
+    """One program: offsets[1:] = inclusive prefix of the per-expert totals, offsets[0] = 0."""
     ex = tl.arange(0, EP).to(tl.int64)
     em = ex < experts
-    run = tl.zeros([EP], tl.int32)
-    for c in range(chunks):
-        tl.store(base_ptr + c * experts + ex, run, mask=em)
-        run += tl.load(counts_ptr + c * experts + ex, mask=em, other=0)
-    total = tl.cumsum(run.to(tl.int64), axis=0)
-    tl.store(offsets_ptr + 1 + ex, total, mask=em)
+    total = tl.load(offsets_ptr + 1 + ex, mask=em, other=0)
+    tl.store(offsets_ptr + 1 + ex, tl.cumsum(total, axis=0), mask=em)
     tl.store(offsets_ptr + ex, tl.zeros([EP], tl.int64), mask=ex == 0)
 
 
@@ -285,7 +313,7 @@ def permute_quantize_triton(
             SUB=RANK_STEP,
             **LAUNCH,
         )
-    _permute_scan_kernel[(1,)](counts, base, chunks, num_experts, expert_offsets, EP=ep, **LAUNCH)
+    permute_offsets_triton(counts, chunks, num_experts, base, expert_offsets)
     if slots == 0:
         return
     _permute_scatter_kernel[(slots,)](
@@ -294,6 +322,24 @@ def permute_quantize_triton(
         src_index, dst_index, float(eps),
         UE8M0=bool(ue8m0), NG=_groups_pow2(cols), BC=TILE, CHUNK=CHUNK, **LAUNCH,
     )  # fmt: skip
+
+
+def permute_offsets_triton(
+    counts, chunks, num_experts, base, expert_offsets, *, scan_chunks=SCAN_CHUNKS,
+    scan_experts=SCAN_EXPERTS,
+) -> None:  # fmt: skip
+    """The permutation's offsets from per-chunk expert counts: ``base`` [chunks, E]
+    int32, the exclusive prefix over chunks per expert, and ``expert_offsets``
+    [E+1] int64, the exclusive prefix over experts of the totals (both written).
+
+    counts : [chunks * E] int32 (row-major [chunks, E]). Two launches: a scan of
+    ceil(E / scan_experts) programs (parallel over experts, scan_chunks chunks a
+    step), then one program over the E totals."""
+    grid = (triton.cdiv(num_experts, scan_experts),)
+    _permute_scan_kernel[grid](counts, base, chunks, num_experts, expert_offsets,
+                               CB=scan_chunks, EB=scan_experts, **LAUNCH)  # fmt: skip
+    _permute_offsets_kernel[(1,)](expert_offsets, num_experts,
+                                  EP=triton.next_power_of_2(num_experts), **LAUNCH)  # fmt: skip
 
 
 def unpermute_triton(y, dst_index, topk_weights, out) -> None:
@@ -332,8 +378,10 @@ def aot_variants() -> list[tuple[object, dict[str, str], dict[str, object], dict
             "SUB": "constexpr"}  # fmt: skip
     out.append((_permute_rank_kernel, rank, {"CHUNK": CHUNK, "EP": 256, "SUB": RANK_STEP}, LAUNCH))
     scan = {"counts_ptr": "*i32", "base_ptr": "*i32", "chunks": "i64", "experts": "i64",
-            "offsets_ptr": "*i64", "EP": "constexpr"}  # fmt: skip
-    out.append((_permute_scan_kernel, scan, {"EP": 128}, LAUNCH))
+            "offsets_ptr": "*i64", "CB": "constexpr", "EB": "constexpr"}  # fmt: skip
+    out.append((_permute_scan_kernel, scan, {"CB": SCAN_CHUNKS, "EB": SCAN_EXPERTS}, LAUNCH))
+    offs = {"offsets_ptr": "*i64", "experts": "i64", "EP": "constexpr"}
+    out.append((_permute_offsets_kernel, offs, {"EP": 256}, LAUNCH))
     scatter = {
         "x_ptr": "*bf16", "xs": "i64", "cols": "i64", "ids_ptr": "*i32", "k": "i64",
         "experts": "i64", "rank_ptr": "*i32", "base_ptr": "*i32", "offsets_ptr": "*i64",
