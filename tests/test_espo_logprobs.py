@@ -409,23 +409,26 @@ def fused_reference_grads(h, w, y, temperature, gl, gh):
     return lp, ent, hh.grad, ww.grad
 
 
-def check_fused(rows, hidden, vocab, chunks, dtype, backend, seed=0):
+def check_fused(rows, hidden, vocab, chunks, dtype, backend, seed=0, device="cpu"):
     h, w, y = make_fused(rows, hidden, vocab, seed, dtype)
-    hq, wq = h.clone().requires_grad_(), w.clone().requires_grad_()
+    hq, wq = h.clone().to(device).requires_grad_(), w.clone().to(device).requires_grad_()
     logp, ent = ck.espo.fused_linear_logprobs_entropy(
-        hq, wq, y, temperature=0.9, token_chunk=chunks[0], vocab_chunk=chunks[1], backend=backend
-    )
+        hq, wq, y.to(device), temperature=0.9, token_chunk=chunks[0], vocab_chunk=chunks[1],
+        backend=backend,
+    )  # fmt: skip
     g = make_generator(seed + 1)
     gl, gh = torch.randn(rows, generator=g), torch.randn(rows, generator=g)
-    (logp * gl + ent * gh).sum().backward()
+    (logp * gl.to(device) + ent * gh.to(device)).sum().backward()
+    logp, ent = logp.detach().cpu(), ent.detach().cpu()
+    hq_grad, wq_grad = hq.grad.cpu(), wq.grad.cpu()
     ref_lp, ref_h, ref_dh, ref_dw = fused_reference_grads(h, w, y, 0.9, gl, gh)
     assert_verbose_allclose(logp, ref_lp.float(), name="logp", atol=5e-5, rtol=1e-5)
     assert_verbose_allclose(ent, ref_h.float(), name="entropy", atol=5e-5, rtol=1e-5)
     assert bool((logp <= 0).all())
     tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 2e-2}
-    assert hq.grad.dtype == dtype and wq.grad.dtype == dtype
-    assert_verbose_allclose(hq.grad, ref_dh.to(dtype), name="d_hidden", **tol)
-    assert_verbose_allclose(wq.grad, ref_dw.to(dtype), name="d_weight", **tol)
+    assert hq_grad.dtype == dtype and wq_grad.dtype == dtype
+    assert_verbose_allclose(hq_grad, ref_dh.to(dtype), name="d_hidden", **tol)
+    assert_verbose_allclose(wq_grad, ref_dw.to(dtype), name="d_weight", **tol)
 
 
 @pytest.mark.parametrize(

@@ -133,7 +133,7 @@ def test_public_api_checks_data_for_triton_on_cpu():
 
 
 def test_fused_linear_triton_tiles():
-    check_fused(19, 12, 301, (8, 100), torch.float32, "triton", seed=7)
+    check_fused(19, 12, 301, (8, 100), torch.float32, "triton", seed=7, device=DEVICE)
 
 
 def test_bad_inputs_triton_wrappers():

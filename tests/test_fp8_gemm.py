@@ -27,11 +27,23 @@ from tests.fp8_gemm_cases import (
 BACKENDS = ["cpp", pytest.param("triton", marks=pytest.mark.triton)]
 
 
+def _device(backend):
+    """Where a backend's tensors live: Triton on the GPU where there is one (else the
+    interpreter on CPU tensors)."""
+    return "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+
+
+def _rel(backend):
+    """Tolerance: exact fp32 sums on the CPU, Hopper's FP8 accumulation on a GPU."""
+    return GPU_REL_ERR if _device(backend) == "cuda" else 1e-5
+
+
 def _run(args, backend, out_dtype=torch.bfloat16):
     m, n = args[0].shape[0], args[2].shape[1]
-    out = empty_poisoned((m, n), out_dtype)
-    grouped_gemm_op.run((*args, OUT_DTYPES[out_dtype]), backend, (out,))
-    return out
+    dev = _device(backend)
+    out = empty_poisoned((m, n), out_dtype, dev)
+    grouped_gemm_op.run((*(a.to(dev) for a in args), OUT_DTYPES[out_dtype]), backend, (out,))
+    return out.cpu()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -42,25 +54,27 @@ def _run(args, backend, out_dtype=torch.bfloat16):
 )
 def test_matches_reference(backend, out_dtype, counts, n, k):
     args = make_problem(counts, n, k, seed=n + k)
-    check_close(_run(args, backend, out_dtype), args)
+    check_close(_run(args, backend, out_dtype), args, rel_err=_rel(backend))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_mn_major_activation_scales(backend):
     args = make_problem((2, 0, 70), 96, 384, seed=3, mn_major=True)
     assert args[1].stride(0) == 1  # column-major [M, K/128]
-    check_close(_run(args, backend, torch.float32), args)
+    check_close(_run(args, backend, torch.float32), args, rel_err=_rel(backend))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_public_api(backend):
     args = make_problem((1, 9), 40, 200, seed=5)
-    out = ck.fp8.grouped_gemm(*args, backend=backend)
+    dev = _device(backend)
+    on = [a.to(dev) for a in args]
+    out = ck.fp8.grouped_gemm(*on, backend=backend)
     assert out.dtype == torch.bfloat16 and out.shape == (10, 40)
-    check_close(out, args)
-    mine = empty_poisoned((10, 40), torch.float32)
-    assert ck.fp8.grouped_gemm(*args, out_dtype=torch.float32, backend=backend, out=mine) is mine
-    check_close(mine, args)
+    check_close(out.cpu(), args, rel_err=_rel(backend))
+    mine = empty_poisoned((10, 40), torch.float32, dev)
+    assert ck.fp8.grouped_gemm(*on, out_dtype=torch.float32, backend=backend, out=mine) is mine
+    check_close(mine.cpu(), args, rel_err=_rel(backend))
 
 
 def test_cpp_parallel_path_matches_reference():
@@ -160,7 +174,8 @@ def test_consumes_permute_quantize_output(backend, scale_layout):
     p = ck.fp8.permute_quantize(x, topk, experts, scale_layout=scale_layout)
     b_q, b_s = ck.fp8.quantize_blockwise(torch.randn(experts, n, k, generator=g))
     args = (p.q, p.scales, b_q, b_s, p.expert_offsets)
-    check_close(ck.fp8.grouped_gemm(*args, backend=backend), args)
+    out = ck.fp8.grouped_gemm(*(a.to(_device(backend)) for a in args), backend=backend)
+    check_close(out.cpu(), args, rel_err=_rel(backend))
 
 
 # ------------------------------------------------------------------ GPU

@@ -58,11 +58,23 @@ def make_layer(tokens_or_counts, hidden: int, inter: int, experts: int, top_k: i
     return x, ids, w, w13_q, w13_s, w2_q, w2_s
 
 
-def check_moe(actual: torch.Tensor, args) -> None:
+#: Fraction of outputs a GPU run may have outside the elementwise bound. Hopper's FP8
+#: MMA accumulates in ~14 significant bits before each fp32 promotion
+#: (tests/fp8_gemm_cases.py), so the intermediate activation's e4m3 rounding (a 6 %
+#: step) flips for more rows than an exact fp32 sum makes it: on the H100 (docs/gpu_runs/
+#: 2026-11-27-H100-issue26) 214 of 33,280 outputs (0.64 %), identically for the CUTLASS
+#: and the Triton GEMMs. A flip moves one output by one e4m3 step of one term; the mean
+#: bound below is unchanged, so a systematic error (a wrong scale, a dropped block)
+#: still fails.
+GPU_FLIP_FRACTION = 0.02
+
+
+def check_moe(actual: torch.Tensor, args, *, flips: float = 0.0) -> None:
     """Against the reference with the kernels' quantization points: elementwise
     within 2^-7 of the value plus 2% of the row's RMS (the output's bf16
     rounding, and the rare bf16 / e4m3 rounding flip a different float32
-    summation order causes), and on average within 2^-8 (no systematic error)."""
+    summation order causes) for all but a fraction ``flips`` of the outputs, and
+    on average within 2^-8 (no systematic error)."""
     ref = moe_mlp_reference(*args)
     got = actual.cpu().to(torch.float32)
     assert got.shape == ref.shape
@@ -70,7 +82,7 @@ def check_moe(actual: torch.Tensor, args) -> None:
     rms = ref.pow(2).mean(1, keepdim=True).sqrt()
     bound = 2.0**-7 * ref.abs() + 0.02 * rms
     bad = ~(err <= bound)  # NaN (a poisoned, unwritten element) is bad
-    if bad.any():
+    if bool(got.isnan().any()) or int(bad.sum()) > flips * bad.numel():
         i = tuple(bad.nonzero()[0].tolist())
         raise AssertionError(f"{int(bad.sum())} of {bad.numel()} outputs off; first at {i}: "
                              f"got {got[i].item()}, expected {ref[i].item()}")  # fmt: skip
@@ -78,11 +90,21 @@ def check_moe(actual: torch.Tensor, args) -> None:
     assert mean_err <= 2.0**-8 * mean_ref, f"mean error {mean_err:.3g} vs mean |ref| {mean_ref:.3g}"
 
 
+def _device(backend):
+    """Triton on the GPU where there is one (else the interpreter on CPU tensors)."""
+    return "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+
+
+def _flips(backend):
+    return GPU_FLIP_FRACTION if _device(backend) == "cuda" else 0.0
+
+
 def run(args, backend, **kw):
-    out = empty_poisoned(tuple(args[0].shape), args[0].dtype)
-    res = ck.fp8.moe_mlp(*args, backend=backend, out=out, **kw)
+    dev = _device(backend)
+    out = empty_poisoned(tuple(args[0].shape), args[0].dtype, dev)
+    res = ck.fp8.moe_mlp(*(a.to(dev) for a in args), backend=backend, out=out, **kw)
     assert res is out
-    return out
+    return out.cpu()
 
 
 @pytest.mark.parametrize(
@@ -96,7 +118,7 @@ def test_odd_expert_sizes_match_reference(backend, dtype):
     args = make_layer(COUNTS, 200, 72, len(COUNTS), 2, seed=1, dtype=dtype)
     counts = torch.bincount(args[1].reshape(-1), minlength=len(COUNTS))
     assert counts.tolist() == list(COUNTS)
-    check_moe(run(args, backend), args)
+    check_moe(run(args, backend), args, flips=_flips(backend))
 
 
 @pytest.mark.parametrize(
@@ -135,7 +157,8 @@ def _swap_gate_up(w, s):
 
 @pytest.mark.parametrize("bug", ["gate_up_swapped", "wrong_expert", "weights_ignored"])
 def test_tolerance_rejects_plausible_bugs(bug):
-    """check_moe can fail: a layer with one plausible bug is rejected."""
+    """check_moe can fail: a layer with one plausible bug is rejected, also with the
+    GPU's allowance for rounding flips."""
     x, ids, w, w13, s13, w2, s2 = make_layer(30, 256, 128, 6, 2, seed=5)
     if bug == "gate_up_swapped":  # block-aligned I: swapping rows swaps whole scale blocks
         w13b, s13b = _swap_gate_up(w13, s13)
@@ -144,8 +167,9 @@ def test_tolerance_rejects_plausible_bugs(bug):
         got = ck.fp8.moe_mlp(x, (ids + 1) % 6, w, w13, s13, w2, s2)
     else:
         got = ck.fp8.moe_mlp(x, ids, torch.ones_like(w) / 2, w13, s13, w2, s2)
-    with pytest.raises(AssertionError):
-        check_moe(got, (x, ids, w, w13, s13, w2, s2))
+    for flips in (0.0, GPU_FLIP_FRACTION):
+        with pytest.raises(AssertionError):
+            check_moe(got, (x, ids, w, w13, s13, w2, s2), flips=flips)
 
 
 def test_rows_are_independent_of_batch():
@@ -219,7 +243,7 @@ def test_gpu_backends_match_reference(backend):
     args = make_layer(COUNTS, 256, 192, len(COUNTS), 2, seed=8)
     dev = [a.cuda() for a in args]
     out = ck.fp8.moe_mlp(*dev, backend=backend)
-    check_moe(out, args)
+    check_moe(out, args, flips=GPU_FLIP_FRACTION)
 
 
 # ------------------------------------------------------------------ grouped_mlp
@@ -235,10 +259,12 @@ def test_grouped_mlp_matches_reference(backend):
     rows = torch.randn(sum(counts), 200, generator=g).to(torch.bfloat16)
     off = torch.zeros(len(counts) + 1, dtype=torch.int64)
     off[1:] = torch.tensor(counts).cumsum(0)
-    got = ck.fp8.grouped_mlp(rows, off, w13, s13, w2, s2, backend=backend)
+    dev = _device(backend)
+    got = ck.fp8.grouped_mlp(*(t.to(dev) for t in (rows, off, w13, s13, w2, s2)),
+                             backend=backend).cpu()  # fmt: skip
     assert got.dtype == torch.bfloat16 and got.shape == rows.shape
     ids = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))[:, None]
-    check_moe(got, (rows, ids, torch.ones(ids.shape), w13, s13, w2, s2))
+    check_moe(got, (rows, ids, torch.ones(ids.shape), w13, s13, w2, s2), flips=_flips(backend))
 
 
 def test_moe_mlp_is_unpermute_of_grouped_mlp():

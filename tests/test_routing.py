@@ -125,7 +125,10 @@ def test_replay_gradient_matches_reference(backend, dev, sf, norm, t, e, k):
     zr = z.detach().cpu().clone().requires_grad_(True)
     ref = gate_weights_reference(zr, ids, score_function=sf, normalize=norm, scaling=1.7)
     (ref * gw.cpu()).sum().backward()
-    assert_verbose_allclose(z.grad.cpu(), zr.grad, atol=1e-12, rtol=1e-10)
+    # The interpreter evaluates float64 in float64; on a GPU the Triton kernel's exp and
+    # sums run in float32 (measured on the H100: max relative difference 2.8e-8).
+    tol = dict(atol=1e-12, rtol=1e-10) if z.device.type == "cpu" else dict(atol=1e-8, rtol=1e-6)
+    assert_verbose_allclose(z.grad.cpu(), zr.grad, **tol)
     # The replayed experts outside the native top-k get gradient (not zero;
     # softmax over a single selected logit is the constant 1).
     native = torch.topk(torch.softmax(zr.detach(), -1), k).indices
@@ -197,16 +200,17 @@ def test_agreement_is_one_when_trace_is_native(backend, dev):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bad_ids_raise_naming_the_row(backend, dev):
     z, ids, _, _ = make_case(12, 16, 4, seed=4)
+    # validate=True: always checked on CPU; on a GPU the check is a host sync, opt-in.
     bad = ids.clone()
     bad[5, 2] = bad[5, 0]
     with pytest.raises(ValueError, match=r"expert_ids: expert \d+ twice in row 5"):
-        replay_topk(z.to(dev), bad.to(dev), backend=backend)
+        replay_topk(z.to(dev), bad.to(dev), backend=backend, validate=True)
     bad = ids.clone()
     bad[7, 1] = 16
     with pytest.raises(
         ValueError, match=r"expert_ids: expert id 16 out of range \[0, 16\) at row 7"
     ):
-        replay_topk(z.to(dev), bad.to(dev), backend=backend)
+        replay_topk(z.to(dev), bad.to(dev), backend=backend, validate=True)
     # A bad row marked missing is never read.
     valid = torch.ones(12, dtype=torch.bool)
     valid[7] = False
@@ -326,11 +330,12 @@ def test_gpu_replay_matches_reference_without_host_sync(backend, sf, bias):
     args = dict(score_function=sf, expert_bias=None if b is None else b.cuda(), scaling=2.5,
                 valid=valid.cuda(), min_score_ratio=0.3)  # fmt: skip
     g = torch.randn(t, k, device="cuda")
-    replay_topk(zc, ids.cuda(), **args, backend=backend)  # warm up (compiles, caches)
+    ids_c = ids.cuda()  # the copy to the device is the caller's, outside the checked region
+    replay_topk(zc, ids_c, **args, backend=backend)  # warm up (compiles, caches)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        res = replay_topk(zc, ids.cuda(), **args, backend=backend)
+        res = replay_topk(zc, ids_c, **args, backend=backend)
         (res.weights * g).sum().backward()
         agreement = res.stats.agreement
     finally:
