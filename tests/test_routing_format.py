@@ -119,7 +119,7 @@ def test_v1_body_faults_are_trace_errors_naming_the_field():
         "cu_seqlens": (body + 24 + 8, 7, r"cu_seqlens \[0, 7, 5, 12\]"),
         "reason": (body + 24 + 32 + 5 + 3, 3, "missing_reason 3 at row 3 does not match"),
     }
-    for name, (at, value, match) in cases.items():
+    for _name, (at, value, match) in cases.items():
         bad = bytearray(data)
         bad[at] = value
         with pytest.raises(TraceError, match=match):
@@ -183,7 +183,7 @@ def test_largest_expert_counts_work_in_every_method(e, k):
     assert RoutingTrace.concat([t, t]).sequences([1]).num_tokens == 4
     bad = t.expert_ids.clone()
     bad[2, 1, 0] = -1
-    with pytest.raises(TraceError, match=r"out of range \[0, %d\) at sequence 0, token 2" % e):
+    with pytest.raises(TraceError, match=rf"out of range \[0, {e}\) at sequence 0, token 2"):
         RoutingTrace(bad, t.cu_seqlens, e, layer_ids=[0, 2]).validate()
     with pytest.raises(ValueError, match="out of range"):
         RoutingTrace(bad, t.cu_seqlens, e, layer_ids=[0, 2]).encode(codec="set")

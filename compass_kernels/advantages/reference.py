@@ -184,6 +184,7 @@ def rl_zvp_torch(entropy, cu_seqlens, rewards, zero_var, advantages, alpha, out)
     out[:end] = torch.where(zero_var[seq], zvp, other).to(out.dtype)
     out[end:] = 0
 
+
 # ------------------------------------------------------- adaptive rollout budgets
 
 
