@@ -315,7 +315,9 @@ def test_overhead_raw_kernel_row_fails_loudly_when_the_binding_moves(monkeypatch
     from bench import bench_advantages as ba
     from compass_kernels.advantages import group_advantages_op
 
-    monkeypatch.setitem(group_advantages_op._specs, "cpp", "advantages.moved_away_cpu")
+    monkeypatch.setitem(
+        group_advantages_op._specs, "torch", "compass_kernels.advantages.reference:moved_away"
+    )
     monkeypatch.setattr(group_advantages_op, "_kernels", {})
     call = ba._raw_group_kernel(torch.ones(8), 4)
     with pytest.raises(RuntimeError, match="_raw_group_kernel"):

@@ -140,7 +140,7 @@ def _groups_from_ids(group_ids: torch.Tensor, num_groups: int | None = None):
     starts = torch.ones(n, dtype=torch.bool, device=dev)  # a group starts here
     torch.ne(sorted_ids[1:], sorted_ids[:-1], out=starts[1:])
     group_of = starts.cumsum(0).sub_(1)  # group number of each sorted position
-    if num_groups is None or dev.type == "cpu":
+    if num_groups is None or (dev.type == "cpu" and not has_no_data(group_ids)):
         groups = int(group_of[-1]) + 1 if n else 0  # the one host sync (free on CPU)
         _expect_num_groups(num_groups, groups)
     else:
@@ -193,8 +193,10 @@ def _python_checks(validate: bool | None, device: torch.device) -> bool:
     host sync: opt-in (validate=True), so the GPU path never syncs by default.
     Under torch.compile only an explicit validate=True checks (a data-dependent
     branch breaks the graph)."""
+    if has_no_data():  # tracing, FakeTensorMode, meta: no data to read
+        return False
     if validate is None:
-        return device.type == "cpu" and not torch.compiler.is_compiling()
+        return device.type == "cpu"
     return bool(validate)
 
 

@@ -363,10 +363,9 @@ def _finalize(state: torch.Tensor, inv_t: float, with_entropy: bool, tp_group, t
         m = big_m
     log_s = torch.log(s)
     logp = torch.clamp((xt - m) * inv_t - log_s, max=0.0)  # compass/logprobs.h logprob_of
-    ok = (targets >= 0) & (targets < vocab)
-    if not (ok.all() if targets.device.type == "cpu" else False):
-        masked = torch.where(targets == IGNORE_INDEX, 0.0, float("nan")).to(logp.dtype)
-        logp = torch.where(ok, logp, masked)
+    ok = (targets >= 0) & (targets < vocab)  # elementwise, no host read (any device)
+    masked = torch.where(targets == IGNORE_INDEX, 0.0, float("nan")).to(logp.dtype)
+    logp = torch.where(ok, logp, masked)
     entropy = torch.clamp(log_s - a / s, min=0.0) if with_entropy else None
     return m, log_s, logp, entropy
 
