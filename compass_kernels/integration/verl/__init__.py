@@ -123,7 +123,9 @@ def register(
                 raise ValueError(f"verl's POLICY_LOSS_REGISTRY already holds {name!r}: {held}")
         est = core_algos.ADV_ESTIMATOR_REGISTRY.get(ADVANTAGE_NAME)
         if est is not None and est is not adv_mod.compute_compass_grpo_advantage:
-            raise ValueError(f"verl's ADV_ESTIMATOR_REGISTRY already holds {ADVANTAGE_NAME!r}: {est}")
+            raise ValueError(
+                f"verl's ADV_ESTIMATOR_REGISTRY already holds {ADVANTAGE_NAME!r}: {est}"
+            )
         for name, fn in LOSS_NAMES.items():
             core_algos.register_policy_loss(name)(fn)
         core_algos.register_adv_est(ADVANTAGE_NAME)(adv_mod.compute_compass_grpo_advantage)

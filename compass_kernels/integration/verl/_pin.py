@@ -118,7 +118,9 @@ def check(piece: str) -> str:
     """
     version = verl_version()
     if _parse(version)[:2] < MIN_VERSION:
-        raise VerlVersionError(f"compass_kernels.integration.verl needs verl >= 0.9, found {version}")
+        raise VerlVersionError(
+            f"compass_kernels.integration.verl needs verl >= 0.9, found {version}"
+        )
     pins = UPSTREAM_SOURCE_SHA256.get(version)
     if not pins:
         raise VerlVersionError(

@@ -60,7 +60,9 @@ def configure(**options: Any) -> None:
             raise ValueError(f"advantages option {k!r}: expected one of {list(vars(ADV_OPTIONS))}")
         setattr(ADV_OPTIONS, k, v)
     if ADV_OPTIONS.mode not in ck.advantages.MODES:
-        raise ValueError(f"mode: expected one of {tuple(ck.advantages.MODES)}, got {ADV_OPTIONS.mode!r}")
+        raise ValueError(
+            f"mode: expected one of {tuple(ck.advantages.MODES)}, got {ADV_OPTIONS.mode!r}"
+        )
 
 
 def last_stats() -> dict[str, Any]:

@@ -53,14 +53,18 @@ def get_seqlen_balanced_partitions(seqlen_list, k_partitions: int, equal_size: b
     list of k lists of int, each ascending, together a permutation of
     range(len(seqlen_list)); none empty.
     """
-    values = np.asarray(seqlen_list.tolist() if isinstance(seqlen_list, torch.Tensor) else seqlen_list)
+    values = np.asarray(
+        seqlen_list.tolist() if isinstance(seqlen_list, torch.Tensor) else seqlen_list
+    )
     n = values.size
     if not isinstance(k_partitions, int | np.integer) or k_partitions < 1:
         raise ValueError(f"k_partitions: expected a positive int, got {k_partitions!r}")
     if n < k_partitions:
         raise ValueError(f"seqlen_list: {n} items < k_partitions = {k_partitions}")
     if equal_size and n % k_partitions:
-        raise ValueError(f"equal_size: {n} items are not divisible by k_partitions = {k_partitions}")
+        raise ValueError(
+            f"equal_size: {n} items are not divisible by k_partitions = {k_partitions}"
+        )
     if values.ndim != 1 or not np.issubdtype(values.dtype, np.integer):
         raise ValueError(f"seqlen_list: expected integer lengths, got {values.dtype}{values.shape}")
     if n and values.min() < 1:

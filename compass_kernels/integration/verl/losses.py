@@ -145,8 +145,7 @@ def _check_padded(old_log_prob, log_prob, advantages, response_mask, rollout_is_
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
         if tuple(t.shape) != shape or t.device != dev:
             raise ValueError(
-                f"{name}: expected shape {list(shape)} on {dev} (as log_prob), got "
-                f"{describe(t)}"
+                f"{name}: expected shape {list(shape)} on {dev} (as log_prob), got {describe(t)}"
             )
     if log_prob.dtype not in FLOAT_DTYPES:
         raise ValueError(f"log_prob: expected a float tensor, got {describe(log_prob)}")
@@ -187,7 +186,9 @@ def _sequence_weights(mask: torch.Tensor, loss_agg_mode: str, config: Any, nativ
 def _clip_pair(config: Any) -> tuple[float, float]:
     """verl's (clip_ratio_low, clip_ratio_high), each defaulting to clip_ratio."""
     ratio = _get(config, "clip_ratio", 0.2)
-    return float(_get(config, "clip_ratio_low", ratio)), float(_get(config, "clip_ratio_high", ratio))
+    return float(_get(config, "clip_ratio_low", ratio)), float(
+        _get(config, "clip_ratio_high", ratio)
+    )
 
 
 def _check_weights(rw: torch.Tensor) -> None:

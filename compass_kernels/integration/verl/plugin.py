@@ -52,7 +52,9 @@ def parse_options(text: str, variable: str) -> dict:
 
 
 def _activate() -> None:
-    patches = [p.strip() for p in os.environ.get("COMPASS_VERL_PATCHES", "").split(",") if p.strip()]
+    patches = [
+        p.strip() for p in os.environ.get("COMPASS_VERL_PATCHES", "").split(",") if p.strip()
+    ]
     bad = [p for p in patches if p not in _PATCHES]
     if bad:
         raise ValueError(f"COMPASS_VERL_PATCHES: unknown {bad}, expected some of {_PATCHES}")
