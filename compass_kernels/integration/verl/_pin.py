@@ -50,6 +50,7 @@ PINNED: dict[str, tuple[str, ...]] = {
     ),
     "balancing": (
         "verl.utils.seqlen_balancing:get_seqlen_balanced_partitions",
+        "verl.utils.seqlen_balancing:karmarkar_karp",
         "verl.utils.seqlen_balancing:rearrange_micro_batches",
         "verl.workers.engine.utils:prepare_micro_batches",
     ),
@@ -91,8 +92,14 @@ def _parse(version: str) -> tuple[int, ...]:
     return tuple(out)
 
 
+#: "module:qualname" -> the upstream object a patch of ours replaced (checked in its stead)
+ORIGINALS: dict[str, Any] = {}
+
+
 def resolve(name: str) -> Any:
-    """The object named ``"module:qualname"``."""
+    """The upstream object named ``"module:qualname"`` (the original where we patched it)."""
+    if name in ORIGINALS:
+        return ORIGINALS[name]
     module, qual = name.split(":")
     obj: Any = importlib.import_module(module)
     for attr in qual.split("."):
@@ -167,6 +174,9 @@ _PINS_0_9_1: dict[str, str] = {
     ),
     "verl.utils.seqlen_balancing:get_seqlen_balanced_partitions": (
         "48364abfcde9db3163e563edb16a0d4a27e7adacae7848421f8cd55e0aaea169"
+    ),
+    "verl.utils.seqlen_balancing:karmarkar_karp": (
+        "8b816e583abbd03992459ba0a9a9b7d43c1b1b7540f8d36091a44097ea5b51c5"
     ),
     "verl.utils.seqlen_balancing:rearrange_micro_batches": (
         "03e1db554dc22855a76c228ef1c47a6c5b151b64a753fe9f4ae5035ae41c24e5"

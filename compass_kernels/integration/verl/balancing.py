@@ -70,9 +70,26 @@ def get_seqlen_balanced_partitions(seqlen_list, k_partitions: int, equal_size: b
     if n and values.min() < 1:
         raise ValueError(f"seqlen_list: expected lengths >= 1, got {int(values.min())}")
     values = values.astype(np.int64)
-    plan = ck.packing.plan(values, dp_size=int(k_partitions), max_tokens=int(values.sum()),
+    k = int(k_partitions)
+    plan = ck.packing.plan(values, dp_size=k, max_tokens=int(values.sum()),
                            equal_samples=bool(equal_size))  # fmt: skip
-    return [sorted(plan.rank_indices(r).tolist()) for r in range(int(k_partitions))]
+    parts = [sorted(plan.rank_indices(r).tolist()) for r in range(k)]
+    if equal_size:  # the planner's own equal-size Karmarkar-Karp candidate covers this mode
+        return parts
+    # Unequal mode: the planner seeds only equal-size KK, and verl's unequal KK
+    # sometimes ends a few units lower. Where the planner misses the lower bound
+    # (nothing can beat it), verl's KK is a second candidate and the better is
+    # kept: never worse than verl by construction. verl's trainer balances ranks
+    # in equal mode; its unequal caller (rearrange_micro_batches) is replaced by
+    # rearrange_micro_batches below, which does not come here.
+    rank_cost = plan.stats["rank_cost"]
+    if rank_cost.max() > max(-(-int(values.sum()) // k), int(values.max())):
+        from verl.utils.seqlen_balancing import karmarkar_karp
+
+        other = karmarkar_karp(values.tolist(), k, False)
+        if max(int(values[p].sum()) for p in other) < rank_cost.max():
+            return [sorted(p) for p in other]
+    return parts
 
 
 def _all_reduce(value: int, op, dp_group) -> int:
@@ -133,13 +150,22 @@ def rearrange_micro_batches(
     if force_group_size < 1 or n % force_group_size:
         raise ValueError(f"force_group_size: {force_group_size} does not divide the batch size {n}")
     num_groups = n // force_group_size
-    gid = np.arange(n, dtype=np.int64) // force_group_size if force_group_size > 1 else None
+    # forced groups are the planner's items (its group_ids keep a group on one
+    # rank, not in one micro-batch): plan their summed lengths, expand after
+    items = (
+        lengths.reshape(num_groups, force_group_size).sum(1) if force_group_size > 1 else lengths
+    )
+    if items.max() > max_token_len:
+        raise ValueError(
+            f"force_group_size: a forced group of {int(items.max())} tokens exceeds max_token_len "
+            f"= {max_token_len} and cannot be split"
+        )
     vpp = int(num_batches_divided_by or 1)
     sync = dist.is_initialized() and same_micro_num_in_dp and dp_group is not None
     floor = -(-int(min_num_micro_batch) // vpp) * vpp if min_num_micro_batch else 0
     multiple = vpp
     while True:
-        plan = ck.packing.plan(lengths, dp_size=1, max_tokens=int(max_token_len), group_ids=gid,
+        plan = ck.packing.plan(items, dp_size=1, max_tokens=int(max_token_len),
                                micro_batch_multiple=multiple)  # fmt: skip
         want = max(plan.num_micro_batches, floor)
         if sync:
@@ -156,6 +182,9 @@ def rearrange_micro_batches(
             )
         multiple = want  # the count is a multiple of it and at most it: exactly it
     indices = [plan.micro_batch(0, j).tolist() for j in range(plan.num_micro_batches)]
+    if force_group_size > 1:
+        f = force_group_size
+        indices = [[g * f + m for g in part for m in range(f)] for part in indices]
     if use_dynamic_bsz_balance:
         work = calculate_workload(torch.from_numpy(lengths)).tolist()
         indices.sort(key=lambda part: (sum(work[i] for i in part), part[0]), reverse=True)
@@ -189,6 +218,8 @@ def patch_seqlen_balancing() -> bool:
         ours = {"get_seqlen_balanced_partitions": get_seqlen_balanced_partitions,
                 "rearrange_micro_batches": rearrange_micro_batches}  # fmt: skip
         originals = {name: getattr(sb, name) for name in ours}
+        for name, orig in originals.items():
+            _pin.ORIGINALS[f"verl.utils.seqlen_balancing:{name}"] = orig
         for mod_name, mod in list(sys.modules.items()):
             if mod is None or not (mod_name == "verl" or mod_name.startswith("verl.")):
                 continue
@@ -207,6 +238,8 @@ def revert_seqlen_balancing() -> bool:
         for mod, name, orig in _PATCHED:
             setattr(mod, name, orig)
         _PATCHED.clear()
+        for name in ("get_seqlen_balanced_partitions", "rearrange_micro_batches"):
+            _pin.ORIGINALS.pop(f"verl.utils.seqlen_balancing:{name}", None)
         return True
 
 
