@@ -60,6 +60,7 @@ PINNED: dict[str, tuple[str, ...]] = {
     ),
     "replay": (
         "verl.utils.megatron.router_replay_utils:align_r3_router_replay_data",
+        "verl.workers.engine.megatron.transformer_impl:MegatronEngine.forward_step",
         "verl.workers.utils.padding:left_right_2_no_padding",
     ),
 }
@@ -183,6 +184,9 @@ _PINS_0_9_1: dict[str, str] = {
     ),
     "verl.workers.engine.utils:prepare_micro_batches": (
         "801cfa4ab4317815b3e68a329a499a73685037d54c8f21ebf7607682a2e2ace6"
+    ),
+    "verl.workers.engine.megatron.transformer_impl:MegatronEngine.forward_step": (
+        "49eec34ca9c9b342d4dd9aada53a870cb2d5e0c3d4e62f9179ad1d5d3425f325"
     ),
     "verl.workers.utils.losses:ppo_loss": (
         "2ceca5ede4148d8128349e63bfe212767ccd8a8747f7811140f1efb35e40e7b7"
