@@ -8,14 +8,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from verl.trainer.config import AlgoConfig  # noqa: E402
 
 import compass_kernels as ck
 from compass_kernels.advantages.reference import rl_zvp_reference
 from compass_kernels.integration import verl as cv
 from compass_kernels.integration.verl import advantages as adv_mod
 from tests.verl_helpers import core_algos
-
-from verl.trainer.config import AlgoConfig  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -33,7 +32,9 @@ def _rollouts(g, groups=5, n=4, L=9, zero_var=()):
     perm = torch.randperm(B, generator=g)  # verl's batch is not grouped contiguously
     lens = torch.randint(1, L + 1, (B,), generator=g)
     mask = torch.arange(L)[None, :] < lens[:, None]
-    score = torch.randint(0, 3, (B,), generator=g).double() + torch.rand(B, generator=g, dtype=torch.float64)
+    score = torch.randint(0, 3, (B,), generator=g).double() + torch.rand(
+        B, generator=g, dtype=torch.float64
+    )
     for z in zero_var:
         score[z * n : (z + 1) * n] = 1.0
     rewards = torch.zeros(B, L, dtype=torch.float32)
@@ -48,7 +49,9 @@ def test_equals_verl_grpo(norm):
     fn = core_algos.get_adv_estimator_fn("compass_grpo")
     cfg = AlgoConfig(norm_adv_by_std_in_grpo=norm)
     ours, ret = fn(token_level_rewards=rewards, response_mask=mask, config=cfg, index=uid)
-    ref, _ = core_algos.compute_grpo_outcome_advantage(rewards, mask, uid, norm_adv_by_std_in_grpo=norm)
+    ref, _ = core_algos.compute_grpo_outcome_advantage(
+        rewards, mask, uid, norm_adv_by_std_in_grpo=norm
+    )
     assert ours.shape == ref.shape and ours.dtype == torch.float32
     torch.testing.assert_close(ours, ref, rtol=2e-6, atol=2e-6)
     assert ret is ours
@@ -107,8 +110,9 @@ def test_rl_zvp_uses_the_old_entropy():
     )
     lens = mask.sum(-1)
     cu = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
-    ref = rl_zvp_reference(ent[mask].double(), cu, scores.double(), zv, alpha=0.1,
-                           advantages=seq_adv.double())  # fmt: skip
+    ref = rl_zvp_reference(
+        ent[mask].double(), cu, scores.double(), zv, alpha=0.1, advantages=seq_adv.double()
+    )
     torch.testing.assert_close(ours[mask].double(), ref, rtol=1e-5, atol=1e-6)
     assert ours[~mask].eq(0).all()
     assert ours[zv].abs().sum() > 0  # the zero-variance groups now carry a signal

@@ -67,9 +67,12 @@ def _batch(lengths, nested=True):
     S = max(lengths)
     mask = (torch.arange(S)[None, :] < torch.tensor(lengths)[:, None]).long()
     return tu.get_tensordict(
-        {"input_ids": torch.zeros(B, S, dtype=torch.long), "attention_mask": mask,
-         "sample": torch.arange(B)}
-    )  # fmt: skip
+        {
+            "input_ids": torch.zeros(B, S, dtype=torch.long),
+            "attention_mask": mask,
+            "sample": torch.arange(B),
+        }
+    )
 
 
 @pytest.mark.parametrize("nested", [True, False])

@@ -56,9 +56,14 @@ def test_equals_verl_loss(loss_agg_mode, which, info, with_rw):
     lp_v, lp_c = lp0.clone().requires_grad_(), lp0.clone().requires_grad_()
     loss_v, m_v = VERL[which](old, lp_v, adv, mask, loss_agg_mode, cfg, rw)
     loss_c, m_c = core_algos.get_policy_loss_fn(f"compass_{which}")(
-        old_log_prob=old, log_prob=lp_c, advantages=adv, response_mask=mask,
-        loss_agg_mode=loss_agg_mode, config=cfg, rollout_is_weights=rw,
-    )  # fmt: skip
+        old_log_prob=old,
+        log_prob=lp_c,
+        advantages=adv,
+        response_mask=mask,
+        loss_agg_mode=loss_agg_mode,
+        config=cfg,
+        rollout_is_weights=rw,
+    )
     torch.autograd.backward([loss_v, loss_c])
     assert loss_c.dtype == F64
     torch.testing.assert_close(loss_c, loss_v.to(F64), rtol=1e-12, atol=1e-14)
@@ -92,8 +97,9 @@ def test_bad_inputs_name_the_argument():
     old, lp, adv, mask, rw = padded_batch(g, 3, 5)
     cfg = _config({})
     with pytest.raises(ValueError, match=r"log_prob: expected a \[B, L\]"):
-        cv.compass_grpo_loss(old.flatten(), lp.flatten(), adv.flatten(), mask.flatten(),
-                             "token-mean", cfg)  # fmt: skip
+        cv.compass_grpo_loss(
+            old.flatten(), lp.flatten(), adv.flatten(), mask.flatten(), "token-mean", cfg
+        )
     with pytest.raises(ValueError, match="advantages: expected shape"):
         cv.compass_grpo_loss(old, lp, adv[:, :2], mask, "token-mean", cfg)
     with pytest.raises(ValueError, match="loss_agg_mode: expected one of"):
@@ -141,10 +147,20 @@ def test_espo_every_aggregation_matches_oracle(loss_agg_mode, info):
     old, lp0, adv, mask, rw, ent = _espo_inputs(6)
     cfg = _config(info)
     lp_c, lp_o = lp0.clone().requires_grad_(), lp0.clone().requires_grad_()
-    loss, _ = cv.espo_policy_loss(old, lp_c, adv, mask, ent, loss_agg_mode=loss_agg_mode,
-                                  config=cfg, vocab_size=50, rollout_is_weights=rw)  # fmt: skip
-    ref = espo_oracle(old, lp_o, adv, mask, ent, rw, loss_agg_mode, dict(info), rho=0.2,
-                      alpha=0.02, vocab=50)  # fmt: skip
+    loss, _ = cv.espo_policy_loss(
+        old,
+        lp_c,
+        adv,
+        mask,
+        ent,
+        loss_agg_mode=loss_agg_mode,
+        config=cfg,
+        vocab_size=50,
+        rollout_is_weights=rw,
+    )
+    ref = espo_oracle(
+        old, lp_o, adv, mask, ent, rw, loss_agg_mode, dict(info), rho=0.2, alpha=0.02, vocab=50
+    )
     torch.autograd.backward([loss, ref])
     torch.testing.assert_close(loss, ref, rtol=1e-10, atol=1e-13)
     torch.testing.assert_close(lp_c.grad, lp_o.grad, rtol=1e-10, atol=1e-13)
@@ -156,15 +172,25 @@ def test_data_parallel_invariance(name, loss_agg_mode):
     """Two ranks with verl's global batch info give, averaged, the one-rank gradient."""
     old, lp0, adv, mask, rw, ent = _espo_inputs(7, B=8)
     thr = torch.quantile(ent[mask], 0.8).reshape(1)
-    info = {"batch_num_tokens": int(mask.sum()), "global_batch_size": int(mask.any(-1).sum()),
-            "loss_scale_factor": 13}  # fmt: skip
+    info = {
+        "batch_num_tokens": int(mask.sum()),
+        "global_batch_size": int(mask.any(-1).sum()),
+        "loss_scale_factor": 13,
+    }
     fn = cv.LOSS_NAMES[name]
 
     def run(rows, dp):
         lp = lp0[rows].clone().requires_grad_()
         with cv.old_entropy_context(ent[rows], thr):
-            loss, _ = fn(old[rows], lp, adv[rows], mask[rows], loss_agg_mode,
-                         _config({**info, "dp_size": dp}), rw[rows])  # fmt: skip
+            loss, _ = fn(
+                old[rows],
+                lp,
+                adv[rows],
+                mask[rows],
+                loss_agg_mode,
+                _config({**info, "dp_size": dp}),
+                rw[rows],
+            )
         loss.backward()
         return loss, lp.grad
 
@@ -181,8 +207,9 @@ def test_data_parallel_invariance(name, loss_agg_mode):
 def test_compass_espo_without_old_entropy_says_how():
     old, lp, adv, mask, _, _ = _espo_inputs(8)
     with pytest.raises(RuntimeError, match=r"register\(old_entropy=True\)"):
-        core_algos.get_policy_loss_fn("compass_espo")(old, lp, adv, mask, "token-mean",
-                                                      _config({}), None)  # fmt: skip
+        core_algos.get_policy_loss_fn("compass_espo")(
+            old, lp, adv, mask, "token-mean", _config({}), None
+        )
 
 
 # ------------------------------------------------------------ registration

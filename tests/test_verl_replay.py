@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from verl.utils import tensordict_utils as tu  # noqa: E402
+from verl.workers.utils.padding import left_right_2_no_padding  # noqa: E402
 
 from compass_kernels.integration.verl import replay as rp
 from compass_kernels.routing import MissingReason, TraceError
 from tests.verl_helpers import verl  # noqa: F401  (the verl import guard)
-
-from verl.utils import tensordict_utils as tu  # noqa: E402
-from verl.workers.utils.padding import left_right_2_no_padding  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -55,8 +54,15 @@ def test_routed_experts_to_trace():
     assert int((reasons != 0).sum()) == len(lens)  # only the last rows
     # verl's nested layout (left_right_2_no_padding) gives the same trace
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
-    td = tu.get_tensordict({"input_ids": torch.ones_like(attn), "attention_mask": attn, "position_ids": pos,
-                            "response_mask": attn[:, 6:], "routed_experts": routes})  # fmt: skip
+    td = tu.get_tensordict(
+        {
+            "input_ids": torch.ones_like(attn),
+            "attention_mask": attn,
+            "position_ids": pos,
+            "response_mask": attn[:, 6:],
+            "routed_experts": routes,
+        }
+    )
     nested = left_right_2_no_padding(td)["routed_experts"]
     assert nested.is_nested
     assert rp.routed_experts_to_trace(nested, num_experts=E, moe_layer_ids=LAYERS) == trace
@@ -93,8 +99,16 @@ def test_micro_batch_trace_follows_verl_thd_packing(tp, cp, sp):
     rows = []
     for cp_rank in range(cp):
         for tp_rank in range(tp if sp else 1):
-            local = rp.micro_batch_trace(trace, sequences=mb, layers=[3, 4], tp_size=tp, cp_size=cp,
-                                         cp_rank=cp_rank, sequence_parallel=sp, tp_rank=tp_rank)  # fmt: skip
+            local = rp.micro_batch_trace(
+                trace,
+                sequences=mb,
+                layers=[3, 4],
+                tp_size=tp,
+                cp_size=cp,
+                cp_rank=cp_rank,
+                sequence_parallel=sp,
+                tp_rank=tp_rank,
+            )
             assert local.layer_ids.tolist() == [3, 4]
             rows.append(local.num_tokens)
     assert sum(rows) == padded and len(set(rows)) == 1

@@ -20,11 +20,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
-from compass_kernels.integration import verl as cv
-from compass_kernels.integration.verl import balancing, entropy
-from tests.verl_helpers import actor_config
-
 import verl.workers.engine_workers as engine_workers  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 from verl.protocol import DataProto  # noqa: E402
@@ -34,6 +29,10 @@ from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.config import PolicyLossConfig  # noqa: E402
 from verl.workers.engine import utils as engine_utils  # noqa: E402
 from verl.workers.utils.padding import left_right_2_no_padding  # noqa: E402
+
+from compass_kernels.integration import verl as cv
+from compass_kernels.integration.verl import balancing, entropy
+from tests.verl_helpers import actor_config
 
 pytestmark = pytest.mark.integration
 
@@ -45,8 +44,15 @@ def model():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    cfg = LlamaConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     return LlamaForCausalLM(cfg).double().eval()
 
 
@@ -83,7 +89,9 @@ class _ActorGroup:
     def compute_log_prob(self, data):
         with torch.no_grad():
             lp, ent = _forward(self.model, data)
-        return tu.get_tensordict({"log_probs": lp, "entropy": ent}, non_tensor_dict={"metrics": {"mfu": 0.0}})
+        return tu.get_tensordict(
+            {"log_probs": lp, "entropy": ent}, non_tensor_dict={"metrics": {"mfu": 0.0}}
+        )
 
 
 def _rollout_batch(seed):
@@ -102,9 +110,15 @@ def _rollout_batch(seed):
     reward[torch.arange(B), r_len - 1] = torch.randint(0, 2, (B,), generator=g).float() + 0.5 * (
         torch.arange(B) % 3 == 0
     )
-    tensors = {"prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
-               "attention_mask": attn, "position_ids": pos, "response_mask": attn[:, P:],
-               "token_level_rewards": reward}  # fmt: skip
+    tensors = {
+        "prompts": prompts,
+        "responses": responses,
+        "input_ids": torch.cat([prompts, responses], 1),
+        "attention_mask": attn,
+        "position_ids": pos,
+        "response_mask": attn[:, P:],
+        "token_level_rewards": reward,
+    }
     uid = np.array([f"p{i // N}" for i in range(B)], dtype=object)
     return DataProto.from_dict(tensors=tensors, non_tensors={"uid": uid})
 
@@ -126,11 +140,21 @@ def _update(model, batch, loss_mode, max_tokens, loss_agg_mode="token-mean"):
     verl's ppo_loss per micro-batch, gradients accumulated (no optimizer step)."""
     data = left_right_2_no_padding(batch.to_tensordict())
     bnt = int(data["response_mask"].sum())
-    tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=bnt, global_batch_size=B,
-                         use_dynamic_bsz=True, max_token_len_per_gpu=max_tokens)  # fmt: skip
+    tu.assign_non_tensor(
+        data,
+        dp_size=1,
+        batch_num_tokens=bnt,
+        global_batch_size=B,
+        use_dynamic_bsz=True,
+        max_token_len_per_gpu=max_tokens,
+    )
     micro_batches, indices = engine_utils.prepare_micro_batches(data, dp_group=None)
-    cfg = actor_config(clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode=loss_agg_mode,
-                       policy_loss=PolicyLossConfig(loss_mode=loss_mode))  # fmt: skip
+    cfg = actor_config(
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        loss_agg_mode=loss_agg_mode,
+        policy_loss=PolicyLossConfig(loss_mode=loss_mode),
+    )
     model.zero_grad()
     losses, metrics = [], []
     for mb in micro_batches:
@@ -163,9 +187,12 @@ def test_update_step_compass_espo_with_planner(model, loss_agg_mode):
     cap = int(lengths.max()) + 3  # several micro-batches
     loss, grads, metrics, indices = _update(model, batch, "compass_espo", cap, loss_agg_mode)
     assert len(indices) > 1 and all(sum(int(lengths[i]) for i in p) <= cap for p in indices)
-    assert indices == balancing.rearrange_micro_batches(
-        left_right_2_no_padding(batch.to_tensordict()), max_token_len=cap
-    )[1]  # the compass planner made them
+    assert (
+        indices
+        == balancing.rearrange_micro_batches(
+            left_right_2_no_padding(batch.to_tensordict()), max_token_len=cap
+        )[1]
+    )  # the compass planner made them
     assert np.isfinite(loss) and grads.abs().sum() > 0
     assert {"actor/pg_clipfrac", "actor/ppo_kl", "actor/compass/group_token_frac/g1"} <= set(
         metrics[0]

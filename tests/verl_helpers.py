@@ -41,8 +41,9 @@ def padded_batch(g: torch.Generator, B: int, L: int, *, dtype=F64, spread=0.3, e
     return old.to(dtype), lp.to(dtype), adv.to(dtype), mask, rw.to(dtype)
 
 
-def espo_oracle(old, lp, adv, mask, ent, rw, loss_agg_mode, global_info, *, rho, alpha, vocab,
-                thr=None):  # fmt: skip
+def espo_oracle(
+    old, lp, adv, mask, ent, rw, loss_agg_mode, global_info, *, rho, alpha, vocab, thr=None
+):
     """ESPO per token on [B, L] in float64 (loops, autograd through lp), then
     aggregated by verl's agg_loss; seq-mean-token-mean is ESPO's own mean."""
     B, L = lp.shape

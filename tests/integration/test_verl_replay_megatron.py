@@ -92,6 +92,10 @@ def test_verl_router_replay_patch_and_compass_refuse_each_other(model):
         apply_router_replay_patch()
         with pytest.raises(mr.ReplayError, match="routing"):
             mr.TraceReplay(model)
+        with pytest.raises(mr.ReplayError, match="replaced by someone else"):
+            mr.revert()
     finally:
-        mr.revert()
+        if mr.applied():
+            TopKRouter.routing = mr._replay_routing  # take verl's patch off ours, then revert ours
+            mr.revert()
         restore()
