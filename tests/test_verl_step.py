@@ -221,3 +221,46 @@ def test_update_step_compass_grpo_equals_vanilla(model):
     torch.testing.assert_close(grads_c, grads_v, rtol=1e-9, atol=1e-12)
     for key in ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"):
         assert m_c[0][key].values == pytest.approx(m_v[0][key].values, abs=1e-6)
+
+
+def test_old_entropy_patch_is_idempotent_reversible_and_pinned(monkeypatch):
+    from verl.workers.utils import losses as verl_losses
+
+    from compass_kernels.integration.verl import _pin
+
+    assert entropy.applied() and not entropy.patch_old_entropy()
+    patched = ray_trainer.RayPPOTrainer._compute_old_log_prob
+    assert entropy.revert_old_entropy() and not entropy.applied()
+    assert ray_trainer.RayPPOTrainer._compute_old_log_prob is patched.__wrapped_by_compass__
+    assert engine_workers.ppo_loss is verl_losses.ppo_loss
+    assert verl_losses.ppo_loss.__name__ == "ppo_loss" and not hasattr(
+        verl_losses.ppo_loss, "__wrapped_by_compass__"
+    )
+    monkeypatch.setitem(
+        _pin.UPSTREAM_SOURCE_SHA256["0.9.1"], "verl.workers.utils.losses:ppo_loss", "0"
+    )
+    with pytest.raises(cv.VerlVersionError, match="ppo_loss changed"):
+        entropy.patch_old_entropy()
+    monkeypatch.undo()
+    assert entropy.patch_old_entropy()
+
+
+def test_plugin_reads_the_environment(monkeypatch):
+    import importlib
+    import sys
+
+    monkeypatch.setenv("COMPASS_VERL_PATCHES", "old_entropy,balancing")
+    monkeypatch.setenv("COMPASS_VERL_ESPO", f"rho=0.25,vocab_size={V},clip=0.1:0.2")
+    monkeypatch.setenv("COMPASS_VERL_ADV", "mode=rloo")
+    sys.modules.pop("compass_kernels.integration.verl.plugin", None)
+    try:
+        importlib.import_module("compass_kernels.integration.verl.plugin")
+        assert cv.registered() and entropy.applied() and balancing.applied()
+        assert cv.ESPO_OPTIONS.rho == 0.25 and cv.ESPO_OPTIONS.clip == (0.1, 0.2)
+        assert cv.advantages.ADV_OPTIONS.mode == "rloo"
+        monkeypatch.setenv("COMPASS_VERL_PATCHES", "entropy")
+        sys.modules.pop("compass_kernels.integration.verl.plugin", None)
+        with pytest.raises(ValueError, match="COMPASS_VERL_PATCHES: unknown"):
+            importlib.import_module("compass_kernels.integration.verl.plugin")
+    finally:
+        cv.register(espo=cv.EspoOptions(vocab_size=V), advantages={"mode": "grpo"})
