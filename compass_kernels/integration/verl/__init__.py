@@ -79,6 +79,7 @@ def register(
     *,
     old_entropy: bool = False,
     balancing: bool = False,
+    replay: bool = False,
     espo: EspoOptions | dict | None = None,
     advantages: dict | None = None,
 ) -> None:
@@ -93,6 +94,7 @@ def register(
     old_entropy : also apply :func:`.entropy.patch_old_entropy` (needed by
         ``compass_espo`` inside verl's trainer; driver and workers).
     balancing : also apply :func:`.balancing.patch_seqlen_balancing`.
+    replay : also apply :func:`.replay.patch_megatron_engine` (Megatron workers).
     espo : options of ``compass_espo`` (:class:`EspoOptions` or its fields).
     advantages : options of the ``compass_grpo`` estimator
         (:data:`.advantages.ADV_OPTIONS` fields: mode, rl_zvp, alpha, ...).
@@ -137,6 +139,10 @@ def register(
         from .balancing import patch_seqlen_balancing
 
         patch_seqlen_balancing()
+    if replay:
+        from .replay import patch_megatron_engine
+
+        patch_megatron_engine()
 
 
 def registered() -> bool:
@@ -151,7 +157,7 @@ def registered() -> bool:
 
 
 def unregister() -> None:
-    """Remove compass's names from verl's registries and revert both patches."""
+    """Remove compass's names from verl's registries and revert every patch."""
     from verl.trainer.ppo import core_algos
 
     from .balancing import revert_seqlen_balancing
@@ -167,3 +173,7 @@ def unregister() -> None:
             del core_algos.ADV_ESTIMATOR_REGISTRY[ADVANTAGE_NAME]
     revert_old_entropy()
     revert_seqlen_balancing()
+    import sys
+
+    if "compass_kernels.integration.verl.replay" in sys.modules:
+        sys.modules["compass_kernels.integration.verl.replay"].revert_megatron_engine()

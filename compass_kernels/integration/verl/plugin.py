@@ -7,7 +7,8 @@ so this runs :func:`compass_kernels.integration.verl.register` everywhere,
 configured by the environment (errors raise: a job never runs half-registered):
 
 - ``COMPASS_VERL_PATCHES``: comma list of ``old_entropy`` (needed by
-  ``compass_espo`` and RL-ZVP), ``balancing``; default none.
+  ``compass_espo`` and RL-ZVP), ``balancing``, ``replay`` (Megatron
+  workers); default none.
 - ``COMPASS_VERL_ESPO``: ``compass_espo`` options, ``key=value`` comma list
   (rho, alpha, clip, vocab_size, num_groups, drop_low, ratio_form, dual_clip).
 - ``COMPASS_VERL_ADV``: estimator options (mode, rl_zvp, alpha, zero_var_tol).
@@ -21,7 +22,7 @@ from compass_kernels.integration.verl import EspoOptions, register
 
 __all__ = ["parse_options"]
 
-_PATCHES = ("old_entropy", "balancing")
+_PATCHES = ("old_entropy", "balancing", "replay")
 
 
 def _value(text: str):
@@ -63,6 +64,7 @@ def _activate() -> None:
     register(
         old_entropy="old_entropy" in patches,
         balancing="balancing" in patches,
+        replay="replay" in patches,
         espo=EspoOptions(**espo) if espo else None,
         advantages=adv or None,
     )
