@@ -8,13 +8,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from verl.trainer.config import AlgoConfig  # noqa: E402
 
 import compass_kernels as ck
 from compass_kernels.advantages.reference import rl_zvp_reference
 from compass_kernels.integration import verl as cv
 from compass_kernels.integration.verl import advantages as adv_mod
 from tests.verl_helpers import core_algos
+
+pytest.importorskip("verl", reason="verl (the `verl` extra, scripts/setup_env.sh)")
+
+from verl.trainer.config import AlgoConfig  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

@@ -14,12 +14,15 @@ import threading
 
 import pytest
 import torch
-from verl.utils import seqlen_balancing as sb  # noqa: E402
-from verl.utils import tensordict_utils as tu  # noqa: E402
-from verl.workers.engine import utils as engine_utils  # noqa: E402
 
 from compass_kernels.integration.verl import balancing as bal
 from tests.verl_helpers import verl  # noqa: F401  (the verl import guard)
+
+pytest.importorskip("verl", reason="verl (the `verl` extra, scripts/setup_env.sh)")
+
+from verl.utils import seqlen_balancing as sb  # noqa: E402
+from verl.utils import tensordict_utils as tu  # noqa: E402
+from verl.workers.engine import utils as engine_utils  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

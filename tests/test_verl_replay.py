@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from verl.utils import tensordict_utils as tu  # noqa: E402
-from verl.workers.utils.padding import left_right_2_no_padding  # noqa: E402
 
 from compass_kernels.integration.verl import replay as rp
 from compass_kernels.routing import MissingReason, TraceError
 from tests.verl_helpers import verl  # noqa: F401  (the verl import guard)
+
+pytest.importorskip("verl", reason="verl (the `verl` extra, scripts/setup_env.sh)")
+
+from verl.utils import tensordict_utils as tu  # noqa: E402
+from verl.workers.utils.padding import left_right_2_no_padding  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

@@ -20,6 +20,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
+from compass_kernels.integration import verl as cv
+from compass_kernels.integration.verl import balancing, entropy
+from tests.verl_helpers import actor_config
+
+pytest.importorskip("verl", reason="verl (the `verl` extra, scripts/setup_env.sh)")
+
 import verl.workers.engine_workers as engine_workers  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 from verl.protocol import DataProto  # noqa: E402
@@ -29,10 +36,6 @@ from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.config import PolicyLossConfig  # noqa: E402
 from verl.workers.engine import utils as engine_utils  # noqa: E402
 from verl.workers.utils.padding import left_right_2_no_padding  # noqa: E402
-
-from compass_kernels.integration import verl as cv
-from compass_kernels.integration.verl import balancing, entropy
-from tests.verl_helpers import actor_config
 
 pytestmark = pytest.mark.integration
 
