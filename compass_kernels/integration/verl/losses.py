@@ -254,6 +254,12 @@ def _run(mode, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
             if entropy_threshold is None:
                 thr = ck.espo.entropy_thresholds(ent, cu, flat_mask, levels=cfg.levels)
             else:
+                if entropy_threshold.shape[-1] != K - 1:
+                    raise ValueError(
+                        f"entropy_threshold: expected {K - 1} boundaries per row (num_groups - 1), "
+                        f"got shape {list(entropy_threshold.shape)} (driver and workers must use "
+                        "the same compass_espo options)"
+                    )
                 thr = entropy_threshold.detach().reshape(-1, K - 1)[0].to(F64)
             bucket = (ent.to(F64)[:, None] > thr[None, :]).sum(-1).view(B, L)
         else:
