@@ -258,3 +258,11 @@ def test_version_and_source_pins_fail_loudly(monkeypatch):
     monkeypatch.setattr(verl, "__version__", "0.9.2")
     with pytest.raises(cv.VerlVersionError, match="0.9.2 was not reviewed"):
         _pin.check("losses")
+
+
+def test_espo_threshold_width_must_match_the_options():
+    old, lp, adv, mask, _, ent = _espo_inputs(9)
+    with pytest.raises(ValueError, match="entropy_threshold: expected 1 boundaries"):
+        cv.espo_policy_loss(
+            old, lp, adv, mask, ent, vocab_size=50, entropy_threshold=torch.ones(6, 2, dtype=F64)
+        )
