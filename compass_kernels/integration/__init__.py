@@ -14,6 +14,8 @@ imports vLLM or Megatron-core:
   vLLM (plugin + explicit switch) as one ``RoutingTrace`` per sequence.
 - :mod:`compass_kernels.integration.megatron_replay` replays traces in megatron-core's MoE
   routers per micro-batch (recompute- and schedule-safe).
+- :mod:`compass_kernels.integration.verl` makes compass a drop-in for verl >= 0.9: losses and the
+  advantage estimator in verl's registries, old-entropy / balancing / Megatron replay patches.
 - :mod:`compass_kernels.integration.rl` is the reference RL loop (``compass-rl``) built on the
   modules above.
 """
