@@ -51,9 +51,10 @@ def grouped_gemm_cutlass(a_q, a_scales, b_q, b_scales, expert_offsets, out_dtype
     ext = load().fp8_gemm
     if not hasattr(ext, "grouped_gemm_sm90_cuda"):
         raise BackendUnavailableError(
-            "fp8_grouped_gemm: compass_kernels._C was built without the CUTLASS kernel: rebuild "
-            "with nvcc and COMPASS_CUTLASS_INCLUDE (pip install --no-deps nvidia-cutlass), or "
-            "pass backend='triton'"
+            "fp8_grouped_gemm: compass_kernels._C was built without the CUTLASS kernel (no "
+            "CUTLASS headers at build time): reinstall from source with nvcc on PATH and build "
+            "isolation (`pip install --force-reinstall --no-deps .` adds nvidia-cutlass to the "
+            "build), or set COMPASS_CUTLASS_INCLUDE; or pass backend='triton'"
         )
     e, n = b_q.shape[0], b_q.shape[1]
     shapes = torch.empty((e, 3), dtype=torch.int32, device=a_q.device)

@@ -1,6 +1,6 @@
 // Host side of the CUTLASS sm_90a grouped GEMM's tile configurations: the
 // heuristic's binding (plain C++, built and tested on every host) and, in CUDA
-// builds, the dispatch to the configuration's translation unit.
+// builds with CUTLASS, the dispatch to the configuration's translation unit.
 #include "fp8_gemm/fp8_gemm_api.h"
 #include "fp8_gemm/sm90_tiles.h"
 
@@ -14,7 +14,7 @@ int64_t choose_sm90_tile_binding(int64_t rows, int64_t experts, int64_t n, int64
   return choose_sm90_tile(rows, experts, n, sm_count);
 }
 
-#ifdef COMPASS_WITH_CUDA
+#ifdef COMPASS_WITH_CUTLASS  // CUDA build with CUTLASS headers (CMakeLists.txt)
 int64_t grouped_gemm_sm90_workspace(int64_t tile, int64_t experts, int64_t sm_count) {
   switch (tile) {
     case kSm90M64: return grouped_gemm_sm90_m64_workspace(experts, sm_count);
