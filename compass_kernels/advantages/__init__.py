@@ -48,10 +48,12 @@ class GroupStats:
 
     @property
     def counts(self) -> torch.Tensor:
+        """[G] int64 samples per group."""
         return self._offsets.diff()
 
     @property
     def group_zero_var(self) -> torch.Tensor:
+        """[G] bool: the group's rewards have (near) zero variance."""
         if self._order is None:
             return self._zero_var[:: self._group_size]
         return self._zero_var[self._order[self._offsets[:-1]]]
@@ -62,14 +64,17 @@ class GroupStats:
 
     @property
     def num_groups(self) -> int:
+        """G, a host int."""
         return self.counts.numel()
 
     @property
     def num_zero_var(self) -> torch.Tensor:
+        """0-d int64 device tensor: zero-variance groups."""
         return self.group_zero_var.sum()
 
     @property
     def zero_var_fraction(self) -> torch.Tensor:
+        """0-d float64 device tensor: num_zero_var / num_groups."""
         return self.group_zero_var.to(torch.float64).mean()
 
 
@@ -418,3 +423,8 @@ def overlong_penalty(lengths: torch.Tensor, *, max_len: int, cache_len: int) -> 
     ramp = (soft - length) / cache_len
     penalty = torch.where(length <= soft, 0.0, torch.where(length <= max_len, ramp, -1.0))
     return penalty.to(torch.float32)
+
+
+def __dir__() -> list[str]:
+    """dir(): the public names only (imports and helpers stay attributes, unlisted)."""
+    return sorted(__all__)

@@ -54,7 +54,7 @@ def encode(trace: RoutingTrace, *, codec: str = "raw", backend: str | None = Non
         return _encode_set_on_device(trace, backend)
     # raw: missing rows hold 0..K-1 in the payload; set: the kernel codes them as
     # rank 0 (= 0..K-1) without reading them, so no canonical copy of the ids.
-    t = trace.canonical() if trace.missing is not None and code == 0 else trace
+    t = trace.canonical(sort=False) if trace.missing is not None and code == 0 else trace
     ids = t.expert_ids.cpu().contiguous()
     n_rows, n_cols, k = ids.shape
     parts = [
