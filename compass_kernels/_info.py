@@ -6,6 +6,7 @@ import ctypes
 import importlib.metadata
 import json
 import platform
+import re
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -260,4 +261,50 @@ def _format_all(d: dict[str, Any]) -> str:
             lines.extend(f"  {k}: {v}" for k, v in value.items())
         else:
             lines.append(f"{key}: {value}")
+    return "\n".join(lines)
+
+
+#: Columns of the README's status matrix, and what an empty cell means.
+MATRIX_BACKENDS = ("cpp", "cuda", "triton")
+_GPU_RUN = re.compile(
+    r"run on a GPU: (?:NVIDIA )?(\S+).*?, (\d{4}-\d\d-\d\d), (\d+) passed / (\d+) failed"
+)
+
+
+def _status_cell(levels: list[str] | None) -> str:
+    """The strongest evidence of one (op, backend), in one word or phrase: a passing
+    GPU run ("ran on H100 2026-11-23", the latest), "emulated", "interpreter",
+    "compiled", "reference-tested", "not built"; "-" where the op has no such backend."""
+    if levels is None:
+        return "-"
+    runs = [m for m in map(_GPU_RUN.match, levels) if m and int(m[3]) > 0 and m[4] == "0"]
+    if runs:
+        latest = max(runs, key=lambda m: m[2])
+        return f"ran on {latest[1]} {latest[2]}"
+    for word, key in (
+        ("emulated", "emulated on CPU"),
+        ("interpreter", "interpreter-run"),
+        ("compiled", "compiled for"),
+        ("reference-tested", "reference-tested"),
+        ("not built", "not built"),
+    ):
+        if any(lv.startswith(key) for lv in levels):
+            return word
+    return "-"
+
+
+def status_matrix(evidence: dict[str, dict[str, list[str]]] | None = None) -> str:
+    """The README's status matrix (markdown): one row per registered op, one column
+    per backend (:data:`MATRIX_BACKENDS`), each cell the strongest evidence that the
+    backend computes the op right (:func:`_status_cell`), from :func:`evidence`.
+    ``scripts/readme_matrix.py --write`` puts it in README.md; tests/test_readme.py
+    checks the two agree."""
+    evidence = evidence if evidence is not None else globals()["evidence"]()
+    lines = [
+        "| op | " + " | ".join(f"`{b}`" for b in MATRIX_BACKENDS) + " |",
+        "|---" * (len(MATRIX_BACKENDS) + 1) + "|",
+    ]
+    for op, per in evidence.items():
+        cells = [_status_cell(per.get(b)) for b in MATRIX_BACKENDS]
+        lines.append(f"| `{op}` | " + " | ".join(cells) + " |")
     return "\n".join(lines)
