@@ -69,6 +69,7 @@ def test_python_block_runs_standalone_and_prints_what_it_says(lineno, code, tmp_
     script.write_text(code)
     # Fresh interpreter, cwd outside the tree; the compass_kernels under test first.
     env = {**os.environ, "PYTHONPATH": str(Path(compass_kernels.__file__).parents[1])}
+    env["VLLM_LOGGING_STREAM"] = "ext://sys.stderr"  # vLLM logs to stdout by default
     env.pop("PYTHONSTARTUP", None)
     proc = subprocess.run(
         [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
