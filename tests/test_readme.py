@@ -131,3 +131,13 @@ def test_engine_blocks_are_detected():
     engine_blocks = [code for _, code in BLOCKS if _engines(code)]
     assert len(engine_blocks) >= 2
     assert importlib.util.find_spec("compass_kernels.integration") is not None
+
+
+def test_rl_table_has_the_columns_compass_rl_writes():
+    """The README's RL table is steps.md of a `make rl` run (scripts/readme_rl.py)."""
+    from compass_kernels.integration.rl.console import markdown_table
+
+    text = README.read_text()
+    table = text.split("<!-- rl-table:", 1)[1].split("<!-- /rl-table -->", 1)[0]
+    header = markdown_table([]).splitlines()[0]
+    assert header in table.splitlines(), "regenerate: make rl && python scripts/readme_rl.py rl_out"
