@@ -95,7 +95,7 @@ MARKDOWN_COLUMNS: tuple[tuple[str, Any], ...] = (
     ("reward", _f("reward_mean", "{:.3f}")),
     ("acc", _f("accuracy", "{:.2f}")),
     ("zero-var: initial / resample / penalties / RL-ZVP",
-     lambda r: " / ".join(f"{r[k]:.2f}".rstrip("0").rstrip(".") if r[k] else "0"
+     lambda r: " / ".join(f"{r[k]:.2f}" if r[k] else "0"
                           for k in ("zv_initial", "zv_resample", "zv_penalty", "zv_rlzvp"))),
     ("inversions naive / guard", _pair("{:d}", "inversions_naive", "inversions_guard")),
     ("tokens", _f("tokens", "{:d}")),
