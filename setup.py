@@ -33,7 +33,7 @@ from setuptools.command.build_ext import build_ext
 ROOT = Path(__file__).resolve().parent
 # The build backend (pyproject's backend-path) shares how nvcc and CUTLASS are found.
 sys.path.insert(0, str(ROOT / "scripts"))
-from build_backend import CUTLASS_REQUIREMENT, cuda_mode, cutlass_include, find_nvcc  # noqa: E402
+from build_backend import CUTLASS_REQUIREMENT, cuda_mode, cutlass_include, usable_nvcc  # noqa: E402
 
 
 class CMakeExtension(Extension):
@@ -54,9 +54,9 @@ class CMakeBuild(build_ext):
         lib_dir = build_temp / "lib"
 
         mode = cuda_mode()
-        nvcc = find_nvcc() if mode != "OFF" else None
+        nvcc, no_cuda = usable_nvcc() if mode != "OFF" else (None, "COMPASS_CUDA=OFF")
         if mode == "ON" and nvcc is None:
-            raise RuntimeError("COMPASS_CUDA=ON but no nvcc was found (set CUDACXX or CUDA_HOME)")
+            raise RuntimeError(f"COMPASS_CUDA=ON but {no_cuda} (set CUDACXX or CUDA_HOME)")
 
         args = [
             # a fixed folder: pip hands each build a new out_dir, and a changed
@@ -103,20 +103,19 @@ class CMakeBuild(build_ext):
             f"(CUDA: {'nvcc ' + nvcc if nvcc else 'off'}, MAX_JOBS={jobs})",
             flush=True,
         )
-        for line in _build_warnings(mode, nvcc, cutlass):
+        for line in _build_warnings(no_cuda, nvcc, cutlass):
             print(f"[compass_kernels] WARNING: {line}", flush=True)
 
 
-def _build_warnings(mode: str, nvcc: str | None, cutlass: str | None) -> list[str]:
+def _build_warnings(no_cuda: str | None, nvcc: str | None, cutlass: str | None) -> list[str]:
     """What this build left out and how to get it (printed last in the build log)."""
-    if nvcc is None and mode == "OFF":
+    if nvcc is None and no_cuda == "COMPASS_CUDA=OFF":
         return ["CUDA kernels not built (COMPASS_CUDA=OFF): CPU kernels only."]
     if nvcc is None:
         return [
-            "CUDA kernels not built: no nvcc found (CUDACXX, $CUDA_HOME/bin, PATH, "
-            "/usr/local/cuda/bin). CPU kernels only; the Triton kernels need no build. To get "
-            "the CUDA kernels, install the CUDA toolkit (13.0; no GPU needed to build) and "
-            "reinstall: pip install --force-reinstall --no-deps ."
+            f"CUDA kernels not built: {no_cuda}. CPU kernels only; the Triton kernels need no "
+            "build. To get the CUDA kernels, install the CUDA toolkit (13.0; no GPU needed to "
+            "build) and reinstall: pip install --force-reinstall --no-deps ."
         ]
     if cutlass is None:
         return [

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
+import subprocess
 from pathlib import Path
 
 from setuptools import build_meta as _setuptools
@@ -39,6 +41,37 @@ def find_nvcc() -> str | None:
         if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
             return cand
     return None
+
+
+#: The oldest CUDA toolkit that can build the kernels at all (sm_90a needs 12.0); the
+#: one built and tested is 13.0.
+MIN_CUDA = (12, 0)
+
+
+def nvcc_version(nvcc: str) -> tuple[int, int] | None:
+    """(major, minor) from ``nvcc --version``, None if it does not run."""
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"release (\d+)\.(\d+)", out.stdout)
+    return (int(m[1]), int(m[2])) if m else None
+
+
+def usable_nvcc() -> tuple[str | None, str | None]:
+    """(nvcc, why not): the nvcc AUTO / ON builds with, or None and the reason."""
+    nvcc = find_nvcc()
+    if nvcc is None:
+        return None, "no nvcc found (CUDACXX, $CUDA_HOME/bin, PATH, /usr/local/cuda/bin)"
+    version = nvcc_version(nvcc)
+    if version is None:
+        return None, f"{nvcc} --version does not run"
+    if version < MIN_CUDA:
+        return None, (
+            f"{nvcc} is CUDA {version[0]}.{version[1]}; the kernels need CUDA "
+            f"{MIN_CUDA[0]}.{MIN_CUDA[1]} or newer (built and tested: 13.0)"
+        )
+    return nvcc, None
 
 
 def cuda_mode() -> str:
@@ -64,7 +97,7 @@ def cutlass_include() -> str | None:
 
 
 def _cutlass_requirements() -> list[str]:
-    if cuda_mode() == "OFF" or find_nvcc() is None or cutlass_include() is not None:
+    if cuda_mode() == "OFF" or usable_nvcc()[0] is None or cutlass_include() is not None:
         return []
     return [CUTLASS_REQUIREMENT]
 
