@@ -206,6 +206,7 @@ def _backend_lines(d: dict[str, Any]) -> list[str]:
         else "no usable GPU; TRITON_INTERPRET=1 runs it on CPU tensors",
     }
     how = {
+        "torch": "the plain-torch reference, any device",
         "cpp": "CPU tensors",
         "cuda": f"CUDA tensors on {gpu['name']}",
         "triton": "CPU tensors, interpreter (TRITON_INTERPRET=1)"
@@ -217,7 +218,9 @@ def _backend_lines(d: dict[str, Any]) -> list[str]:
     for name, ok in backends.items():
         if name == "cuda-emulated" and not ok:
             continue  # a development build's test module; an install has none
-        state = f"yes: {how[name]}" if ok else f"no: {why_not.get(name, 'unavailable')}"
+        state = (
+            f"yes: {how.get(name, 'usable')}" if ok else f"no: {why_not.get(name, 'unavailable')}"
+        )
         lines.append(f"  {name:<14}{state}")
     return lines
 
@@ -264,8 +267,9 @@ def _format_all(d: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-#: Columns of the README's status matrix, and what an empty cell means.
-MATRIX_BACKENDS = ("cpp", "cuda", "triton")
+#: Column order of the README's status matrix (backends present in some op's evidence;
+#: others follow by name; "cuda-emulated" is evidence of the cuda column, not a column).
+MATRIX_BACKENDS = ("torch", "cpp", "cuda", "triton")
 _GPU_RUN = re.compile(
     r"run on a GPU: (?:NVIDIA )?(\S+).*?, (\d{4}-\d\d-\d\d), (\d+) passed / (\d+) failed"
 )
@@ -286,6 +290,7 @@ def _status_cell(levels: list[str] | None) -> str:
         ("interpreter", "interpreter-run"),
         ("compiled", "compiled for"),
         ("reference-tested", "reference-tested"),
+        ("reference", "the plain-torch reference"),
         ("not built", "not built"),
     ):
         if any(lv.startswith(key) for lv in levels):
@@ -294,17 +299,21 @@ def _status_cell(levels: list[str] | None) -> str:
 
 
 def status_matrix(evidence: dict[str, dict[str, list[str]]] | None = None) -> str:
-    """The README's status matrix (markdown): one row per registered op, one column
-    per backend (:data:`MATRIX_BACKENDS`), each cell the strongest evidence that the
-    backend computes the op right (:func:`_status_cell`), from :func:`evidence`.
+    """The README's status matrix (markdown): one row per registered op, one column per
+    backend any op has (in :data:`MATRIX_BACKENDS` order), each cell the strongest
+    evidence that the backend computes the op right (:func:`_status_cell`), from
+    :func:`evidence`.
     ``scripts/readme_matrix.py --write`` puts it in README.md; tests/test_readme.py
     checks the two agree."""
     evidence = evidence if evidence is not None else globals()["evidence"]()
+    present = {b for per in evidence.values() for b in per} - {"cuda-emulated"}
+    columns = [b for b in MATRIX_BACKENDS if b in present]
+    columns += sorted(present - set(MATRIX_BACKENDS))
     lines = [
-        "| op | " + " | ".join(f"`{b}`" for b in MATRIX_BACKENDS) + " |",
-        "|---" * (len(MATRIX_BACKENDS) + 1) + "|",
+        "| op | " + " | ".join(f"`{b}`" for b in columns) + " |",
+        "|---" * (len(columns) + 1) + "|",
     ]
     for op, per in evidence.items():
-        cells = [_status_cell(per.get(b)) for b in MATRIX_BACKENDS]
+        cells = [_status_cell(per.get(b)) for b in columns]
         lines.append(f"| `{op}` | " + " | ".join(cells) + " |")
     return "\n".join(lines)
