@@ -19,8 +19,9 @@ env:
 	touch $(STAMP)
 
 # incremental rebuild of compass_kernels._C after csrc changes (ninja, build/)
+# (with the test-only emulation module _C_emu, which an install never builds)
 build: $(STAMP)
-	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	COMPASS_EMU=$${COMPASS_EMU:-ON} $(PY) -m pip install -q --no-build-isolation --no-deps -e .
 
 # every tier must run: a missing dependency fails instead of skipping
 test: build

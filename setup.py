@@ -7,8 +7,13 @@ Knobs (environment variables):
   COMPASS_BUILD_TYPE  Release (default) | RelWithDebInfo | Debug
   CUDACXX / CUDA_HOME where nvcc lives (otherwise PATH, then /usr/local/cuda)
   MAX_JOBS            parallel compile jobs (default: number of CPUs)
-  COMPASS_EMU         ON (default) | OFF: compass_kernels._C_emu, the CUDA kernels
-                      emulated on the CPU for the tests (docs/emulation.md; needs GCC)
+  COMPASS_CUTLASS_INCLUDE  CUTLASS headers (default: the nvidia-cutlass wheel, which the
+                      build backend, scripts/build_backend.py, adds to an isolated build
+                      when nvcc is found); without them the CUTLASS kernel is left out
+  COMPASS_EMU         OFF (default) | ON: compass_kernels._C_emu, the CUDA kernels
+                      emulated on the CPU for the tests (docs/emulation.md; needs GCC).
+                      Test-only: `make env` (scripts/setup_env.sh) turns it on; an install
+                      never ships it
 """
 
 from __future__ import annotations
@@ -26,18 +31,9 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
-
-
-def _find_nvcc() -> str | None:
-    for cand in (
-        os.environ.get("CUDACXX"),
-        os.path.join(os.environ.get("CUDA_HOME", ""), "bin", "nvcc"),
-        shutil.which("nvcc"),
-        "/usr/local/cuda/bin/nvcc",
-    ):
-        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
-            return cand
-    return None
+# The build backend (pyproject's backend-path) shares how nvcc and CUTLASS are found.
+sys.path.insert(0, str(ROOT / "scripts"))
+from build_backend import CUTLASS_REQUIREMENT, cuda_mode, cutlass_include, usable_nvcc  # noqa: E402
 
 
 class CMakeExtension(Extension):
@@ -57,12 +53,10 @@ class CMakeBuild(build_ext):
         build_temp.mkdir(parents=True, exist_ok=True)
         lib_dir = build_temp / "lib"
 
-        cuda_mode = os.environ.get("COMPASS_CUDA", "AUTO").upper()
-        if cuda_mode not in ("AUTO", "ON", "OFF"):
-            raise RuntimeError(f"COMPASS_CUDA must be AUTO, ON or OFF, got {cuda_mode!r}")
-        nvcc = _find_nvcc() if cuda_mode != "OFF" else None
-        if cuda_mode == "ON" and nvcc is None:
-            raise RuntimeError("COMPASS_CUDA=ON but no nvcc was found (set CUDACXX or CUDA_HOME)")
+        mode = cuda_mode()
+        nvcc, no_cuda = usable_nvcc() if mode != "OFF" else (None, "COMPASS_CUDA=OFF")
+        if mode == "ON" and nvcc is None:
+            raise RuntimeError(f"COMPASS_CUDA=ON but {no_cuda} (set CUDACXX or CUDA_HOME)")
 
         args = [
             # a fixed folder: pip hands each build a new out_dir, and a changed
@@ -78,9 +72,9 @@ class CMakeBuild(build_ext):
         ]
         if nvcc:
             args.append(f"-DCMAKE_CUDA_COMPILER={nvcc}")
-        cutlass = _cutlass_include()
-        if cutlass:
-            args.append(f"-DCOMPASS_CUTLASS_INCLUDE={cutlass}")
+        cutlass = cutlass_include() if nvcc else None
+        # "" clears a path an earlier configure of this build folder cached
+        args.append(f"-DCOMPASS_CUTLASS_INCLUDE={cutlass or ''}")
         # The build tools from the Python environment first (pyproject's build
         # requirements), not whatever PATH lists first: with another cmake or
         # ninja the same build folder is regenerated and recompiled from scratch
@@ -109,6 +103,28 @@ class CMakeBuild(build_ext):
             f"(CUDA: {'nvcc ' + nvcc if nvcc else 'off'}, MAX_JOBS={jobs})",
             flush=True,
         )
+        for line in _build_warnings(no_cuda, nvcc, cutlass):
+            print(f"[compass_kernels] WARNING: {line}", flush=True)
+
+
+def _build_warnings(no_cuda: str | None, nvcc: str | None, cutlass: str | None) -> list[str]:
+    """What this build left out and how to get it (printed last in the build log)."""
+    if nvcc is None and no_cuda == "COMPASS_CUDA=OFF":
+        return ["CUDA kernels not built (COMPASS_CUDA=OFF): CPU kernels only."]
+    if nvcc is None:
+        return [
+            f"CUDA kernels not built: {no_cuda}. CPU kernels only; the Triton kernels need no "
+            "build. To get the CUDA kernels, install the CUDA toolkit (13.0; no GPU needed to "
+            "build) and reinstall: pip install --force-reinstall --no-deps ."
+        ]
+    if cutlass is None:
+        return [
+            "the CUTLASS sm_90a grouped GEMM (ck.fp8.grouped_gemm, backend 'cuda') is not "
+            "built: no CUTLASS headers. Its calls raise BackendUnavailableError. To build it, "
+            f"reinstall with build isolation (it adds {CUTLASS_REQUIREMENT}), or install that "
+            "package, or set COMPASS_CUTLASS_INCLUDE to a CUTLASS include folder."
+        ]
+    return []
 
 
 def _build_dir(ext_name: str) -> Path:
@@ -157,24 +173,8 @@ def _py_tool(module: str, bin_dir: str, name: str) -> str | None:
     return path if os.path.exists(path) else None
 
 
-def _cutlass_include() -> str | None:
-    """CUTLASS headers ship in the nvidia-cutlass wheel; no network fetch at build time."""
-    if os.environ.get("COMPASS_CUTLASS_INCLUDE"):
-        return os.environ["COMPASS_CUTLASS_INCLUDE"]
-    try:
-        import importlib.util
-
-        spec = importlib.util.find_spec("cutlass_library")
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    inc = Path(list(spec.submodule_search_locations)[0]) / "source" / "include"
-    return str(inc) if (inc / "cutlass" / "cutlass.h").exists() else None
-
-
 def _with_emu() -> bool:
-    value = os.environ.get("COMPASS_EMU", "ON").upper()
+    value = os.environ.get("COMPASS_EMU", "OFF").upper()
     if value not in ("ON", "OFF"):
         raise RuntimeError(f"COMPASS_EMU must be ON or OFF, got {value!r}")
     return value == "ON"

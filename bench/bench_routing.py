@@ -271,7 +271,7 @@ def _sizes(tr) -> dict[str, int]:
 
     e, k = tr.num_experts, tr.top_k
     rows = tr.expert_ids.shape[0] * tr.expert_ids.shape[1]
-    raw = tr.canonical().expert_ids.contiguous().numpy().tobytes()
+    raw = tr.canonical(sort=False).expert_ids.contiguous().numpy().tobytes()
     return {
         "bound_bits_x100": round(100 * math.log2(math.comb(e, k))),
         "set_bits_x100": round(800 * _setcode.payload_bytes(rows, e, k) / rows),
@@ -294,7 +294,7 @@ def codec_cases(model: str, tokens: int) -> list[Case]:
 
     tr = _codec_trace(model, tokens)
     e, k = tr.num_experts, tr.top_k
-    ids = tr.canonical().expert_ids.reshape(-1, k).contiguous()
+    ids = tr.canonical(sort=False).expert_ids.reshape(-1, k).contiguous()
     rows = ids.shape[0]
     raw = ids.numpy().tobytes()
     shape = {"model": model, "tokens": tr.num_tokens, "layers": tr.num_moe_layers}
@@ -394,7 +394,7 @@ def codec_report(tokens: int = CODEC_TOKENS, repeat: int = 7, threads=(1, 2)) ->
     for model in models:
         tr = _codec_trace(model, tokens)
         e, k = tr.num_experts, tr.top_k
-        ids = tr.canonical().expert_ids.reshape(-1, k).contiguous()
+        ids = tr.canonical(sort=False).expert_ids.reshape(-1, k).contiguous()
         rows = ids.shape[0]
         nbytes = ids.numel() * ids.element_size()
         payload = torch.empty(_setcode.payload_bytes(rows, e, k), dtype=torch.uint8)

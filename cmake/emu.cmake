@@ -4,7 +4,7 @@
 #
 # A kernel file opts in by being listed in COMPASS_EMU_KERNELS (and its entry
 # points bound in csrc/emu/src/bindings_<capability>.cpp).
-option(COMPASS_EMU "build compass_kernels._C_emu (CUDA kernels emulated on the CPU)" ON)
+option(COMPASS_EMU "build compass_kernels._C_emu (CUDA kernels emulated on the CPU; tests only)" OFF)
 option(COMPASS_EMU_MUTANTS "compile the planted mutants the test suite must catch" ON)
 if(NOT COMPASS_EMU)
   return()

@@ -44,6 +44,11 @@ py::dict build_info() {
   d["cuda_archs"] = "";
   d["cutlass_include"] = "";
 #endif
+#ifdef COMPASS_WITH_CUTLASS
+  d["cutlass_version"] = COMPASS_CUTLASS_VERSION;
+#else
+  d["cutlass_version"] = "";  // not built: the CUTLASS kernels are left out
+#endif
   return d;
 }
 

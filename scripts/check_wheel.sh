@@ -47,10 +47,13 @@ echo "built $(basename "$WHEEL") ($(du -h "$WHEEL" | cut -f1))"
 case $(basename "$WHEEL") in *manylinux*) ;; *) echo "not a manylinux wheel: $WHEEL"; exit 1 ;; esac
 # (not `zipfile -l | grep -q`: grep exits at the first match and, under
 # pipefail, the listing's broken pipe failed the check once the wheel grew)
-python3 - "$WHEEL" <<'PY' || { echo "wheel has no compiled module compass_kernels/_C"; exit 1; }
+python3 - "$WHEEL" <<'PY' || exit 1
 import sys, zipfile
 names = zipfile.ZipFile(sys.argv[1]).namelist()
-sys.exit(not any(n.startswith("compass_kernels/_C") and n.endswith(".so") for n in names))
+if not any(n.startswith("compass_kernels/_C.") and n.endswith(".so") for n in names):
+    sys.exit("wheel has no compiled module compass_kernels/_C")
+if any(n.startswith("compass_kernels/_C_emu") for n in names):
+    sys.exit("the repaired wheel ships the test-only emulation module compass_kernels/_C_emu")
 PY
 [ -z "${WHEELHOUSE:-}" ] || { mkdir -p "$WHEELHOUSE"; cp "$WHEEL" "$WHEELHOUSE/"; }
 
@@ -63,6 +66,9 @@ import compass_kernels as ck, torch
 d = ck.info()
 assert d["compiled"]["loaded"], d
 assert "site-packages" in ck.__file__, ck.__file__
+from pathlib import Path
+emu = sorted(p.name for p in Path(ck.__file__).parent.glob("_C_emu*"))
+assert not emu, f"the install ships the test-only emulation module: {emu}"
 adv, zv, _ = ck.advantages.group_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0]), group_size=2)
 assert zv.tolist() == [False, False, True, True], zv
 print("wheel ok:", ck.__file__, "cuda kernels compiled:", d["compiled"]["cuda"],

@@ -59,10 +59,12 @@ class GroupStats:
 
     @property
     def counts(self) -> torch.Tensor:
+        """[G] int64 samples per group."""
         return self._offsets.diff()
 
     @property
     def group_zero_var(self) -> torch.Tensor:
+        """[G] bool: the group's rewards have (near) zero variance."""
         if self._order is None:
             return self._zero_var[:: self._group_size]
         return self._zero_var[self._order[self._offsets[:-1]]]
@@ -73,14 +75,17 @@ class GroupStats:
 
     @property
     def num_groups(self) -> int:
+        """G, a host int."""
         return self.counts.numel()
 
     @property
     def num_zero_var(self) -> torch.Tensor:
+        """0-d int64 device tensor: zero-variance groups."""
         return self.group_zero_var.sum()
 
     @property
     def zero_var_fraction(self) -> torch.Tensor:
+        """0-d float64 device tensor: num_zero_var / num_groups."""
         return self.group_zero_var.to(torch.float64).mean()
 
 
@@ -379,3 +384,8 @@ from compass_kernels.advantages.budget import (  # noqa: E402  (after the ops it
     informative_probability,
     token_costs,
 )
+
+
+def __dir__() -> list[str]:
+    """dir(): the public names only (imports and helpers stay attributes, unlisted)."""
+    return sorted(__all__)

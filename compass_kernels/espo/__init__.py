@@ -25,3 +25,8 @@ __all__ = [
     "entropy_thresholds",
     "EspoMetrics",
 ]
+
+
+def __dir__() -> list[str]:
+    """dir(): the public names only (imports and helpers stay attributes, unlisted)."""
+    return sorted(__all__)

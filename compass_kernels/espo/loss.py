@@ -249,7 +249,7 @@ def _all_gather(t: torch.Tensor, group) -> torch.Tensor:
 
 
 class EspoMetrics(Mapping):
-    """The loss's metrics as device tensors (0-d, or [K] per entropy group),
+    """The loss's metrics as float64 device tensors (0-d, or [K] per entropy group),
     computed from the kernels' statistics when read (a call pays for none):
 
     loss (the whole loss, over a CP group too), tokens, loss_tokens,

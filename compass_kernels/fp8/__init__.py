@@ -31,6 +31,7 @@ __all__ = [
     "quantize_blockwise",
     "quantize_token_groups",
     "dequantize",
+    "grouped_gemm",
     "moe_mlp",
     "grouped_mlp",
     "permute_quantize",
@@ -240,12 +241,13 @@ def _block(block) -> tuple[int, int]:
 def quantize_token_groups(
     x: torch.Tensor,
     *,
-    group: int = TILE,
+    group_size: int = TILE,
     eps: float = ACTIVATION_EPS,
     ue8m0: bool = False,
     scale_layout: str = "k_major",
     validate: bool | None = None,
     backend: str | None = None,
+    **renamed,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token 1x128 FP8 quantization of activations (vLLM / DeepGEMM layout).
 
@@ -253,7 +255,8 @@ def quantize_token_groups(
     ----------
     x : [M, K] float32 | bfloat16 | float16. K need not be a multiple of 128
         (the last group is partial); the engines' GEMMs require it.
-    group : 128 (the CUDA / Triton kernels' group).
+    group_size : columns per scale group, 128 (the CUDA / Triton kernels' group).
+        (Named ``group_size`` as everywhere else; ``group=`` is a TypeError.)
     eps : amax floor (1e-10: vLLM's per_token_group_fp8_quant).
     ue8m0 : power-of-two scales.
     scale_layout : "k_major" [M, K/128] row-major; "mn_major" column-major;
@@ -265,14 +268,18 @@ def quantize_token_groups(
     q : [M, K] float8_e4m3fn, ``q = e4m3(x / s)`` (RNE, saturating).
     scales : [M, ceil(K/128)] float32 in ``scale_layout``.
     """
+    if renamed:
+        name = next(iter(renamed))
+        hint = " (renamed group_size)" if name == "group" else ""
+        raise TypeError(f"quantize_token_groups(): unexpected keyword argument {name!r}{hint}")
     x = _input("x", x, (2,))
-    if not (isinstance(group, int) and group >= 1):
-        raise ValueError(f"group: expected a positive int, got {group!r}")
+    if not (isinstance(group_size, int) and group_size >= 1):
+        raise ValueError(f"group_size: expected a positive int, got {group_size!r}")
     layout = _layout(scale_layout)
     eps = _check_eps(eps)
     if _data_checks(validate, x.device, backend):
         check_finite("x", x.reshape(-1))
-    return quantize_op(x, 1, group, eps, bool(ue8m0), True, layout, backend=backend)
+    return quantize_op(x, 1, group_size, eps, bool(ue8m0), True, layout, backend=backend)
 
 
 def dequantize(
@@ -412,3 +419,8 @@ def unpermute(
 
 # The MoE layer composes the ops above (imported last: it uses this module).
 from compass_kernels.fp8.moe import grouped_mlp, moe_mlp  # noqa: E402, F401
+
+
+def __dir__() -> list[str]:
+    """dir(): the public names only (imports and helpers stay attributes, unlisted)."""
+    return sorted(__all__)

@@ -44,9 +44,10 @@ def _cutlass_entry_points():
     ext = load().fp8_gemm
     if not hasattr(ext, "grouped_gemm_sm90_cuda"):
         raise BackendUnavailableError(
-            "fp8_grouped_gemm: compass_kernels._C was built without the CUTLASS kernel: rebuild "
-            "with nvcc and COMPASS_CUTLASS_INCLUDE (pip install --no-deps nvidia-cutlass), or "
-            "pass backend='triton'"
+            "fp8_grouped_gemm: compass_kernels._C was built without the CUTLASS kernel (no "
+            "CUTLASS headers at build time): reinstall from source with nvcc on PATH and build "
+            "isolation (`pip install --force-reinstall --no-deps .` adds nvidia-cutlass to the "
+            "build), or set COMPASS_CUTLASS_INCLUDE; or pass backend='triton'"
         )
     return ext.grouped_args_cuda, ext.grouped_gemm_sm90_cuda, ext.choose_sm90_tile
 

@@ -287,8 +287,8 @@ def plan(
 
     Parameters
     ----------
-    lengths : [n] integer sequence lengths (tensor on any device, list or array);
-        every length >= 1.
+    lengths : [n] integer sequence lengths (int32 / int64 tensor on any device, list
+        or array); every length >= 1.
     dp_size : data-parallel ranks.
     max_tokens : the token cap of one micro-batch (lengths padded to
         pad_multiple count against it); a longer sequence is an error naming it.

@@ -95,11 +95,13 @@ class LengthPredictor:
         self._step.clear()
 
     def fallback(self) -> float:
+        """The estimate for a prompt never seen: mean of every recorded length, or ``default``."""
         if self._fallback is None:
             self._fallback = float(np.mean(self._all)) if self._all else self.default
         return self._fallback
 
     def predict(self, prompt: Hashable, generated: int = 0) -> float:
+        """Predicted response length (tokens, float) of ``prompt`` that has ``generated`` so far."""
         past = self._past_mean.get(prompt)
         acc = self._step.get(prompt)
         if acc:
@@ -115,6 +117,7 @@ class LengthPredictor:
         return max(guess, float(generated) + 1.0)
 
     def predict_many(self, prompts: Sequence[Hashable]) -> np.ndarray:
+        """[len(prompts)] float64 array of :meth:`predict` for each prompt."""
         return np.array([self.predict(p) for p in prompts], dtype=np.float64)
 
 
@@ -232,6 +235,7 @@ class EngineModel:
     kv_tokens: int = 1_000_000
 
     def step_time(self, running: int) -> float:
+        """Seconds of one decode step with ``running`` sequences."""
         return self.step_s + self.per_seq_s * running
 
 

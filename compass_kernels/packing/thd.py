@@ -280,8 +280,8 @@ def pack(
 def unpack(
     packed: torch.Tensor | list[torch.Tensor], batch: PackedBatch, *, backend: str | None = None
 ) -> torch.Tensor:
-    """Invert :func:`pack`: [total_tokens, ...] the micro-batch's sequences, unpadded,
-    in packed order (``batch.split`` gives per-sequence views).
+    """Invert :func:`pack`: [total_tokens, ...] in ``packed``'s dtype, the micro-batch's
+    sequences, unpadded, in packed order (``batch.split`` gives per-sequence views).
 
     packed : [local_tokens, ...] model output for cp_size = 1; with context
         parallelism every rank's output: a list of cp_size tensors (rank order),

@@ -86,34 +86,42 @@ class ReplayStats:
 
     @property
     def rows(self) -> torch.Tensor:
+        """0-d int64: rows routed in the call."""
         return self.counts[0]
 
     @property
     def agreement(self) -> torch.Tensor:
+        """0-d float64: mean |native top-k ∩ replayed| / top_k over candidates."""
         return self.counts[2].to(torch.float64) / (self.counts[1] * self.top_k)
 
     @property
     def exact_match(self) -> torch.Tensor:
+        """0-d float64: fraction of candidates whose native set equals the replayed set."""
         return self.counts[3].to(torch.float64) / self.counts[1]
 
     @property
     def fallback_rows(self) -> torch.Tensor:
+        """0-d int64: rows routed natively because missing or bad."""
         return self.counts[0] - self.counts[1]
 
     @property
     def rejected_rows(self) -> torch.Tensor:
+        """0-d int64: candidates routed natively by ``min_score_ratio``."""
         return self.counts[4]
 
     @property
     def replayed_rows(self) -> torch.Tensor:
+        """0-d int64: rows that used the trace's ids."""
         return self.counts[1] - self.counts[4]
 
     @property
     def bad_rows(self) -> torch.Tensor:
+        """0-d int64: valid rows with an id out of [0, E) or repeated."""
         return self.counts[5]
 
     @property
     def replace_rate(self) -> torch.Tensor:
+        """0-d float64: rejected_rows / candidates."""
         return self.counts[4].to(torch.float64) / self.counts[1].clamp(min=1)
 
     def as_dict(self) -> dict[str, float]:
@@ -136,8 +144,9 @@ class ReplayStats:
 
 
 class ReplayResult(NamedTuple):
-    """Result of :func:`replay_topk` (unpacks as a 5-tuple; the first four are
-    (weights, routing_map, tokens_per_expert, stats))."""
+    """Result of :func:`replay_topk` (unpacks as a 5-tuple): weights [T, K] in the
+    logits' dtype, routing_map [T, E] bool, tokens_per_expert [E] int64, stats
+    (:class:`ReplayStats`), expert_ids [T, K] int64."""
 
     weights: torch.Tensor
     routing_map: torch.Tensor
@@ -407,3 +416,8 @@ def _backward(ctx, grad_w, *_):
 
 
 torch.library.register_autograd("compass::replay_topk", _backward, setup_context=_setup_context)
+
+
+def __dir__() -> list[str]:
+    """dir(): the public names only (imports and helpers stay attributes, unlisted)."""
+    return sorted(__all__)

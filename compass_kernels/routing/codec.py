@@ -137,7 +137,7 @@ def encode(trace: RoutingTrace, *, codec: str = "raw", backend: str | None = Non
         _check_ids(trace, "encode")
     # raw: missing rows hold 0..K-1 in the payload; set: the kernel codes them as
     # rank 0 (= 0..K-1) without reading them, so no canonical copy of the ids.
-    t = trace.canonical() if trace.missing is not None and code == 0 else trace
+    t = trace.canonical(sort=False) if trace.missing is not None and code == 0 else trace
     ids = t.expert_ids.cpu().contiguous()
     n_rows, n_cols, k = ids.shape
     prefix = b"".join(_prefix_parts(t, t.cu_seqlens.cpu().numpy()))

@@ -126,6 +126,10 @@ class RoutingTrace:
         mtp_layer_ids=None,
         token_lens=None,
     ) -> None:
+        """Wrap ``expert_ids`` [total_tokens, num_layers_stored, top_k] (uint8, or int16
+        above 256 experts) and ``cu_seqlens`` [n + 1] int64 as a trace of n sequences;
+        the arguments are those of the class. Checks shapes, dtypes and devices (raises
+        ValueError naming the argument); no host sync, no copy of ``expert_ids``."""
         want = ids_dtype(num_experts)
         if not isinstance(expert_ids, torch.Tensor) or expert_ids.dim() != 3:
             raise ValueError(
@@ -225,26 +229,32 @@ class RoutingTrace:
     # ------------------------------------------------------------ basics
     @property
     def top_k(self) -> int:
+        """K, experts per token (expert_ids.shape[2])."""
         return self.expert_ids.shape[2]
 
     @property
     def num_tokens(self) -> int:
+        """Total rows over all sequences (expert_ids.shape[0])."""
         return self.expert_ids.shape[0]
 
     @property
     def num_sequences(self) -> int:
+        """n, the number of sequences (len(cu_seqlens) - 1)."""
         return self.cu_seqlens.numel() - 1
 
     @property
     def num_moe_layers(self) -> int:
+        """Decoder MoE columns (len(layer_ids))."""
         return self.layer_ids.numel()
 
     @property
     def num_mtp_layers(self) -> int:
+        """MTP columns (len(mtp_layer_ids))."""
         return self.mtp_layer_ids.numel()
 
     @property
     def device(self) -> torch.device:
+        """The device of expert_ids, cu_seqlens and missing."""
         return self.expert_ids.device
 
     @property
@@ -286,6 +296,9 @@ class RoutingTrace:
         return self._cu_host
 
     def to(self, device) -> RoutingTrace:
+        """A copy with every tensor (expert_ids, cu_seqlens, missing, missing_reason) on
+        ``device``; layer keys stay on the CPU."""
+
         def mv(t):
             return None if t is None else t.to(device)
 
@@ -338,9 +351,10 @@ class RoutingTrace:
             return self.missing_reason
         return torch.zeros(self.num_tokens, dtype=torch.uint8, device=self.device)
 
-    def canonical(self, *, sort: bool = False) -> RoutingTrace:
-        """A copy whose missing rows hold 0..top_k-1 and, with ``sort``, every row
-        ascending: what :meth:`decode` returns for the raw / set codec."""
+    def canonical(self, *, sort: bool = True) -> RoutingTrace:
+        """A copy whose missing rows hold 0..top_k-1 and, with ``sort`` (default), every
+        row ascending: ``decode(encode(t)) == t.canonical()`` for the default "set" codec,
+        ``t.canonical(sort=False)`` for ``codec="raw"``. expert_ids keep their dtype."""
         if self.missing is not None:  # a select, no boolean indexing (no device sync)
             fill = torch.arange(self.top_k, device=self.device).to(self.expert_ids.dtype)
             ids = torch.where(self.missing[..., None], fill.view(1, 1, -1), self.expert_ids)

@@ -21,6 +21,8 @@ void bind(pybind11::module_& root) {
   m.attr("SM90_TILES") = pybind11::make_tuple("m64", "m128");
 #ifdef COMPASS_WITH_CUDA
   COMPASS_DEF(m, grouped_args_cuda, args);
+#endif
+#ifdef COMPASS_WITH_CUTLASS  // CUDA build with CUTLASS headers (CMakeLists.txt)
   COMPASS_DEF(m, grouped_gemm_sm90_workspace, "(tile, experts, sm_count) -> workspace bytes");
   COMPASS_DEF(m, grouped_gemm_sm90_shared_bytes, "(tile) -> dynamic shared memory per CTA");
   COMPASS_DEF(m, grouped_gemm_sm90_cuda,

