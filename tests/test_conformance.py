@@ -158,3 +158,103 @@ def test_empty_inputs_name_the_users_argument():
     assert q.shape == (0, 256) and s.shape[0] == 0
     packed = packing.pack(torch.randn(4, 0), [2, 2], [0, 1])  # zero-width rows pack
     assert next(iter(packed.tensors.values())).shape == (4, 0)
+
+
+# ------------------------------------------------ packing and advantages classes
+
+
+def test_flops_balancing_vs_the_token_cap():
+    """Balancing the attention FLOPs a*L + b*L^2 (quadratic: one long sequence
+    outweighs many short ones) must never pack the short ones past the token cap."""
+    import numpy as np
+
+    from compass_kernels.packing import ModelConfig
+    from compass_kernels.packing import reference as pref
+
+    cfg = ModelConfig(hidden_size=64, ffn_hidden_size=64, num_layers=2, num_attention_heads=4)
+    a, b = packing.cost_coefficients(cfg)
+    assert b * 1000 > 2 * a  # at 1000 tokens the quadratic term dominates: FLOPs != tokens
+    # one rank's worth: a 1000-token sequence beside 40 of 50 tokens; by FLOPs the
+    # short ones together weigh less than the long one, by tokens twice as much
+    lengths = [1000] + [50] * 40
+    for kw in ({}, {"pad_multiple": 8}, {"micro_batch_multiple": 2}):
+        p = packing.plan(lengths, dp_size=1, max_tokens=1000, cost="attention",
+                         model_config=cfg, **kw)  # fmt: skip
+        pref.check_plan(p, lengths, dp_size=1, max_tokens=1000, **kw)
+        assert p.stats["max_mb_tokens"] <= 1000
+    rng = np.random.default_rng(21)
+    for trial in range(40):  # long-tailed batches at tight caps, with and without groups
+        n, dp = int(rng.integers(4, 40)), int(rng.integers(1, 5))
+        lens = np.clip(rng.lognormal(5.0, 1.2, n), 1, 4000).astype(np.int64)
+        cap = int(lens.max() * rng.choice([1, 1.3, 2]))
+        gids = rng.integers(0, max(dp, n // 3), n) if trial % 2 else None
+        pad = int(rng.choice([1, 4]))
+        cap = -(-cap // pad) * pad
+        try:
+            p = packing.plan(lens, dp_size=dp, max_tokens=cap, cost="attention",
+                             model_config=cfg, group_ids=gids, pad_multiple=pad)  # fmt: skip
+        except ValueError as e:  # only a refusal that names why
+            assert "dp_size" in str(e) or "no plan" in str(e), str(e)
+            continue
+        pref.check_plan(p, lens, dp_size=dp, max_tokens=cap, group_ids=gids, pad_multiple=pad)
+
+
+def test_empty_rank():
+    """Fewer sequences (or groups) than ranks x micro-batches: a refusal naming the
+    real reason, never a crash, a rank without work or an empty micro-batch."""
+    with pytest.raises(ValueError, match="need at least dp_size = 4 sequences .* got 3"):
+        packing.plan([5, 6, 7], dp_size=4, max_tokens=100)
+    with pytest.raises(ValueError, match="group_ids: need at least dp_size = 4 groups .* got 2"):
+        packing.plan([5] * 8, dp_size=4, max_tokens=100, group_ids=[0] * 4 + [1] * 4)
+    # two sequences per rank but three micro-batches needed by the cap
+    with pytest.raises(ValueError, match="no plan exists.*need M >= 3"):
+        packing.plan([100] * 4, dp_size=2, max_tokens=100, micro_batch_multiple=3)
+    with pytest.raises(ValueError, match="lengths: expected at least one sequence"):
+        packing.plan([], dp_size=2, max_tokens=100)
+    # exactly one sequence per rank: planned, every micro-batch non-empty
+    p = packing.plan([100, 1, 1, 1], dp_size=4, max_tokens=100)
+    assert all(len(mb) == 1 for mbs in p.assignment for mb in mbs)
+    # the cap needs 2 micro-batches on whichever rank gets two long sequences; the
+    # other rank, whose tokens fit in one, is split so that it has 2 non-empty ones
+    lens = [60, 60, 61, 1]
+    p = packing.plan(lens, dp_size=2, max_tokens=100)
+    from compass_kernels.packing import reference as pref
+
+    pref.check_plan(p, lens, dp_size=2, max_tokens=100)
+    assert p.num_micro_batches == 2
+
+
+def test_dynamic_sampling_mask_per_group():
+    """The dynamic-sampling (zero-variance) mask is a property of a group: every
+    rollout of a group is kept or dropped together, whatever the order of the
+    rollouts; seven identical winners and a loser are kept with non-zero
+    advantages, eight identical winners are dropped whole (RL-ZVP takes them)."""
+    from compass_kernels import advantages
+    from compass_kernels.advantages import reference as aref
+
+    g = make_generator(21)
+    rewards = torch.cat([
+        torch.tensor([1.0] * 7 + [0.0]),  # group 0: informative, kept whole
+        torch.ones(8),  # group 1: seven+one identical winners, dropped whole
+        torch.tensor([0.5, 0.5 + 1e-9, 0.5, 0.5]),  # group 2: within zero_var_tol
+        torch.tensor([0.0, 1.0, 0.0, 0.0]),  # group 3: one winner: kept
+        torch.tensor([2.0]),  # group 4: a group of one: dropped
+    ])  # fmt: skip
+    gids = torch.tensor([0] * 8 + [1] * 8 + [2] * 4 + [3] * 4 + [4])
+    perm = torch.randperm(rewards.numel(), generator=g)  # rollouts arrive interleaved
+    r, gid = rewards[perm], gids[perm] * 7 + 3  # ids need not be 0..G-1
+    adv, zero_var, stats = advantages.group_advantages(r, gid)
+    want = torch.tensor([False, True, True, False, True])
+    assert torch.equal(stats.group_zero_var, want)
+    assert torch.equal(zero_var, want[gids[perm]])  # per rollout = its group's flag
+    assert bool((adv[zero_var] == 0).all()) and bool((adv[~zero_var] != 0).all())
+    # RL-ZVP gives token advantages exactly to the dropped groups' rollouts
+    lens = torch.randint(1, 5, (r.numel(),), generator=g)
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
+    ent = torch.rand(int(cu[-1]), generator=g) + 0.1
+    tok = advantages.rl_zvp(ent, cu, r, zero_var, advantages=adv)
+    want_tok = aref.rl_zvp_reference(ent, cu, r, want[gids[perm]], advantages=adv)
+    torch.testing.assert_close(tok.double(), want_tok, rtol=1e-6, atol=1e-7)
+    seq = torch.repeat_interleave(torch.arange(r.numel()), lens)
+    dropped = zero_var[seq]
+    assert bool((tok[dropped] != 0).any()) and torch.equal(tok[~dropped], adv[seq][~dropped])
