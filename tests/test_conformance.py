@@ -258,3 +258,145 @@ def test_dynamic_sampling_mask_per_group():
     seq = torch.repeat_interleave(torch.arange(r.numel()), lens)
     dropped = zero_var[seq]
     assert bool((tok[dropped] != 0).any()) and torch.equal(tok[~dropped], adv[seq][~dropped])
+
+
+# ------------------------------------------------ NaN / Inf policy, every public op
+# (the table: docs/design_notes/contracts.md). On CPU tensors every float input
+# that the policy says must be finite is checked by default and the error names
+# the argument; where the policy leaves values unchecked, the output is what it
+# says.
+
+
+def _nan_at(t: torch.Tensor, idx, value=float("nan")) -> torch.Tensor:
+    t = t.clone()
+    t[idx] = value
+    return t
+
+
+def _nan_cases():
+    from compass_kernels import advantages, espo
+
+    g = make_generator(7)
+    x8 = torch.randn(8, generator=g)
+    cu = torch.tensor([0, 3, 6])
+    ent, lp = torch.rand(6, generator=g), -torch.rand(6, generator=g)
+    zv = torch.tensor([True, False])
+    logits, tgt = torch.randn(4, 10, generator=g), torch.tensor([1, 2, 3, 4])
+    hid, w = torch.randn(4, 8, generator=g), torch.randn(10, 8, generator=g)
+    adv2 = torch.randn(2, generator=g)
+    cu4 = torch.tensor([0, 2, 4])
+    wt = torch.randn(128, 128, generator=g)
+    ids = torch.zeros(128, 2, dtype=torch.int64)
+    aq, asc = fp8.quantize_token_groups(torch.randn(6, 128, generator=g))
+    bq, bsc = fp8.quantize_blockwise(torch.randn(2, 16, 128, generator=g))
+    off = torch.tensor([0, 4, 6])
+    succ, att = torch.tensor([1.0, 2.0]), torch.tensor([2.0, 4.0])
+    inf = float("inf")
+    alloc, fused_lp = advantages.allocate_rollouts, espo.fused_linear_logprobs_entropy
+
+    def loss(*a):
+        return espo.espo_loss(*a, vocab_size=10)
+
+    return {
+        "group_advantages.rewards": (
+            "rewards", lambda: advantages.group_advantages(_nan_at(x8, 3), group_size=4)),
+        "rl_zvp.entropy": (
+            "entropy", lambda: advantages.rl_zvp(_nan_at(ent, 4), cu, adv2, zv)),
+        "rl_zvp.rewards": (
+            "rewards", lambda: advantages.rl_zvp(ent, cu, _nan_at(adv2, 1, inf), zv)),
+        "allocate_rollouts.successes": (
+            "successes", lambda: alloc(_nan_at(succ, 0), att, 8)),
+        "allocate_rollouts.attempts": (
+            "attempts", lambda: alloc(succ, _nan_at(att, 1, inf), 8)),
+        "allocate_rollouts.cost": (
+            "cost", lambda: alloc(succ, att, 8, cost=torch.tensor([1.0, inf]))),
+        "allocate_rollouts.budget": (
+            "budget", lambda: alloc(succ, att, float("nan"))),
+        "token_logprobs_entropy.logits": (
+            "logits", lambda: espo.token_logprobs_entropy(_nan_at(logits, (1, 2)), tgt)),
+        "token_logprobs_entropy.+inf": (
+            "logits", lambda: espo.token_logprobs_entropy(_nan_at(logits, (1, 2), inf), tgt)),
+        "fused_linear_logprobs_entropy.hidden": (
+            "hidden", lambda: fused_lp(_nan_at(hid, (0, 0)), w, tgt)),
+        "fused_linear_logprobs_entropy.weight": (
+            "weight", lambda: fused_lp(hid, _nan_at(w, (9, 7), inf), tgt)),
+        "espo_loss.logprobs": (
+            "logprobs", lambda: loss(_nan_at(lp, 2), lp, ent, adv2, cu)),
+        "espo_loss.old_logprobs": (
+            "old_logprobs", lambda: loss(lp, _nan_at(lp, 5), ent, adv2, cu)),
+        "espo_loss.old_entropy": (
+            "old_entropy", lambda: loss(lp, lp, _nan_at(ent, 0, inf), adv2, cu)),
+        "espo_loss.advantages": (
+            "advantages", lambda: loss(lp, lp, ent, _nan_at(adv2, 0), cu)),
+        "fused_linear_espo_loss.hidden": (
+            "hidden", lambda: espo.fused_linear_espo_loss(
+                _nan_at(hid, (3, 1)), w, tgt, lp[:4], ent[:4], adv2, cu4)),
+        "fused_linear_espo_loss.advantages": (
+            "advantages", lambda: espo.fused_linear_espo_loss(
+                hid, w, tgt, lp[:4], ent[:4], _nan_at(adv2, 1), cu4)),
+        "quantize_blockwise.w": ("w", lambda: fp8.quantize_blockwise(_nan_at(wt, (5, 5)))),
+        "quantize_token_groups.x": (
+            "x", lambda: fp8.quantize_token_groups(_nan_at(wt, (0, 127), -inf))),
+        "permute_quantize.x": ("x", lambda: fp8.permute_quantize(_nan_at(wt, (9, 9)), ids, 4)),
+        "grouped_gemm.a_scales": (
+            "a_scales", lambda: fp8.grouped_gemm(aq, _nan_at(asc, (2, 0)), bq, bsc, off)),
+        "grouped_gemm.b_scales": (
+            "b_scales", lambda: fp8.grouped_gemm(aq, asc, bq, _nan_at(bsc, (1, 0, 0), inf), off)),
+        "replay_topk.router_logits": (
+            "router_logits", lambda: replay_topk(_nan_at(logits, (2, 5)), tgt[:, None])),
+    }  # fmt: skip
+
+
+_NAN_CASES = sorted(_nan_cases())
+
+
+@pytest.mark.parametrize("case", _NAN_CASES)
+def test_nan_inf_checked_on_cpu_by_default(case):
+    name, call = _nan_cases()[case]
+    with pytest.raises(ValueError, match=rf"^{name}: expected (a )?finite"):
+        call()
+
+
+def test_moe_mlp_nan_inf_policy():
+    from tests.test_fp8_moe import make_layer
+
+    x, ids, w, w13, s13, w2, s2 = make_layer(6, 128, 128, 2, 2, seed=3)
+    for name, args in (
+        ("hidden", (_nan_at(x, (1, 1)), ids, w, w13, s13, w2, s2)),
+        ("topk_weights", (x, ids, _nan_at(w, (0, 1)), w13, s13, w2, s2)),
+        ("w13_scale", (x, ids, w, w13, _nan_at(s13, (1, 0, 0)), w2, s2)),
+        ("w2_scale", (x, ids, w, w13, s13, w2, _nan_at(s2, (0, 0, 0), float("inf")))),
+    ):
+        with pytest.raises(ValueError, match=rf"^{name}: expected finite"):
+            fp8.moe_mlp(*args)
+
+
+def test_unchecked_values_give_what_the_policy_says():
+    """Where the policy does not check (validate=False, or values only moved),
+    a non-finite input reaches exactly the outputs it feeds, no others."""
+    from compass_kernels import advantages
+
+    r = _nan_at(torch.randn(8), 5)
+    adv, zv, _ = advantages.group_advantages(r, group_size=4, validate=False)
+    assert bool(adv[4:].isnan().all()) and bool(adv[:4].isfinite().all())
+    assert zv.tolist() == [False] * 8
+    ent = _nan_at(torch.rand(7), 1)
+    cu, zv2 = torch.tensor([0, 3, 7]), torch.tensor([True, True])
+    tok = advantages.rl_zvp(ent, cu, torch.tensor([-1.0, -1.0]), zv2, validate=False)
+    assert bool(tok[3:].isfinite().all())  # the other sequence is untouched
+    # pack / unpack move values: NaN / Inf pass through bit for bit
+    x = _nan_at(torch.randn(7, 3), (4, 1))
+    x[0, 0] = float("-inf")
+    b = packing.pack(x, [3, 4], [1, 0], pad_multiple=4)
+    back = packing.unpack(b.tensors["input"], b)
+    assert torch.equal(back.view(torch.int32), torch.cat([x[3:], x[:3]]).view(torch.int32))
+    # dequantize is an unchecked helper: a NaN scale gives NaN in its block only
+    q, s = fp8.quantize_blockwise(torch.randn(256, 130))
+    out = fp8.dequantize(q, _nan_at(s, (1, 1)))
+    assert bool(out[128:, 128:].isnan().all()) and int(out.isnan().sum()) == 128 * 2
+    # -inf logits are masked tokens, not errors
+    logits = _nan_at(torch.randn(3, 5), (0, 4), float("-inf"))
+    from compass_kernels import espo
+
+    logp, _ = espo.token_logprobs_entropy(logits, torch.tensor([0, 1, 2]))
+    assert bool(logp.isfinite().all())

@@ -182,6 +182,10 @@ def token_logprobs_entropy(
     validate : check targets' range and that logits hold no NaN / +inf and no
         all -inf row. The C++ (CPU) kernel always checks, at no extra cost; on
         CUDA the checks need a host sync: off by default, on with validate=True.
+        NaN / Inf policy: logits finite or -inf (a masked token), not all -inf
+        in a row (ValueError naming [row, column] where checked); unchecked, a
+        NaN / +inf logit or an all -inf row gives NaN log-prob and entropy for
+        that row only (and NaN gradients in that row).
     backend : None (CPU: "cpp"; CUDA: "cuda", or "triton" with
         COMPASS_CUDA_BACKEND=triton), "cpp", "cuda" or "triton".
 
@@ -364,7 +368,7 @@ def _finalize(state: torch.Tensor, inv_t: float, with_entropy: bool, tp_group, t
     log_s = torch.log(s)
     logp = torch.clamp((xt - m) * inv_t - log_s, max=0.0)  # compass/logprobs.h logprob_of
     ok = (targets >= 0) & (targets < vocab)
-    if not (ok.all() if targets.device.type == "cpu" else False):
+    if not (ok.all() if targets.device.type == "cpu" and not has_no_data(targets) else False):
         masked = torch.where(targets == IGNORE_INDEX, 0.0, float("nan")).to(logp.dtype)
         logp = torch.where(ok, logp, masked)
     entropy = torch.clamp(log_s - a / s, min=0.0) if with_entropy else None
@@ -515,6 +519,9 @@ def fused_linear_logprobs_entropy(
     token_chunk, vocab_chunk : the tile of float32 logits held at once.
     validate : check targets' range and that hidden / weight are finite
         (default: on for CPU tensors, off on CUDA where it costs a host sync).
+        NaN / Inf policy: hidden and weight must be finite (ValueError naming
+        which where checked); unchecked, a non-finite hidden row gives NaN
+        for that token, a non-finite weight row NaN for every token.
     backend : kernels of the per-tile statistics: None (CPU "cpp", CUDA "cuda"
         or COMPASS_CUDA_BACKEND), "cpp", "cuda" or "triton".
     grad_gemm_dtype : operands of the backward's gradient GEMMs: "input"
