@@ -717,3 +717,119 @@ def test_error_is_named_for_wrong_types():
         with pytest.raises((TypeError, ValueError)) as info:
             call()
         _names_an_argument(info.value, (name,))
+
+
+@FEW
+@given(t=st.integers(0, 1 << 16), v=st.integers(1, 1 << 18), e=st.integers(1, 512))
+def test_large_shapes_on_meta(t, v, e):
+    """Vocab-sized log-probs, batch-sized advantages and routing on the meta device."""
+    logits = torch.empty(t, v, dtype=torch.bfloat16, device="meta")
+    y = torch.empty(t, dtype=torch.int64, device="meta")
+    logp, ent = ck.espo.token_logprobs_entropy(logits, y)
+    assert logp.shape == ent.shape == (t,) and logp.dtype == torch.float32
+    r = torch.empty(t, device="meta")
+    adv, zv, _ = ck.advantages.group_advantages(r, group_size=1)
+    assert adv.shape == zv.shape == (t,)
+    k = min(8, e)
+    res = ck.routing.replay_topk(torch.empty(t, e, device="meta"),
+                                 torch.empty(t, k, dtype=torch.int64, device="meta"))  # fmt: skip
+    assert res.weights.shape == (t, k) and res.routing_map.shape == (t, e)
+
+
+@SETTINGS
+@given(
+    lens=st.lists(st.integers(0, 8), min_size=0, max_size=5),
+    pad=st.integers(0, 2),
+    levels=st.lists(st.floats(0, 1), min_size=1, max_size=3).map(lambda v: tuple(sorted(v))),
+    per_sequence=st.booleans(),
+    with_mask=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+    step=STEPS,
+    seed=SEEDS,
+)
+def test_entropy_thresholds(lens, pad, levels, per_sequence, with_mask, dtype, step, seed):
+    g = _gen(seed)
+    cu = torch.tensor([0, *np.cumsum(lens).tolist()], dtype=torch.int64)
+    total = int(cu[-1]) + pad
+    ent = torch.rand(total, generator=g).to(dtype)
+    mask = torch.rand(total, generator=g) < 0.7 if with_mask else None
+    got = ck.espo.entropy_thresholds(_strided(ent, step), cu, mask, levels=levels,
+                                     per_sequence=per_sequence)  # fmt: skip
+    want = sref.entropy_thresholds_reference(ent, cu, mask, levels, per_sequence=per_sequence)
+    assert got.shape == want.shape
+    keep = ~want.isnan()  # rows of sequences without valid tokens are unused
+    torch.testing.assert_close(got[keep], want[keep], rtol=1e-12, atol=1e-12)
+
+
+@SETTINGS
+@given(
+    p=st.integers(0, 6),
+    max_n=st.integers(0, 12),
+    prior=st.tuples(st.floats(0.1, 5), st.floats(0.1, 5)),
+    seed=SEEDS,
+)
+def test_informative_probability(p, max_n, prior, seed):
+    g = _gen(seed)
+    att = torch.randint(0, 20, (p,), generator=g).double()
+    succ = torch.floor(att * torch.rand(p, generator=g))
+    n = torch.randint(0, max_n + 1, (p,), generator=g)
+    got = ck.advantages.informative_probability(succ, att, n, prior=prior)
+    assert got.shape == (p,)
+    for i in range(p):  # 1 - E[p^n] - E[(1-p)^n] by the Beta moments, in float64
+        a, b, k = prior[0] + float(succ[i]), prior[1] + float(att[i] - succ[i]), int(n[i])
+        ep = math.prod((a + j) / (a + b + j) for j in range(k))
+        eq = math.prod((b + j) / (a + b + j) for j in range(k))
+        want = 0.0 if k <= 1 else 1 - ep - eq
+        assert abs(float(got[i]) - want) <= 1e-12
+
+
+@SETTINGS
+@given(
+    lens=st.lists(st.integers(-3, 10**6), min_size=0, max_size=6),
+    cost=st.sampled_from(["tokens", "attention", "flops"]),
+    kind=st.sampled_from(["tensor", "numpy"]),
+)
+def test_sequence_cost(lens, cost, kind):
+    cfg = ck.packing.ModelConfig(128, 256, 2, 4)
+    x = torch.tensor(lens, dtype=torch.int64) if kind == "tensor" else np.array(lens, np.int64)
+    try:
+        c = ck.packing.sequence_cost(x, cost, cfg)
+    except ValueError as e:
+        assert cost == "flops"
+        _names_an_argument(e, ("cost",))
+        return
+    a, b = ck.packing.cost_coefficients(cfg) if cost == "attention" else (1.0, 0.0)
+    want = [a * v + b * v * v for v in lens]
+    assert np.allclose(np.asarray(c, dtype=np.float64), want, rtol=1e-15, atol=0)
+
+
+@SETTINGS
+@given(
+    lens=st.lists(st.integers(0, 6), min_size=1, max_size=4),
+    short=st.lists(st.integers(-1, 2), min_size=4, max_size=4),
+    max_missing=st.none() | st.sampled_from([0.0, 0.5, 1.0]),
+    seed=SEEDS,
+)
+def test_trace_row_count_contract(lens, short, max_missing, seed):
+    """token_lens vs rows: more rows than tokens - 1 always raise, fewer raise unless
+    accepted by name; an accepted trace validates."""
+    g = _gen(seed)
+    rows = sum(lens)
+    ids = torch.stack([torch.randperm(16, generator=g)[:2] for _ in range(rows)]) if rows \
+        else torch.zeros(0, 2, dtype=torch.int64)  # fmt: skip
+    ids = ids.reshape(rows, 1, 2).to(torch.uint8)
+    cu = torch.tensor([0, *np.cumsum(lens).tolist()], dtype=torch.int64)
+    tok = [n + 1 + s for n, s in zip(lens, short, strict=False)]
+    kw = {} if max_missing is None else {"max_missing_fraction": max_missing}
+    try:
+        t = RoutingTrace(ids, cu, 16, token_lens=tok)
+        t.validate(**kw)
+    except (TraceError, ValueError) as e:
+        over = any(n > tk - 1 for n, tk in zip(lens, tok, strict=False))
+        under = any(n < tk - 1 for n, tk in zip(lens, tok, strict=False))
+        assert over or under
+        _names_an_argument(e, ("token_lens", "rows", "tokens", "max_missing_fraction"))
+        return
+    assert all(n <= tk - 1 for n, tk in zip(lens, tok, strict=False))
+    if not max_missing:  # short rows only where accepted by name
+        assert all(n == tk - 1 for n, tk in zip(lens, tok, strict=False))
