@@ -833,3 +833,66 @@ def test_trace_row_count_contract(lens, short, max_missing, seed):
     assert all(n <= tk - 1 for n, tk in zip(lens, tok, strict=False))
     if not max_missing:  # short rows only where accepted by name
         assert all(n == tk - 1 for n, tk in zip(lens, tok, strict=False))
+
+
+@FEW
+@given(
+    t=st.integers(0, 5),
+    e=st.integers(1, 3),
+    k=st.integers(1, 2),
+    bad_scale=st.booleans(),
+    seed=SEEDS,
+)
+def test_grouped_mlp_is_moe_mlp_unpermuted(t, e, k, bad_scale, seed):
+    """unpermute(grouped_mlp(permuted rows)) is moe_mlp bit for bit."""
+    g = _gen(seed)
+    h = inter = 128
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16)
+    ids = torch.randint(0, e, (t, k), generator=g)
+    w = torch.softmax(torch.randn(t, k, generator=g), 1)
+    w13, s13 = ck.fp8.quantize_blockwise((torch.randn(e, 2 * inter, h, generator=g) / h**0.5)
+                                         .to(torch.bfloat16))  # fmt: skip
+    w2, s2 = ck.fp8.quantize_blockwise((torch.randn(e, h, inter, generator=g) / inter**0.5)
+                                       .to(torch.bfloat16))  # fmt: skip
+    if bad_scale:
+        s2 = _poison(s2, seed, float("nan"))
+    p = ck.fp8.permute_quantize(x, ids, e)
+    rows = x[p.src_index // k]
+    try:
+        y = ck.fp8.grouped_mlp(rows, p.expert_offsets, w13, s13, w2, s2)
+    except ValueError as err:
+        assert bad_scale
+        _names_an_argument(err, ("w2_scale",))
+        return
+    assert not bad_scale
+    out = ck.fp8.unpermute(y, p, w)
+    assert torch.equal(out, ck.fp8.moe_mlp(x, ids, w, w13, s13, w2, s2))
+
+
+@SETTINGS
+@given(
+    rounds=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 40)), min_size=1, max_size=4),
+    explore_after=st.none() | st.integers(1, 3),
+    seed=SEEDS,
+)
+def test_rollout_allocator(rounds, explore_after, seed):
+    """Allocate / observe rounds: every allocation within the budget and the [min_n, max_n]
+    rule; the history counts exactly what was observed."""
+    g = _gen(seed)
+    alloc = ck.advantages.RolloutAllocator(min_n=2, max_n=6, explore_after=explore_after)
+    seen: dict[int, list[float]] = {}
+    for p, budget in rounds:
+        keys = list(range(p))
+        n = alloc.allocate(keys, budget)
+        assert int(n.sum()) <= budget and bool(((n == 0) | ((n >= 2) & (n <= 6))).all())
+        sample_keys = [key for key, c in zip(keys, n.tolist(), strict=True) for _ in range(c)]
+        scores = (torch.rand(len(sample_keys), generator=g) < 0.5).tolist()
+        alloc.observe(sample_keys, scores)
+        for key, sc in zip(sample_keys, scores, strict=True):
+            h = seen.setdefault(key, [0.0, 0.0])
+            h[0] += float(sc)
+            h[1] += 1.0
+    keys = sorted(seen)
+    s, a = alloc.history(keys)
+    assert s.tolist() == [seen[key][0] for key in keys]
+    assert a.tolist() == [seen[key][1] for key in keys]

@@ -209,6 +209,8 @@ def grouped_mlp(
     expert_offsets : [E+1] int64, 0 = o[0] <= ... <= o[E] = P.
     w13_weight, w13_scale, w2_weight, w2_scale : as :func:`moe_mlp`.
     validate, backend : as :func:`moe_mlp` (validate also checks the offsets).
+        NaN / Inf policy: x and the weight scales must be finite, checked as in
+        :func:`moe_mlp`; unchecked, a non-finite value spoils the rows it reaches.
 
     Returns
     -------
@@ -234,6 +236,9 @@ def grouped_mlp(
         x, expert_offsets
     ):
         check_offsets("expert_offsets", expert_offsets, x.shape[0], exact=True)
+    if (x.device.type == "cpu" or validate) and not has_no_data(w13_scale, w2_scale):
+        check_finite("w13_scale", w13_scale.reshape(-1))
+        check_finite("w2_scale", w2_scale.reshape(-1))
     a_q, a_s = _fp8.quantize_token_groups(x, validate=validate, backend=backend)
     return _experts(a_q, a_s, expert_offsets, w13_weight, w13_scale, w2_weight, w2_scale, inter,
                     backend)  # fmt: skip
