@@ -358,9 +358,12 @@ def test_nan_inf_checked_on_cpu_by_default(case):
 
 
 def test_moe_mlp_nan_inf_policy():
-    from tests.test_fp8_moe import make_layer
-
-    x, ids, w, w13, s13, w2, s2 = make_layer(6, 128, 128, 2, 2, seed=3)
+    g = make_generator(3)
+    x = torch.randn(6, 128, generator=g).to(torch.bfloat16)
+    ids = torch.tensor([[0, 1], [1, 0], [0, 1], [1, 0], [0, 1], [1, 0]])
+    w = torch.softmax(torch.randn(6, 2, generator=g), 1)
+    w13, s13 = fp8.quantize_blockwise(torch.randn(2, 256, 128, generator=g).to(torch.bfloat16))
+    w2, s2 = fp8.quantize_blockwise(torch.randn(2, 128, 128, generator=g).to(torch.bfloat16))
     for name, args in (
         ("hidden", (_nan_at(x, (1, 1)), ids, w, w13, s13, w2, s2)),
         ("topk_weights", (x, ids, _nan_at(w, (0, 1)), w13, s13, w2, s2)),
