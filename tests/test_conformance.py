@@ -397,6 +397,14 @@ def test_unchecked_values_give_what_the_policy_says():
     q, s = fp8.quantize_blockwise(torch.randn(256, 130))
     out = fp8.dequantize(q, _nan_at(s, (1, 1)))
     assert bool(out[128:, 128:].isnan().all()) and int(out.isnan().sum()) == 128 * 2
+    # grouped_gemm, validate=False: a NaN weight scale spoils exactly its 128x128 block
+    g = make_generator(9)
+    aq, asc = fp8.quantize_token_groups(torch.randn(5, 256, generator=g))
+    bq, bsc = fp8.quantize_blockwise(torch.randn(1, 256, 256, generator=g))
+    off = torch.tensor([0, 5])
+    out = fp8.grouped_gemm(aq, asc, bq, _nan_at(bsc, (0, 1, 0)), off, out_dtype=torch.float32,
+                           validate=False)  # fmt: skip
+    assert bool(out[:, 128:].isnan().all()) and bool(out[:, :128].isfinite().all())
     # -inf logits are masked tokens, not errors
     logits = _nan_at(torch.randn(3, 5), (0, 4), float("-inf"))
     from compass_kernels import espo

@@ -202,8 +202,8 @@ def grouped_gemm(
         offsets are undefined behaviour, as in every varlen kernel), on with
         validate=True. CPU tensors on another backend are checked unless False.
     NaN / Inf policy: ``a_scales`` and ``b_scales`` must be finite; checked on
-        CPU tensors always (one float64 sum of the small scale tensors, no
-        sync), on CUDA with validate=True (a host sync); unchecked, a non-finite
+        CPU tensors unless validate=False (one float64 sum of the small scale
+        tensors, no sync), on CUDA with validate=True (a host sync); unchecked, a non-finite
         scale makes the output rows / columns of its block NaN / Inf. NaN
         encodings in ``a_q`` / ``b_q`` (e4m3fn 0x7f / 0xff) are never checked
         (a pass over the operands): they give NaN in the rows / columns they touch.
@@ -229,7 +229,9 @@ def grouped_gemm(
     ) and not has_no_data(a_q, expert_offsets):
         if not (dev.type == "cpu" and backend in (None, "cpp")):
             check_offsets("expert_offsets", expert_offsets, a_q.shape[0], exact=True)
-    if (dev.type == "cpu" or validate) and not has_no_data(a_scales, b_scales):
+    if (dev.type == "cpu" if validate is None else validate) and not has_no_data(
+        a_scales, b_scales
+    ):
         check_finite("a_scales", a_scales.reshape(-1))
         check_finite("b_scales", b_scales.reshape(-1))
     if out is not None:

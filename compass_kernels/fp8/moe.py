@@ -117,7 +117,8 @@ def moe_mlp(
     validate : check the ids' range and finiteness of ``hidden`` (a host sync
         on CUDA: off by default there; the C++ path always checks).
         NaN / Inf policy: ``hidden``, ``topk_weights`` and the weight scales
-        must be finite: checked on CPU tensors always (no sync), on CUDA with
+        must be finite: checked on CPU tensors unless validate=False (no sync; the
+        C++ kernel checks ``hidden`` itself), on CUDA with
         validate=True (host syncs); unchecked, a non-finite value gives NaN /
         Inf in the outputs of the tokens it reaches (a weight scale: every
         token routed to that expert), never an error or a read out of bounds.
@@ -154,7 +155,8 @@ def moe_mlp(
         check_tensor("out", out, ndim=2, dtypes=(hidden.dtype,), device=dev)
         if tuple(out.shape) != (t, h):
             raise ValueError(f"out: expected shape [{t}, {h}], got {describe(out)}")
-    if (dev.type == "cpu" or validate) and not has_no_data(topk_weights, w13_scale, w2_scale):
+    scales_checked = dev.type == "cpu" if validate is None else validate
+    if scales_checked and not has_no_data(topk_weights, w13_scale, w2_scale):
         for name, x in (("topk_weights", topk_weights), ("w13_scale", w13_scale),
                         ("w2_scale", w2_scale)):  # fmt: skip
             check_finite(name, x.detach().reshape(-1))
@@ -236,7 +238,9 @@ def grouped_mlp(
         x, expert_offsets
     ):
         check_offsets("expert_offsets", expert_offsets, x.shape[0], exact=True)
-    if (x.device.type == "cpu" or validate) and not has_no_data(w13_scale, w2_scale):
+    if (x.device.type == "cpu" if validate is None else validate) and not has_no_data(
+        w13_scale, w2_scale
+    ):
         check_finite("w13_scale", w13_scale.reshape(-1))
         check_finite("w2_scale", w2_scale.reshape(-1))
     a_q, a_s = _fp8.quantize_token_groups(x, validate=validate, backend=backend)
