@@ -191,14 +191,14 @@ def _size_plan(n: int, group_size: int, device: torch.device):
     return plan
 
 
-def _python_checks(validate: bool | None, device: torch.device) -> bool:
+def _python_checks(validate: bool | None, device: torch.device, *tensors: torch.Tensor) -> bool:
     """Whether to run the checks that read the data (finite values, offsets).
 
     On CPU tensors they are cheap: on unless validate=False. On CUDA they need a
     host sync: opt-in (validate=True), so the GPU path never syncs by default.
     Under torch.compile only an explicit validate=True checks (a data-dependent
-    branch breaks the graph)."""
-    if has_no_data():  # tracing, FakeTensorMode, meta: no data to read
+    branch breaks the graph). Never on fake / meta tensors (no data to read)."""
+    if has_no_data(*tensors):  # tracing, FakeTensorMode, meta: no data to read
         return False
     if validate is None:
         return device.type == "cpu"
@@ -234,8 +234,10 @@ def group_advantages(
     zero_var_tol : a group is zero-variance when it has one sample or its
         unbiased std, computed in float64, is <= this; its advantages are exactly 0.
     validate : check that rewards are finite. On by default for CPU tensors; on
-        CUDA the check needs a host sync: off by default, on with validate=True;
-        unchecked non-finite rewards give NaN advantages for their group.
+        CUDA the check needs a host sync: off by default, on with validate=True.
+        NaN / Inf policy: rewards must be finite (ValueError naming the first
+        bad index where checked); unchecked, a non-finite reward gives NaN
+        advantages, a NaN mean / std and zero_var False for its group only.
     backend : None (default dispatch), "torch" (CPU) or "triton" (CUDA).
 
     Returns
@@ -269,7 +271,7 @@ def group_advantages(
             raise ValueError(f"group_size: {group_size} does not divide len(rewards) = {n}")
         order, offsets = _size_plan(n, group_size, dev)
         unique = None
-    if _python_checks(validate, dev):
+    if _python_checks(validate, dev, rewards):
         check_finite("rewards", rewards)
     r = _real(rewards)
     adv, zero_var, mean, std = group_advantages_op(
@@ -306,8 +308,11 @@ def rl_zvp(
         and rewards are finite. On by default for CPU tensors. On CUDA the
         checks need host syncs: off by default, on with
         validate=True; malformed cu_seqlens on an unchecked CUDA call are
-        undefined behaviour, as for any varlen kernel, and non-finite inputs
-        give backend-dependent results (see ``rl_zvp_reference``).
+        undefined behaviour, as for any varlen kernel. NaN / Inf policy:
+        entropy (up to cu_seqlens[-1]) and rewards must be finite (ValueError
+        naming the argument where checked); unchecked, non-finite values give
+        backend-dependent values in their own sequence's tokens only (see
+        ``rl_zvp_reference``); ``advantages`` is broadcast as given.
 
     Returns
     -------
@@ -335,7 +340,7 @@ def rl_zvp(
         raise ValueError(f"alpha: expected >= 0, got {alpha}")
     cu = cu_seqlens if cu_seqlens.dtype == torch.int64 else cu_seqlens.to(torch.int64)
     cu = cu.contiguous()
-    if _python_checks(validate, dev):
+    if _python_checks(validate, dev, entropy, cu, rewards):
         check_offsets("cu_seqlens", cu, entropy.shape[0], exact=False)
         # Non-finite values make the backends disagree (Triton's max drops NaN,
         # the reference propagates it); padding tokens past cu_seqlens[-1] are not read.

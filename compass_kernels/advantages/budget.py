@@ -117,6 +117,10 @@ def allocate_rollouts(
         allowed (exploration; :class:`RolloutAllocator` sets it).
     return_stats : also return :class:`AllocationStats`.
 
+    NaN / Inf policy: successes, attempts, cost, budget and prior must be
+    finite; always checked (a CPU op: no sync to avoid), ValueError naming the
+    argument and the first bad prompt.
+
     Returns
     -------
     n : [P] int64, each in {0} U [min_n, max_n], sum(n * cost) <= budget.

@@ -229,6 +229,9 @@ def fused_linear_espo_loss(
     ----------
     hidden, weight, targets, temperature, tp_group, validate, backend : as
         :func:`fused_linear_logprobs_entropy` (hidden [T, H], weight [V, H]).
+        NaN / Inf policy: hidden and weight as there, the loss inputs as in
+        :func:`espo_loss` (checked on CPU tensors by default, on CUDA with
+        validate=True); unchecked, the loss and gradients are NaN.
     old_logprobs, old_entropy, advantages, cu_seqlens, mask, num_sequences,
     advantages_per_token, cp_group, **loss_options : as :func:`espo_loss`
         (mode, rho, alpha, clip, grouping, num_groups, quantiles, drop_low,

@@ -182,6 +182,10 @@ def token_logprobs_entropy(
     validate : check targets' range and that logits hold no NaN / +inf and no
         all -inf row. The C++ (CPU) kernel always checks, at no extra cost; on
         CUDA the checks need a host sync: off by default, on with validate=True.
+        NaN / Inf policy: logits finite or -inf (a masked token), not all -inf
+        in a row (ValueError naming [row, column] where checked); unchecked, a
+        NaN / +inf logit or an all -inf row gives NaN log-prob and entropy for
+        that row only (and NaN gradients in that row).
     backend : None (CPU: "cpp"; CUDA: "cuda", or "triton" with
         COMPASS_CUDA_BACKEND=triton), "cpp", "cuda" or "triton".
 
@@ -514,6 +518,9 @@ def fused_linear_logprobs_entropy(
     token_chunk, vocab_chunk : the tile of float32 logits held at once.
     validate : check targets' range and that hidden / weight are finite
         (default: on for CPU tensors, off on CUDA where it costs a host sync).
+        NaN / Inf policy: hidden and weight must be finite (ValueError naming
+        which where checked); unchecked, a non-finite hidden row gives NaN
+        for that token, a non-finite weight row NaN for every token.
     backend : kernels of the per-tile statistics: None (CPU "cpp", CUDA "cuda"
         or COMPASS_CUDA_BACKEND), "cpp", "cuda" or "triton".
     grad_gemm_dtype : operands of the backward's gradient GEMMs: "input"

@@ -406,7 +406,11 @@ def espo_loss(
         is exact), ``metrics["loss"]`` the whole.
     validate : check cu_seqlens and finite inputs in Python (a host sync). The
         C++ kernels check them anyway; on CUDA off by default (no sync); on CPU
-        tensors with another backend on by default.
+        tensors with another backend on by default. NaN / Inf policy:
+        logprobs, old_logprobs, old_entropy (tokens before cu_seqlens[-1]) and
+        advantages must be finite (ValueError naming the argument and index
+        where checked); unchecked, the loss, its gradient and the metrics are
+        NaN. Padding tokens past cu_seqlens[-1] are never read.
     backend : None, "cpp", "cuda" or "triton".
 
     Returns

@@ -202,6 +202,9 @@ def quantize_blockwise(
     validate : check that w is finite. The C++ kernel always does (an error
         names the first inf/NaN); on CUDA it is a host sync, off by default;
         unchecked inf/NaN there give an unspecified block (fmaxf drops NaN).
+        NaN / Inf policy: w must be finite (ValueError naming w and the
+        element where checked); unchecked, only the blocks holding a
+        non-finite value are unspecified, every other block is exact.
 
     Returns
     -------
@@ -261,7 +264,8 @@ def quantize_token_groups(
     ue8m0 : power-of-two scales.
     scale_layout : "k_major" [M, K/128] row-major; "mn_major" column-major;
         "mn_major_tma" column-major with column stride ceil(M / 4) * 4 (DeepGEMM).
-    validate : as in :func:`quantize_blockwise`.
+    validate : as in :func:`quantize_blockwise` (NaN / Inf policy too: x must
+        be finite; unchecked, only the 1x128 groups holding one are unspecified).
 
     Returns
     -------
@@ -294,7 +298,9 @@ def dequantize(
     q : [R, C] or [E, R, C] float8_e4m3fn; scales : [ceil(R/br), ceil(C/bc)]
     (or [E, ...]) float32, any layout; block : (br, bc), (1, 128) for token groups.
     One fused elementwise expression in torch (an off-hot-path helper: quality
-    checks, weight round trips), exact in float32.
+    checks, weight round trips), exact in float32. NaN / Inf policy: nothing is
+    checked; a NaN / Inf scale or a NaN encoding in q gives NaN / Inf in the
+    elements of its block only.
     """
     check_tensor("q", q, dtypes=(torch.float8_e4m3fn,))
     check_tensor("scales", scales, dtypes=(torch.float32,), device=q.device)
@@ -348,7 +354,9 @@ def permute_quantize(
     validate : check ids in range and x finite. The C++ kernel always does; on
         CUDA it is a host sync, off by default: unchecked out-of-range ids
         are dropped (dst_index -1, no row; offsets[E] counts the rest, rows
-        past it are unwritten).
+        past it are unwritten). NaN / Inf policy: x must be finite (ValueError
+        naming x where checked); unchecked, the rows of a token holding one
+        get unspecified values in its 1x128 groups, no other row changes.
 
     Returns
     -------
@@ -394,6 +402,8 @@ def unpermute(
     multiply-add: the same bits on every backend). Deterministic: a gather per
     token, no atomics. validate: check dst_index in [-1, P) (C++: always; CUDA:
     host sync, opt-in; unchecked out-of-range indices there are undefined).
+    NaN / Inf policy: y and topk_weights are not checked (a weighted gather,
+    like torch's): a non-finite value reaches exactly the tokens that gather it.
     """
     check_tensor("y", y, ndim=2, dtypes=(torch.float32, torch.bfloat16))
     if isinstance(dst_index, PermutedTokens):

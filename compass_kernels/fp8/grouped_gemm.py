@@ -17,7 +17,7 @@ import torch
 
 from compass_kernels._ext import BackendUnavailableError, load
 from compass_kernels._op import has_no_data, register_op
-from compass_kernels._validate import check_offsets, check_tensor, describe
+from compass_kernels._validate import check_finite, check_offsets, check_tensor, describe
 
 __all__ = ["grouped_gemm", "grouped_gemm_op", "grouped_args_op", "OUT_DTYPES", "PTR_ROWS"]
 
@@ -202,6 +202,12 @@ def grouped_gemm(
         at no cost; on CUDA the check needs a host sync: off by default (bad
         offsets are undefined behaviour, as in every varlen kernel), on with
         validate=True. CPU tensors on another backend are checked unless False.
+    NaN / Inf policy: ``a_scales`` and ``b_scales`` must be finite; checked on
+        CPU tensors unless validate=False (one float64 sum of the small scale
+        tensors, no sync), on CUDA with validate=True (a host sync); unchecked, a non-finite
+        scale makes the output rows / columns of its block NaN / Inf. NaN
+        encodings in ``a_q`` / ``b_q`` (e4m3fn 0x7f / 0xff) are never checked
+        (a pass over the operands): they give NaN in the rows / columns they touch.
     backend : None (default dispatch: cpp on CPU, cuda = CUTLASS on CUDA), "cpp",
         "cuda" or "triton". The CUTLASS kernel needs bf16 output, K % 16 == 0,
         N % 8 == 0 and K-major contiguous scales; the Triton kernel takes any.
@@ -224,6 +230,11 @@ def grouped_gemm(
     ) and not has_no_data(a_q, expert_offsets):
         if not (dev.type == "cpu" and backend in (None, "cpp")):
             check_offsets("expert_offsets", expert_offsets, a_q.shape[0], exact=True)
+    if (dev.type == "cpu" if validate is None else validate) and not has_no_data(
+        a_scales, b_scales
+    ):
+        check_finite("a_scales", a_scales.reshape(-1))
+        check_finite("b_scales", b_scales.reshape(-1))
     if out is not None:
         check_tensor("out", out, ndim=2, dtypes=(out_dtype,), device=dev)
         m, n = a_q.shape[0], b_q.shape[1]

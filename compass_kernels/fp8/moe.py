@@ -32,7 +32,7 @@ import torch
 
 from compass_kernels import fp8 as _fp8
 from compass_kernels._op import has_no_data
-from compass_kernels._validate import check_offsets, check_tensor, describe
+from compass_kernels._validate import check_finite, check_offsets, check_tensor, describe
 
 __all__ = ["moe_mlp", "grouped_mlp", "check_moe_weights"]
 
@@ -116,6 +116,12 @@ def moe_mlp(
         :func:`check_moe_weights` (``MLP_e(x) = W2_e (silu(W1_e x) * (W3_e x))``).
     validate : check the ids' range and finiteness of ``hidden`` (a host sync
         on CUDA: off by default there; the C++ path always checks).
+        NaN / Inf policy: ``hidden``, ``topk_weights`` and the weight scales
+        must be finite: checked on CPU tensors unless validate=False (no sync; the
+        C++ kernel checks ``hidden`` itself), on CUDA with
+        validate=True (host syncs); unchecked, a non-finite value gives NaN /
+        Inf in the outputs of the tokens it reaches (a weight scale: every
+        token routed to that expert), never an error or a read out of bounds.
     backend : None (cpp on CPU, cuda on CUDA: CUTLASS GEMMs), "cpp", "cuda" or
         "triton" (CUDA tensors, or CPU tensors in the interpreter); used by
         every stage. The CUTLASS GEMM needs H % 16 == 0, I % 16 == 0.
@@ -149,7 +155,17 @@ def moe_mlp(
         check_tensor("out", out, ndim=2, dtypes=(hidden.dtype,), device=dev)
         if tuple(out.shape) != (t, h):
             raise ValueError(f"out: expected shape [{t}, {h}], got {describe(out)}")
-    p = _fp8.permute_quantize(hidden, topk_ids, e, validate=validate, backend=backend)
+    scales_checked = dev.type == "cpu" if validate is None else validate
+    if scales_checked and not has_no_data(topk_weights, w13_scale, w2_scale):
+        for name, x in (("topk_weights", topk_weights), ("w13_scale", w13_scale),
+                        ("w2_scale", w2_scale)):  # fmt: skip
+            check_finite(name, x.detach().reshape(-1))
+    try:
+        p = _fp8.permute_quantize(hidden, topk_ids, e, validate=validate, backend=backend)
+    except ValueError as err:  # permute_quantize names its argument x; this function's is hidden
+        if str(err).startswith("x: "):
+            raise ValueError(f"hidden: {str(err)[3:]}") from None
+        raise
     y = _experts(p.q, p.scales, p.expert_offsets, w13_weight, w13_scale, w2_weight, w2_scale,
                  inter, backend)  # fmt: skip
     # bf16 tokens: combine straight from the bf16 expert outputs into a bf16
@@ -195,6 +211,8 @@ def grouped_mlp(
     expert_offsets : [E+1] int64, 0 = o[0] <= ... <= o[E] = P.
     w13_weight, w13_scale, w2_weight, w2_scale : as :func:`moe_mlp`.
     validate, backend : as :func:`moe_mlp` (validate also checks the offsets).
+        NaN / Inf policy: x and the weight scales must be finite, checked as in
+        :func:`moe_mlp`; unchecked, a non-finite value spoils the rows it reaches.
 
     Returns
     -------
@@ -220,6 +238,11 @@ def grouped_mlp(
         x, expert_offsets
     ):
         check_offsets("expert_offsets", expert_offsets, x.shape[0], exact=True)
+    if (x.device.type == "cpu" if validate is None else validate) and not has_no_data(
+        w13_scale, w2_scale
+    ):
+        check_finite("w13_scale", w13_scale.reshape(-1))
+        check_finite("w2_scale", w2_scale.reshape(-1))
     a_q, a_s = _fp8.quantize_token_groups(x, validate=validate, backend=backend)
     return _experts(a_q, a_s, expert_offsets, w13_weight, w13_scale, w2_weight, w2_scale, inter,
                     backend)  # fmt: skip

@@ -304,6 +304,10 @@ def plan(
         Megatron THD) before it counts against the cap and the cost.
     refine_iters : cap on refinement steps at the rank level (default 16*dp + 256).
 
+    NaN / Inf policy: lengths and group_ids are integers; the attention cost's
+    coefficients and every sequence's cost must be finite (always checked:
+    ValueError naming cost_a / cost_b and the sequence whose cost overflows).
+
     Returns
     -------
     :class:`Plan`: every rank has ``num_micro_batches`` non-empty micro-batches,

@@ -183,6 +183,9 @@ def pack(
     pad_values : name -> value written to padding (default 0; -1 or a byte value
         for integer tensors, e.g. 255 to mark uint8 routing rows missing).
     backend : None (default dispatch), "cpp", "cuda" or "triton".
+
+    NaN / Inf policy: values are moved as bytes, never computed with: NaN / Inf
+    pass through bit for bit, nothing to check (as for :func:`unpack`).
     """
     if isinstance(tensors, torch.Tensor):
         tensors = {"input": tensors}
@@ -288,7 +291,8 @@ def unpack(
         or their concatenation [cp_size * local_tokens, ...] (an all-gather).
 
     Differentiable: the gradient of ``packed`` is the pack of the output's
-    gradient (zero at padding), for every CP rank.
+    gradient (zero at padding), for every CP rank. NaN / Inf pass through bit
+    for bit (values are moved, never computed with): nothing to check.
     """
     if isinstance(packed, (list, tuple)):
         if len(packed) != batch.cp_size:

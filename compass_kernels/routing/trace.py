@@ -1176,7 +1176,9 @@ class RoutingTrace:
         order within a row (decode returns rows ascending). Format:
         compass_kernels/routing/codec.py. On a GPU, "set" runs the CUDA encoder
         (checks on the device) and copies only the compact payload to the host
-        (one sync); ``backend`` forces the encoder ("cpp", "cuda")."""
+        (one sync); ``backend`` forces the encoder ("cpp", "cuda"). NaN / Inf
+        policy: a trace holds integers only (ids, counts): nothing to check;
+        every id is range- and duplicate-checked on every codec."""
         from compass_kernels.routing import codec as _codec
 
         return _codec.encode(self, codec=codec, backend=backend)

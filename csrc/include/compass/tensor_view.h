@@ -43,6 +43,7 @@ struct TensorView {
   }
   int64_t size(int d) const { return shape[d < 0 ? d + ndim : d]; }
   bool is_contiguous() const {
+    if (numel() == 0) return true;  // as torch: an empty view's strides are arbitrary
     int64_t expected = 1;
     for (int i = ndim - 1; i >= 0; --i) {
       if (shape[i] != 1 && strides[i] != expected) return false;
