@@ -20,6 +20,7 @@
 #include <limits>
 #include <numeric>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -55,10 +56,6 @@ struct Rec {
   int64_t idx;
 };
 void radix_sort(std::vector<Rec>& a) {
-  if (a.size() <= 64) {
-    std::stable_sort(a.begin(), a.end(), [](const Rec& x, const Rec& y) { return x.key < y.key; });
-    return;
-  }
   uint64_t hi = 0;
   for (const Rec& r : a) hi |= r.key;
   std::vector<Rec> tmp(a.size());
@@ -155,40 +152,28 @@ Exchange<C> best_exchange(const std::vector<int64_t>& xs, const std::vector<int6
 // the value does), so each level is one branch-free minimum (pairs compared
 // member by member took 3x the time: mispredicted branches). A bin set aside
 // (no room, or full under equal_samples) holds the largest key.
+template <typename To, typename From>
+To bits_as(From v) {
+  To u;
+  std::memcpy(&u, &v, sizeof u);
+  return u;
+}
+
 template <typename C>
 struct MinTree {
   using Key = unsigned __int128;
   static constexpr Key kNone = ~Key{0};
   int64_t leaves = 1;
   std::vector<Key> t;
-  static uint64_t bits(C v) {
-    if constexpr (std::is_integral_v<C>) {
-      return static_cast<uint64_t>(v);
-    } else {
-      uint64_t u;
-      std::memcpy(&u, &v, sizeof u);
-      return u;
-    }
-  }
   void init(int64_t k) {  // k bins at load 0
-    leaves = 1;
-    while (leaves < k) leaves *= 2;
+    for (leaves = 1; leaves < k;) leaves *= 2;
     t.assign(2 * leaves, kNone);
     for (int64_t r = 0; r < k; ++r) t[leaves + r] = static_cast<Key>(r);
     for (int64_t i = leaves - 1; i >= 1; --i) t[i] = std::min(t[2 * i], t[2 * i + 1]);
   }
   bool empty() const { return t[1] == kNone; }
   int64_t top() const { return static_cast<int64_t>(static_cast<uint64_t>(t[1])); }
-  C top_load() const {
-    const uint64_t u = static_cast<uint64_t>(t[1] >> 64);
-    if constexpr (std::is_integral_v<C>) {
-      return static_cast<C>(u);
-    } else {
-      C v;
-      std::memcpy(&v, &u, sizeof v);
-      return v;
-    }
-  }
+  C top_load() const { return bits_as<C>(static_cast<uint64_t>(t[1] >> 64)); }
   void put(int64_t r, Key key) {  // (the running minimum: no load waits on the store below)
     int64_t i = leaves + r;
     for (t[i] = key; i > 1; i >>= 1) {
@@ -196,7 +181,7 @@ struct MinTree {
       t[i >> 1] = key = o < key ? o : key;
     }
   }
-  void set(int64_t r, C load) { put(r, (static_cast<Key>(bits(load)) << 64) | static_cast<Key>(r)); }
+  void set(int64_t r, C load) { put(r, static_cast<Key>(bits_as<uint64_t>(load)) << 64 | r); }
   void set_aside(int64_t r) { put(r, kNone); }
   void add_top(C d) { set(top(), top_load() + d); }
 };
@@ -245,19 +230,19 @@ void refine(Bins<C>& b, const C* w, C target, int64_t max_iter, int64_t max_part
       if (j != h && lighter(j, l)) l = j;
     }
     if (attempt(h, l)) continue;
-    others.clear();  // the next lightest, in order: a heap popped lazily (the first usually do)
+    others.clear();  // the next lightest, in order
     for (int64_t j = 0; j < nb; ++j) {
       if (j != h && j != l) others.push_back(j);
     }
     auto heavier = [&](int64_t x, int64_t y) { return lighter(y, x); };
-    std::make_heap(others.begin(), others.end(), heavier);
-    bool improved = false;
-    for (int64_t p = 1; p < max_partners && !others.empty() && !improved; ++p) {
+    std::make_heap(others.begin(), others.end(), heavier);  // popped lazily: the first usually do
+    int64_t p = 1;
+    for (; p < max_partners && !others.empty(); ++p) {
       std::pop_heap(others.begin(), others.end(), heavier);
-      improved = attempt(h, others.back());
+      if (attempt(h, others.back())) break;
       others.pop_back();
     }
-    if (!improved) break;
+    if (p == max_partners || others.empty()) break;
   }
 }
 
@@ -333,55 +318,41 @@ void lpt_ranks(const std::vector<C>& w, C total, int64_t k, bool card, Bins<C>& 
   }
 }
 
-// Karmarkar-Karp largest differencing, equal-size mode: items sorted
-// ascending, taken k at a time as partial solutions of k one-item sets;
-// repeatedly merge the two with the largest spread (largest set of one with
-// the smallest of the other). g not a multiple of k gets zero-cost fillers, so
+// Karmarkar-Karp largest differencing, equal-size mode: items ascending, taken
+// k at a time as partial solutions of k one-item sets; the two solutions with
+// the largest spread merge (the largest set of one with the smallest of the
+// other) until one is left. Zero-cost fillers pad g to a multiple of k, so
 // counts differ by at most one. Sets are linked lists: O(1) concatenation.
-// Ties as verl's code breaks them (and Python's reference): sets by (sum,
-// count, first item), larger first; partial solutions by spread, then their
-// top sets in that order. Returns the rank of each item; `ascending` lists
-// the items by increasing cost.
+// Ties as verl's code (and Python's reference) breaks them: sets by (sum,
+// count, first item), larger first; solutions by spread, then their top sets
+// in that order. Returns each item's rank; `ascending` lists the items by
+// increasing cost.
 template <typename C>
 struct KKSet {
   C sum;
   int64_t count, head, tail;
+  std::tuple<C, int64_t, int64_t> key() const { return {sum, count, head}; }
 };
 
 template <typename C>
 std::vector<int32_t> karmarkar_karp(const C* c, const std::vector<int64_t>& ascending, int64_t k) {
-  const int64_t g = static_cast<int64_t>(ascending.size());
-  const int64_t p = (g + k - 1) / k * k;  // padded with fillers g..p-1 (cost 0)
-  std::vector<int64_t> idx(p);             // ascending: the fillers, then the items
-  std::iota(idx.begin(), idx.begin() + (p - g), g);
-  std::copy(ascending.begin(), ascending.end(), idx.begin() + (p - g));
-  const int64_t states = p / k;
+  const int64_t g = static_cast<int64_t>(ascending.size()), p = (g + k - 1) / k * k;
   std::vector<KKSet<C>> sets(p);
-  std::vector<int64_t> next(p, -1);
-  auto set_before = [](const KKSet<C>& a, const KKSet<C>& b) {  // decreasing set order
-    if (a.sum != b.sum) return a.sum > b.sum;
-    if (a.count != b.count) return a.count > b.count;
-    return a.head > b.head;
-  };
-  for (int64_t s = 0; s < states; ++s) {
-    KKSet<C>* st = &sets[s * k];
-    for (int64_t i = 0; i < k; ++i) {  // the chunk is ascending: reversed, it is in set order
-      const int64_t item = idx[s * k + k - 1 - i];
-      st[i] = {item < g ? c[item] : C{0}, 1, item, item};
+  std::vector<int64_t> next(p, -1), heap(p / k);
+  auto set_before = [](const KKSet<C>& a, const KKSet<C>& b) { return a.key() > b.key(); };
+  for (int64_t s = 0; s < p / k; ++s) {  // (the fillers g..p-1, then ascending) by chunks
+    for (int64_t i = 0; i < k; ++i) {  // reversed: in set order but for ties
+      const int64_t at = s * k + k - 1 - i - (p - g);  // < 0: a filler
+      const int64_t item = at < 0 ? at + p : ascending[at];
+      sets[s * k + i] = {at < 0 ? C{0} : c[item], 1, item, item};
     }
-    std::sort(st, st + k, set_before);  // equal sums: by count, then head
+    std::sort(&sets[s * k], &sets[s * k + k], set_before);
   }
-  auto spread = [&](int64_t s) { return sets[s * k].sum - sets[s * k + k - 1].sum; };
   auto pops_after = [&](int64_t a, int64_t b) {
-    const C sa = spread(a), sb = spread(b);
-    if (sa != sb) return sa < sb;
-    const KKSet<C>&ta = sets[a * k], &tb = sets[b * k];  // then the top sets, as set order
-    if (ta.sum != tb.sum) return ta.sum < tb.sum;
-    if (ta.count != tb.count) return ta.count < tb.count;
-    if (ta.head != tb.head) return ta.head < tb.head;
-    return a > b;
+    const KKSet<C>&ta = sets[a * k], &tb = sets[b * k];
+    return std::make_tuple(ta.sum - sets[a * k + k - 1].sum, ta.key(), -a) <
+           std::make_tuple(tb.sum - sets[b * k + k - 1].sum, tb.key(), -b);
   };
-  std::vector<int64_t> heap(states);
   std::iota(heap.begin(), heap.end(), int64_t{0});
   std::make_heap(heap.begin(), heap.end(), pops_after);
   auto pop = [&] {
@@ -393,61 +364,43 @@ std::vector<int32_t> karmarkar_karp(const C* c, const std::vector<int64_t>& asce
   while (heap.size() > 1) {
     const int64_t a = pop(), b = pop();
     KKSet<C>* x = &sets[a * k];
-    const KKSet<C>* y = &sets[b * k];
     for (int64_t i = 0; i < k; ++i) {
-      const KKSet<C>& o = y[k - 1 - i];
+      const KKSet<C>& o = sets[b * k + k - 1 - i];
       next[x[i].tail] = o.head;
-      x[i].tail = o.tail;
-      x[i].sum += o.sum;
-      x[i].count += o.count;
+      x[i] = {x[i].sum + o.sum, x[i].count + o.count, x[i].head, o.tail};
     }
     std::sort(x, x + k, set_before);
     heap.push_back(a);
     std::push_heap(heap.begin(), heap.end(), pops_after);
   }
   std::vector<int32_t> rank(g);
-  const KKSet<C>* fin = &sets[heap[0] * k];
   for (int64_t r = 0; r < k; ++r) {
-    for (int64_t i = fin[r].head; i != -1; i = next[i]) {
+    for (int64_t i = sets[heap[0] * k + r].head; i != -1; i = next[i]) {
       if (i < g) rank[i] = static_cast<int32_t>(r);
     }
   }
   return rank;
 }
 
-// First fit of tokens[0..m) (decreasing) into bins of cap: a max-tree over bin
-// room finds the lowest bin with room, O(m log m). Returns the bin count.
-int64_t first_fit(const int64_t* tokens, int64_t m, int64_t cap, std::vector<int64_t>& bin_of) {
-  // first fit leaves at most one bin at most half full: at most 2 * total / cap + 1 bins
-  int64_t total = 0;
-  for (int64_t i = 0; i < m; ++i) total += tokens[i];
-  const int64_t most = std::min<int64_t>(m, 2 * ((total + cap - 1) / cap) + 1);
-  int64_t size = 1, used = 0;
-  while (size < most) size *= 2;
-  std::vector<int64_t> room(2 * size, cap);
-  bin_of.resize(m);
-  for (int64_t i = 0; i < m; ++i) {
-    int64_t node = 1;  // the root has room: `most` bins always suffice
-    while (node < size) node = room[2 * node] >= tokens[i] ? 2 * node : 2 * node + 1;
-    bin_of[i] = node - size;
-    used = std::max(used, bin_of[i] + 1);
-    room[node] -= tokens[i];
-    for (node /= 2; node >= 1; node /= 2) room[node] = std::max(room[2 * node], room[2 * node + 1]);
+// The lowest bin with room for t tokens: a max-tree over the bins' room, O(log nb).
+struct FirstFit {
+  int64_t size = 1;
+  std::vector<int64_t> t;
+  void init(int64_t nb, int64_t room) {
+    for (size = 1; size < nb;) size *= 2;
+    t.assign(2 * size, -1);
+    std::fill(t.begin() + size, t.begin() + size + nb, room);
+    for (int64_t i = size - 1; i >= 1; --i) t[i] = std::max(t[2 * i], t[2 * i + 1]);
   }
-  return used;
-}
-
-// A rank's bound for its heaviest micro-batch: max(total / nbins, largest
-// cost) plus kBinTolerance. Packings under it are not refined.
-template <typename C>
-C bin_target(C total, C largest, int64_t nbins) {
-  if constexpr (std::is_integral_v<C>) {
-    const C lb = std::max<C>((total + nbins - 1) / nbins, largest);
-    return lb + static_cast<C>(static_cast<double>(lb) * kBinTolerance);
-  } else {
-    return std::max(total / static_cast<C>(nbins), largest) * (1.0 + kBinTolerance);
+  int64_t take(int64_t tok) {  // that bin, its room lowered by tok; -1 where none has room
+    if (t[1] < tok) return -1;
+    int64_t node = 1;
+    while (node < size) node = t[2 * node] >= tok ? 2 * node : 2 * node + 1;
+    const int64_t q = node - size;
+    for (t[node] -= tok; node > 1; node >>= 1) t[node >> 1] = std::max(t[node], t[node ^ 1]);
+    return q;
   }
-}
+};
 
 // One rank's micro-batch packing: bin_of (local id -> bin; local ids are the
 // rank's sequences by decreasing tokens), b.load and room; the member lists
@@ -457,9 +410,10 @@ struct RankPacker {
   const C* w = nullptr;          // local id -> cost
   const int64_t* tok = nullptr;  // local id -> tokens
   std::vector<C> wbuf;           // w for float costs (integer costs: w is tok)
-  std::vector<int64_t> room, bin_of, all, lv;
+  std::vector<int64_t> room, bin_of, all;
   Bins<C> b;
   MinTree<C> heap;
+  FirstFit ff;
   C total{};  // of the rank's costs
   int64_t m = 0;
   bool has_mem = false;
@@ -514,25 +468,17 @@ struct RankPacker {
   // one fits nowhere or a bin stays empty.
   bool level_fit(int64_t m_, int64_t nbins, int64_t cap, int64_t level) {
     start(m_, nbins, cap);
+    ff.init(nbins, level);
     all.clear();  // the sequences left for LPT
-    int64_t size = 1;
-    while (size < nbins) size *= 2;
-    lv.assign(2 * size, -1);  // max-tree of room under the level
-    std::fill(lv.begin() + size, lv.begin() + size + nbins, level);
-    for (int64_t i = size - 1; i >= 1; --i) lv[i] = std::max(lv[2 * i], lv[2 * i + 1]);
     for (int64_t i = 0; i < m; ++i) {
-      const int64_t t = tok[i];
-      if (lv[1] < t) {
+      const int64_t q = ff.take(tok[i]);
+      if (q < 0) {
         all.push_back(i);
         continue;
       }
-      int64_t node = 1;  // the lowest bin with room under the level
-      while (node < size) node = lv[2 * node] >= t ? 2 * node : 2 * node + 1;
-      const int64_t q = node - size;
       bin_of[i] = q;
-      room[q] -= t;
+      room[q] -= tok[i];
       b.load[q] += w[i];
-      for (lv[node] -= t; node > 1; node >>= 1) lv[node >> 1] = std::max(lv[node], lv[node ^ 1]);
     }
     if (!all.empty()) {
       heap.init(nbins);
@@ -542,17 +488,27 @@ struct RankPacker {
         b.load[bin_of[i]] += w[i];
       }
     }
-    for (int64_t q = 0; q < nbins; ++q) {
-      if (room[q] == cap) return false;  // an empty bin: leave it to the other packings
-    }
-    return true;
+    // an empty bin: leave it to the other packings
+    return std::find(room.begin(), room.end(), cap) == room.end();
   }
 
-  // The packing bin_of (first_fit's output, `used` bins).
-  void from_bins(int64_t m_, int64_t used, int64_t cap) {
-    m = m_;
-    b.reset(used);
-    room.assign(used, cap);
+  // First fit by decreasing tokens into bins of cap (all but one over half
+  // full: at most 2 total / cap + 1 bins), then split into nbins bins.
+  // False (bin_of unusable) where first fit needs more than nbins: `used`.
+  bool first_fit(int64_t nbins, int64_t cap, int64_t& used) {
+    int64_t sum = 0;
+    for (int64_t i = 0; i < m; ++i) sum += tok[i];
+    ff.init(std::min(m, 2 * ((sum + cap - 1) / cap) + 1), cap);
+    used = 0;
+    for (int64_t i = 0; i < m; ++i) used = std::max(used, (bin_of[i] = ff.take(tok[i])) + 1);
+    if (used > nbins) return false;
+    from_bins(used, cap);
+    split_to(nbins, cap);
+    return true;
+  }
+  void from_bins(int64_t nbins, int64_t cap) {  // the packing bin_of[0..m) into nbins bins
+    b.reset(nbins);
+    room.assign(nbins, cap);
     for (int64_t i = m - 1; i >= 0; --i) {  // decreasing id within each bin
       b.mem[bin_of[i]].push_back(i);
       b.load[bin_of[i]] += w[i];
@@ -593,7 +549,16 @@ struct RankPacker {
     }
   }
 
-  C target(int64_t nbins) const { return bin_target<C>(total, w[0], nbins); }
+  // The bound for the heaviest micro-batch: max(total / nbins, largest cost)
+  // plus kBinTolerance. Packings under it are not refined.
+  C target(int64_t nbins) const {
+    if constexpr (std::is_integral_v<C>) {
+      const C lb = std::max<C>((total + nbins - 1) / nbins, w[0]);
+      return lb + static_cast<C>(static_cast<double>(lb) * kBinTolerance);
+    } else {
+      return std::max(total / static_cast<C>(nbins), w[0]) * (1.0 + kBinTolerance);
+    }
+  }
 
   // The packing (bin_of, b.load, room) set aside, and back.
   std::vector<int64_t> kept_bin_of, kept_room;
@@ -795,7 +760,7 @@ struct Planner {
           base[r + 1] += it.start[j + 1] - it.start[j];
         }
       }
-      for (int64_t r = 0; r < k; ++r) base[r + 1] += base[r];
+      std::partial_sum(base.begin(), base.end(), base.begin());
       std::vector<int64_t> at(base.begin(), base.end() - 1);
       for (int64_t j = 0; j < n; ++j) add(rank_of[sorted[j]], at[rank_of[sorted[j]]]++, sorted[j], stok[j]);
     }
@@ -918,18 +883,15 @@ struct Planner {
         }
         if (lpt_tried) ++(lpt_good ? lpt_packed : lpt_failed);
         if (lpt_ok) lpt_ok_at[r] = nb;
-        if (!packed) {
-          const int64_t used = first_fit(pk.tok, m, cap, pk.bin_of);
-          if (used <= nb) {
-            pk.from_bins(m, used, cap);
-          } else if (lpt_ok_at[r] > 0) {
-            pk.lpt(m, lpt_ok_at[r], cap);
-          } else {
+        int64_t used = 0;
+        if (!packed && !pk.first_fit(nb, cap, used)) {
+          if (lpt_ok_at[r] == 0) {  // nb grows
             nb = round_up(used);
             if (!counts_fit(nb)) return 0;
             grown = true;
             break;
           }
+          pk.lpt(m, lpt_ok_at[r], cap);
           pk.split_to(nb, cap);
         }
         if (!refined) pk.balance(nb, mb_iters);
@@ -989,10 +951,9 @@ struct Planner {
   // least-loaded first (ties by index), then the first rank without items;
   // bins within a rank least-loaded first, one of equal loads (bins are
   // interchangeable), then the rank's first empty bin. Pruned where the
-  // sequences left cannot fill the empty bins, or their tokens exceed the
-  // room left. Iterative (one choice per level, the next one recomputed from
-  // the restored state), O(n) memory. Returns 1 found (slot_of written), 0
-  // exhausted, -1 budget spent.
+  // sequences left cannot fill the empty bins. Iterative (one choice per
+  // level, the next one recomputed from the restored state), O(n) memory.
+  // Returns 1 found (slot_of written), 0 exhausted, -1 budget spent.
   int64_t search(int64_t M, int64_t& nodes) {
     const int64_t g = it.size(), lo_cnt = g / k, rem = g % k;
     std::vector<int64_t> seq, item_of;  // level -> sequence, its item
@@ -1003,19 +964,24 @@ struct Planner {
                        [&](int64_t x, int64_t y) { return in.tok[x] > in.tok[y]; });
       item_of.resize(seq.size(), j);
     }
-    std::vector<C> rank_cost(k, C{0});
-    std::vector<int64_t> items(k, 0), used(k, 0), load(k * M, 0), rank_q(n, -1), item_rank(g, -1);
-    int64_t empty = k * M, at_hi = 0, tok_left = 0;
-    for (int64_t s = 0; s < n; ++s) tok_left += in.tok[s];
-    int64_t room_left = 0;  // k M cap less the tokens placed; no prune where it overflows
-    const bool room_fits = !__builtin_mul_overflow(k * M, cap, &room_left);
+    std::vector<C> rank_cost(k, C{0}), cost_before(n);  // (float costs restored exactly)
+    std::vector<int64_t> items(k, 0), used(k, 0), load(k * M, 0), item_rank(g, -1), choice(n, -1);
+    int64_t empty = k * M, at_hi = 0;  // empty bins; ranks at lo_cnt + 1 items (equal_samples)
     auto rank_before = [&](int64_t x, int64_t y) {  // ranks with items first, by (cost, index)
       if ((items[x] == 0) != (items[y] == 0)) return items[y] == 0;
       return rank_cost[x] != rank_cost[y] ? rank_cost[x] < rank_cost[y] : x < y;
     };
-    auto rank_ok = [&](int64_t r) {
-      if (!in.equal) return true;
-      return items[r] < lo_cnt || (items[r] == lo_cnt && at_hi < rem);
+    auto next_rank = [&](int64_t r) -> int64_t {  // after r (-1: the first), in rank_before order
+      int64_t best_r = -1;
+      bool empty_seen = false;
+      for (int64_t x = 0; x < k; ++x) {
+        if (items[x] == 0 && empty_seen) continue;  // ranks without items: only the first
+        empty_seen |= items[x] == 0;
+        const bool full = in.equal && (items[x] > lo_cnt || (items[x] == lo_cnt && at_hi >= rem));
+        if (full || (r >= 0 && !rank_before(r, x))) continue;
+        if (best_r < 0 || rank_before(x, best_r)) best_r = x;
+      }
+      return best_r;
     };
     // the next bin of rank r after bin q (-1: the first) for t tokens, or -1
     auto next_bin = [&](int64_t r, int64_t q, int64_t t) -> int64_t {
@@ -1026,68 +992,42 @@ struct Planner {
         if (l + t > cap || (q >= 0 && l <= load[r * M + q])) continue;
         if (best_q < 0 || l < load[r * M + best_q]) best_q = p;
       }
-      if (best_q >= 0) return best_q;
-      return used[r] < M ? used[r] : -1;
-    };
-    auto next_rank = [&](int64_t r) -> int64_t {  // after r (-1: the first), in rank_before order
-      int64_t best_r = -1;
-      bool empty_seen = false;
-      for (int64_t x = 0; x < k; ++x) {
-        if (items[x] == 0 && empty_seen) continue;  // ranks without items: only the first
-        empty_seen |= items[x] == 0;
-        if (!rank_ok(x) || (r >= 0 && !rank_before(r, x))) continue;
-        if (best_r < 0 || rank_before(x, best_r)) best_r = x;
-      }
-      return best_r;
+      return best_q >= 0 ? best_q : used[r] < M ? used[r] : -1;
     };
     auto apply = [&](int64_t i, int64_t r, int64_t q, int64_t sign) {
-      const int64_t s = seq[i], t = in.tok[s], j = item_of[i];
+      const int64_t t = in.tok[seq[i]], j = item_of[i];
       if (i == 0 || item_of[i - 1] != j) {  // the item's first sequence: its rank
         items[r] += sign;
-        at_hi += sign * (in.equal && items[r] == lo_cnt + (sign > 0 ? 1 : 0));
-        rank_cost[r] += sign > 0 ? it.w[j] : -it.w[j];
+        at_hi += sign * (in.equal && items[r] == lo_cnt + (sign > 0));
+        if (sign > 0) cost_before[i] = rank_cost[r];
+        rank_cost[r] = sign > 0 ? rank_cost[r] + it.w[j] : cost_before[i];
         item_rank[j] = sign > 0 ? r : -1;
       }
       if (sign < 0 && load[r * M + q] == t) --used[r], ++empty;  // it opened the bin
       load[r * M + q] += sign * t;
       if (sign > 0 && q == used[r]) ++used[r], --empty;
-      rank_q[i] = sign > 0 ? r * M + q : -1;
-      tok_left -= sign * t;
-      room_left -= sign * t;
     };
-    std::vector<int64_t> choice(n, -1);  // level -> r * M + q tried, -1 none yet
-    std::vector<C> cost_before(n);      // (float rank costs restored exactly)
-    for (int64_t i = 0; i >= 0;) {
-      if (i == n) break;
-      const int64_t s = seq[i], t = in.tok[s];
+    int64_t i = 0;
+    while (i >= 0 && i < n) {
       const bool first = i == 0 || item_of[i - 1] != item_of[i];
-      int64_t r = choice[i] < 0 ? -1 : choice[i] / M, q = choice[i] < 0 ? -1 : choice[i] % M;
-      if (choice[i] >= 0) {  // undo the choice tried
-        apply(i, r, q, -1);
-        if (first) rank_cost[r] = cost_before[i];
-      }
+      int64_t r = -1, q = -1;
+      if (choice[i] >= 0) r = choice[i] / M, q = choice[i] % M, apply(i, r, q, -1);  // undo it
       if (!first) r = item_rank[item_of[i]];
       for (;;) {  // the next (rank, bin)
-        if (r >= 0) q = next_bin(r, q, t);
-        if (q >= 0 || !first) break;
-        r = next_rank(r);
-        if (r < 0) break;
+        if (r >= 0) q = next_bin(r, q, in.tok[seq[i]]);
+        if (q >= 0 || !first || (r = next_rank(r)) < 0) break;
       }
       if (r < 0 || q < 0) {  // no choice left: back up
-        choice[i] = -1;
-        --i;
+        choice[i--] = -1;
         continue;
       }
       if (++nodes > kSearchNodes) return -1;
-      if (first) cost_before[i] = rank_cost[r];
       apply(i, r, q, 1);
       choice[i] = r * M + q;
-      const int64_t left = n - 1 - i;
-      if (empty > left || (room_fits && tok_left > room_left)) continue;  // pruned: next choice
-      ++i;
+      if (empty <= n - 1 - i) ++i;  // else pruned: the next choice
     }
-    if (choice[0] < 0 && n > 0) return 0;
-    for (int64_t i = 0; i < n; ++i) slot_of[seq[i]] = rank_q[i];
+    if (i < 0) return 0;
+    for (int64_t l = 0; l < n; ++l) slot_of[seq[l]] = choice[l];
     return 1;
   }
 
@@ -1096,8 +1036,7 @@ struct Planner {
   int64_t fallback() {
     int64_t tokens = 0, nbig = 0;
     for (int64_t s = 0; s < n; ++s) tokens += in.tok[s], nbig += 2 * in.tok[s] > cap;
-    const int64_t g = it.size();
-    const int64_t cap_bins = (tokens + cap - 1) / cap;  // ceil(ceil(T / cap) / k) = ceil(T / (k cap))
+    const int64_t g = it.size(), cap_bins = (tokens + cap - 1) / cap;
     const int64_t m_lo = round_up(std::max({int64_t{1}, (cap_bins + k - 1) / k, (nbig + k - 1) / k}));
     const int64_t m_hi = in.equal ? g / k * (n / g) : n / k;  // the fewest sequences a rank can hold
     const std::string what = "every rank the same number M of non-empty micro-batches (M a "
@@ -1105,48 +1044,38 @@ struct Planner {
                              ") within max_tokens = " + std::to_string(cap) +
                              (in.gid ? ", each group on one rank" : "") +
                              (in.equal ? ", equal sample counts" : "");
+    const char* give = ": give more sequences, a larger max_tokens or a smaller micro_batch_multiple";
     COMPASS_CHECK(m_lo <= m_hi, "lengths: no plan exists giving ", what, ": the ", tokens,
                   " tokens and ", nbig, " sequences over max_tokens / 2 need M >= ", m_lo,
                   " micro-batches per rank, so as many sequences on every rank, but ", n,
-                  " sequences over dp_size = ",
-                  k, " ranks leave some rank at most ", m_hi,
-                  ": give more sequences, a larger max_tokens or a smaller micro_batch_multiple");
-    int64_t nodes = 0, gave_up = 0;
-    for (int64_t M = m_lo; M <= m_hi; M += in.mbm) {
+                  " sequences over dp_size = ", k, " ranks leave some rank at most ", m_hi, give);
+    int64_t nodes = 0, M = m_lo, found = 0;
+    for (; M <= m_hi && found == 0; M += in.mbm) {
       slot_of.assign(n, -1);
-      const int64_t found = search(M, nodes);
-      if (found < 0) {
-        gave_up = M;
-        break;
-      }
-      if (found == 0) continue;
-      best.reset(k);  // the search's ranks
-      for (int64_t j = g - 1; j >= 0; --j) best.mem[slot_of[seq(first_of(j))] / M].push_back(j);
-      layout();
-      std::vector<int64_t> bins = slot_of;
-      cursor.resize(k * M);
-      for (int64_t r = 0; r < k; ++r) {  // the search's bins, refined, written
-        const int64_t m = load_rank(r);
-        pk.start(m, M, cap);
-        for (int64_t i = 0; i < m; ++i) pk.bin_of[i] = bins[by_rank[base[r] + i]] - r * M;
-        for (int64_t i = m - 1; i >= 0; --i) {
-          pk.b.load[pk.bin_of[i]] += pk.w[i];
-          pk.room[pk.bin_of[i]] -= pk.tok[i];
-        }
-        pk.balance(M, 2 * M + 32);
-        write_rank(r, M);
-      }
-      write_order(M);
-      return M;
+      found = search(M, nodes);
     }
-    COMPASS_CHECK(gave_up > 0, "lengths: no plan exists giving ", what,
-                  ": an exhaustive search over M = ", m_lo, "..", m_hi,
-                  " found none: give more sequences, a larger max_tokens or a smaller "
-                  "micro_batch_multiple");
-    fail("lengths: no plan found giving ", what, ": the balanced ranks leave some rank too few "
-         "sequences, and the search for another assignment gave up after ", kSearchNodes,
-         " placements at M = ", gave_up, " (of ", m_lo, "..", m_hi, "; a plan may exist): give "
-         "more sequences, a larger max_tokens or a smaller micro_batch_multiple");
+    M -= in.mbm;
+    COMPASS_CHECK(found != 0, "lengths: no plan exists giving ", what,
+                  ": an exhaustive search over M = ", m_lo, "..", m_hi, " found none", give);
+    COMPASS_CHECK(found > 0, "lengths: no plan found giving ", what, ": the balanced ranks leave "
+                  "some rank too few sequences, and the search for another assignment gave up "
+                  "after ", kSearchNodes, " placements at M = ", M, " (of ", m_lo, "..", m_hi,
+                  "; a plan may exist)", give);
+    best.reset(k);  // the search's ranks
+    for (int64_t j = g - 1; j >= 0; --j) best.mem[slot_of[seq(first_of(j))] / M].push_back(j);
+    layout();
+    const std::vector<int64_t> bins = slot_of;
+    cursor.resize(k * M);
+    for (int64_t r = 0; r < k; ++r) {  // the search's bins, refined, written
+      pk.m = load_rank(r);
+      pk.bin_of.resize(pk.m);
+      for (int64_t i = 0; i < pk.m; ++i) pk.bin_of[i] = bins[by_rank[base[r] + i]] - r * M;
+      pk.from_bins(M, cap);
+      pk.balance(M, 2 * M + 32);
+      write_rank(r, M);
+    }
+    write_order(M);
+    return M;
   }
 
   std::pair<int64_t, double> run() {
@@ -1165,29 +1094,26 @@ struct Planner {
 
 std::pair<int64_t, double> plan_cpu(COMPASS_PLAN_ARGS) {
   COMPASS_NAME_ARGS(lengths, group_ids, order, offsets);
-  lengths.expect_vector().expect_dtype(DType::kInt64).expect_device(DeviceType::kCPU);
+  for (const TensorView* v : {&lengths, &order, &offsets, group_ids ? &*group_ids : &lengths}) {
+    v->expect_vector().expect_dtype(DType::kInt64).expect_device(DeviceType::kCPU);
+  }
   const int64_t n = lengths.numel();
   COMPASS_CHECK(n >= 1, "lengths: expected at least one sequence, got none");
-  if (group_ids) {
-    group_ids->expect_vector().expect_dtype(DType::kInt64).expect_device(DeviceType::kCPU);
-    group_ids->expect_size(0, n, "one per sequence");
-  }
-  order.expect_vector().expect_dtype(DType::kInt64).expect_device(DeviceType::kCPU);
+  if (group_ids) group_ids->expect_size(0, n, "one per sequence");
   order.expect_size(0, n, "one per sequence");
-  offsets.expect_vector().expect_dtype(DType::kInt64).expect_device(DeviceType::kCPU);
   offsets.expect_size(0, n + 1, "len(lengths) + 1");
-  COMPASS_CHECK(dp_size >= 1, "dp_size: expected >= 1, got ", dp_size);
-  COMPASS_CHECK(max_tokens >= 1, "max_tokens: expected >= 1, got ", max_tokens);
-  COMPASS_CHECK(micro_batch_multiple >= 1, "micro_batch_multiple: expected >= 1, got ",
-                micro_batch_multiple);
-  COMPASS_CHECK(pad_multiple >= 1, "pad_multiple: expected >= 1, got ", pad_multiple);
+  auto positive = [](int64_t v, const char* name) {
+    COMPASS_CHECK(v >= 1, name, ": expected >= 1, got ", v);
+  };
+  positive(dp_size, "dp_size"), positive(max_tokens, "max_tokens");
+  positive(micro_batch_multiple, "micro_batch_multiple"), positive(pad_multiple, "pad_multiple");
   COMPASS_CHECK(std::isfinite(cost_a) && cost_a > 0.0, "cost_a: expected a finite value > 0, got ",
                 cost_a);
   COMPASS_CHECK(std::isfinite(cost_b) && cost_b >= 0.0,
                 "cost_b: expected a finite value >= 0, got ", cost_b);
-  const int64_t* len = lengths.ptr<int64_t>();
   // Padding and range checks, naming the first offending sequence. Totals
   // (and the doubled loads the refinement compares) must not overflow int64.
+  const int64_t* len = lengths.ptr<int64_t>();
   std::vector<int64_t> padded(pad_multiple > 1 ? n : 0);
   const int64_t room = max_tokens / pad_multiple;  // padded <= max_tokens iff ceil(L / pad) <= room
   const int64_t limit = std::numeric_limits<int64_t>::max() / 4;
@@ -1195,27 +1121,24 @@ std::pair<int64_t, double> plan_cpu(COMPASS_PLAN_ARGS) {
   for (int64_t i = 0; i < n; ++i) {
     const int64_t L = len[i];
     COMPASS_CHECK(L >= 1, "lengths: expected every sequence non-empty, got lengths[", i, "] = ", L);
-    const int64_t q = pad_multiple == 1 ? L : (L - 1) / pad_multiple + 1;
+    const int64_t q = (L - 1) / pad_multiple + 1;
     if (q > room) {
-      if (q <= std::numeric_limits<int64_t>::max() / pad_multiple) {
-        fail("lengths: sequence ", i, " has ", q * pad_multiple,
-             " tokens (after padding), more than max_tokens = ", max_tokens,
-             ": no micro-batch can hold it");
-      }
-      fail("lengths: sequence ", i, " has ", L, " tokens, more than max_tokens = ", max_tokens,
+      const bool pad = q <= std::numeric_limits<int64_t>::max() / pad_multiple;
+      fail("lengths: sequence ", i, " has ", pad ? q * pad_multiple : L,
+           pad ? " tokens (after padding)" : " tokens", ", more than max_tokens = ", max_tokens,
            ": no micro-batch can hold it");
     }
-    if (pad_multiple > 1) padded[i] = q * pad_multiple;
-    COMPASS_CHECK(total <= limit - q * pad_multiple, "lengths: the total token count overflows int64");
-    total += q * pad_multiple;
+    const int64_t P = q * pad_multiple;
+    COMPASS_CHECK(total <= limit - P, "lengths: the total token count overflows int64");
+    total += P;
+    if (pad_multiple > 1) padded[i] = P;
   }
   const int64_t* tok = pad_multiple > 1 ? padded.data() : len;
   const Input in{tok, group_ids ? group_ids->ptr<int64_t>() : nullptr, n, dp_size,
                  max_tokens, micro_batch_multiple, refine_iters, equal_samples, cost_a, cost_b};
-  int64_t* ord = order.ptr<int64_t>();
-  int64_t* off = offsets.ptr<int64_t>();
+  int64_t *ord = order.ptr<int64_t>(), *off = offsets.ptr<int64_t>();
   if (cost_b == 0.0) {  // a*P: balancing P is the same problem, in exact integers
-    auto r = Planner<int64_t>(in, ord, off).run();
+    const auto r = Planner<int64_t>(in, ord, off).run();
     return {r.first, r.second * cost_a};
   }
   for (int64_t i = 0; i < n; ++i) {
@@ -1231,12 +1154,11 @@ void karmarkar_karp_cpu(TensorView cost, int64_t k, TensorView rank_of) {
   rank_of.expect_vector().expect_dtype(DType::kInt64).expect_device(DeviceType::kCPU);
   rank_of.expect_size(0, cost.numel(), "one per item");
   COMPASS_CHECK(k >= 1, "k: expected >= 1, got ", k);
-  const int64_t n = cost.numel();
   const double* c = cost.ptr<double>();
-  // ascending by cost, ties by index (the order Python's sorted((v, i)) gives)
-  std::vector<int64_t> asc(n);
+  std::vector<int64_t> asc(cost.numel());  // ties by index, as Python's sorted((v, i))
   std::iota(asc.begin(), asc.end(), int64_t{0});
-  std::sort(asc.begin(), asc.end(), [&](int64_t x, int64_t y) { return c[x] != c[y] ? c[x] < c[y] : x < y; });
+  std::sort(asc.begin(), asc.end(),
+            [&](int64_t x, int64_t y) { return std::make_pair(c[x], x) < std::make_pair(c[y], y); });
   const std::vector<int32_t> r = karmarkar_karp(c, asc, k);
   std::copy(r.begin(), r.end(), rank_of.ptr<int64_t>());
 }
