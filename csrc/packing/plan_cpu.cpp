@@ -1,17 +1,14 @@
 // The packing planner (ck.packing.plan): sequences -> data-parallel ranks ->
 // micro-batches, every constraint at once (docs/design.md has the contract).
-// 1. Items (groups or sequences) by decreasing cost (padded tokens, int64, or
-//    a P + b P^2, float64: both grow with P, so one sort by tokens serves).
-// 2. Ranks: LPT (a snake sweep over the middle of long lists), exchange
-//    refinement to the lower bound max(ceil(total / k), largest item); where
-//    missed, a refined Karmarkar-Karp seed, the better kept.
-// 3. Micro-batches: M = the largest per-rank lower bound, rounded up to
-//    micro_batch_multiple; each rank by LPT or the level fit (the first within
-//    its bound, else both refined), else first fit plus splitting, M growing.
-// 4. Feasibility: items move to ranks short of sequences; else a depth-first
-//    search over (rank, micro-batch), complete within a budget, so a refusal
-//    is a proof (a counting bound, an exhausted search) or says it gave up.
-// 5. Output: micro-batches heaviest first, each by ascending index. Every tie
+// 1. Items (groups or sequences) by decreasing cost (padded tokens P, int64,
+//    or a P + b P^2, float64: both grow with P, so one sort by tokens serves).
+// 2. Ranks: LPT, exchange refinement to max(ceil(total / k), largest item);
+//    where missed, a refined Karmarkar-Karp seed, the better kept.
+// 3. Micro-batches: M = the largest per-rank lower bound (rounded up); each
+//    rank by LPT or the level fit, else first fit plus splitting, M growing.
+// 4. Feasibility: items move to ranks short of sequences; else a complete,
+//    budgeted search over (rank, micro-batch): a refusal is a proof or says so.
+// 5. Output: micro-batches heaviest first, each by ascending index; every tie
 //    is broken by index: deterministic.
 #include <algorithm>
 #include <cmath>
@@ -32,8 +29,7 @@ namespace packing {
 
 namespace {
 
-// Micro-batch refinement: partners per step, and its stop within 0.5% of the
-// bound (bubbles; the last fractions of a percent cost most of the time).
+// Micro-batch refinement: partners per step, its stop within 0.5% of the bound.
 constexpr int64_t kBinPartners = 8;
 constexpr double kBinTolerance = 5e-3;
 constexpr double kRankTolerance = 1e-9;  // float costs: ranks within 1e-9 of the bound
@@ -47,10 +43,8 @@ constexpr int64_t kGroup = 4;
 constexpr int64_t kLptProbe = 16;
 constexpr int64_t kSearchNodes = 4'000'000;  // the feasibility search's placements
 
-// Stable LSD radix sort of (key, index) records by key, 8-bit digits, only
-// as many passes as the keys' bits need (two for 16-bit token ranges). A
-// comparison sort cost more than the whole planner at 4096 sequences
-// (branch mispredictions: 130 us against 10 us).
+// Stable LSD radix sort of (key, index) records, 8-bit digits, as many passes
+// as the keys' bits need (std::sort: mispredicted branches, 10x slower).
 struct Rec {
   uint64_t key;
   int64_t idx;
@@ -70,9 +64,8 @@ void radix_sort(std::vector<Rec>& a) {
   }
 }
 
-// Items relabelled by decreasing cost: w[j] >= w[j + 1]. With groups, the
-// sequences of item j are member[start[j] : start[j + 1]] (ascending index);
-// without, item j is the j-th sequence by decreasing tokens.
+// Items by decreasing cost w. With groups, item j's sequences are
+// member[start[j] : start[j + 1]] (ascending); without, the j-th longest.
 template <typename C>
 struct Items {
   std::vector<C> w;
@@ -80,52 +73,41 @@ struct Items {
   int64_t size() const { return static_cast<int64_t>(w.size()); }
 };
 
-// Bins (ranks, or micro-batches of one rank) of items; each bin's members are
-// kept by decreasing id, that is by increasing cost.
+// Bins (ranks, or one rank's micro-batches); members by decreasing id (increasing cost).
 template <typename C>
 struct Bins {
   std::vector<std::vector<int64_t>> mem;
   std::vector<C> load;
-  void reset(int64_t nb) {
-    mem.assign(nb, {});
-    load.assign(nb, C{0});
-  }
+  void reset(int64_t nb) { mem.assign(nb, {}), load.assign(nb, C{0}); }
   int64_t size() const { return static_cast<int64_t>(load.size()); }
   C max_load() const { return *std::max_element(load.begin(), load.end()); }
 };
 
-void erase_id(std::vector<int64_t>& m, int64_t x) {
-  m.erase(std::lower_bound(m.begin(), m.end(), x, std::greater<int64_t>()));
-}
-void insert_id(std::vector<int64_t>& m, int64_t x) {
-  m.insert(std::lower_bound(m.begin(), m.end(), x, std::greater<int64_t>()), x);
+void move_id(std::vector<int64_t>& from, std::vector<int64_t>& to, int64_t x) {
+  from.erase(std::lower_bound(from.begin(), from.end(), x, std::greater<int64_t>()));
+  to.insert(std::lower_bound(to.begin(), to.end(), x, std::greater<int64_t>()), x);
 }
 
-// The exchange between bins h and r that lowers the larger of the two loads
-// the most: x leaves h and y (or nothing, y = -1) leaves r, with difference
-// d = w[x] - w[y] in (0, gap) closest to gap / 2. xs and ys are by increasing
-// cost, so for each x the y closest to w[x] - gap / 2 only moves forward: one
-// two-pointer scan, O(|xs| + |ys|). Scores are |2d - gap| (exact for integer
-// costs); the scan stops at the best score possible (0, or 1 for an odd
-// integer gap): no later pair can beat it. fits(x, y) filters (cap, counts).
+// The exchange between bins h and r that lowers the larger load the most: x
+// leaves h, y (or nothing, y = -1) leaves r, d = w[x] - w[y] in (0, gap)
+// closest to gap / 2, by one two-pointer scan over xs and ys (increasing cost),
+// stopped at the best score |2d - gap| possible (0, or 1 for an odd integer
+// gap). fits(x, y) filters (cap, counts).
 template <typename C>
 struct Exchange {
-  int64_t x = -1, y = -1;
-  C score{};
+  int64_t x, y;
+  C score;
 };
 
 template <typename C, typename Fits>
 Exchange<C> best_exchange(const std::vector<int64_t>& xs, const std::vector<int64_t>& ys,
                           const C* w, C gap, Fits&& fits) {
-  Exchange<C> best;
-  best.score = gap;  // a candidate must beat it: d strictly inside (0, gap)
+  Exchange<C> best{-1, -1, gap};  // a candidate must beat it: d strictly inside (0, gap)
   C floor{0};
   if constexpr (std::is_integral_v<C>) floor = gap & 1;
   auto consider = [&](int64_t x, int64_t y, C d) {
-    if (d <= C{0} || d >= gap) return;
-    C s = 2 * d - gap;
-    if (s < C{0}) s = -s;
-    if (s < best.score && fits(x, y)) best.x = x, best.y = y, best.score = s;
+    const C s = std::abs(2 * d - gap);
+    if (d > C{0} && d < gap && s < best.score && fits(x, y)) best = {x, y, s};
   };
   const int64_t nx = static_cast<int64_t>(xs.size()), ny = static_cast<int64_t>(ys.size());
   // moves: the x closest to gap / 2 (the first with 2 w[x] >= gap, +- 2)
@@ -146,17 +128,14 @@ Exchange<C> best_exchange(const std::vector<int64_t>& xs, const std::vector<int6
   return best;
 }
 
-// The least-loaded bin, ties to the lower index: a tournament tree over the
-// bins, LPT's one operation per item, O(log k). Keys are (load, bin) as one
-// 128-bit integer (loads are >= 0, and a non-negative double's bits order as
-// the value does), so each level is one branch-free minimum (pairs compared
-// member by member took 3x the time: mispredicted branches). A bin set aside
-// (no room, or full under equal_samples) holds the largest key.
+// The least-loaded bin, ties to the lower index: a tournament tree, O(log k).
+// Keys are (load, bin) as one 128-bit integer (a non-negative double's bits
+// order as its value), one branch-free minimum per level (pairs compared member
+// by member: 3x slower LPT). A bin set aside holds the largest key.
 template <typename To, typename From>
-To bits_as(From v) {
+To bits_as(From v) {  // (std::bit_cast)
   To u;
-  std::memcpy(&u, &v, sizeof u);
-  return u;
+  return std::memcpy(&u, &v, sizeof u), u;
 }
 
 template <typename C>
@@ -186,11 +165,10 @@ struct MinTree {
   void add_top(C d) { set(top(), top_load() + d); }
 };
 
-// Until the heaviest bin is at `target` or cannot be lowered: the heaviest bin
-// h (the first of equal loads) exchanges with the lightest bin that offers an
-// exchange (lightest first, ties by index, at most max_partners tried).
-// fits(h, r, x, y): the exchange keeps both bins feasible; applied(h, r, x, y)
-// is told of each change made.
+// Until the heaviest bin h (the first of equal loads) is at `target` or cannot
+// be lowered, it exchanges with the lightest bin that offers an exchange (at
+// most max_partners tried, ties by index). fits(h, r, x, y): the exchange keeps
+// both bins feasible; applied(h, r, x, y) is told of each change.
 template <typename C, typename Fits, typename Applied>
 void refine(Bins<C>& b, const C* w, C target, int64_t max_iter, int64_t max_partners,
             Fits&& fits, Applied&& applied) {
@@ -201,18 +179,12 @@ void refine(Bins<C>& b, const C* w, C target, int64_t max_iter, int64_t max_part
     if (gap <= C{0}) return false;
     const Exchange<C> e = best_exchange(b.mem[h], b.mem[r], w, gap,
                                         [&](int64_t x, int64_t y) { return fits(h, r, x, y); });
-    if (e.x < 0) return false;
-    if constexpr (!std::is_integral_v<C>) {
-      if (gap - e.score <= b.load[h] * 1e-13) return false;  // no float crumbs
+    if (e.x < 0 || (!std::is_integral_v<C> && gap - e.score <= b.load[h] * 1e-13)) {
+      return false;  // (float costs: no crumbs)
     }
-    erase_id(b.mem[h], e.x);
-    insert_id(b.mem[r], e.x);
-    C d = w[e.x];
-    if (e.y >= 0) {
-      erase_id(b.mem[r], e.y);
-      insert_id(b.mem[h], e.y);
-      d -= w[e.y];
-    }
+    move_id(b.mem[h], b.mem[r], e.x);
+    if (e.y >= 0) move_id(b.mem[r], b.mem[h], e.y);
+    const C d = w[e.x] - (e.y >= 0 ? w[e.y] : C{0});
     b.load[h] -= d;
     b.load[r] += d;
     applied(h, r, e.x, e.y);
@@ -226,9 +198,7 @@ void refine(Bins<C>& b, const C* w, C target, int64_t max_iter, int64_t max_part
     const int64_t h = std::max_element(b.load.begin(), b.load.end()) - b.load.begin();
     if (b.load[h] <= target) break;
     int64_t l = h == 0 ? 1 : 0;
-    for (int64_t j = 0; j < nb; ++j) {
-      if (j != h && lighter(j, l)) l = j;
-    }
+    for (int64_t j = 0; j < nb; ++j) l = j != h && lighter(j, l) ? j : l;
     if (attempt(h, l)) continue;
     others.clear();  // the next lightest, in order
     for (int64_t j = 0; j < nb; ++j) {
@@ -247,15 +217,12 @@ void refine(Bins<C>& b, const C* w, C target, int64_t max_iter, int64_t max_part
 }
 
 // LPT over items 0..g-1 (decreasing cost) onto k ranks. With `card`
-// (equal_samples): floor(g/k) or ceil(g/k) items per rank, exactly g % k ranks
-// at the ceiling. Without it, from kBulkMinPerBin items per rank the middle of
-// the list goes by a snake sweep: LPT places items [0, a), a = max(2k, g/16);
-// then whole blocks of k items go one to each rank (ranks by load after LPT,
-// lightest first, every other block reversed): a linear pass that, like LPT
-// once items are small, gives every rank one item of each block (alike mixes
-// of long and short sequences, which the micro-batch count depends on). The
-// sweep stops while the items left exceed the lift of every rank to the
-// heaviest by a margin; LPT places those, levelling the ranks.
+// (equal_samples): floor(g/k) or ceil(g/k) items per rank. Without it, from
+// kBulkMinPerBin items per rank, after LPT of [0, max(2k, g/16)) whole blocks
+// of k items go one to each rank (by load, lightest first, every other block
+// reversed: alike mixes of long and short sequences, as LPT gives), while the
+// items left exceed every rank's lift to the heaviest by a margin; LPT levels
+// the rest.
 template <typename C>
 void lpt_ranks(const std::vector<C>& w, C total, int64_t k, bool card, Bins<C>& b) {
   const int64_t g = static_cast<int64_t>(w.size());
@@ -289,9 +256,8 @@ void lpt_ranks(const std::vector<C>& w, C total, int64_t k, bool card, Bins<C>& 
     });
     C top = b.load[by_load[k - 1]];
     const C mean = std::is_integral_v<C> ? total / k : total / static_cast<C>(k);
-    // the block [j, j + k) keeps the heaviest under top + w[j]; the items left
-    // after it then exceed the lift to it by kSnakeMargin * k * w[j + k] iff
-    // top + w[j] + kSnakeMargin * w[j + k] <= mean
+    // after the block [j, j + k) (heaviest under top + w[j]) the items left
+    // exceed the lift to it by kSnakeMargin * k * w[j + k]
     for (bool fwd = true; j + k < g && top + w[j] + kSnakeMargin * w[j + k] <= mean; fwd = !fwd) {
       for (int64_t i = 0; i < k; ++i, ++j) {
         const int64_t r = by_load[fwd ? i : k - 1 - i];
@@ -307,26 +273,18 @@ void lpt_ranks(const std::vector<C>& w, C total, int64_t k, bool card, Bins<C>& 
   for (int64_t i = 0; i < g; ++i) ++count[rank_of[i]];
   for (int64_t r = 0; r < k; ++r) b.mem[r].reserve(count[r]);
   for (int64_t i = g - 1; i >= 0; --i) b.mem[rank_of[i]].push_back(i);
-  if constexpr (!std::is_integral_v<C>) {
-    // float loads summed again from each rank's lightest item up, the order
-    // the KK seed sums in (integer sums are exact in any order)
-    for (int64_t r = 0; r < k; ++r) {
-      C sum{0};
-      for (int64_t x : b.mem[r]) sum += w[x];
-      b.load[r] = sum;
-    }
+  for (int64_t r = 0; r < k && !std::is_integral_v<C>; ++r) {  // float loads summed again
+    b.load[r] = C{0};  // from the lightest item up, as the KK seed sums (integers: exact anyway)
+    for (int64_t x : b.mem[r]) b.load[r] += w[x];
   }
 }
 
-// Karmarkar-Karp largest differencing, equal-size mode: items ascending, taken
-// k at a time as partial solutions of k one-item sets; the two solutions with
-// the largest spread merge (the largest set of one with the smallest of the
-// other) until one is left. Zero-cost fillers pad g to a multiple of k, so
-// counts differ by at most one. Sets are linked lists: O(1) concatenation.
-// Ties as verl's code (and Python's reference) breaks them: sets by (sum,
-// count, first item), larger first; solutions by spread, then their top sets
-// in that order. Returns each item's rank; `ascending` lists the items by
-// increasing cost.
+// Karmarkar-Karp largest differencing, equal-size mode: items ascending (zero
+// fillers pad g to a multiple of k), k at a time as partial solutions of k sets;
+// the two with the largest spread merge (largest set of one with the smallest
+// of the other) until one is left. Sets are linked lists. Ties as verl's code
+// breaks them: sets by (sum, count, first item), larger first; solutions by
+// spread, then their top sets. Returns each item's rank.
 template <typename C>
 struct KKSet {
   C sum;
@@ -402,9 +360,8 @@ struct FirstFit {
   }
 };
 
-// One rank's micro-batch packing: bin_of (local id -> bin; local ids are the
-// rank's sequences by decreasing tokens), b.load and room; the member lists
-// b.mem are built only when splitting or refinement needs them (has_mem).
+// One rank's micro-batch packing: bin_of (the rank's sequences by decreasing
+// tokens -> bin), b.load, room; b.mem only where needed (has_mem).
 template <typename C>
 struct RankPacker {
   const C* w = nullptr;          // local id -> cost
@@ -417,7 +374,6 @@ struct RankPacker {
   C total{};  // of the rank's costs
   int64_t m = 0;
   bool has_mem = false;
-
   void start(int64_t m_, int64_t nbins, int64_t cap) {
     m = m_;
     has_mem = false;
@@ -431,7 +387,6 @@ struct RankPacker {
     for (int64_t i = m - 1; i >= 0; --i) b.mem[bin_of[i]].push_back(i);  // decreasing id
     has_mem = true;
   }
-
   // One LPT step: sequence i to the least-loaded bin with room for it (bins
   // without room set aside for this step only). False when none has room.
   std::vector<std::pair<C, int64_t>> aside;
@@ -449,7 +404,6 @@ struct RankPacker {
     for (const auto& e : aside) heap.set(e.second, e.first);
     return true;
   }
-
   // LPT by cost among the bins with room. False when some sequence fits nowhere.
   bool lpt(int64_t m_, int64_t nbins, int64_t cap) {
     start(m_, nbins, cap);
@@ -460,12 +414,9 @@ struct RankPacker {
     for (int64_t i = m - 1; i >= 0; --i) b.load[bin_of[i]] += w[i];  // summed by decreasing id
     return true;
   }
-
-  // Tight ranks (LPT leaves no bin room for a late long sequence): first fit
-  // by decreasing tokens into nbins bins of `level` tokens (the balanced level,
-  // not the cap), so bins fill to about the same load; the sequences that fit
-  // under no level (a few short ones) then go by LPT under the cap. False when
-  // one fits nowhere or a bin stays empty.
+  // Tight ranks (LPT leaves no room for a late long sequence): first fit into
+  // nbins bins of `level` tokens (the balanced level), the few that fit under
+  // no level by LPT under the cap. False when one fits nowhere or a bin stays empty.
   bool level_fit(int64_t m_, int64_t nbins, int64_t cap, int64_t level) {
     start(m_, nbins, cap);
     ff.init(nbins, level);
@@ -491,7 +442,6 @@ struct RankPacker {
     // an empty bin: leave it to the other packings
     return std::find(room.begin(), room.end(), cap) == room.end();
   }
-
   // First fit by decreasing tokens into bins of cap (all but one over half
   // full: at most 2 total / cap + 1 bins), then split into nbins bins.
   // False (bin_of unusable) where first fit needs more than nbins: `used`.
@@ -516,7 +466,6 @@ struct RankPacker {
     }
     has_mem = true;
   }
-
   // Split the heaviest bin with two or more members in two (alternating by
   // cost; subsets of a feasible bin stay feasible) until there are nbins. The
   // rank holds >= nbins sequences, so some bin can always be split.
@@ -528,12 +477,9 @@ struct RankPacker {
         if (b.mem[j].size() >= 2 && (h < 0 || b.load[j] > b.load[h])) h = j;
       }
       all.swap(b.mem[h]);  // decreasing id
-      b.mem[h].clear();
-      b.mem.emplace_back();
-      b.load[h] = C{0};
-      b.load.push_back(C{0});
-      room[h] = cap;
-      room.push_back(cap);
+      b.mem[h].clear(), b.mem.emplace_back();
+      b.load[h] = C{0}, b.load.push_back(C{0});
+      room[h] = cap, room.push_back(cap);
       const int64_t other = b.size() - 1;
       for (auto it = all.rbegin(); it != all.rend(); ++it) {  // heaviest first
         const int64_t to = (b.mem[other].empty() || b.load[other] < b.load[h]) ? other : h;
@@ -544,11 +490,8 @@ struct RankPacker {
       std::reverse(b.mem[h].begin(), b.mem[h].end());
       std::reverse(b.mem[other].begin(), b.mem[other].end());
     }
-    for (int64_t q = 0; q < b.size(); ++q) {
-      for (int64_t i : b.mem[q]) bin_of[i] = q;
-    }
+    for (int64_t q = 0; q < b.size(); ++q) for (int64_t i : b.mem[q]) bin_of[i] = q;
   }
-
   // The bound for the heaviest micro-batch: max(total / nbins, largest cost)
   // plus kBinTolerance. Packings under it are not refined.
   C target(int64_t nbins) const {
@@ -559,17 +502,12 @@ struct RankPacker {
       return std::max(total / static_cast<C>(nbins), w[0]) * (1.0 + kBinTolerance);
     }
   }
-
-  // The packing (bin_of, b.load, room) set aside, and back.
+  // The packing set aside, and back.
   std::vector<int64_t> kept_bin_of, kept_room;
   std::vector<C> kept_load;
   void keep() {
-    has_mem = false;
-    bin_of.swap(kept_bin_of);
-    b.load.swap(kept_load);
-    room.swap(kept_room);
+    has_mem = false, bin_of.swap(kept_bin_of), b.load.swap(kept_load), room.swap(kept_room);
   }
-
   // Move / swap refinement between bins over the bound, never breaking the cap
   // nor emptying a bin.
   void balance(int64_t nbins, int64_t max_iter) {
@@ -598,25 +536,18 @@ struct Input {
   int64_t n, k, cap, mbm, iters;
   bool equal;
   double a, b;  // float costs: a * P + b * P^2
+  double cost(int64_t p) const { return a * static_cast<double>(p) + b * static_cast<double>(p) * p; }
 };
-
 // The cost of a sequence of p padded tokens: p (integer costs), or a p + b p^2.
 template <typename C>
 C cost_of(const Input& in, int64_t p) {
-  if constexpr (std::is_integral_v<C>) {
-    return p;
-  } else {
-    const double d = static_cast<double>(p);
-    return in.a * d + in.b * d * d;
-  }
+  if constexpr (std::is_integral_v<C>) return p; else return in.cost(p);
 }
 
 template <typename C>
 struct Planner {
   const Input& in;
-  int64_t* ord;
-  int64_t* off;
-  int64_t n, k, cap;
+  int64_t *ord, *off, n, k, cap;
   std::vector<int64_t> sorted, stok;  // sequences by decreasing tokens (ties by index), tokens
   Items<C> it;
   C total{0};
@@ -627,19 +558,16 @@ struct Planner {
   std::vector<int64_t> slot_of, cursor;  // sequence -> r * M + bin; where each bin writes next
   std::vector<int64_t> first, size, order;  // write_rank's, per bin
   RankPacker<C> pk;
-
   Planner(const Input& in_, int64_t* o, int64_t* f)
       : in(in_), ord(o), off(f), n(in_.n), k(in_.k), cap(in_.cap) {}
   int64_t round_up(int64_t v) const { return (v + in.mbm - 1) / in.mbm * in.mbm; }
-
   void make_items() {
     std::vector<Rec> rec(n);
     const int64_t* tok = in.tok;
     const int64_t top = *std::max_element(tok, tok + n);
     for (int64_t i = 0; i < n; ++i) rec[i] = {static_cast<uint64_t>(top - tok[i]), i};
     radix_sort(rec);
-    sorted.resize(n);
-    stok.resize(n);
+    sorted.resize(n), stok.resize(n);
     for (int64_t j = 0; j < n; ++j) sorted[j] = rec[j].idx, stok[j] = top - rec[j].key;
     if (in.gid == nullptr) {
       it.w.resize(n);
@@ -647,7 +575,7 @@ struct Planner {
       return;
     }
     const int64_t gmin = *std::min_element(in.gid, in.gid + n);
-    for (int64_t i = 0; i < n; ++i) rec[i] = {static_cast<uint64_t>(in.gid[i] - gmin), i};
+    for (int64_t i = 0; i < n; ++i) rec[i] = {uint64_t(in.gid[i]) - uint64_t(gmin), i};
     radix_sort(rec);  // ascending group id, then index
     std::vector<int64_t> gstart;
     std::vector<C> gw;
@@ -659,14 +587,9 @@ struct Planner {
     const int64_t g = static_cast<int64_t>(gw.size());
     COMPASS_CHECK(g >= k, "group_ids: need at least dp_size = ", k,
                   " groups so that every rank gets one, got ", g);
-    if (in.equal) {
-      int64_t lo = n, hi = 0;
-      for (int64_t j = 0; j < g; ++j) {
-        lo = std::min(lo, gstart[j + 1] - gstart[j]);
-        hi = std::max(hi, gstart[j + 1] - gstart[j]);
-      }
-      COMPASS_CHECK(lo == hi, "group_ids: equal_samples needs groups of one size, got sizes ", lo,
-                    "..", hi);
+    for (int64_t j = 1; j < g && in.equal; ++j) {
+      COMPASS_CHECK(gstart[j + 1] - gstart[j] == gstart[1], "group_ids: equal_samples needs groups "
+                    "of one size, got sizes ", gstart[1], " and ", gstart[j + 1] - gstart[j]);
     }
     std::vector<int64_t> gdesc(g);  // groups by decreasing cost, ties by group order
     std::iota(gdesc.begin(), gdesc.end(), int64_t{0});
@@ -682,31 +605,23 @@ struct Planner {
       total += it.w[j];
     }
   }
-
   // Ranks: LPT + refinement; KK + refinement only if the bound is missed.
   double make_ranks() {
     const int64_t g = it.size();
     const double lb = std::max(static_cast<double>(total) / static_cast<double>(k),
                                static_cast<double>(it.w[0]));
-    C target;
-    if constexpr (std::is_integral_v<C>) {
-      target = std::max<C>((total + k - 1) / k, it.w[0]);
-    } else {
-      target = static_cast<C>(lb * (1.0 + kRankTolerance));
-    }
+    const C target = std::is_integral_v<C> ? std::max<C>((total + k - 1) / k, it.w[0])
+                                           : static_cast<C>(lb * (1.0 + kRankTolerance));
     const int64_t iters = in.iters >= 0 ? in.iters : 16 * k + 256;
     auto refine_ranks = [&](Bins<C>& b) {
       std::vector<int64_t> count(k);
       for (int64_t r = 0; r < k; ++r) count[r] = static_cast<int64_t>(b.mem[r].size());
       refine(
           b, it.w.data(), target, iters, k,
-          [&](int64_t h, int64_t r, int64_t, int64_t y) {
-            if (y >= 0) return true;  // swaps keep every count
-            return in.equal ? count[h] > count[r] : count[h] > 1;
+          [&](int64_t h, int64_t r, int64_t, int64_t y) {  // (swaps keep every count)
+            return y >= 0 || (in.equal ? count[h] > count[r] : count[h] > 1);
           },
-          [&](int64_t h, int64_t r, int64_t, int64_t y) {
-            if (y < 0) --count[h], ++count[r];
-          });
+          [&](int64_t h, int64_t r, int64_t, int64_t y) { y < 0 && (--count[h], ++count[r]); });
     };
     lpt_ranks(it.w, total, k, in.equal, best);
     refine_ranks(best);
@@ -716,23 +631,17 @@ struct Planner {
       const std::vector<int32_t> rank = karmarkar_karp(it.w.data(), ascending, k);
       Bins<C> other;
       other.reset(k);
-      for (int64_t j = g - 1; j >= 0; --j) {  // decreasing id within each rank
-        other.mem[rank[j]].push_back(j);
-        other.load[rank[j]] += it.w[j];
-      }
+      for (int64_t j = g - 1; j >= 0; --j) other.mem[rank[j]].push_back(j), other.load[rank[j]] += it.w[j];
       refine_ranks(other);
       if (other.max_load() < best.max_load()) std::swap(best, other);
     }
     return lb;
   }
-
   // The sequences of item j: seq(s) for s in [first(j), first(j + 1)).
   int64_t first_of(int64_t j) const { return in.gid ? it.start[j] : j; }
   int64_t seq(int64_t s) const { return in.gid ? it.member[s] : sorted[s]; }
-
-  // Each rank's sequences by decreasing tokens (ties by index), from the
-  // ranks' items (best); returns M, the largest per-rank lower bound rounded
-  // up to micro_batch_multiple.
+  // Each rank's sequences by decreasing tokens from its items (best); returns
+  // the largest per-rank lower bound, rounded up to micro_batch_multiple.
   int64_t layout() {
     base.assign(k + 1, 0);
     rank_tok.assign(k, 0);
@@ -774,7 +683,6 @@ struct Planner {
     }
     return true;
   }
-
   int64_t load_rank(int64_t r) {  // pk reads the rank's slice of by_tok
     const int64_t m = base[r + 1] - base[r];
     const int64_t* t = by_tok.data() + base[r];
@@ -791,7 +699,6 @@ struct Planner {
     }
     return m;
   }
-
   // Rank r's packing (pk) in the output: its micro-batches heaviest first
   // (ties by first sequence) get their offsets; each sequence its slot.
   void write_rank(int64_t r, int64_t nb) {
@@ -800,9 +707,7 @@ struct Planner {
     first.assign(nb, n), size.assign(nb, 0), order.resize(nb);
     for (int64_t i = 0; i < m; ++i) {
       const int64_t q = pk.bin_of[i];
-      first[q] = std::min(first[q], seqs[i]);
-      ++size[q];
-      slot_of[seqs[i]] = r * nb + q;
+      first[q] = std::min(first[q], seqs[i]), ++size[q], slot_of[seqs[i]] = r * nb + q;
     }
     std::iota(order.begin(), order.end(), int64_t{0});
     std::sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
@@ -811,21 +716,16 @@ struct Planner {
     });
     int64_t pos = base[r];
     for (int64_t j = 0; j < nb; ++j) {
-      off[r * nb + j] = pos;
-      cursor[r * nb + order[j]] = pos;
-      pos += size[order[j]];
+      off[r * nb + j] = cursor[r * nb + order[j]] = pos, pos += size[order[j]];
     }
   }
   void write_order(int64_t nb) {  // each micro-batch by ascending sequence index
     off[k * nb] = n;
     for (int64_t s = 0; s < n; ++s) ord[cursor[slot_of[s]]++] = s;
   }
-
-  // Micro-batches: each rank packed into nb bins (LPT or the level fit, the
-  // first within the rank's bound, else both refined and the better kept;
-  // first fit plus splitting where neither fits), written. If a rank needs
-  // more bins than nb (first fit needs more), nb grows and the ranks written
-  // so far are packed again. Returns the final nb, or 0 where it grew past
+  // Micro-batches: each rank into nb bins (LPT or the level fit, first fit plus
+  // splitting where neither fits), written. Where first fit needs more bins, nb
+  // grows and the ranks are packed again. Returns nb, or 0 where nb grew past
   // some rank's sequence count.
   int64_t pack(int64_t nb) {
     std::vector<int64_t> lpt_ok_at(k, 0), written_at(k, 0);
@@ -856,9 +756,8 @@ struct Planner {
         };
         bool lpt_ok = false;  // LPT found room for every sequence
         auto lpt = [&] { return lpt_ok = pk.lpt(m, nb, cap); };
-        // The first choice is taken if it fits within the rank's bound, else
-        // the second if it does; if both fit over it, both are refined and the
-        // better kept (ties: the first).
+        // The first choice within the rank's bound, else the second; both over
+        // it: both refined, the better kept (ties: the first).
         const C bound = pk.target(nb);
         const bool ok1 = level_first ? level_fit() : lpt();
         bool packed = ok1 && pk.b.max_load() <= bound, refined = false;
@@ -902,29 +801,21 @@ struct Planner {
     write_order(nb);
     return nb;
   }
-
-  // A rank short of sequences (fewer than nb) takes the smallest item that a
-  // rank with sequences to spare can give without raising the receiver's
-  // bound (its tokens over the cap, its sequences over cap / 2) past nb; again
-  // until no rank is short. Sample counts are fixed under equal_samples: no
-  // moves there. False when some short rank finds no such item.
+  // A rank with fewer than nb sequences takes the smallest item a rank with
+  // some to spare can give without raising the receiver's bound past nb (not
+  // under equal_samples). False when some short rank finds none.
   bool move_small_items(int64_t nb) {
-    std::vector<int64_t> cnt(k, 0), tok(k, 0), nbig(k, 0), itok(it.size(), 0), ibig(it.size(), 0);
+    std::vector<int64_t> cnt(k), itok(it.size(), 0), ibig(it.size(), 0);
+    std::vector<int64_t>&tok = rank_tok, &nbig = big;  // as layout() left them
+    std::adjacent_difference(base.begin() + 1, base.end(), cnt.begin());  // (base[0] = 0)
     for (int64_t j = 0; j < it.size(); ++j) {
       for (int64_t s = first_of(j); s < first_of(j + 1); ++s) {
-        itok[j] += in.tok[seq(s)];
-        ibig[j] += 2 * in.tok[seq(s)] > cap;
+        itok[j] += in.tok[seq(s)], ibig[j] += 2 * in.tok[seq(s)] > cap;
       }
     }
     auto seqs = [&](int64_t j) { return first_of(j + 1) - first_of(j); };
-    for (int64_t r = 0; r < k; ++r) {
-      for (int64_t j : best.mem[r]) cnt[r] += seqs(j), tok[r] += itok[j], nbig[r] += ibig[j];
-    }
-    for (int64_t r = 0; r < k;) {
-      if (cnt[r] >= nb) {
-        ++r;
-        continue;
-      }
+    for (int64_t r = 0; r < k; r += cnt[r] >= nb ? 1 : 0) {
+      if (cnt[r] >= nb) continue;
       int64_t x = -1, from = -1;  // the smallest item (largest id) any donor can give
       for (int64_t d = 0; d < k; ++d) {
         for (int64_t j : best.mem[d]) {  // by increasing cost: the first that fits
@@ -935,25 +826,20 @@ struct Planner {
         }
       }
       if (x < 0) return false;
-      erase_id(best.mem[from], x);
-      insert_id(best.mem[r], x);
-      best.load[from] -= it.w[x];
-      best.load[r] += it.w[x];
+      move_id(best.mem[from], best.mem[r], x);
+      best.load[from] -= it.w[x], best.load[r] += it.w[x];
       cnt[from] -= seqs(x), tok[from] -= itok[x], nbig[from] -= ibig[x];
       cnt[r] += seqs(x), tok[r] += itok[x], nbig[r] += ibig[x];
     }
     return true;
   }
-
-  // The feasibility search at M micro-batches per rank: each sequence (item
-  // by item, heaviest first; an item's sequences by decreasing tokens) gets a
-  // (rank, bin); an item's first sequence chooses its rank. Ranks are tried
-  // least-loaded first (ties by index), then the first rank without items;
-  // bins within a rank least-loaded first, one of equal loads (bins are
-  // interchangeable), then the rank's first empty bin. Pruned where the
-  // sequences left cannot fill the empty bins. Iterative (one choice per
-  // level, the next one recomputed from the restored state), O(n) memory.
-  // Returns 1 found (slot_of written), 0 exhausted, -1 budget spent.
+  // The feasibility search at M micro-batches per rank: each sequence (items
+  // heaviest first, an item's sequences by decreasing tokens) gets a (rank,
+  // bin), the item's first one its rank: ranks with items least-loaded first,
+  // then the first without; bins least-loaded first, one of equal loads, then
+  // the first empty one. Pruned where the sequences left cannot fill the empty
+  // bins. Iterative, O(n) memory. Returns 1 found (slot_of), 0 exhausted, -1
+  // budget spent.
   int64_t search(int64_t M, int64_t& nodes) {
     const int64_t g = it.size(), lo_cnt = g / k, rem = g % k;
     std::vector<int64_t> seq, item_of;  // level -> sequence, its item
@@ -1030,7 +916,6 @@ struct Planner {
     for (int64_t l = 0; l < n; ++l) slot_of[seq[l]] = choice[l];
     return 1;
   }
-
   // No plan from the balanced ranks: the search, for each M from the smallest
   // any plan could have up to the most every rank's sequences allow.
   int64_t fallback() {
@@ -1077,7 +962,6 @@ struct Planner {
     write_order(M);
     return M;
   }
-
   std::pair<int64_t, double> run() {
     make_items();
     COMPASS_CHECK(it.size() >= k, "lengths: need at least dp_size = ", k,
@@ -1142,7 +1026,7 @@ std::pair<int64_t, double> plan_cpu(COMPASS_PLAN_ARGS) {
     return {r.first, r.second * cost_a};
   }
   for (int64_t i = 0; i < n; ++i) {
-    COMPASS_CHECK(std::isfinite(cost_of<double>(in, tok[i])), "cost_a, cost_b: the cost of sequence ",
+    COMPASS_CHECK(std::isfinite(in.cost(tok[i])), "cost_a, cost_b: the cost of sequence ",
                   i, " (", tok[i], " tokens) overflows float64");
   }
   return Planner<double>(in, ord, off).run();
