@@ -8,8 +8,7 @@
 //    rank by LPT or the level fit, else first fit plus splitting, M growing.
 // 4. Feasibility: items move to ranks short of sequences; else a complete,
 //    budgeted search over (rank, micro-batch): a refusal is a proof or says so.
-// 5. Output: micro-batches heaviest first, each by ascending index; every tie
-//    is broken by index: deterministic.
+// 5. Output: micro-batches heaviest first, each ascending. Ties by index.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -29,26 +28,20 @@ namespace packing {
 
 namespace {
 
-// Micro-batch refinement: partners per step, its stop within 0.5% of the bound.
-constexpr int64_t kBinPartners = 8;
-constexpr double kBinTolerance = 5e-3;
+constexpr int64_t kBinPartners = 8;     // micro-batch refinement: partners per step,
+constexpr double kBinTolerance = 5e-3;  // and its stop within 0.5% of the bound
 constexpr double kRankTolerance = 1e-9;  // float costs: ranks within 1e-9 of the bound
 // The rank snake sweep: from this many items per rank, and it stops while the
 // items left exceed every rank's lift to the heaviest by kSnakeMargin * k of them.
-constexpr int64_t kBulkMinPerBin = 96;
-constexpr int64_t kSnakeMargin = 8;
+constexpr int64_t kBulkMinPerBin = 96, kSnakeMargin = 8;
 // Ranks try the level fit before LPT in groups of kGroup while LPT failed more
 // often than not, unless a rank of the group is a probe (every kLptProbe-th).
-constexpr int64_t kGroup = 4;
-constexpr int64_t kLptProbe = 16;
+constexpr int64_t kGroup = 4, kLptProbe = 16;
 constexpr int64_t kSearchNodes = 4'000'000;  // the feasibility search's placements
 
 // Stable LSD radix sort of (key, index) records, 8-bit digits, as many passes
 // as the keys' bits need (std::sort: mispredicted branches, 10x slower).
-struct Rec {
-  uint64_t key;
-  int64_t idx;
-};
+struct Rec { uint64_t key; int64_t idx; };
 void radix_sort(std::vector<Rec>& a) {
   uint64_t hi = 0;
   for (const Rec& r : a) hi |= r.key;
@@ -94,10 +87,7 @@ void move_id(std::vector<int64_t>& from, std::vector<int64_t>& to, int64_t x) {
 // stopped at the best score |2d - gap| possible (0, or 1 for an odd integer
 // gap). fits(x, y) filters (cap, counts).
 template <typename C>
-struct Exchange {
-  int64_t x, y;
-  C score;
-};
+struct Exchange { int64_t x, y; C score; };
 
 template <typename C, typename Fits>
 Exchange<C> best_exchange(const std::vector<int64_t>& xs, const std::vector<int64_t>& ys,
@@ -155,10 +145,7 @@ struct MinTree {
   C top_load() const { return bits_as<C>(static_cast<uint64_t>(t[1] >> 64)); }
   void put(int64_t r, Key key) {  // (the running minimum: no load waits on the store below)
     int64_t i = leaves + r;
-    for (t[i] = key; i > 1; i >>= 1) {
-      const Key o = t[i ^ 1];
-      t[i >> 1] = key = o < key ? o : key;
-    }
+    for (t[i] = key; i > 1; i >>= 1) t[i >> 1] = key = t[i ^ 1] < key ? t[i ^ 1] : key;
   }
   void set(int64_t r, C load) { put(r, static_cast<Key>(bits_as<uint64_t>(load)) << 64 | r); }
   void set_aside(int64_t r) { put(r, kNone); }
@@ -191,7 +178,7 @@ void refine(Bins<C>& b, const C* w, C target, int64_t max_iter, int64_t max_part
     return true;
   };
   auto lighter = [&](int64_t x, int64_t y) {
-    return b.load[x] != b.load[y] ? b.load[x] < b.load[y] : x < y;
+    return std::make_pair(b.load[x], x) < std::make_pair(b.load[y], y);
   };
   std::vector<int64_t> others;
   for (int64_t iter = 0; iter < max_iter; ++iter) {
@@ -201,9 +188,7 @@ void refine(Bins<C>& b, const C* w, C target, int64_t max_iter, int64_t max_part
     for (int64_t j = 0; j < nb; ++j) l = j != h && lighter(j, l) ? j : l;
     if (attempt(h, l)) continue;
     others.clear();  // the next lightest, in order
-    for (int64_t j = 0; j < nb; ++j) {
-      if (j != h && j != l) others.push_back(j);
-    }
+    for (int64_t j = 0; j < nb; ++j) if (j != h && j != l) others.push_back(j);
     auto heavier = [&](int64_t x, int64_t y) { return lighter(y, x); };
     std::make_heap(others.begin(), others.end(), heavier);  // popped lazily: the first usually do
     int64_t p = 1;
@@ -316,8 +301,7 @@ std::vector<int32_t> karmarkar_karp(const C* c, const std::vector<int64_t>& asce
   auto pop = [&] {
     std::pop_heap(heap.begin(), heap.end(), pops_after);
     const int64_t s = heap.back();
-    heap.pop_back();
-    return s;
+    return heap.pop_back(), s;
   };
   while (heap.size() > 1) {
     const int64_t a = pop(), b = pop();
@@ -375,16 +359,12 @@ struct RankPacker {
   int64_t m = 0;
   bool has_mem = false;
   void start(int64_t m_, int64_t nbins, int64_t cap) {
-    m = m_;
-    has_mem = false;
-    b.load.assign(nbins, C{0});
-    bin_of.resize(m);
-    room.assign(nbins, cap);
+    m = m_, has_mem = false, bin_of.resize(m);
+    b.load.assign(nbins, C{0}), room.assign(nbins, cap);
   }
-  void ensure_mem() {
-    if (has_mem) return;
-    b.mem.assign(b.size(), {});
-    for (int64_t i = m - 1; i >= 0; --i) b.mem[bin_of[i]].push_back(i);  // decreasing id
+  void ensure_mem() {  // b.mem from bin_of, by decreasing id
+    if (!has_mem) b.mem.assign(b.size(), {});
+    for (int64_t i = m - 1; i >= 0 && !has_mem; --i) b.mem[bin_of[i]].push_back(i);
     has_mem = true;
   }
   // One LPT step: sequence i to the least-loaded bin with room for it (bins
@@ -397,9 +377,7 @@ struct RankPacker {
       heap.set_aside(heap.top());
     }
     if (heap.empty()) return false;
-    const int64_t j = heap.top();
-    bin_of[i] = j;
-    room[j] -= tok[i];
+    room[bin_of[i] = heap.top()] -= tok[i];
     heap.add_top(w[i]);
     for (const auto& e : aside) heap.set(e.second, e.first);
     return true;
@@ -408,9 +386,7 @@ struct RankPacker {
   bool lpt(int64_t m_, int64_t nbins, int64_t cap) {
     start(m_, nbins, cap);
     heap.init(nbins);
-    for (int64_t i = 0; i < m; ++i) {
-      if (!lpt_place(i)) return false;
-    }
+    for (int64_t i = 0; i < m; ++i) if (!lpt_place(i)) return false;
     for (int64_t i = m - 1; i >= 0; --i) b.load[bin_of[i]] += w[i];  // summed by decreasing id
     return true;
   }
@@ -423,21 +399,14 @@ struct RankPacker {
     all.clear();  // the sequences left for LPT
     for (int64_t i = 0; i < m; ++i) {
       const int64_t q = ff.take(tok[i]);
-      if (q < 0) {
-        all.push_back(i);
-        continue;
-      }
-      bin_of[i] = q;
-      room[q] -= tok[i];
-      b.load[q] += w[i];
+      if (q < 0) all.push_back(i);
+      else bin_of[i] = q, room[q] -= tok[i], b.load[q] += w[i];
     }
-    if (!all.empty()) {
-      heap.init(nbins);
-      for (int64_t q = 0; q < nbins; ++q) heap.set(q, b.load[q]);
-      for (int64_t i : all) {
-        if (!lpt_place(i)) return false;
-        b.load[bin_of[i]] += w[i];
-      }
+    heap.init(nbins);
+    for (int64_t q = 0; q < nbins && !all.empty(); ++q) heap.set(q, b.load[q]);
+    for (int64_t i : all) {
+      if (!lpt_place(i)) return false;
+      b.load[bin_of[i]] += w[i];
     }
     // an empty bin: leave it to the other packings
     return std::find(room.begin(), room.end(), cap) == room.end();
@@ -536,12 +505,11 @@ struct Input {
   int64_t n, k, cap, mbm, iters;
   bool equal;
   double a, b;  // float costs: a * P + b * P^2
-  double cost(int64_t p) const { return a * static_cast<double>(p) + b * static_cast<double>(p) * p; }
 };
-// The cost of a sequence of p padded tokens: p (integer costs), or a p + b p^2.
 template <typename C>
-C cost_of(const Input& in, int64_t p) {
-  if constexpr (std::is_integral_v<C>) return p; else return in.cost(p);
+C cost_of(const Input& in, int64_t p) {  // of p padded tokens: p, or a p + b p^2
+  const double d = static_cast<double>(p);
+  if constexpr (std::is_integral_v<C>) return p; else return in.a * d + in.b * d * d;
 }
 
 template <typename C>
@@ -621,13 +589,13 @@ struct Planner {
           [&](int64_t h, int64_t r, int64_t, int64_t y) {  // (swaps keep every count)
             return y >= 0 || (in.equal ? count[h] > count[r] : count[h] > 1);
           },
-          [&](int64_t h, int64_t r, int64_t, int64_t y) { y < 0 && (--count[h], ++count[r]); });
+          [&](int64_t h, int64_t r, int64_t, int64_t y) { if (y < 0) --count[h], ++count[r]; });
     };
     lpt_ranks(it.w, total, k, in.equal, best);
     refine_ranks(best);
     if (best.max_load() > target) {
-      std::vector<int64_t> ascending(g);  // ids g-1 .. 0
-      for (int64_t j = 0; j < g; ++j) ascending[j] = g - 1 - j;
+      std::vector<int64_t> ascending(g);
+      std::iota(ascending.rbegin(), ascending.rend(), int64_t{0});  // g-1 .. 0
       const std::vector<int32_t> rank = karmarkar_karp(it.w.data(), ascending, k);
       Bins<C> other;
       other.reset(k);
@@ -677,25 +645,17 @@ struct Planner {
     for (int64_t r = 0; r < k; ++r) nb = std::max({nb, (rank_tok[r] + cap - 1) / cap, big[r]});
     return round_up(nb);
   }
-  bool counts_fit(int64_t nb) const {
-    for (int64_t r = 0; r < k; ++r) {
-      if (base[r + 1] - base[r] < nb) return false;
-    }
+  bool counts_fit(int64_t nb) const {  // every rank holds nb sequences
+    for (int64_t r = 0; r < k; ++r) if (base[r + 1] - base[r] < nb) return false;
     return true;
   }
   int64_t load_rank(int64_t r) {  // pk reads the rank's slice of by_tok
-    const int64_t m = base[r + 1] - base[r];
-    const int64_t* t = by_tok.data() + base[r];
-    pk.tok = t;
+    const int64_t m = base[r + 1] - base[r], *t = pk.tok = by_tok.data() + base[r];
     if constexpr (std::is_integral_v<C>) {
-      pk.w = t;  // the cost is the tokens
-      pk.total = rank_tok[r];
+      pk.w = t, pk.total = rank_tok[r];  // the cost is the tokens
     } else {
-      pk.wbuf.resize(m);
-      C sum{0};
-      for (int64_t i = 0; i < m; ++i) sum += (pk.wbuf[i] = cost_of<C>(in, t[i]));
-      pk.w = pk.wbuf.data();
-      pk.total = sum;
+      pk.wbuf.resize(m), pk.w = pk.wbuf.data(), pk.total = C{0};
+      for (int64_t i = 0; i < m; ++i) pk.total += (pk.wbuf[i] = cost_of<C>(in, t[i]));
     }
     return m;
   }
@@ -742,17 +702,14 @@ struct Planner {
         if (r >= next) {  // the next group of kGroup ranks not yet written at this nb
           bool probe = false;
           for (int64_t cnt = 0; next < k && cnt < kGroup; ++next) {
-            if (written_at[next] == nb) continue;
-            probe |= next % kLptProbe == 0;
-            ++cnt;
+            if (written_at[next] != nb) probe |= next % kLptProbe == 0, ++cnt;
           }
           level_first = lpt_failed > lpt_packed && !probe;
         }
         const int64_t m = load_rank(r);
-        auto level_fit = [&] {
+        auto level_fit = [&] {  // the balanced level plus kBinTolerance
           const int64_t level = (rank_tok[r] + nb - 1) / nb;
-          const int64_t slack = static_cast<int64_t>(static_cast<double>(level) * kBinTolerance);
-          return pk.level_fit(m, nb, cap, std::min(cap, level + slack));
+          return pk.level_fit(m, nb, cap, std::min(cap, level + int64_t(level * kBinTolerance)));
         };
         bool lpt_ok = false;  // LPT found room for every sequence
         auto lpt = [&] { return lpt_ok = pk.lpt(m, nb, cap); };
@@ -771,10 +728,8 @@ struct Planner {
           if (!packed && ok1 && ok2) {
             pk.balance(nb, mb_iters);
             const C top2 = pk.b.max_load();
-            pk.keep();
-            pk.balance(nb, mb_iters);
+            pk.keep(), pk.balance(nb, mb_iters), refined = true;
             if (top2 < pk.b.max_load()) pk.keep();
-            refined = true;
           } else if (!packed && ok1) {
             pk.keep();
           }
@@ -785,8 +740,7 @@ struct Planner {
         int64_t used = 0;
         if (!packed && !pk.first_fit(nb, cap, used)) {
           if (lpt_ok_at[r] == 0) {  // nb grows
-            nb = round_up(used);
-            if (!counts_fit(nb)) return 0;
+            if (!counts_fit(nb = round_up(used))) return 0;
             grown = true;
             break;
           }
@@ -854,8 +808,8 @@ struct Planner {
     std::vector<int64_t> items(k, 0), used(k, 0), load(k * M, 0), item_rank(g, -1), choice(n, -1);
     int64_t empty = k * M, at_hi = 0;  // empty bins; ranks at lo_cnt + 1 items (equal_samples)
     auto rank_before = [&](int64_t x, int64_t y) {  // ranks with items first, by (cost, index)
-      if ((items[x] == 0) != (items[y] == 0)) return items[y] == 0;
-      return rank_cost[x] != rank_cost[y] ? rank_cost[x] < rank_cost[y] : x < y;
+      return std::make_tuple(items[x] == 0, rank_cost[x], x) <
+             std::make_tuple(items[y] == 0, rank_cost[y], y);
     };
     auto next_rank = [&](int64_t r) -> int64_t {  // after r (-1: the first), in rank_before order
       int64_t best_r = -1;
@@ -934,12 +888,9 @@ struct Planner {
                   " tokens and ", nbig, " sequences over max_tokens / 2 need M >= ", m_lo,
                   " micro-batches per rank, so as many sequences on every rank, but ", n,
                   " sequences over dp_size = ", k, " ranks leave some rank at most ", m_hi, give);
-    int64_t nodes = 0, M = m_lo, found = 0;
-    for (; M <= m_hi && found == 0; M += in.mbm) {
-      slot_of.assign(n, -1);
-      found = search(M, nodes);
-    }
-    M -= in.mbm;
+    int64_t nodes = 0, M = m_lo - in.mbm, found = 0;
+    slot_of.resize(n);
+    while (found == 0 && (M += in.mbm) <= m_hi) found = search(M, nodes);
     COMPASS_CHECK(found != 0, "lengths: no plan exists giving ", what,
                   ": an exhaustive search over M = ", m_lo, "..", m_hi, " found none", give);
     COMPASS_CHECK(found > 0, "lengths: no plan found giving ", what, ": the balanced ranks leave "
@@ -952,8 +903,7 @@ struct Planner {
     const std::vector<int64_t> bins = slot_of;
     cursor.resize(k * M);
     for (int64_t r = 0; r < k; ++r) {  // the search's bins, refined, written
-      pk.m = load_rank(r);
-      pk.bin_of.resize(pk.m);
+      pk.start(load_rank(r), M, cap);
       for (int64_t i = 0; i < pk.m; ++i) pk.bin_of[i] = bins[by_rank[base[r] + i]] - r * M;
       pk.from_bins(M, cap);
       pk.balance(M, 2 * M + 32);
@@ -999,9 +949,8 @@ std::pair<int64_t, double> plan_cpu(COMPASS_PLAN_ARGS) {
   // (and the doubled loads the refinement compares) must not overflow int64.
   const int64_t* len = lengths.ptr<int64_t>();
   std::vector<int64_t> padded(pad_multiple > 1 ? n : 0);
-  const int64_t room = max_tokens / pad_multiple;  // padded <= max_tokens iff ceil(L / pad) <= room
-  const int64_t limit = std::numeric_limits<int64_t>::max() / 4;
-  int64_t total = 0;
+  // padded <= max_tokens iff ceil(L / pad) <= room
+  int64_t room = max_tokens / pad_multiple, limit = std::numeric_limits<int64_t>::max() / 4, total = 0;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t L = len[i];
     COMPASS_CHECK(L >= 1, "lengths: expected every sequence non-empty, got lengths[", i, "] = ", L);
@@ -1026,7 +975,7 @@ std::pair<int64_t, double> plan_cpu(COMPASS_PLAN_ARGS) {
     return {r.first, r.second * cost_a};
   }
   for (int64_t i = 0; i < n; ++i) {
-    COMPASS_CHECK(std::isfinite(in.cost(tok[i])), "cost_a, cost_b: the cost of sequence ",
+    COMPASS_CHECK(std::isfinite(cost_of<double>(in, tok[i])), "cost_a, cost_b: the cost of sequence ",
                   i, " (", tok[i], " tokens) overflows float64");
   }
   return Planner<double>(in, ord, off).run();
