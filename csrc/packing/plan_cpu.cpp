@@ -1,18 +1,14 @@
 // The packing planner (ck.packing.plan): sequences -> data-parallel ranks ->
 // micro-batches, every constraint at once (docs/design.md has the contract).
-// 1. Items (groups or sequences) by decreasing cost (padded tokens, int64, or
-//    a P + b P^2, float64: both grow with P, so one sort by tokens serves).
-// 2. Ranks: LPT (a snake sweep over the middle of long lists), exchange
-//    refinement to the lower bound max(ceil(total / k), largest item); where
-//    missed, a refined Karmarkar-Karp seed, the better kept.
-// 3. Micro-batches: M = the largest per-rank lower bound, rounded up to
-//    micro_batch_multiple; each rank by LPT or the level fit (the first within
-//    its bound, else both refined), else first fit plus splitting, M growing.
-// 4. Feasibility: items move to ranks short of sequences; else a depth-first
-//    search over (rank, micro-batch), complete within a budget, so a refusal
-//    is a proof (a counting bound, an exhausted search) or says it gave up.
-// 5. Output: micro-batches heaviest first, each by ascending index. Every tie
-//    is broken by index: deterministic.
+// 1. Items (groups or sequences) by decreasing cost (padded tokens P, int64,
+//    or a P + b P^2, float64: both grow with P, so one sort by tokens serves).
+// 2. Ranks: LPT, exchange refinement to max(ceil(total / k), largest item);
+//    where missed, a refined Karmarkar-Karp seed, the better kept.
+// 3. Micro-batches: M = the largest per-rank lower bound (rounded up); each
+//    rank by LPT or the level fit, else first fit plus splitting, M growing.
+// 4. Feasibility: items move to ranks short of sequences; else a complete,
+//    budgeted search over (rank, micro-batch): a refusal is a proof or says so.
+// 5. Output: micro-batches heaviest first, each ascending. Ties by index.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -20,6 +16,7 @@
 #include <limits>
 #include <numeric>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -31,34 +28,21 @@ namespace packing {
 
 namespace {
 
-// Micro-batch refinement: partners per step, and its stop within 0.5% of the
-// bound (bubbles; the last fractions of a percent cost most of the time).
-constexpr int64_t kBinPartners = 8;
-constexpr double kBinTolerance = 5e-3;
+constexpr int64_t kBinPartners = 8;     // micro-batch refinement: partners per step,
+constexpr double kBinTolerance = 5e-3;  // and its stop within 0.5% of the bound
 constexpr double kRankTolerance = 1e-9;  // float costs: ranks within 1e-9 of the bound
 // The rank snake sweep: from this many items per rank, and it stops while the
 // items left exceed every rank's lift to the heaviest by kSnakeMargin * k of them.
-constexpr int64_t kBulkMinPerBin = 96;
-constexpr int64_t kSnakeMargin = 8;
+constexpr int64_t kBulkMinPerBin = 96, kSnakeMargin = 8;
 // Ranks try the level fit before LPT in groups of kGroup while LPT failed more
 // often than not, unless a rank of the group is a probe (every kLptProbe-th).
-constexpr int64_t kGroup = 4;
-constexpr int64_t kLptProbe = 16;
+constexpr int64_t kGroup = 4, kLptProbe = 16;
 constexpr int64_t kSearchNodes = 4'000'000;  // the feasibility search's placements
 
-// Stable LSD radix sort of (key, index) records by key, 8-bit digits, only
-// as many passes as the keys' bits need (two for 16-bit token ranges). A
-// comparison sort cost more than the whole planner at 4096 sequences
-// (branch mispredictions: 130 us against 10 us).
-struct Rec {
-  uint64_t key;
-  int64_t idx;
-};
+// Stable LSD radix sort of (key, index) records, 8-bit digits, as many passes
+// as the keys' bits need (std::sort: mispredicted branches, 10x slower).
+struct Rec { uint64_t key; int64_t idx; };
 void radix_sort(std::vector<Rec>& a) {
-  if (a.size() <= 64) {
-    std::stable_sort(a.begin(), a.end(), [](const Rec& x, const Rec& y) { return x.key < y.key; });
-    return;
-  }
   uint64_t hi = 0;
   for (const Rec& r : a) hi |= r.key;
   std::vector<Rec> tmp(a.size());
@@ -73,9 +57,8 @@ void radix_sort(std::vector<Rec>& a) {
   }
 }
 
-// Items relabelled by decreasing cost: w[j] >= w[j + 1]. With groups, the
-// sequences of item j are member[start[j] : start[j + 1]] (ascending index);
-// without, item j is the j-th sequence by decreasing tokens.
+// Items by decreasing cost w. With groups, item j's sequences are
+// member[start[j] : start[j + 1]] (ascending); without, the j-th longest.
 template <typename C>
 struct Items {
   std::vector<C> w;
@@ -83,52 +66,38 @@ struct Items {
   int64_t size() const { return static_cast<int64_t>(w.size()); }
 };
 
-// Bins (ranks, or micro-batches of one rank) of items; each bin's members are
-// kept by decreasing id, that is by increasing cost.
+// Bins (ranks, or one rank's micro-batches); members by decreasing id (increasing cost).
 template <typename C>
 struct Bins {
   std::vector<std::vector<int64_t>> mem;
   std::vector<C> load;
-  void reset(int64_t nb) {
-    mem.assign(nb, {});
-    load.assign(nb, C{0});
-  }
+  void reset(int64_t nb) { mem.assign(nb, {}), load.assign(nb, C{0}); }
   int64_t size() const { return static_cast<int64_t>(load.size()); }
   C max_load() const { return *std::max_element(load.begin(), load.end()); }
 };
 
-void erase_id(std::vector<int64_t>& m, int64_t x) {
-  m.erase(std::lower_bound(m.begin(), m.end(), x, std::greater<int64_t>()));
-}
-void insert_id(std::vector<int64_t>& m, int64_t x) {
-  m.insert(std::lower_bound(m.begin(), m.end(), x, std::greater<int64_t>()), x);
+void move_id(std::vector<int64_t>& from, std::vector<int64_t>& to, int64_t x) {
+  from.erase(std::lower_bound(from.begin(), from.end(), x, std::greater<int64_t>()));
+  to.insert(std::lower_bound(to.begin(), to.end(), x, std::greater<int64_t>()), x);
 }
 
-// The exchange between bins h and r that lowers the larger of the two loads
-// the most: x leaves h and y (or nothing, y = -1) leaves r, with difference
-// d = w[x] - w[y] in (0, gap) closest to gap / 2. xs and ys are by increasing
-// cost, so for each x the y closest to w[x] - gap / 2 only moves forward: one
-// two-pointer scan, O(|xs| + |ys|). Scores are |2d - gap| (exact for integer
-// costs); the scan stops at the best score possible (0, or 1 for an odd
-// integer gap): no later pair can beat it. fits(x, y) filters (cap, counts).
+// The exchange between bins h and r that lowers the larger load the most: x
+// leaves h, y (or nothing, y = -1) leaves r, d = w[x] - w[y] in (0, gap)
+// closest to gap / 2, by one two-pointer scan over xs and ys (increasing cost),
+// stopped at the best score |2d - gap| possible (0, or 1 for an odd integer
+// gap). fits(x, y) filters (cap, counts).
 template <typename C>
-struct Exchange {
-  int64_t x = -1, y = -1;
-  C score{};
-};
+struct Exchange { int64_t x, y; C score; };
 
 template <typename C, typename Fits>
 Exchange<C> best_exchange(const std::vector<int64_t>& xs, const std::vector<int64_t>& ys,
                           const C* w, C gap, Fits&& fits) {
-  Exchange<C> best;
-  best.score = gap;  // a candidate must beat it: d strictly inside (0, gap)
+  Exchange<C> best{-1, -1, gap};  // a candidate must beat it: d strictly inside (0, gap)
   C floor{0};
   if constexpr (std::is_integral_v<C>) floor = gap & 1;
   auto consider = [&](int64_t x, int64_t y, C d) {
-    if (d <= C{0} || d >= gap) return;
-    C s = 2 * d - gap;
-    if (s < C{0}) s = -s;
-    if (s < best.score && fits(x, y)) best.x = x, best.y = y, best.score = s;
+    const C s = std::abs(2 * d - gap);
+    if (d > C{0} && d < gap && s < best.score && fits(x, y)) best = {x, y, s};
   };
   const int64_t nx = static_cast<int64_t>(xs.size()), ny = static_cast<int64_t>(ys.size());
   // moves: the x closest to gap / 2 (the first with 2 w[x] >= gap, +- 2)
@@ -149,63 +118,44 @@ Exchange<C> best_exchange(const std::vector<int64_t>& xs, const std::vector<int6
   return best;
 }
 
-// The least-loaded bin, ties to the lower index: a tournament tree over the
-// bins, LPT's one operation per item, O(log k). Keys are (load, bin) as one
-// 128-bit integer (loads are >= 0, and a non-negative double's bits order as
-// the value does), so each level is one branch-free minimum (pairs compared
-// member by member took 3x the time: mispredicted branches). A bin set aside
-// (no room, or full under equal_samples) holds the largest key.
+// The least-loaded bin, ties to the lower index: a tournament tree, O(log k).
+// Keys are (load, bin) as one 128-bit integer (a non-negative double's bits
+// order as its value), one branch-free minimum per level (pairs compared member
+// by member: 3x slower LPT). A bin set aside holds the largest key.
+template <typename To, typename From>
+To bits_as(From v) {  // (std::bit_cast)
+  To u;
+  return std::memcpy(&u, &v, sizeof u), u;
+}
+
 template <typename C>
 struct MinTree {
   using Key = unsigned __int128;
   static constexpr Key kNone = ~Key{0};
   int64_t leaves = 1;
   std::vector<Key> t;
-  static uint64_t bits(C v) {
-    if constexpr (std::is_integral_v<C>) {
-      return static_cast<uint64_t>(v);
-    } else {
-      uint64_t u;
-      std::memcpy(&u, &v, sizeof u);
-      return u;
-    }
-  }
   void init(int64_t k) {  // k bins at load 0
-    leaves = 1;
-    while (leaves < k) leaves *= 2;
+    for (leaves = 1; leaves < k;) leaves *= 2;
     t.assign(2 * leaves, kNone);
     for (int64_t r = 0; r < k; ++r) t[leaves + r] = static_cast<Key>(r);
     for (int64_t i = leaves - 1; i >= 1; --i) t[i] = std::min(t[2 * i], t[2 * i + 1]);
   }
   bool empty() const { return t[1] == kNone; }
   int64_t top() const { return static_cast<int64_t>(static_cast<uint64_t>(t[1])); }
-  C top_load() const {
-    const uint64_t u = static_cast<uint64_t>(t[1] >> 64);
-    if constexpr (std::is_integral_v<C>) {
-      return static_cast<C>(u);
-    } else {
-      C v;
-      std::memcpy(&v, &u, sizeof v);
-      return v;
-    }
-  }
+  C top_load() const { return bits_as<C>(static_cast<uint64_t>(t[1] >> 64)); }
   void put(int64_t r, Key key) {  // (the running minimum: no load waits on the store below)
     int64_t i = leaves + r;
-    for (t[i] = key; i > 1; i >>= 1) {
-      const Key o = t[i ^ 1];
-      t[i >> 1] = key = o < key ? o : key;
-    }
+    for (t[i] = key; i > 1; i >>= 1) t[i >> 1] = key = t[i ^ 1] < key ? t[i ^ 1] : key;
   }
-  void set(int64_t r, C load) { put(r, (static_cast<Key>(bits(load)) << 64) | static_cast<Key>(r)); }
+  void set(int64_t r, C load) { put(r, static_cast<Key>(bits_as<uint64_t>(load)) << 64 | r); }
   void set_aside(int64_t r) { put(r, kNone); }
   void add_top(C d) { set(top(), top_load() + d); }
 };
 
-// Until the heaviest bin is at `target` or cannot be lowered: the heaviest bin
-// h (the first of equal loads) exchanges with the lightest bin that offers an
-// exchange (lightest first, ties by index, at most max_partners tried).
-// fits(h, r, x, y): the exchange keeps both bins feasible; applied(h, r, x, y)
-// is told of each change made.
+// Until the heaviest bin h (the first of equal loads) is at `target` or cannot
+// be lowered, it exchanges with the lightest bin that offers an exchange (at
+// most max_partners tried, ties by index). fits(h, r, x, y): the exchange keeps
+// both bins feasible; applied(h, r, x, y) is told of each change.
 template <typename C, typename Fits, typename Applied>
 void refine(Bins<C>& b, const C* w, C target, int64_t max_iter, int64_t max_partners,
             Fits&& fits, Applied&& applied) {
@@ -216,61 +166,48 @@ void refine(Bins<C>& b, const C* w, C target, int64_t max_iter, int64_t max_part
     if (gap <= C{0}) return false;
     const Exchange<C> e = best_exchange(b.mem[h], b.mem[r], w, gap,
                                         [&](int64_t x, int64_t y) { return fits(h, r, x, y); });
-    if (e.x < 0) return false;
-    if constexpr (!std::is_integral_v<C>) {
-      if (gap - e.score <= b.load[h] * 1e-13) return false;  // no float crumbs
+    if (e.x < 0 || (!std::is_integral_v<C> && gap - e.score <= b.load[h] * 1e-13)) {
+      return false;  // (float costs: no crumbs)
     }
-    erase_id(b.mem[h], e.x);
-    insert_id(b.mem[r], e.x);
-    C d = w[e.x];
-    if (e.y >= 0) {
-      erase_id(b.mem[r], e.y);
-      insert_id(b.mem[h], e.y);
-      d -= w[e.y];
-    }
+    move_id(b.mem[h], b.mem[r], e.x);
+    if (e.y >= 0) move_id(b.mem[r], b.mem[h], e.y);
+    const C d = w[e.x] - (e.y >= 0 ? w[e.y] : C{0});
     b.load[h] -= d;
     b.load[r] += d;
     applied(h, r, e.x, e.y);
     return true;
   };
   auto lighter = [&](int64_t x, int64_t y) {
-    return b.load[x] != b.load[y] ? b.load[x] < b.load[y] : x < y;
+    return std::make_pair(b.load[x], x) < std::make_pair(b.load[y], y);
   };
   std::vector<int64_t> others;
   for (int64_t iter = 0; iter < max_iter; ++iter) {
     const int64_t h = std::max_element(b.load.begin(), b.load.end()) - b.load.begin();
     if (b.load[h] <= target) break;
     int64_t l = h == 0 ? 1 : 0;
-    for (int64_t j = 0; j < nb; ++j) {
-      if (j != h && lighter(j, l)) l = j;
-    }
+    for (int64_t j = 0; j < nb; ++j) l = j != h && lighter(j, l) ? j : l;
     if (attempt(h, l)) continue;
-    others.clear();  // the next lightest, in order: a heap popped lazily (the first usually do)
-    for (int64_t j = 0; j < nb; ++j) {
-      if (j != h && j != l) others.push_back(j);
-    }
+    others.clear();  // the next lightest, in order
+    for (int64_t j = 0; j < nb; ++j) if (j != h && j != l) others.push_back(j);
     auto heavier = [&](int64_t x, int64_t y) { return lighter(y, x); };
-    std::make_heap(others.begin(), others.end(), heavier);
-    bool improved = false;
-    for (int64_t p = 1; p < max_partners && !others.empty() && !improved; ++p) {
+    std::make_heap(others.begin(), others.end(), heavier);  // popped lazily: the first usually do
+    int64_t p = 1;
+    for (; p < max_partners && !others.empty(); ++p) {
       std::pop_heap(others.begin(), others.end(), heavier);
-      improved = attempt(h, others.back());
+      if (attempt(h, others.back())) break;
       others.pop_back();
     }
-    if (!improved) break;
+    if (p == max_partners || others.empty()) break;
   }
 }
 
 // LPT over items 0..g-1 (decreasing cost) onto k ranks. With `card`
-// (equal_samples): floor(g/k) or ceil(g/k) items per rank, exactly g % k ranks
-// at the ceiling. Without it, from kBulkMinPerBin items per rank the middle of
-// the list goes by a snake sweep: LPT places items [0, a), a = max(2k, g/16);
-// then whole blocks of k items go one to each rank (ranks by load after LPT,
-// lightest first, every other block reversed): a linear pass that, like LPT
-// once items are small, gives every rank one item of each block (alike mixes
-// of long and short sequences, which the micro-batch count depends on). The
-// sweep stops while the items left exceed the lift of every rank to the
-// heaviest by a margin; LPT places those, levelling the ranks.
+// (equal_samples): floor(g/k) or ceil(g/k) items per rank. Without it, from
+// kBulkMinPerBin items per rank, after LPT of [0, max(2k, g/16)) whole blocks
+// of k items go one to each rank (by load, lightest first, every other block
+// reversed: alike mixes of long and short sequences, as LPT gives), while the
+// items left exceed every rank's lift to the heaviest by a margin; LPT levels
+// the rest.
 template <typename C>
 void lpt_ranks(const std::vector<C>& w, C total, int64_t k, bool card, Bins<C>& b) {
   const int64_t g = static_cast<int64_t>(w.size());
@@ -304,9 +241,8 @@ void lpt_ranks(const std::vector<C>& w, C total, int64_t k, bool card, Bins<C>& 
     });
     C top = b.load[by_load[k - 1]];
     const C mean = std::is_integral_v<C> ? total / k : total / static_cast<C>(k);
-    // the block [j, j + k) keeps the heaviest under top + w[j]; the items left
-    // after it then exceed the lift to it by kSnakeMargin * k * w[j + k] iff
-    // top + w[j] + kSnakeMargin * w[j + k] <= mean
+    // after the block [j, j + k) (heaviest under top + w[j]) the items left
+    // exceed the lift to it by kSnakeMargin * k * w[j + k]
     for (bool fwd = true; j + k < g && top + w[j] + kSnakeMargin * w[j + k] <= mean; fwd = !fwd) {
       for (int64_t i = 0; i < k; ++i, ++j) {
         const int64_t r = by_load[fwd ? i : k - 1 - i];
@@ -322,162 +258,115 @@ void lpt_ranks(const std::vector<C>& w, C total, int64_t k, bool card, Bins<C>& 
   for (int64_t i = 0; i < g; ++i) ++count[rank_of[i]];
   for (int64_t r = 0; r < k; ++r) b.mem[r].reserve(count[r]);
   for (int64_t i = g - 1; i >= 0; --i) b.mem[rank_of[i]].push_back(i);
-  if constexpr (!std::is_integral_v<C>) {
-    // float loads summed again from each rank's lightest item up, the order
-    // the KK seed sums in (integer sums are exact in any order)
-    for (int64_t r = 0; r < k; ++r) {
-      C sum{0};
-      for (int64_t x : b.mem[r]) sum += w[x];
-      b.load[r] = sum;
-    }
+  for (int64_t r = 0; r < k && !std::is_integral_v<C>; ++r) {  // float loads summed again
+    b.load[r] = C{0};  // from the lightest item up, as the KK seed sums (integers: exact anyway)
+    for (int64_t x : b.mem[r]) b.load[r] += w[x];
   }
 }
 
-// Karmarkar-Karp largest differencing, equal-size mode: items sorted
-// ascending, taken k at a time as partial solutions of k one-item sets;
-// repeatedly merge the two with the largest spread (largest set of one with
-// the smallest of the other). g not a multiple of k gets zero-cost fillers, so
-// counts differ by at most one. Sets are linked lists: O(1) concatenation.
-// Ties as verl's code breaks them (and Python's reference): sets by (sum,
-// count, first item), larger first; partial solutions by spread, then their
-// top sets in that order. Returns the rank of each item; `ascending` lists
-// the items by increasing cost.
+// Karmarkar-Karp largest differencing, equal-size mode: items ascending (zero
+// fillers pad g to a multiple of k), k at a time as partial solutions of k sets;
+// the two with the largest spread merge (largest set of one with the smallest
+// of the other) until one is left. Sets are linked lists. Ties as verl's code
+// breaks them: sets by (sum, count, first item), larger first; solutions by
+// spread, then their top sets. Returns each item's rank.
 template <typename C>
 struct KKSet {
   C sum;
   int64_t count, head, tail;
+  std::tuple<C, int64_t, int64_t> key() const { return {sum, count, head}; }
 };
 
 template <typename C>
 std::vector<int32_t> karmarkar_karp(const C* c, const std::vector<int64_t>& ascending, int64_t k) {
-  const int64_t g = static_cast<int64_t>(ascending.size());
-  const int64_t p = (g + k - 1) / k * k;  // padded with fillers g..p-1 (cost 0)
-  std::vector<int64_t> idx(p);             // ascending: the fillers, then the items
-  std::iota(idx.begin(), idx.begin() + (p - g), g);
-  std::copy(ascending.begin(), ascending.end(), idx.begin() + (p - g));
-  const int64_t states = p / k;
+  const int64_t g = static_cast<int64_t>(ascending.size()), p = (g + k - 1) / k * k;
   std::vector<KKSet<C>> sets(p);
-  std::vector<int64_t> next(p, -1);
-  auto set_before = [](const KKSet<C>& a, const KKSet<C>& b) {  // decreasing set order
-    if (a.sum != b.sum) return a.sum > b.sum;
-    if (a.count != b.count) return a.count > b.count;
-    return a.head > b.head;
-  };
-  for (int64_t s = 0; s < states; ++s) {
-    KKSet<C>* st = &sets[s * k];
-    for (int64_t i = 0; i < k; ++i) {  // the chunk is ascending: reversed, it is in set order
-      const int64_t item = idx[s * k + k - 1 - i];
-      st[i] = {item < g ? c[item] : C{0}, 1, item, item};
+  std::vector<int64_t> next(p, -1), heap(p / k);
+  auto set_before = [](const KKSet<C>& a, const KKSet<C>& b) { return a.key() > b.key(); };
+  for (int64_t s = 0; s < p / k; ++s) {  // (the fillers g..p-1, then ascending) by chunks
+    for (int64_t i = 0; i < k; ++i) {  // reversed: in set order but for ties
+      const int64_t at = s * k + k - 1 - i - (p - g);  // < 0: a filler
+      const int64_t item = at < 0 ? at + p : ascending[at];
+      sets[s * k + i] = {at < 0 ? C{0} : c[item], 1, item, item};
     }
-    std::sort(st, st + k, set_before);  // equal sums: by count, then head
+    std::sort(&sets[s * k], &sets[s * k + k], set_before);
   }
-  auto spread = [&](int64_t s) { return sets[s * k].sum - sets[s * k + k - 1].sum; };
   auto pops_after = [&](int64_t a, int64_t b) {
-    const C sa = spread(a), sb = spread(b);
-    if (sa != sb) return sa < sb;
-    const KKSet<C>&ta = sets[a * k], &tb = sets[b * k];  // then the top sets, as set order
-    if (ta.sum != tb.sum) return ta.sum < tb.sum;
-    if (ta.count != tb.count) return ta.count < tb.count;
-    if (ta.head != tb.head) return ta.head < tb.head;
-    return a > b;
+    const KKSet<C>&ta = sets[a * k], &tb = sets[b * k];
+    return std::make_tuple(ta.sum - sets[a * k + k - 1].sum, ta.key(), -a) <
+           std::make_tuple(tb.sum - sets[b * k + k - 1].sum, tb.key(), -b);
   };
-  std::vector<int64_t> heap(states);
   std::iota(heap.begin(), heap.end(), int64_t{0});
   std::make_heap(heap.begin(), heap.end(), pops_after);
   auto pop = [&] {
     std::pop_heap(heap.begin(), heap.end(), pops_after);
     const int64_t s = heap.back();
-    heap.pop_back();
-    return s;
+    return heap.pop_back(), s;
   };
   while (heap.size() > 1) {
     const int64_t a = pop(), b = pop();
     KKSet<C>* x = &sets[a * k];
-    const KKSet<C>* y = &sets[b * k];
     for (int64_t i = 0; i < k; ++i) {
-      const KKSet<C>& o = y[k - 1 - i];
+      const KKSet<C>& o = sets[b * k + k - 1 - i];
       next[x[i].tail] = o.head;
-      x[i].tail = o.tail;
-      x[i].sum += o.sum;
-      x[i].count += o.count;
+      x[i] = {x[i].sum + o.sum, x[i].count + o.count, x[i].head, o.tail};
     }
     std::sort(x, x + k, set_before);
     heap.push_back(a);
     std::push_heap(heap.begin(), heap.end(), pops_after);
   }
   std::vector<int32_t> rank(g);
-  const KKSet<C>* fin = &sets[heap[0] * k];
   for (int64_t r = 0; r < k; ++r) {
-    for (int64_t i = fin[r].head; i != -1; i = next[i]) {
+    for (int64_t i = sets[heap[0] * k + r].head; i != -1; i = next[i]) {
       if (i < g) rank[i] = static_cast<int32_t>(r);
     }
   }
   return rank;
 }
 
-// First fit of tokens[0..m) (decreasing) into bins of cap: a max-tree over bin
-// room finds the lowest bin with room, O(m log m). Returns the bin count.
-int64_t first_fit(const int64_t* tokens, int64_t m, int64_t cap, std::vector<int64_t>& bin_of) {
-  // first fit leaves at most one bin at most half full: at most 2 * total / cap + 1 bins
-  int64_t total = 0;
-  for (int64_t i = 0; i < m; ++i) total += tokens[i];
-  const int64_t most = std::min<int64_t>(m, 2 * ((total + cap - 1) / cap) + 1);
-  int64_t size = 1, used = 0;
-  while (size < most) size *= 2;
-  std::vector<int64_t> room(2 * size, cap);
-  bin_of.resize(m);
-  for (int64_t i = 0; i < m; ++i) {
-    int64_t node = 1;  // the root has room: `most` bins always suffice
-    while (node < size) node = room[2 * node] >= tokens[i] ? 2 * node : 2 * node + 1;
-    bin_of[i] = node - size;
-    used = std::max(used, bin_of[i] + 1);
-    room[node] -= tokens[i];
-    for (node /= 2; node >= 1; node /= 2) room[node] = std::max(room[2 * node], room[2 * node + 1]);
+// The lowest bin with room for t tokens: a max-tree over the bins' room, O(log nb).
+struct FirstFit {
+  int64_t size = 1;
+  std::vector<int64_t> t;
+  void init(int64_t nb, int64_t room) {
+    for (size = 1; size < nb;) size *= 2;
+    t.assign(2 * size, -1);
+    std::fill(t.begin() + size, t.begin() + size + nb, room);
+    for (int64_t i = size - 1; i >= 1; --i) t[i] = std::max(t[2 * i], t[2 * i + 1]);
   }
-  return used;
-}
-
-// A rank's bound for its heaviest micro-batch: max(total / nbins, largest
-// cost) plus kBinTolerance. Packings under it are not refined.
-template <typename C>
-C bin_target(C total, C largest, int64_t nbins) {
-  if constexpr (std::is_integral_v<C>) {
-    const C lb = std::max<C>((total + nbins - 1) / nbins, largest);
-    return lb + static_cast<C>(static_cast<double>(lb) * kBinTolerance);
-  } else {
-    return std::max(total / static_cast<C>(nbins), largest) * (1.0 + kBinTolerance);
+  int64_t take(int64_t tok) {  // that bin, its room lowered by tok; -1 where none has room
+    if (t[1] < tok) return -1;
+    int64_t node = 1;
+    while (node < size) node = t[2 * node] >= tok ? 2 * node : 2 * node + 1;
+    const int64_t q = node - size;
+    for (t[node] -= tok; node > 1; node >>= 1) t[node >> 1] = std::max(t[node], t[node ^ 1]);
+    return q;
   }
-}
+};
 
-// One rank's micro-batch packing: bin_of (local id -> bin; local ids are the
-// rank's sequences by decreasing tokens), b.load and room; the member lists
-// b.mem are built only when splitting or refinement needs them (has_mem).
+// One rank's micro-batch packing: bin_of (the rank's sequences by decreasing
+// tokens -> bin), b.load, room; b.mem only where needed (has_mem).
 template <typename C>
 struct RankPacker {
   const C* w = nullptr;          // local id -> cost
   const int64_t* tok = nullptr;  // local id -> tokens
   std::vector<C> wbuf;           // w for float costs (integer costs: w is tok)
-  std::vector<int64_t> room, bin_of, all, lv;
+  std::vector<int64_t> room, bin_of, all;
   Bins<C> b;
   MinTree<C> heap;
+  FirstFit ff;
   C total{};  // of the rank's costs
   int64_t m = 0;
   bool has_mem = false;
-
   void start(int64_t m_, int64_t nbins, int64_t cap) {
-    m = m_;
-    has_mem = false;
-    b.load.assign(nbins, C{0});
-    bin_of.resize(m);
-    room.assign(nbins, cap);
+    m = m_, has_mem = false, bin_of.resize(m);
+    b.load.assign(nbins, C{0}), room.assign(nbins, cap);
   }
-  void ensure_mem() {
-    if (has_mem) return;
-    b.mem.assign(b.size(), {});
-    for (int64_t i = m - 1; i >= 0; --i) b.mem[bin_of[i]].push_back(i);  // decreasing id
+  void ensure_mem() {  // b.mem from bin_of, by decreasing id
+    if (!has_mem) b.mem.assign(b.size(), {});
+    for (int64_t i = m - 1; i >= 0 && !has_mem; --i) b.mem[bin_of[i]].push_back(i);
     has_mem = true;
   }
-
   // One LPT step: sequence i to the least-loaded bin with room for it (bins
   // without room set aside for this step only). False when none has room.
   std::vector<std::pair<C, int64_t>> aside;
@@ -488,71 +377,57 @@ struct RankPacker {
       heap.set_aside(heap.top());
     }
     if (heap.empty()) return false;
-    const int64_t j = heap.top();
-    bin_of[i] = j;
-    room[j] -= tok[i];
+    room[bin_of[i] = heap.top()] -= tok[i];
     heap.add_top(w[i]);
     for (const auto& e : aside) heap.set(e.second, e.first);
     return true;
   }
-
   // LPT by cost among the bins with room. False when some sequence fits nowhere.
   bool lpt(int64_t m_, int64_t nbins, int64_t cap) {
     start(m_, nbins, cap);
     heap.init(nbins);
-    for (int64_t i = 0; i < m; ++i) {
-      if (!lpt_place(i)) return false;
-    }
+    for (int64_t i = 0; i < m; ++i) if (!lpt_place(i)) return false;
     for (int64_t i = m - 1; i >= 0; --i) b.load[bin_of[i]] += w[i];  // summed by decreasing id
     return true;
   }
-
-  // Tight ranks (LPT leaves no bin room for a late long sequence): first fit
-  // by decreasing tokens into nbins bins of `level` tokens (the balanced level,
-  // not the cap), so bins fill to about the same load; the sequences that fit
-  // under no level (a few short ones) then go by LPT under the cap. False when
-  // one fits nowhere or a bin stays empty.
+  // Tight ranks (LPT leaves no room for a late long sequence): first fit into
+  // nbins bins of `level` tokens (the balanced level), the few that fit under
+  // no level by LPT under the cap. False when one fits nowhere or a bin stays empty.
   bool level_fit(int64_t m_, int64_t nbins, int64_t cap, int64_t level) {
     start(m_, nbins, cap);
+    ff.init(nbins, level);
     all.clear();  // the sequences left for LPT
-    int64_t size = 1;
-    while (size < nbins) size *= 2;
-    lv.assign(2 * size, -1);  // max-tree of room under the level
-    std::fill(lv.begin() + size, lv.begin() + size + nbins, level);
-    for (int64_t i = size - 1; i >= 1; --i) lv[i] = std::max(lv[2 * i], lv[2 * i + 1]);
     for (int64_t i = 0; i < m; ++i) {
-      const int64_t t = tok[i];
-      if (lv[1] < t) {
-        all.push_back(i);
-        continue;
-      }
-      int64_t node = 1;  // the lowest bin with room under the level
-      while (node < size) node = lv[2 * node] >= t ? 2 * node : 2 * node + 1;
-      const int64_t q = node - size;
-      bin_of[i] = q;
-      room[q] -= t;
-      b.load[q] += w[i];
-      for (lv[node] -= t; node > 1; node >>= 1) lv[node >> 1] = std::max(lv[node], lv[node ^ 1]);
+      const int64_t q = ff.take(tok[i]);
+      if (q < 0) all.push_back(i);
+      else bin_of[i] = q, room[q] -= tok[i], b.load[q] += w[i];
     }
-    if (!all.empty()) {
-      heap.init(nbins);
-      for (int64_t q = 0; q < nbins; ++q) heap.set(q, b.load[q]);
-      for (int64_t i : all) {
-        if (!lpt_place(i)) return false;
-        b.load[bin_of[i]] += w[i];
-      }
+    heap.init(nbins);
+    for (int64_t q = 0; q < nbins && !all.empty(); ++q) heap.set(q, b.load[q]);
+    for (int64_t i : all) {
+      if (!lpt_place(i)) return false;
+      b.load[bin_of[i]] += w[i];
     }
-    for (int64_t q = 0; q < nbins; ++q) {
-      if (room[q] == cap) return false;  // an empty bin: leave it to the other packings
-    }
+    // an empty bin: leave it to the other packings
+    return std::find(room.begin(), room.end(), cap) == room.end();
+  }
+  // First fit by decreasing tokens into bins of cap (all but one over half
+  // full: at most 2 total / cap + 1 bins), then split into nbins bins.
+  // False (bin_of unusable) where first fit needs more than nbins: `used`.
+  bool first_fit(int64_t nbins, int64_t cap, int64_t& used) {
+    int64_t sum = 0;
+    for (int64_t i = 0; i < m; ++i) sum += tok[i];
+    ff.init(std::min(m, 2 * ((sum + cap - 1) / cap) + 1), cap);
+    used = 0;
+    for (int64_t i = 0; i < m; ++i) used = std::max(used, (bin_of[i] = ff.take(tok[i])) + 1);
+    if (used > nbins) return false;
+    from_bins(used, cap);
+    split_to(nbins, cap);
     return true;
   }
-
-  // The packing bin_of (first_fit's output, `used` bins).
-  void from_bins(int64_t m_, int64_t used, int64_t cap) {
-    m = m_;
-    b.reset(used);
-    room.assign(used, cap);
+  void from_bins(int64_t nbins, int64_t cap) {  // the packing bin_of[0..m) into nbins bins
+    b.reset(nbins);
+    room.assign(nbins, cap);
     for (int64_t i = m - 1; i >= 0; --i) {  // decreasing id within each bin
       b.mem[bin_of[i]].push_back(i);
       b.load[bin_of[i]] += w[i];
@@ -560,7 +435,6 @@ struct RankPacker {
     }
     has_mem = true;
   }
-
   // Split the heaviest bin with two or more members in two (alternating by
   // cost; subsets of a feasible bin stay feasible) until there are nbins. The
   // rank holds >= nbins sequences, so some bin can always be split.
@@ -572,12 +446,9 @@ struct RankPacker {
         if (b.mem[j].size() >= 2 && (h < 0 || b.load[j] > b.load[h])) h = j;
       }
       all.swap(b.mem[h]);  // decreasing id
-      b.mem[h].clear();
-      b.mem.emplace_back();
-      b.load[h] = C{0};
-      b.load.push_back(C{0});
-      room[h] = cap;
-      room.push_back(cap);
+      b.mem[h].clear(), b.mem.emplace_back();
+      b.load[h] = C{0}, b.load.push_back(C{0});
+      room[h] = cap, room.push_back(cap);
       const int64_t other = b.size() - 1;
       for (auto it = all.rbegin(); it != all.rend(); ++it) {  // heaviest first
         const int64_t to = (b.mem[other].empty() || b.load[other] < b.load[h]) ? other : h;
@@ -588,23 +459,24 @@ struct RankPacker {
       std::reverse(b.mem[h].begin(), b.mem[h].end());
       std::reverse(b.mem[other].begin(), b.mem[other].end());
     }
-    for (int64_t q = 0; q < b.size(); ++q) {
-      for (int64_t i : b.mem[q]) bin_of[i] = q;
+    for (int64_t q = 0; q < b.size(); ++q) for (int64_t i : b.mem[q]) bin_of[i] = q;
+  }
+  // The bound for the heaviest micro-batch: max(total / nbins, largest cost)
+  // plus kBinTolerance. Packings under it are not refined.
+  C target(int64_t nbins) const {
+    if constexpr (std::is_integral_v<C>) {
+      const C lb = std::max<C>((total + nbins - 1) / nbins, w[0]);
+      return lb + static_cast<C>(static_cast<double>(lb) * kBinTolerance);
+    } else {
+      return std::max(total / static_cast<C>(nbins), w[0]) * (1.0 + kBinTolerance);
     }
   }
-
-  C target(int64_t nbins) const { return bin_target<C>(total, w[0], nbins); }
-
-  // The packing (bin_of, b.load, room) set aside, and back.
+  // The packing set aside, and back.
   std::vector<int64_t> kept_bin_of, kept_room;
   std::vector<C> kept_load;
   void keep() {
-    has_mem = false;
-    bin_of.swap(kept_bin_of);
-    b.load.swap(kept_load);
-    room.swap(kept_room);
+    has_mem = false, bin_of.swap(kept_bin_of), b.load.swap(kept_load), room.swap(kept_room);
   }
-
   // Move / swap refinement between bins over the bound, never breaking the cap
   // nor emptying a bin.
   void balance(int64_t nbins, int64_t max_iter) {
@@ -634,24 +506,16 @@ struct Input {
   bool equal;
   double a, b;  // float costs: a * P + b * P^2
 };
-
-// The cost of a sequence of p padded tokens: p (integer costs), or a p + b p^2.
 template <typename C>
-C cost_of(const Input& in, int64_t p) {
-  if constexpr (std::is_integral_v<C>) {
-    return p;
-  } else {
-    const double d = static_cast<double>(p);
-    return in.a * d + in.b * d * d;
-  }
+C cost_of(const Input& in, int64_t p) {  // of p padded tokens: p, or a p + b p^2
+  const double d = static_cast<double>(p);
+  if constexpr (std::is_integral_v<C>) return p; else return in.a * d + in.b * d * d;
 }
 
 template <typename C>
 struct Planner {
   const Input& in;
-  int64_t* ord;
-  int64_t* off;
-  int64_t n, k, cap;
+  int64_t *ord, *off, n, k, cap;
   std::vector<int64_t> sorted, stok;  // sequences by decreasing tokens (ties by index), tokens
   Items<C> it;
   C total{0};
@@ -662,19 +526,16 @@ struct Planner {
   std::vector<int64_t> slot_of, cursor;  // sequence -> r * M + bin; where each bin writes next
   std::vector<int64_t> first, size, order;  // write_rank's, per bin
   RankPacker<C> pk;
-
   Planner(const Input& in_, int64_t* o, int64_t* f)
       : in(in_), ord(o), off(f), n(in_.n), k(in_.k), cap(in_.cap) {}
   int64_t round_up(int64_t v) const { return (v + in.mbm - 1) / in.mbm * in.mbm; }
-
   void make_items() {
     std::vector<Rec> rec(n);
     const int64_t* tok = in.tok;
     const int64_t top = *std::max_element(tok, tok + n);
     for (int64_t i = 0; i < n; ++i) rec[i] = {static_cast<uint64_t>(top - tok[i]), i};
     radix_sort(rec);
-    sorted.resize(n);
-    stok.resize(n);
+    sorted.resize(n), stok.resize(n);
     for (int64_t j = 0; j < n; ++j) sorted[j] = rec[j].idx, stok[j] = top - rec[j].key;
     if (in.gid == nullptr) {
       it.w.resize(n);
@@ -682,7 +543,7 @@ struct Planner {
       return;
     }
     const int64_t gmin = *std::min_element(in.gid, in.gid + n);
-    for (int64_t i = 0; i < n; ++i) rec[i] = {static_cast<uint64_t>(in.gid[i] - gmin), i};
+    for (int64_t i = 0; i < n; ++i) rec[i] = {uint64_t(in.gid[i]) - uint64_t(gmin), i};
     radix_sort(rec);  // ascending group id, then index
     std::vector<int64_t> gstart;
     std::vector<C> gw;
@@ -694,14 +555,9 @@ struct Planner {
     const int64_t g = static_cast<int64_t>(gw.size());
     COMPASS_CHECK(g >= k, "group_ids: need at least dp_size = ", k,
                   " groups so that every rank gets one, got ", g);
-    if (in.equal) {
-      int64_t lo = n, hi = 0;
-      for (int64_t j = 0; j < g; ++j) {
-        lo = std::min(lo, gstart[j + 1] - gstart[j]);
-        hi = std::max(hi, gstart[j + 1] - gstart[j]);
-      }
-      COMPASS_CHECK(lo == hi, "group_ids: equal_samples needs groups of one size, got sizes ", lo,
-                    "..", hi);
+    for (int64_t j = 1; j < g && in.equal; ++j) {
+      COMPASS_CHECK(gstart[j + 1] - gstart[j] == gstart[1], "group_ids: equal_samples needs groups "
+                    "of one size, got sizes ", gstart[1], " and ", gstart[j + 1] - gstart[j]);
     }
     std::vector<int64_t> gdesc(g);  // groups by decreasing cost, ties by group order
     std::iota(gdesc.begin(), gdesc.end(), int64_t{0});
@@ -717,57 +573,43 @@ struct Planner {
       total += it.w[j];
     }
   }
-
   // Ranks: LPT + refinement; KK + refinement only if the bound is missed.
   double make_ranks() {
     const int64_t g = it.size();
     const double lb = std::max(static_cast<double>(total) / static_cast<double>(k),
                                static_cast<double>(it.w[0]));
-    C target;
-    if constexpr (std::is_integral_v<C>) {
-      target = std::max<C>((total + k - 1) / k, it.w[0]);
-    } else {
-      target = static_cast<C>(lb * (1.0 + kRankTolerance));
-    }
+    const C target = std::is_integral_v<C> ? std::max<C>((total + k - 1) / k, it.w[0])
+                                           : static_cast<C>(lb * (1.0 + kRankTolerance));
     const int64_t iters = in.iters >= 0 ? in.iters : 16 * k + 256;
     auto refine_ranks = [&](Bins<C>& b) {
       std::vector<int64_t> count(k);
       for (int64_t r = 0; r < k; ++r) count[r] = static_cast<int64_t>(b.mem[r].size());
       refine(
           b, it.w.data(), target, iters, k,
-          [&](int64_t h, int64_t r, int64_t, int64_t y) {
-            if (y >= 0) return true;  // swaps keep every count
-            return in.equal ? count[h] > count[r] : count[h] > 1;
+          [&](int64_t h, int64_t r, int64_t, int64_t y) {  // (swaps keep every count)
+            return y >= 0 || (in.equal ? count[h] > count[r] : count[h] > 1);
           },
-          [&](int64_t h, int64_t r, int64_t, int64_t y) {
-            if (y < 0) --count[h], ++count[r];
-          });
+          [&](int64_t h, int64_t r, int64_t, int64_t y) { if (y < 0) --count[h], ++count[r]; });
     };
     lpt_ranks(it.w, total, k, in.equal, best);
     refine_ranks(best);
     if (best.max_load() > target) {
-      std::vector<int64_t> ascending(g);  // ids g-1 .. 0
-      for (int64_t j = 0; j < g; ++j) ascending[j] = g - 1 - j;
+      std::vector<int64_t> ascending(g);
+      std::iota(ascending.rbegin(), ascending.rend(), int64_t{0});  // g-1 .. 0
       const std::vector<int32_t> rank = karmarkar_karp(it.w.data(), ascending, k);
       Bins<C> other;
       other.reset(k);
-      for (int64_t j = g - 1; j >= 0; --j) {  // decreasing id within each rank
-        other.mem[rank[j]].push_back(j);
-        other.load[rank[j]] += it.w[j];
-      }
+      for (int64_t j = g - 1; j >= 0; --j) other.mem[rank[j]].push_back(j), other.load[rank[j]] += it.w[j];
       refine_ranks(other);
       if (other.max_load() < best.max_load()) std::swap(best, other);
     }
     return lb;
   }
-
   // The sequences of item j: seq(s) for s in [first(j), first(j + 1)).
   int64_t first_of(int64_t j) const { return in.gid ? it.start[j] : j; }
   int64_t seq(int64_t s) const { return in.gid ? it.member[s] : sorted[s]; }
-
-  // Each rank's sequences by decreasing tokens (ties by index), from the
-  // ranks' items (best); returns M, the largest per-rank lower bound rounded
-  // up to micro_batch_multiple.
+  // Each rank's sequences by decreasing tokens from its items (best); returns
+  // the largest per-rank lower bound, rounded up to micro_batch_multiple.
   int64_t layout() {
     base.assign(k + 1, 0);
     rank_tok.assign(k, 0);
@@ -795,7 +637,7 @@ struct Planner {
           base[r + 1] += it.start[j + 1] - it.start[j];
         }
       }
-      for (int64_t r = 0; r < k; ++r) base[r + 1] += base[r];
+      std::partial_sum(base.begin(), base.end(), base.begin());
       std::vector<int64_t> at(base.begin(), base.end() - 1);
       for (int64_t j = 0; j < n; ++j) add(rank_of[sorted[j]], at[rank_of[sorted[j]]]++, sorted[j], stok[j]);
     }
@@ -803,30 +645,20 @@ struct Planner {
     for (int64_t r = 0; r < k; ++r) nb = std::max({nb, (rank_tok[r] + cap - 1) / cap, big[r]});
     return round_up(nb);
   }
-  bool counts_fit(int64_t nb) const {
-    for (int64_t r = 0; r < k; ++r) {
-      if (base[r + 1] - base[r] < nb) return false;
-    }
+  bool counts_fit(int64_t nb) const {  // every rank holds nb sequences
+    for (int64_t r = 0; r < k; ++r) if (base[r + 1] - base[r] < nb) return false;
     return true;
   }
-
   int64_t load_rank(int64_t r) {  // pk reads the rank's slice of by_tok
-    const int64_t m = base[r + 1] - base[r];
-    const int64_t* t = by_tok.data() + base[r];
-    pk.tok = t;
+    const int64_t m = base[r + 1] - base[r], *t = pk.tok = by_tok.data() + base[r];
     if constexpr (std::is_integral_v<C>) {
-      pk.w = t;  // the cost is the tokens
-      pk.total = rank_tok[r];
+      pk.w = t, pk.total = rank_tok[r];  // the cost is the tokens
     } else {
-      pk.wbuf.resize(m);
-      C sum{0};
-      for (int64_t i = 0; i < m; ++i) sum += (pk.wbuf[i] = cost_of<C>(in, t[i]));
-      pk.w = pk.wbuf.data();
-      pk.total = sum;
+      pk.wbuf.resize(m), pk.w = pk.wbuf.data(), pk.total = C{0};
+      for (int64_t i = 0; i < m; ++i) pk.total += (pk.wbuf[i] = cost_of<C>(in, t[i]));
     }
     return m;
   }
-
   // Rank r's packing (pk) in the output: its micro-batches heaviest first
   // (ties by first sequence) get their offsets; each sequence its slot.
   void write_rank(int64_t r, int64_t nb) {
@@ -835,9 +667,7 @@ struct Planner {
     first.assign(nb, n), size.assign(nb, 0), order.resize(nb);
     for (int64_t i = 0; i < m; ++i) {
       const int64_t q = pk.bin_of[i];
-      first[q] = std::min(first[q], seqs[i]);
-      ++size[q];
-      slot_of[seqs[i]] = r * nb + q;
+      first[q] = std::min(first[q], seqs[i]), ++size[q], slot_of[seqs[i]] = r * nb + q;
     }
     std::iota(order.begin(), order.end(), int64_t{0});
     std::sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
@@ -846,21 +676,16 @@ struct Planner {
     });
     int64_t pos = base[r];
     for (int64_t j = 0; j < nb; ++j) {
-      off[r * nb + j] = pos;
-      cursor[r * nb + order[j]] = pos;
-      pos += size[order[j]];
+      off[r * nb + j] = cursor[r * nb + order[j]] = pos, pos += size[order[j]];
     }
   }
   void write_order(int64_t nb) {  // each micro-batch by ascending sequence index
     off[k * nb] = n;
     for (int64_t s = 0; s < n; ++s) ord[cursor[slot_of[s]]++] = s;
   }
-
-  // Micro-batches: each rank packed into nb bins (LPT or the level fit, the
-  // first within the rank's bound, else both refined and the better kept;
-  // first fit plus splitting where neither fits), written. If a rank needs
-  // more bins than nb (first fit needs more), nb grows and the ranks written
-  // so far are packed again. Returns the final nb, or 0 where it grew past
+  // Micro-batches: each rank into nb bins (LPT or the level fit, first fit plus
+  // splitting where neither fits), written. Where first fit needs more bins, nb
+  // grows and the ranks are packed again. Returns nb, or 0 where nb grew past
   // some rank's sequence count.
   int64_t pack(int64_t nb) {
     std::vector<int64_t> lpt_ok_at(k, 0), written_at(k, 0);
@@ -877,23 +702,19 @@ struct Planner {
         if (r >= next) {  // the next group of kGroup ranks not yet written at this nb
           bool probe = false;
           for (int64_t cnt = 0; next < k && cnt < kGroup; ++next) {
-            if (written_at[next] == nb) continue;
-            probe |= next % kLptProbe == 0;
-            ++cnt;
+            if (written_at[next] != nb) probe |= next % kLptProbe == 0, ++cnt;
           }
           level_first = lpt_failed > lpt_packed && !probe;
         }
         const int64_t m = load_rank(r);
-        auto level_fit = [&] {
+        auto level_fit = [&] {  // the balanced level plus kBinTolerance
           const int64_t level = (rank_tok[r] + nb - 1) / nb;
-          const int64_t slack = static_cast<int64_t>(static_cast<double>(level) * kBinTolerance);
-          return pk.level_fit(m, nb, cap, std::min(cap, level + slack));
+          return pk.level_fit(m, nb, cap, std::min(cap, level + int64_t(level * kBinTolerance)));
         };
         bool lpt_ok = false;  // LPT found room for every sequence
         auto lpt = [&] { return lpt_ok = pk.lpt(m, nb, cap); };
-        // The first choice is taken if it fits within the rank's bound, else
-        // the second if it does; if both fit over it, both are refined and the
-        // better kept (ties: the first).
+        // The first choice within the rank's bound, else the second; both over
+        // it: both refined, the better kept (ties: the first).
         const C bound = pk.target(nb);
         const bool ok1 = level_first ? level_fit() : lpt();
         bool packed = ok1 && pk.b.max_load() <= bound, refined = false;
@@ -907,10 +728,8 @@ struct Planner {
           if (!packed && ok1 && ok2) {
             pk.balance(nb, mb_iters);
             const C top2 = pk.b.max_load();
-            pk.keep();
-            pk.balance(nb, mb_iters);
+            pk.keep(), pk.balance(nb, mb_iters), refined = true;
             if (top2 < pk.b.max_load()) pk.keep();
-            refined = true;
           } else if (!packed && ok1) {
             pk.keep();
           }
@@ -918,18 +737,14 @@ struct Planner {
         }
         if (lpt_tried) ++(lpt_good ? lpt_packed : lpt_failed);
         if (lpt_ok) lpt_ok_at[r] = nb;
-        if (!packed) {
-          const int64_t used = first_fit(pk.tok, m, cap, pk.bin_of);
-          if (used <= nb) {
-            pk.from_bins(m, used, cap);
-          } else if (lpt_ok_at[r] > 0) {
-            pk.lpt(m, lpt_ok_at[r], cap);
-          } else {
-            nb = round_up(used);
-            if (!counts_fit(nb)) return 0;
+        int64_t used = 0;
+        if (!packed && !pk.first_fit(nb, cap, used)) {
+          if (lpt_ok_at[r] == 0) {  // nb grows
+            if (!counts_fit(nb = round_up(used))) return 0;
             grown = true;
             break;
           }
+          pk.lpt(m, lpt_ok_at[r], cap);
           pk.split_to(nb, cap);
         }
         if (!refined) pk.balance(nb, mb_iters);
@@ -940,29 +755,21 @@ struct Planner {
     write_order(nb);
     return nb;
   }
-
-  // A rank short of sequences (fewer than nb) takes the smallest item that a
-  // rank with sequences to spare can give without raising the receiver's
-  // bound (its tokens over the cap, its sequences over cap / 2) past nb; again
-  // until no rank is short. Sample counts are fixed under equal_samples: no
-  // moves there. False when some short rank finds no such item.
+  // A rank with fewer than nb sequences takes the smallest item a rank with
+  // some to spare can give without raising the receiver's bound past nb (not
+  // under equal_samples). False when some short rank finds none.
   bool move_small_items(int64_t nb) {
-    std::vector<int64_t> cnt(k, 0), tok(k, 0), nbig(k, 0), itok(it.size(), 0), ibig(it.size(), 0);
+    std::vector<int64_t> cnt(k), itok(it.size(), 0), ibig(it.size(), 0);
+    std::vector<int64_t>&tok = rank_tok, &nbig = big;  // as layout() left them
+    std::adjacent_difference(base.begin() + 1, base.end(), cnt.begin());  // (base[0] = 0)
     for (int64_t j = 0; j < it.size(); ++j) {
       for (int64_t s = first_of(j); s < first_of(j + 1); ++s) {
-        itok[j] += in.tok[seq(s)];
-        ibig[j] += 2 * in.tok[seq(s)] > cap;
+        itok[j] += in.tok[seq(s)], ibig[j] += 2 * in.tok[seq(s)] > cap;
       }
     }
     auto seqs = [&](int64_t j) { return first_of(j + 1) - first_of(j); };
-    for (int64_t r = 0; r < k; ++r) {
-      for (int64_t j : best.mem[r]) cnt[r] += seqs(j), tok[r] += itok[j], nbig[r] += ibig[j];
-    }
-    for (int64_t r = 0; r < k;) {
-      if (cnt[r] >= nb) {
-        ++r;
-        continue;
-      }
+    for (int64_t r = 0; r < k; r += cnt[r] >= nb ? 1 : 0) {
+      if (cnt[r] >= nb) continue;
       int64_t x = -1, from = -1;  // the smallest item (largest id) any donor can give
       for (int64_t d = 0; d < k; ++d) {
         for (int64_t j : best.mem[d]) {  // by increasing cost: the first that fits
@@ -973,26 +780,20 @@ struct Planner {
         }
       }
       if (x < 0) return false;
-      erase_id(best.mem[from], x);
-      insert_id(best.mem[r], x);
-      best.load[from] -= it.w[x];
-      best.load[r] += it.w[x];
+      move_id(best.mem[from], best.mem[r], x);
+      best.load[from] -= it.w[x], best.load[r] += it.w[x];
       cnt[from] -= seqs(x), tok[from] -= itok[x], nbig[from] -= ibig[x];
       cnt[r] += seqs(x), tok[r] += itok[x], nbig[r] += ibig[x];
     }
     return true;
   }
-
-  // The feasibility search at M micro-batches per rank: each sequence (item
-  // by item, heaviest first; an item's sequences by decreasing tokens) gets a
-  // (rank, bin); an item's first sequence chooses its rank. Ranks are tried
-  // least-loaded first (ties by index), then the first rank without items;
-  // bins within a rank least-loaded first, one of equal loads (bins are
-  // interchangeable), then the rank's first empty bin. Pruned where the
-  // sequences left cannot fill the empty bins, or their tokens exceed the
-  // room left. Iterative (one choice per level, the next one recomputed from
-  // the restored state), O(n) memory. Returns 1 found (slot_of written), 0
-  // exhausted, -1 budget spent.
+  // The feasibility search at M micro-batches per rank: each sequence (items
+  // heaviest first, an item's sequences by decreasing tokens) gets a (rank,
+  // bin), the item's first one its rank: ranks with items least-loaded first,
+  // then the first without; bins least-loaded first, one of equal loads, then
+  // the first empty one. Pruned where the sequences left cannot fill the empty
+  // bins. Iterative, O(n) memory. Returns 1 found (slot_of), 0 exhausted, -1
+  // budget spent.
   int64_t search(int64_t M, int64_t& nodes) {
     const int64_t g = it.size(), lo_cnt = g / k, rem = g % k;
     std::vector<int64_t> seq, item_of;  // level -> sequence, its item
@@ -1003,19 +804,24 @@ struct Planner {
                        [&](int64_t x, int64_t y) { return in.tok[x] > in.tok[y]; });
       item_of.resize(seq.size(), j);
     }
-    std::vector<C> rank_cost(k, C{0});
-    std::vector<int64_t> items(k, 0), used(k, 0), load(k * M, 0), rank_q(n, -1), item_rank(g, -1);
-    int64_t empty = k * M, at_hi = 0, tok_left = 0;
-    for (int64_t s = 0; s < n; ++s) tok_left += in.tok[s];
-    int64_t room_left = 0;  // k M cap less the tokens placed; no prune where it overflows
-    const bool room_fits = !__builtin_mul_overflow(k * M, cap, &room_left);
+    std::vector<C> rank_cost(k, C{0}), cost_before(n);  // (float costs restored exactly)
+    std::vector<int64_t> items(k, 0), used(k, 0), load(k * M, 0), item_rank(g, -1), choice(n, -1);
+    int64_t empty = k * M, at_hi = 0;  // empty bins; ranks at lo_cnt + 1 items (equal_samples)
     auto rank_before = [&](int64_t x, int64_t y) {  // ranks with items first, by (cost, index)
-      if ((items[x] == 0) != (items[y] == 0)) return items[y] == 0;
-      return rank_cost[x] != rank_cost[y] ? rank_cost[x] < rank_cost[y] : x < y;
+      return std::make_tuple(items[x] == 0, rank_cost[x], x) <
+             std::make_tuple(items[y] == 0, rank_cost[y], y);
     };
-    auto rank_ok = [&](int64_t r) {
-      if (!in.equal) return true;
-      return items[r] < lo_cnt || (items[r] == lo_cnt && at_hi < rem);
+    auto next_rank = [&](int64_t r) -> int64_t {  // after r (-1: the first), in rank_before order
+      int64_t best_r = -1;
+      bool empty_seen = false;
+      for (int64_t x = 0; x < k; ++x) {
+        if (items[x] == 0 && empty_seen) continue;  // ranks without items: only the first
+        empty_seen |= items[x] == 0;
+        const bool full = in.equal && (items[x] > lo_cnt || (items[x] == lo_cnt && at_hi >= rem));
+        if (full || (r >= 0 && !rank_before(r, x))) continue;
+        if (best_r < 0 || rank_before(x, best_r)) best_r = x;
+      }
+      return best_r;
     };
     // the next bin of rank r after bin q (-1: the first) for t tokens, or -1
     auto next_bin = [&](int64_t r, int64_t q, int64_t t) -> int64_t {
@@ -1026,78 +832,50 @@ struct Planner {
         if (l + t > cap || (q >= 0 && l <= load[r * M + q])) continue;
         if (best_q < 0 || l < load[r * M + best_q]) best_q = p;
       }
-      if (best_q >= 0) return best_q;
-      return used[r] < M ? used[r] : -1;
-    };
-    auto next_rank = [&](int64_t r) -> int64_t {  // after r (-1: the first), in rank_before order
-      int64_t best_r = -1;
-      bool empty_seen = false;
-      for (int64_t x = 0; x < k; ++x) {
-        if (items[x] == 0 && empty_seen) continue;  // ranks without items: only the first
-        empty_seen |= items[x] == 0;
-        if (!rank_ok(x) || (r >= 0 && !rank_before(r, x))) continue;
-        if (best_r < 0 || rank_before(x, best_r)) best_r = x;
-      }
-      return best_r;
+      return best_q >= 0 ? best_q : used[r] < M ? used[r] : -1;
     };
     auto apply = [&](int64_t i, int64_t r, int64_t q, int64_t sign) {
-      const int64_t s = seq[i], t = in.tok[s], j = item_of[i];
+      const int64_t t = in.tok[seq[i]], j = item_of[i];
       if (i == 0 || item_of[i - 1] != j) {  // the item's first sequence: its rank
         items[r] += sign;
-        at_hi += sign * (in.equal && items[r] == lo_cnt + (sign > 0 ? 1 : 0));
-        rank_cost[r] += sign > 0 ? it.w[j] : -it.w[j];
+        at_hi += sign * (in.equal && items[r] == lo_cnt + (sign > 0));
+        if (sign > 0) cost_before[i] = rank_cost[r];
+        rank_cost[r] = sign > 0 ? rank_cost[r] + it.w[j] : cost_before[i];
         item_rank[j] = sign > 0 ? r : -1;
       }
       if (sign < 0 && load[r * M + q] == t) --used[r], ++empty;  // it opened the bin
       load[r * M + q] += sign * t;
       if (sign > 0 && q == used[r]) ++used[r], --empty;
-      rank_q[i] = sign > 0 ? r * M + q : -1;
-      tok_left -= sign * t;
-      room_left -= sign * t;
     };
-    std::vector<int64_t> choice(n, -1);  // level -> r * M + q tried, -1 none yet
-    std::vector<C> cost_before(n);      // (float rank costs restored exactly)
-    for (int64_t i = 0; i >= 0;) {
-      if (i == n) break;
-      const int64_t s = seq[i], t = in.tok[s];
+    int64_t i = 0;
+    while (i >= 0 && i < n) {
       const bool first = i == 0 || item_of[i - 1] != item_of[i];
-      int64_t r = choice[i] < 0 ? -1 : choice[i] / M, q = choice[i] < 0 ? -1 : choice[i] % M;
-      if (choice[i] >= 0) {  // undo the choice tried
-        apply(i, r, q, -1);
-        if (first) rank_cost[r] = cost_before[i];
-      }
+      int64_t r = -1, q = -1;
+      if (choice[i] >= 0) r = choice[i] / M, q = choice[i] % M, apply(i, r, q, -1);  // undo it
       if (!first) r = item_rank[item_of[i]];
       for (;;) {  // the next (rank, bin)
-        if (r >= 0) q = next_bin(r, q, t);
-        if (q >= 0 || !first) break;
-        r = next_rank(r);
-        if (r < 0) break;
+        if (r >= 0) q = next_bin(r, q, in.tok[seq[i]]);
+        if (q >= 0 || !first || (r = next_rank(r)) < 0) break;
       }
       if (r < 0 || q < 0) {  // no choice left: back up
-        choice[i] = -1;
-        --i;
+        choice[i--] = -1;
         continue;
       }
       if (++nodes > kSearchNodes) return -1;
-      if (first) cost_before[i] = rank_cost[r];
       apply(i, r, q, 1);
       choice[i] = r * M + q;
-      const int64_t left = n - 1 - i;
-      if (empty > left || (room_fits && tok_left > room_left)) continue;  // pruned: next choice
-      ++i;
+      if (empty <= n - 1 - i) ++i;  // else pruned: the next choice
     }
-    if (choice[0] < 0 && n > 0) return 0;
-    for (int64_t i = 0; i < n; ++i) slot_of[seq[i]] = rank_q[i];
+    if (i < 0) return 0;
+    for (int64_t l = 0; l < n; ++l) slot_of[seq[l]] = choice[l];
     return 1;
   }
-
   // No plan from the balanced ranks: the search, for each M from the smallest
   // any plan could have up to the most every rank's sequences allow.
   int64_t fallback() {
     int64_t tokens = 0, nbig = 0;
     for (int64_t s = 0; s < n; ++s) tokens += in.tok[s], nbig += 2 * in.tok[s] > cap;
-    const int64_t g = it.size();
-    const int64_t cap_bins = (tokens + cap - 1) / cap;  // ceil(ceil(T / cap) / k) = ceil(T / (k cap))
+    const int64_t g = it.size(), cap_bins = (tokens + cap - 1) / cap;
     const int64_t m_lo = round_up(std::max({int64_t{1}, (cap_bins + k - 1) / k, (nbig + k - 1) / k}));
     const int64_t m_hi = in.equal ? g / k * (n / g) : n / k;  // the fewest sequences a rank can hold
     const std::string what = "every rank the same number M of non-empty micro-batches (M a "
@@ -1105,50 +883,35 @@ struct Planner {
                              ") within max_tokens = " + std::to_string(cap) +
                              (in.gid ? ", each group on one rank" : "") +
                              (in.equal ? ", equal sample counts" : "");
+    const char* give = ": give more sequences, a larger max_tokens or a smaller micro_batch_multiple";
     COMPASS_CHECK(m_lo <= m_hi, "lengths: no plan exists giving ", what, ": the ", tokens,
                   " tokens and ", nbig, " sequences over max_tokens / 2 need M >= ", m_lo,
                   " micro-batches per rank, so as many sequences on every rank, but ", n,
-                  " sequences over dp_size = ",
-                  k, " ranks leave some rank at most ", m_hi,
-                  ": give more sequences, a larger max_tokens or a smaller micro_batch_multiple");
-    int64_t nodes = 0, gave_up = 0;
-    for (int64_t M = m_lo; M <= m_hi; M += in.mbm) {
-      slot_of.assign(n, -1);
-      const int64_t found = search(M, nodes);
-      if (found < 0) {
-        gave_up = M;
-        break;
-      }
-      if (found == 0) continue;
-      best.reset(k);  // the search's ranks
-      for (int64_t j = g - 1; j >= 0; --j) best.mem[slot_of[seq(first_of(j))] / M].push_back(j);
-      layout();
-      std::vector<int64_t> bins = slot_of;
-      cursor.resize(k * M);
-      for (int64_t r = 0; r < k; ++r) {  // the search's bins, refined, written
-        const int64_t m = load_rank(r);
-        pk.start(m, M, cap);
-        for (int64_t i = 0; i < m; ++i) pk.bin_of[i] = bins[by_rank[base[r] + i]] - r * M;
-        for (int64_t i = m - 1; i >= 0; --i) {
-          pk.b.load[pk.bin_of[i]] += pk.w[i];
-          pk.room[pk.bin_of[i]] -= pk.tok[i];
-        }
-        pk.balance(M, 2 * M + 32);
-        write_rank(r, M);
-      }
-      write_order(M);
-      return M;
+                  " sequences over dp_size = ", k, " ranks leave some rank at most ", m_hi, give);
+    int64_t nodes = 0, M = m_lo - in.mbm, found = 0;
+    slot_of.resize(n);
+    while (found == 0 && (M += in.mbm) <= m_hi) found = search(M, nodes);
+    COMPASS_CHECK(found != 0, "lengths: no plan exists giving ", what,
+                  ": an exhaustive search over M = ", m_lo, "..", m_hi, " found none", give);
+    COMPASS_CHECK(found > 0, "lengths: no plan found giving ", what, ": the balanced ranks leave "
+                  "some rank too few sequences, and the search for another assignment gave up "
+                  "after ", kSearchNodes, " placements at M = ", M, " (of ", m_lo, "..", m_hi,
+                  "; a plan may exist)", give);
+    best.reset(k);  // the search's ranks
+    for (int64_t j = g - 1; j >= 0; --j) best.mem[slot_of[seq(first_of(j))] / M].push_back(j);
+    layout();
+    const std::vector<int64_t> bins = slot_of;
+    cursor.resize(k * M);
+    for (int64_t r = 0; r < k; ++r) {  // the search's bins, refined, written
+      pk.start(load_rank(r), M, cap);
+      for (int64_t i = 0; i < pk.m; ++i) pk.bin_of[i] = bins[by_rank[base[r] + i]] - r * M;
+      pk.from_bins(M, cap);
+      pk.balance(M, 2 * M + 32);
+      write_rank(r, M);
     }
-    COMPASS_CHECK(gave_up > 0, "lengths: no plan exists giving ", what,
-                  ": an exhaustive search over M = ", m_lo, "..", m_hi,
-                  " found none: give more sequences, a larger max_tokens or a smaller "
-                  "micro_batch_multiple");
-    fail("lengths: no plan found giving ", what, ": the balanced ranks leave some rank too few "
-         "sequences, and the search for another assignment gave up after ", kSearchNodes,
-         " placements at M = ", gave_up, " (of ", m_lo, "..", m_hi, "; a plan may exist): give "
-         "more sequences, a larger max_tokens or a smaller micro_batch_multiple");
+    write_order(M);
+    return M;
   }
-
   std::pair<int64_t, double> run() {
     make_items();
     COMPASS_CHECK(it.size() >= k, "lengths: need at least dp_size = ", k,
@@ -1165,57 +928,50 @@ struct Planner {
 
 std::pair<int64_t, double> plan_cpu(COMPASS_PLAN_ARGS) {
   COMPASS_NAME_ARGS(lengths, group_ids, order, offsets);
-  lengths.expect_vector().expect_dtype(DType::kInt64).expect_device(DeviceType::kCPU);
+  for (const TensorView* v : {&lengths, &order, &offsets, group_ids ? &*group_ids : &lengths}) {
+    v->expect_vector().expect_dtype(DType::kInt64).expect_device(DeviceType::kCPU);
+  }
   const int64_t n = lengths.numel();
   COMPASS_CHECK(n >= 1, "lengths: expected at least one sequence, got none");
-  if (group_ids) {
-    group_ids->expect_vector().expect_dtype(DType::kInt64).expect_device(DeviceType::kCPU);
-    group_ids->expect_size(0, n, "one per sequence");
-  }
-  order.expect_vector().expect_dtype(DType::kInt64).expect_device(DeviceType::kCPU);
+  if (group_ids) group_ids->expect_size(0, n, "one per sequence");
   order.expect_size(0, n, "one per sequence");
-  offsets.expect_vector().expect_dtype(DType::kInt64).expect_device(DeviceType::kCPU);
   offsets.expect_size(0, n + 1, "len(lengths) + 1");
-  COMPASS_CHECK(dp_size >= 1, "dp_size: expected >= 1, got ", dp_size);
-  COMPASS_CHECK(max_tokens >= 1, "max_tokens: expected >= 1, got ", max_tokens);
-  COMPASS_CHECK(micro_batch_multiple >= 1, "micro_batch_multiple: expected >= 1, got ",
-                micro_batch_multiple);
-  COMPASS_CHECK(pad_multiple >= 1, "pad_multiple: expected >= 1, got ", pad_multiple);
+  auto positive = [](int64_t v, const char* name) {
+    COMPASS_CHECK(v >= 1, name, ": expected >= 1, got ", v);
+  };
+  positive(dp_size, "dp_size"), positive(max_tokens, "max_tokens");
+  positive(micro_batch_multiple, "micro_batch_multiple"), positive(pad_multiple, "pad_multiple");
   COMPASS_CHECK(std::isfinite(cost_a) && cost_a > 0.0, "cost_a: expected a finite value > 0, got ",
                 cost_a);
   COMPASS_CHECK(std::isfinite(cost_b) && cost_b >= 0.0,
                 "cost_b: expected a finite value >= 0, got ", cost_b);
-  const int64_t* len = lengths.ptr<int64_t>();
   // Padding and range checks, naming the first offending sequence. Totals
   // (and the doubled loads the refinement compares) must not overflow int64.
+  const int64_t* len = lengths.ptr<int64_t>();
   std::vector<int64_t> padded(pad_multiple > 1 ? n : 0);
-  const int64_t room = max_tokens / pad_multiple;  // padded <= max_tokens iff ceil(L / pad) <= room
-  const int64_t limit = std::numeric_limits<int64_t>::max() / 4;
-  int64_t total = 0;
+  // padded <= max_tokens iff ceil(L / pad) <= room
+  int64_t room = max_tokens / pad_multiple, limit = std::numeric_limits<int64_t>::max() / 4, total = 0;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t L = len[i];
     COMPASS_CHECK(L >= 1, "lengths: expected every sequence non-empty, got lengths[", i, "] = ", L);
-    const int64_t q = pad_multiple == 1 ? L : (L - 1) / pad_multiple + 1;
+    const int64_t q = (L - 1) / pad_multiple + 1;
     if (q > room) {
-      if (q <= std::numeric_limits<int64_t>::max() / pad_multiple) {
-        fail("lengths: sequence ", i, " has ", q * pad_multiple,
-             " tokens (after padding), more than max_tokens = ", max_tokens,
-             ": no micro-batch can hold it");
-      }
-      fail("lengths: sequence ", i, " has ", L, " tokens, more than max_tokens = ", max_tokens,
+      const bool pad = q <= std::numeric_limits<int64_t>::max() / pad_multiple;
+      fail("lengths: sequence ", i, " has ", pad ? q * pad_multiple : L,
+           pad ? " tokens (after padding)" : " tokens", ", more than max_tokens = ", max_tokens,
            ": no micro-batch can hold it");
     }
-    if (pad_multiple > 1) padded[i] = q * pad_multiple;
-    COMPASS_CHECK(total <= limit - q * pad_multiple, "lengths: the total token count overflows int64");
-    total += q * pad_multiple;
+    const int64_t P = q * pad_multiple;
+    COMPASS_CHECK(total <= limit - P, "lengths: the total token count overflows int64");
+    total += P;
+    if (pad_multiple > 1) padded[i] = P;
   }
   const int64_t* tok = pad_multiple > 1 ? padded.data() : len;
   const Input in{tok, group_ids ? group_ids->ptr<int64_t>() : nullptr, n, dp_size,
                  max_tokens, micro_batch_multiple, refine_iters, equal_samples, cost_a, cost_b};
-  int64_t* ord = order.ptr<int64_t>();
-  int64_t* off = offsets.ptr<int64_t>();
+  int64_t *ord = order.ptr<int64_t>(), *off = offsets.ptr<int64_t>();
   if (cost_b == 0.0) {  // a*P: balancing P is the same problem, in exact integers
-    auto r = Planner<int64_t>(in, ord, off).run();
+    const auto r = Planner<int64_t>(in, ord, off).run();
     return {r.first, r.second * cost_a};
   }
   for (int64_t i = 0; i < n; ++i) {
@@ -1231,12 +987,11 @@ void karmarkar_karp_cpu(TensorView cost, int64_t k, TensorView rank_of) {
   rank_of.expect_vector().expect_dtype(DType::kInt64).expect_device(DeviceType::kCPU);
   rank_of.expect_size(0, cost.numel(), "one per item");
   COMPASS_CHECK(k >= 1, "k: expected >= 1, got ", k);
-  const int64_t n = cost.numel();
   const double* c = cost.ptr<double>();
-  // ascending by cost, ties by index (the order Python's sorted((v, i)) gives)
-  std::vector<int64_t> asc(n);
+  std::vector<int64_t> asc(cost.numel());  // ties by index, as Python's sorted((v, i))
   std::iota(asc.begin(), asc.end(), int64_t{0});
-  std::sort(asc.begin(), asc.end(), [&](int64_t x, int64_t y) { return c[x] != c[y] ? c[x] < c[y] : x < y; });
+  std::sort(asc.begin(), asc.end(),
+            [&](int64_t x, int64_t y) { return std::make_pair(c[x], x) < std::make_pair(c[y], y); });
   const std::vector<int32_t> r = karmarkar_karp(c, asc, k);
   std::copy(r.begin(), r.end(), rank_of.ptr<int64_t>());
 }
