@@ -108,8 +108,10 @@ def simulate(population: str, policy: str, *, seed: int = 0, prompts: int = 512,
 POLICIES = ("uniform", "resample", "alloc", "alloc_tok")
 
 
-def table(seeds=(0, 1, 2), steps: int = STEPS, csv_path: Path | None = None) -> str:
-    """Every population x policy, mean over seeds; ratios to uniform."""
+def table(seeds=(0, 1, 2), steps: int = STEPS, csv_path: Path | None = None,
+          plot_path: Path | None = None) -> str:  # fmt: skip
+    """Every population x policy, mean over seeds; ratios to uniform. Writes the rows
+    to ``csv_path`` and the chart (:func:`plot`) to ``plot_path`` when given."""
     rows = []
     for pop in POPULATIONS:
         base = None
@@ -133,7 +135,46 @@ def table(seeds=(0, 1, 2), steps: int = STEPS, csv_path: Path | None = None) -> 
             w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
             w.writeheader()
             w.writerows(rows)
+    if plot_path is not None:
+        plot(rows, plot_path, steps=steps)
     return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path, *, steps: int = STEPS) -> Path:
+    """``path`` (PNG): per population, each policy's informative groups relative to
+    uniform N at equal budget, per sample (left) and per generated token (right);
+    the dashed line is uniform, the dotted one the late-population goal (1.2x per token)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pops = list(dict.fromkeys(r["population"] for r in rows))
+    pols = [p for p in POLICIES if p != "uniform"]
+    width = 0.8 / len(pols)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for ax, key, title in ((axes[0], "vs_uniform", "informative groups vs uniform N"),
+                           (axes[1], "per_token_vs_uniform",
+                            "informative groups per token vs uniform N")):  # fmt: skip
+        for j, pol in enumerate(pols):
+            ys = [next(r[key] for r in rows if r["population"] == pop and r["policy"] == pol)
+                  for pop in pops]  # fmt: skip
+            xs = [i + (j - (len(pols) - 1) / 2) * width for i in range(len(pops))]
+            bars = ax.bar(xs, ys, width, label=pol)
+            ax.bar_label(bars, fmt="%.2f", fontsize=7)
+        ax.axhline(1.0, color="k", linestyle="--", linewidth=1)
+        ax.set_xticks(range(len(pops)), pops)
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[1].axhline(1.2, color="grey", linestyle=":", linewidth=1, label="goal (late)")
+    axes[0].set_ylabel("ratio to uniform N (equal budget)")
+    axes[1].legend(fontsize=8)
+    fig.suptitle(f"allocate_rollouts simulator: {steps} steps, mean of seeds", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def _inputs(P: int, seed: int = 0):
@@ -171,9 +212,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=STEPS)
     ap.add_argument("--csv", type=Path, default=Path(__file__).parent / "results" / "budget.csv")
+    ap.add_argument("--plot", type=Path, default=Path(__file__).parent / "results" / "budget.png")
+    ap.add_argument("--no-plot", action="store_true", help="skip the PNG chart")
     args = ap.parse_args()
-    print(table(steps=args.steps, csv_path=args.csv))
-    print(f"csv: {args.csv}")
+    plot_path = None if args.no_plot else args.plot
+    print(table(steps=args.steps, csv_path=args.csv, plot_path=plot_path))
+    print(f"csv: {args.csv}" + ("" if plot_path is None else f"\nplot: {plot_path}"))
 
 
 if __name__ == "__main__":

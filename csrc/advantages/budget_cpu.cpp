@@ -84,27 +84,11 @@ struct Chains {
     used += room;
   }
 
-  // Item 0: the block 0 -> m, its gain summed from the increments D(1..m-1)
-  // (positive terms: no cancellation in 1 - E[p^m] - E[q^m] for confident
-  // posteriors). Leaves ep / eq at n = m.
-  void block(int64_t i) {
-    const double ai = a[i], bi = b[i], s = ai + bi;
-    double p = ai / s, q = bi / s, g = 0.0;  // E[p^1], E[q^1]
-    for (int64_t n = 1; n < m; ++n) {
-      const double t = 1.0 / (s + n);
-      g += (p * bi + q * ai) * t;
-      p *= (ai + n) * t;
-      q *= (bi + n) * t;
-    }
-    buf[off[i]] = g / static_cast<double>(m * c[i]);
-    ep[i] = p;
-    eq[i] = q;
-    filled[i] = 1;
-  }
-
   // Chains i0 .. i0 + L - 1 from nothing to `depth` items (<= their room), in
-  // lockstep: the same arithmetic as block() + extend(), but the L independent
-  // multiply chains overlap instead of running one after another.
+  // lockstep (the L independent multiply chains overlap). Item 0 is the block
+  // 0 -> m, its gain summed from the increments D(1..m-1) (positive terms: no
+  // cancellation in 1 - E[p^m] - E[q^m] for confident posteriors); then the
+  // increments as extend() computes them.
   template <int L>
   void base(int64_t i0, int64_t depth) {
     double ai[L], bi[L], s[L], p[L], q[L], g[L], inv_c[L], prev[L];

@@ -5,7 +5,8 @@
 OUT=${1:-/tmp/budget_ablation}
 mkdir -p "$OUT"
 PY=${PY:-python}
-COMMON="--steps 3 --pool 8 --prompts 8 --n 4 --seed 0 --dp 1 --no-plot --reward-latency-ms 5"
+STEPS=${STEPS:-3}
+COMMON="--steps $STEPS --pool 8 --prompts 8 --n 4 --seed 0 --dp 1 --no-plot --reward-latency-ms 5"
 run() {
   name=$1; shift; start=$(date +%s)
   $PY -m compass_kernels.integration.rl.loop $COMMON --out "$OUT/$name" "$@" > "$OUT/$name.log" 2>&1
