@@ -59,7 +59,7 @@ def simulate(population: str, policy: str, *, seed: int = 0, prompts: int = 512,
     diff = make(g, prompts)
     typical = np.exp(5.5 + 0.25 * diff.clip(-6, 6) + g.normal(0, 0.3, prompts))  # tokens
     order_rng = np.random.default_rng([seed, 2])  # same batches for every policy
-    out_rng = np.random.default_rng([seed, 3, hash(policy) % 1000])
+    out_rng = np.random.default_rng([seed, 3, POLICIES.index(policy)])  # str hash: per process
     ra = ck.advantages.RolloutAllocator(min_n=2, max_n=4 * n, explore_after=4, decay=0.7)
     pred = LengthPredictor(default=float(np.median(typical)))
     tot = dict(samples=0, tokens=0, informative=0, groups=0)

@@ -21,9 +21,11 @@
 // Fast path of the greedy (the items are never sorted): chains are generated
 // lazily to the uniform depth, item costs are histogrammed on the top 16 bits
 // of their ratio's IEEE pattern (monotone for positive doubles), the bucket
-// where the cumulative cost crosses the budget is the only one sorted, chains
-// still above it are extended once, and what follows the first item that does
-// not fit runs on a heap of the chains' next items.
+// where the cumulative cost crosses the budget is the only one split further
+// (12 more bits) and sorted, chains still above it are extended a few items at
+// a time until none is, and what follows the first item that does not fit runs
+// on a heap of the chains' next items. Chain storage is compact and lazy
+// (struct Chains).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -88,7 +90,7 @@ struct Chains {
   // lockstep (the L independent multiply chains overlap). Item 0 is the block
   // 0 -> m, its gain summed from the increments D(1..m-1) (positive terms: no
   // cancellation in 1 - E[p^m] - E[q^m] for confident posteriors); then the
-  // increments as extend() computes them.
+  // increments as more() computes them.
   template <int L>
   void base(int64_t i0, int64_t depth) {
     double ai[L], bi[L], s[L], p[L], q[L], g[L], inv_c[L], prev[L];
@@ -129,38 +131,55 @@ struct Chains {
     }
   }
 
-  // Generate prompt i's items up to (excluding) index `upto`, or while their
-  // bucket is >= `floor_key` when upto < 0.
-  void extend(int64_t i, int64_t upto, uint32_t floor_key = 0) {
-    int64_t k = filled[i];
-    if (k >= K) return;
-    const double ai = a[i], bi = b[i], s = ai + bi, inv_c = 1.0 / static_cast<double>(c[i]);
-    double p = ep[i], q = eq[i];
-    const int64_t stop = upto < 0 ? K : std::min(upto, K);
-    if (upto >= 0 && stop > cap[i]) grow(i, stop);
-    double* rw = buf.data() + off[i];
-    double prev = rw[k - 1];
-    for (; k < stop; ++k) {
-      if (k >= cap[i]) {  // only when upto < 0: room doubles
-        filled[i] = static_cast<int32_t>(k);
-        grow(i, k + 1);
-        rw = buf.data() + off[i];
-      }
-      const double n = static_cast<double>(m + k - 1);
-      const double t = 1.0 / (s + n);
-      double r = (p * bi + q * ai) * t * inv_c;
-      r = std::min(r, prev);
-      rw[k] = prev = r;
-      p *= (ai + n) * t;
-      q *= (bi + n) * t;
-      if (upto < 0 && bucket(r) < floor_key) {
-        ++k;
-        break;
+  // Up to `e` more items (at most to K) for each of the L chains idx[0..L), in
+  // lockstep like base(); no stopping test inside (the caller checks the last
+  // item and calls again).
+  template <int L>
+  void more(const int64_t* idx, int64_t e) {
+    int64_t k0[L], cnt[L];
+    for (int j = 0; j < L; ++j) {
+      const int64_t i = idx[j];
+      k0[j] = filled[i];
+      cnt[j] = std::min(e, K - k0[j]);
+      if (k0[j] + cnt[j] > cap[i]) grow(i, k0[j] + cnt[j]);
+    }
+    double ai[L], bi[L], s[L], p[L], q[L], inv_c[L], prev[L];
+    double* rw[L];
+    for (int j = 0; j < L; ++j) {  // after every grow: the arena may have moved
+      const int64_t i = idx[j];
+      ai[j] = a[i];
+      bi[j] = b[i];
+      s[j] = ai[j] + bi[j];
+      p[j] = ep[i];
+      q[j] = eq[i];
+      inv_c[j] = 1.0 / static_cast<double>(c[i]);
+      rw[j] = buf.data() + off[i];
+      prev[j] = rw[j][k0[j] - 1];
+    }
+    for (int64_t t = 0; t < e; ++t) {
+      for (int j = 0; j < L; ++j) {
+        if (t >= cnt[j]) continue;
+        const int64_t k = k0[j] + t;
+        const double n = static_cast<double>(m + k - 1);
+        const double tt = 1.0 / (s[j] + n);
+        const double r = std::min((p[j] * bi[j] + q[j] * ai[j]) * tt * inv_c[j], prev[j]);
+        rw[j][k] = prev[j] = r;
+        p[j] *= (ai[j] + n) * tt;
+        q[j] *= (bi[j] + n) * tt;
       }
     }
-    ep[i] = p;
-    eq[i] = q;
-    filled[i] = static_cast<int32_t>(k);
+    for (int j = 0; j < L; ++j) {
+      const int64_t i = idx[j];
+      ep[i] = p[j];
+      eq[i] = q[j];
+      filled[i] = static_cast<int32_t>(k0[j] + cnt[j]);
+    }
+  }
+
+  // Generate prompt i's items up to (excluding) index `upto` (at most K).
+  void extend(int64_t i, int64_t upto) {
+    const int64_t stop = std::min(upto, K);
+    if (filled[i] < stop) more<1>(&i, stop - filled[i]);
   }
 
   int64_t item_cost(int64_t i, int64_t k) const { return k == 0 ? m * c[i] : c[i]; }
@@ -335,19 +354,39 @@ std::tuple<double, double, int64_t> allocate_rollouts_cpu(COMPASS_ALLOCATE_ROLLO
     cross = crossing();
   }
   // Chains whose generated items all lie at or above the crossing may have
-  // more items there: extend them below it (to the end when nothing crossed).
-  // The crossing can only rise, and every chain then ends below the old one:
-  // one round suffices.
-  bool grew = false;
-  for (int64_t i = 0; i < P; ++i) {
+  // more items there (nothing crossed here means every chain is complete).
+  // They are extended
+  // kMore items at a time, four in lockstep, the crossing recomputed after each
+  // round (it rises as items are added), until no chain's last item is at or
+  // above it: then every item at or above the crossing is generated and the
+  // crossing is exact. Extending to the first crossing instead would generate
+  // items far below the final one (the first is low: the chains were cut).
+  constexpr int64_t kMore = 4;
+  static thread_local std::vector<int64_t> todo_tls, from_tls;
+  auto &todo = todo_tls, &from = from_tls;
+  auto above = [&](int64_t i) {
     const int64_t k = filled[i];
-    if (k >= K || !(ch.r(i, k - 1) > 0)) continue;
-    if (cross >= 0 && bucket(ch.r(i, k - 1)) < static_cast<uint32_t>(cross)) continue;
-    ch.extend(i, -1, cross >= 0 ? static_cast<uint32_t>(cross) : 0);
-    add_items(i, k);
-    grew = true;
+    return cross >= 0 && k < K && ch.r(i, k - 1) > 0 &&
+           bucket(ch.r(i, k - 1)) >= static_cast<uint32_t>(cross);
+  };
+  todo.clear();
+  for (int64_t i = 0; i < P; ++i) {
+    if (above(i)) todo.push_back(i);
   }
-  if (grew) cross = crossing();
+  while (!todo.empty()) {
+    from.resize(todo.size());
+    for (size_t x = 0; x < todo.size(); ++x) from[x] = filled[todo[x]];
+    size_t x = 0;
+    for (; x + 4 <= todo.size(); x += 4) ch.more<4>(todo.data() + x, kMore);
+    for (; x < todo.size(); ++x) ch.more<1>(todo.data() + x, kMore);
+    for (size_t y = 0; y < todo.size(); ++y) add_items(todo[y], from[y]);
+    cross = crossing();  // rises: fewer chains are still above it
+    size_t kept = 0;
+    for (size_t y = 0; y < todo.size(); ++y) {
+      if (above(todo[y])) todo[kept++] = todo[y];
+    }
+    todo.resize(kept);
+  }
   hlo_tls = hlo;  // the keys this call touched
   hhi_tls = hhi;
 
