@@ -24,6 +24,8 @@ unsolvable).
 Timed cases (``python -m bench --only budget``): allocate_rollouts on P prompts
 against the reference (torch gain table, sorted items, the greedy in Python):
 the same allocation (decayed, non-integer histories: no exact ties).
+``python -m bench.bench_budget --speed``: best and median time of the C++ entry
+point at 10,000 prompts, max_n = 64, budgets 2-32 samples per prompt.
 """
 
 from __future__ import annotations
@@ -187,6 +189,46 @@ def _inputs(P: int, seed: int = 0):
     return s, att
 
 
+def _late_inputs(P: int, seed: int = 0, attempts: int = 16):
+    """Late-training histories: ``attempts`` samples each, 80% of pass rates within
+    0.04 of 0 or 1 (integer counts)."""
+    g = torch.Generator().manual_seed(seed)
+    p = torch.where(torch.rand(P, generator=g) < 0.8, torch.rand(P, generator=g) * 0.04,
+                    torch.rand(P, generator=g))  # fmt: skip
+    p = torch.where(torch.rand(P, generator=g) < 0.5, p, 1 - p)
+    att = torch.full((P,), float(attempts), dtype=torch.float64)
+    return torch.binomial(att, p.double()), att
+
+
+def speed_table(P: int = 10000, max_n: int = 64, budgets=(2, 4, 8, 16, 32),
+                reps: int = 300) -> str:  # fmt: skip
+    """Best and median time of the raw C++ entry point (no argument checks), unit
+    costs, on late-training and decayed histories, per budget (samples per prompt).
+    The host is shared: report both, and compare only runs of one session."""
+    import statistics
+    import time
+
+    import compass_kernels as ck
+
+    f = ck._ext.load().advantages.allocate_rollouts_cpu
+    c = torch.ones(P, dtype=torch.int64)
+    req = torch.zeros(P, dtype=torch.bool)
+    out = torch.empty(P, dtype=torch.int64)
+    lines = [f"allocate_rollouts_cpu, P = {P}, max_n = {max_n}, {reps} calls per case"]
+    for name, (s, att) in (("late", _late_inputs(P)), ("decayed", _inputs(P))):
+        for bpp in budgets:
+            for _ in range(5):
+                f(s, att, c, req, bpp * P, 2, max_n, 1.0, 1.0, out)
+            ts = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                f(s, att, c, req, bpp * P, 2, max_n, 1.0, 1.0, out)
+                ts.append(time.perf_counter() - t0)
+            lines.append(f"{name:8s} budget {bpp:3d} / prompt: best {min(ts) * 1e3:.3f} ms, "
+                         f"median {statistics.median(ts) * 1e3:.3f} ms")  # fmt: skip
+    return "\n".join(lines)
+
+
 def cases(quick: bool) -> list:
     import compass_kernels as ck
     from compass_kernels.advantages.reference import allocate_rollouts_reference
@@ -214,7 +256,12 @@ def main() -> None:
     ap.add_argument("--csv", type=Path, default=Path(__file__).parent / "results" / "budget.csv")
     ap.add_argument("--plot", type=Path, default=Path(__file__).parent / "results" / "budget.png")
     ap.add_argument("--no-plot", action="store_true", help="skip the PNG chart")
+    ap.add_argument("--speed", action="store_true",
+                    help="time allocate_rollouts at 10,000 prompts (speed_table)")  # fmt: skip
     args = ap.parse_args()
+    if args.speed:
+        print(speed_table())
+        return
     plot_path = None if args.no_plot else args.plot
     print(table(steps=args.steps, csv_path=args.csv, plot_path=plot_path))
     print(f"csv: {args.csv}" + ("" if plot_path is None else f"\nplot: {plot_path}"))
