@@ -24,6 +24,8 @@ unsolvable).
 Timed cases (``python -m bench --only budget``): allocate_rollouts on P prompts
 against the reference (torch gain table, sorted items, the greedy in Python):
 the same allocation (decayed, non-integer histories: no exact ties).
+``python -m bench.bench_budget --speed``: best and median time of the C++ entry
+point at 10,000 prompts, max_n = 64, budgets 2-32 samples per prompt.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ def simulate(population: str, policy: str, *, seed: int = 0, prompts: int = 512,
     diff = make(g, prompts)
     typical = np.exp(5.5 + 0.25 * diff.clip(-6, 6) + g.normal(0, 0.3, prompts))  # tokens
     order_rng = np.random.default_rng([seed, 2])  # same batches for every policy
-    out_rng = np.random.default_rng([seed, 3, hash(policy) % 1000])
+    out_rng = np.random.default_rng([seed, 3, POLICIES.index(policy)])  # str hash: per process
     ra = ck.advantages.RolloutAllocator(min_n=2, max_n=4 * n, explore_after=4, decay=0.7)
     pred = LengthPredictor(default=float(np.median(typical)))
     tot = dict(samples=0, tokens=0, informative=0, groups=0)
@@ -108,8 +110,10 @@ def simulate(population: str, policy: str, *, seed: int = 0, prompts: int = 512,
 POLICIES = ("uniform", "resample", "alloc", "alloc_tok")
 
 
-def table(seeds=(0, 1, 2), steps: int = STEPS, csv_path: Path | None = None) -> str:
-    """Every population x policy, mean over seeds; ratios to uniform."""
+def table(seeds=(0, 1, 2), steps: int = STEPS, csv_path: Path | None = None,
+          plot_path: Path | None = None) -> str:  # fmt: skip
+    """Every population x policy, mean over seeds; ratios to uniform. Writes the rows
+    to ``csv_path`` and the chart (:func:`plot`) to ``plot_path`` when given."""
     rows = []
     for pop in POPULATIONS:
         base = None
@@ -133,7 +137,46 @@ def table(seeds=(0, 1, 2), steps: int = STEPS, csv_path: Path | None = None) -> 
             w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
             w.writeheader()
             w.writerows(rows)
+    if plot_path is not None:
+        plot(rows, plot_path, steps=steps)
     return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path, *, steps: int = STEPS) -> Path:
+    """``path`` (PNG): per population, each policy's informative groups relative to
+    uniform N at equal budget, per sample (left) and per generated token (right);
+    the dashed line is uniform, the dotted one the late-population goal (1.2x per token)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pops = list(dict.fromkeys(r["population"] for r in rows))
+    pols = [p for p in POLICIES if p != "uniform"]
+    width = 0.8 / len(pols)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for ax, key, title in ((axes[0], "vs_uniform", "informative groups vs uniform N"),
+                           (axes[1], "per_token_vs_uniform",
+                            "informative groups per token vs uniform N")):  # fmt: skip
+        for j, pol in enumerate(pols):
+            ys = [next(r[key] for r in rows if r["population"] == pop and r["policy"] == pol)
+                  for pop in pops]  # fmt: skip
+            xs = [i + (j - (len(pols) - 1) / 2) * width for i in range(len(pops))]
+            bars = ax.bar(xs, ys, width, label=pol)
+            ax.bar_label(bars, fmt="%.2f", fontsize=7)
+        ax.axhline(1.0, color="k", linestyle="--", linewidth=1)
+        ax.set_xticks(range(len(pops)), pops)
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[1].axhline(1.2, color="grey", linestyle=":", linewidth=1, label="goal (late)")
+    axes[0].set_ylabel("ratio to uniform N (equal budget)")
+    axes[1].legend(fontsize=8)
+    fig.suptitle(f"allocate_rollouts simulator: {steps} steps, mean of seeds", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def _inputs(P: int, seed: int = 0):
@@ -144,6 +187,46 @@ def _inputs(P: int, seed: int = 0):
     att = torch.rand(P, generator=g, dtype=torch.float64) * 24  # decayed counts
     s = att * p.double()
     return s, att
+
+
+def _late_inputs(P: int, seed: int = 0, attempts: int = 16):
+    """Late-training histories: ``attempts`` samples each, 80% of pass rates within
+    0.04 of 0 or 1 (integer counts)."""
+    g = torch.Generator().manual_seed(seed)
+    p = torch.where(torch.rand(P, generator=g) < 0.8, torch.rand(P, generator=g) * 0.04,
+                    torch.rand(P, generator=g))  # fmt: skip
+    p = torch.where(torch.rand(P, generator=g) < 0.5, p, 1 - p)
+    att = torch.full((P,), float(attempts), dtype=torch.float64)
+    return torch.binomial(att, p.double()), att
+
+
+def speed_table(P: int = 10000, max_n: int = 64, budgets=(2, 4, 8, 16, 32),
+                reps: int = 300) -> str:  # fmt: skip
+    """Best and median time of the raw C++ entry point (no argument checks), unit
+    costs, on late-training and decayed histories, per budget (samples per prompt).
+    The host is shared: report both, and compare only runs of one session."""
+    import statistics
+    import time
+
+    import compass_kernels as ck
+
+    f = ck._ext.load().advantages.allocate_rollouts_cpu
+    c = torch.ones(P, dtype=torch.int64)
+    req = torch.zeros(P, dtype=torch.bool)
+    out = torch.empty(P, dtype=torch.int64)
+    lines = [f"allocate_rollouts_cpu, P = {P}, max_n = {max_n}, {reps} calls per case"]
+    for name, (s, att) in (("late", _late_inputs(P)), ("decayed", _inputs(P))):
+        for bpp in budgets:
+            for _ in range(5):
+                f(s, att, c, req, bpp * P, 2, max_n, 1.0, 1.0, out)
+            ts = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                f(s, att, c, req, bpp * P, 2, max_n, 1.0, 1.0, out)
+                ts.append(time.perf_counter() - t0)
+            lines.append(f"{name:8s} budget {bpp:3d} / prompt: best {min(ts) * 1e3:.3f} ms, "
+                         f"median {statistics.median(ts) * 1e3:.3f} ms")  # fmt: skip
+    return "\n".join(lines)
 
 
 def cases(quick: bool) -> list:
@@ -171,9 +254,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=STEPS)
     ap.add_argument("--csv", type=Path, default=Path(__file__).parent / "results" / "budget.csv")
+    ap.add_argument("--plot", type=Path, default=Path(__file__).parent / "results" / "budget.png")
+    ap.add_argument("--no-plot", action="store_true", help="skip the PNG chart")
+    ap.add_argument("--speed", action="store_true",
+                    help="time allocate_rollouts at 10,000 prompts (speed_table)")  # fmt: skip
     args = ap.parse_args()
-    print(table(steps=args.steps, csv_path=args.csv))
-    print(f"csv: {args.csv}")
+    if args.speed:
+        print(speed_table())
+        return
+    plot_path = None if args.no_plot else args.plot
+    print(table(steps=args.steps, csv_path=args.csv, plot_path=plot_path))
+    print(f"csv: {args.csv}" + ("" if plot_path is None else f"\nplot: {plot_path}"))
 
 
 if __name__ == "__main__":

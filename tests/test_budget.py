@@ -125,6 +125,30 @@ def test_matches_reference(integer):
         assert bool(((out == 0) | ((out >= m) & (out <= M))).all())
 
 
+@pytest.mark.parametrize("unit, per_prompt, M", [(True, 1.5, 37), (False, 6.0, 64)],
+                         ids=["unit_cost", "token_cost"])  # fmt: skip
+def test_matches_reference_large(unit, per_prompt, M):
+    """At a size where the fast path's bulk phases run (lockstep generation, rounds of
+    extension against a rising crossing, the crossing bucket split on 12 more bits,
+    the arena): the same allocation as the spec (decayed float counts, no ties)."""
+    P = 1001
+    g = torch.Generator().manual_seed(3 if unit else 4)
+    p = torch.where(torch.rand(P, generator=g) < 0.8, torch.rand(P, generator=g) * 0.04,
+                    torch.rand(P, generator=g)).double()  # fmt: skip
+    p = torch.where(torch.rand(P, generator=g) < 0.5, p, 1 - p)  # late training: mostly settled
+    att = torch.rand(P, generator=g, dtype=torch.float64) * 24  # decayed counts
+    s = att * p
+    cost = None if unit else torch.randint(1, 50, (P,), generator=torch.Generator().manual_seed(1))
+    budget = int(per_prompt * (P if unit else int(cost.sum())))
+    required = torch.rand(P, generator=torch.Generator().manual_seed(2)) < 0.05
+    n, st = alloc(s, att, budget, max_n=M, cost=cost, required=required, return_stats=True)
+    n_ref, v_ref, ub_ref = allocate_rollouts_reference(s, att, budget, max_n=M, cost=cost,
+                                                       required=required)  # fmt: skip
+    assert torch.equal(n, n_ref), int((n != n_ref).sum())
+    assert abs(st.expected - v_ref) <= 1e-9 * v_ref
+    assert abs(st.upper_bound - ub_ref) <= 1e-9 * ub_ref
+
+
 def test_properties_large():
     """Feasibility, the set {0} U [min_n, max_n], required prompts, and monotonicity in
     the budget, at a size where the histogram / extension / heap phases all run."""

@@ -21,9 +21,11 @@
 // Fast path of the greedy (the items are never sorted): chains are generated
 // lazily to the uniform depth, item costs are histogrammed on the top 16 bits
 // of their ratio's IEEE pattern (monotone for positive doubles), the bucket
-// where the cumulative cost crosses the budget is the only one sorted, chains
-// still above it are extended once, and what follows the first item that does
-// not fit runs on a heap of the chains' next items.
+// where the cumulative cost crosses the budget is the only one split further
+// (12 more bits) and sorted, chains still above it are extended a few items at
+// a time until none is, and what follows the first item that does not fit runs
+// on a heap of the chains' next items. Chain storage is compact and lazy
+// (struct Chains).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -49,65 +51,140 @@ inline uint32_t bucket(double ratio) {
   return static_cast<uint32_t>(bits >> 48);
 }
 
+// Chain storage, compact and lazy: prompt i's generated ratios lie at
+// buf[off[i] .. off[i] + filled[i]) with room for cap[i]. Every chain starts in a
+// dense [P, depth] base (depth: the uniform allocation's items, often 1-15);
+// a chain extended past its room moves to the arena after it with double the
+// room (at most K). A [P, K] layout (K = max_n - min_n + 1) would spread each
+// pass over P x K doubles (5 MB at 10,000 x 64) for chains that mostly stop
+// after one or two items.
 struct Chains {
   int64_t P, K, m, M;
   const double* a;
   const double* b;
   const int64_t* c;
-  std::vector<double>& ratio;  // [P, K]: item k of prompt i at i * K + k (filled lazily)
+  std::vector<double>& buf;  // base then arena; buf.size() is capacity, `used` the end
+  int64_t used;
+  std::vector<int64_t>& off;
+  std::vector<int32_t>& cap;
   std::vector<int32_t>& filled;  // items generated per prompt
   std::vector<double>& ep;  // E[p^n], E[(1-p)^n] at the chain's next n
   std::vector<double>& eq;
 
-  // Item 0: the block 0 -> m, its gain summed from the increments D(1..m-1)
-  // (positive terms: no cancellation in 1 - E[p^m] - E[q^m] for confident
-  // posteriors). Leaves ep / eq at n = m.
-  void block(int64_t i) {
-    const double ai = a[i], bi = b[i], s = ai + bi;
-    double p = ai / s, q = bi / s, g = 0.0;  // E[p^1], E[q^1]
-    for (int64_t n = 1; n < m; ++n) {
-      const double t = 1.0 / (s + n);
-      g += (p * bi + q * ai) * t;
-      p *= (ai + n) * t;
-      q *= (bi + n) * t;
+  double r(int64_t i, int64_t k) const { return buf[off[i] + k]; }
+  const double* row(int64_t i) const { return buf.data() + off[i]; }
+
+  // Move chain i to the arena's end with room for at least `need` items.
+  void grow(int64_t i, int64_t need) {
+    const int64_t room = std::min<int64_t>(K, std::max<int64_t>(need, 2 * int64_t{cap[i]}));
+    if (used + room > static_cast<int64_t>(buf.size())) {
+      buf.resize(std::max<size_t>(2 * buf.size(), static_cast<size_t>(used + room)));
     }
-    ratio[i * K] = g / static_cast<double>(m * c[i]);
-    ep[i] = p;
-    eq[i] = q;
-    filled[i] = 1;
+    std::copy_n(buf.data() + off[i], filled[i], buf.data() + used);
+    off[i] = used;
+    cap[i] = static_cast<int32_t>(room);
+    used += room;
   }
 
-  // Generate prompt i's items up to (excluding) index `upto`, or while their
-  // bucket is >= `floor_key` when upto < 0.
-  void extend(int64_t i, int64_t upto, uint32_t floor_key = 0) {
-    int64_t k = filled[i];
-    if (k >= K) return;
-    const double ai = a[i], bi = b[i], s = ai + bi, inv_c = 1.0 / static_cast<double>(c[i]);
-    double p = ep[i], q = eq[i];
-    double* row = ratio.data() + i * K;
-    double prev = row[k - 1];
-    const int64_t stop = upto < 0 ? K : std::min(upto, K);
-    for (; k < stop; ++k) {
-      const double n = static_cast<double>(m + k - 1);
-      const double t = 1.0 / (s + n);
-      double r = (p * bi + q * ai) * t * inv_c;
-      r = std::min(r, prev);
-      row[k] = prev = r;
-      p *= (ai + n) * t;
-      q *= (bi + n) * t;
-      if (upto < 0 && bucket(r) < floor_key) {
-        ++k;
-        break;
+  // Chains i0 .. i0 + L - 1 from nothing to `depth` items (<= their room), in
+  // lockstep (the L independent multiply chains overlap). Item 0 is the block
+  // 0 -> m, its gain summed from the increments D(1..m-1) (positive terms: no
+  // cancellation in 1 - E[p^m] - E[q^m] for confident posteriors); then the
+  // increments as more() computes them.
+  template <int L>
+  void base(int64_t i0, int64_t depth) {
+    double ai[L], bi[L], s[L], p[L], q[L], g[L], inv_c[L], prev[L];
+    double* rw[L];
+    for (int j = 0; j < L; ++j) {
+      ai[j] = a[i0 + j];
+      bi[j] = b[i0 + j];
+      s[j] = ai[j] + bi[j];
+      p[j] = ai[j] / s[j];
+      q[j] = bi[j] / s[j];
+      g[j] = 0.0;
+      inv_c[j] = 1.0 / static_cast<double>(c[i0 + j]);
+      rw[j] = buf.data() + off[i0 + j];
+    }
+    for (int64_t n = 1; n < m; ++n) {
+      for (int j = 0; j < L; ++j) {
+        const double t = 1.0 / (s[j] + n);
+        g[j] += (p[j] * bi[j] + q[j] * ai[j]) * t;
+        p[j] *= (ai[j] + n) * t;
+        q[j] *= (bi[j] + n) * t;
       }
     }
-    ep[i] = p;
-    eq[i] = q;
-    filled[i] = static_cast<int32_t>(k);
+    for (int j = 0; j < L; ++j) rw[j][0] = prev[j] = g[j] / static_cast<double>(m * c[i0 + j]);
+    for (int64_t k = 1; k < depth; ++k) {
+      const double n = static_cast<double>(m + k - 1);
+      for (int j = 0; j < L; ++j) {
+        const double t = 1.0 / (s[j] + n);
+        const double r = std::min((p[j] * bi[j] + q[j] * ai[j]) * t * inv_c[j], prev[j]);
+        rw[j][k] = prev[j] = r;
+        p[j] *= (ai[j] + n) * t;
+        q[j] *= (bi[j] + n) * t;
+      }
+    }
+    for (int j = 0; j < L; ++j) {
+      ep[i0 + j] = p[j];
+      eq[i0 + j] = q[j];
+      filled[i0 + j] = static_cast<int32_t>(depth);
+    }
+  }
+
+  // Up to `e` more items (at most to K) for each of the L chains idx[0..L), in
+  // lockstep like base(); no stopping test inside (the caller checks the last
+  // item and calls again).
+  template <int L>
+  void more(const int64_t* idx, int64_t e) {
+    int64_t k0[L], cnt[L];
+    for (int j = 0; j < L; ++j) {
+      const int64_t i = idx[j];
+      k0[j] = filled[i];
+      cnt[j] = std::min(e, K - k0[j]);
+      if (k0[j] + cnt[j] > cap[i]) grow(i, k0[j] + cnt[j]);
+    }
+    double ai[L], bi[L], s[L], p[L], q[L], inv_c[L], prev[L];
+    double* rw[L];
+    for (int j = 0; j < L; ++j) {  // after every grow: the arena may have moved
+      const int64_t i = idx[j];
+      ai[j] = a[i];
+      bi[j] = b[i];
+      s[j] = ai[j] + bi[j];
+      p[j] = ep[i];
+      q[j] = eq[i];
+      inv_c[j] = 1.0 / static_cast<double>(c[i]);
+      rw[j] = buf.data() + off[i];
+      prev[j] = rw[j][k0[j] - 1];
+    }
+    for (int64_t t = 0; t < e; ++t) {
+      for (int j = 0; j < L; ++j) {
+        if (t >= cnt[j]) continue;
+        const int64_t k = k0[j] + t;
+        const double n = static_cast<double>(m + k - 1);
+        const double tt = 1.0 / (s[j] + n);
+        const double r = std::min((p[j] * bi[j] + q[j] * ai[j]) * tt * inv_c[j], prev[j]);
+        rw[j][k] = prev[j] = r;
+        p[j] *= (ai[j] + n) * tt;
+        q[j] *= (bi[j] + n) * tt;
+      }
+    }
+    for (int j = 0; j < L; ++j) {
+      const int64_t i = idx[j];
+      ep[i] = p[j];
+      eq[i] = q[j];
+      filled[i] = static_cast<int32_t>(k0[j] + cnt[j]);
+    }
+  }
+
+  // Generate prompt i's items up to (excluding) index `upto` (at most K).
+  void extend(int64_t i, int64_t upto) {
+    const int64_t stop = std::min(upto, K);
+    if (filled[i] < stop) more<1>(&i, stop - filled[i]);
   }
 
   int64_t item_cost(int64_t i, int64_t k) const { return k == 0 ? m * c[i] : c[i]; }
   double item_gain(int64_t i, int64_t k) const {
-    return ratio[i * K + k] * static_cast<double>(item_cost(i, k));
+    return r(i, k) * static_cast<double>(item_cost(i, k));
   }
 };
 
@@ -155,14 +232,19 @@ std::tuple<double, double, int64_t> allocate_rollouts_cpu(COMPASS_ALLOCATE_ROLLO
   int64_t* n_out = out.ptr<int64_t>();
   const int64_t m = min_n, M = max_n, K = M - m + 1;
 
-  static thread_local std::vector<double> a, b, ratio, ep, eq;
-  static thread_local std::vector<int32_t> filled;
+  // Scratch kept across calls; thread-locals are bound to references once (in
+  // a shared object each access to one is a call to __tls_get_addr).
+  static thread_local std::vector<double> a_tls, b_tls, buf_tls, ep_tls, eq_tls;
+  static thread_local std::vector<int32_t> filled_tls, cap_tls, taken_tls;
+  static thread_local std::vector<int64_t> off_tls;
+  auto &a = a_tls, &b = b_tls, &buf = buf_tls, &ep = ep_tls, &eq = eq_tls;
+  auto &filled = filled_tls, &cap = cap_tls, &taken = taken_tls;
+  auto& off = off_tls;
   a.resize(P);
   b.resize(P);
   ep.resize(P);
   eq.resize(P);
   filled.assign(P, 0);
-  if (static_cast<int64_t>(ratio.size()) < P * K) ratio.resize(P * K);
   int64_t forced_cost = 0, total_c = 0;
   for (int64_t i = 0; i < P; ++i) {
     const double si = s[i], ni = n_att[i];
@@ -181,85 +263,217 @@ std::tuple<double, double, int64_t> allocate_rollouts_cpu(COMPASS_ALLOCATE_ROLLO
   }
   COMPASS_CHECK(forced_cost <= budget, "budget: ", budget, " is below what min_n = ", m,
                 " needs for the prompts that must be sampled (", forced_cost, ")");
-  Chains ch{P, K, m, M, a.data(), b.data(), c, ratio, filled, ep, eq};
 
-  // Uniform depth: enough items that the chains, if all taken, cost >= budget.
+  // Uniform depth plus one: enough items that the chains, if all taken, cost
+  // more than the budget (then a crossing bucket exists; otherwise the chains
+  // are deepened by doubling below).
   const int64_t uniform_n = total_c > 0 ? (budget + total_c - 1) / total_c : 0;
-  const int64_t depth = std::clamp<int64_t>(uniform_n - m + 1, 1, K);
-  for (int64_t i = 0; i < P; ++i) {
-    ch.block(i);
-    ch.extend(i, depth);
-  }
+  const int64_t depth = std::clamp<int64_t>(uniform_n - m + 2, 1, K);
+  // Base rows have slack past the depth (most chains the crossing extends
+  // end a few items later); the arena starts with room for a quarter of the
+  // chains to double once and grows if needed.
+  const int64_t stride = std::min<int64_t>(K, depth + std::max<int64_t>(4, depth / 2));
+  off.resize(P);
+  cap.assign(P, static_cast<int32_t>(stride));
+  for (int64_t i = 0; i < P; ++i) off[i] = i * stride;
+  const size_t want = static_cast<size_t>(P * stride + P / 4 * std::min<int64_t>(2 * stride, K));
+  if (buf.size() < want) buf.resize(want);
+  Chains ch{P, K, m, M, a.data(), b.data(), c, buf, P * stride, off, cap, filled, ep, eq};
 
   // Histogram of the candidate items' costs by ratio bucket (forced blocks are
   // taken up front and not candidates).
   const int64_t free_budget = budget - forced_cost;
-  static thread_local std::vector<int64_t> hist;
-  hist.assign(kBuckets, 0);
+  // The histogram stays zero between calls but for [hlo, hhi], the keys the
+  // last call touched (cleared here, so a call that threw leaves no residue).
+  static thread_local std::vector<int64_t> hist_tls(kBuckets, 0);
+  static thread_local uint32_t hlo_tls = kBuckets, hhi_tls = 0;
+  int64_t* hist = hist_tls.data();
+  if (hlo_tls <= hhi_tls) std::fill(hist + hlo_tls, hist + hhi_tls + 1, int64_t{0});
+  uint32_t hlo = kBuckets, hhi = 0;
+  hlo_tls = 0;  // until the range is known, a throw leaves all of it to clear
+  hhi_tls = kBuckets - 1;
+  // A chain's keys never increase: runs of one key are summed before the
+  // histogram is touched (no store-to-load chain on one bucket), its first
+  // key bounds hhi and its last hlo.
   auto add_items = [&](int64_t i, int64_t from) {
-    const double* row = ratio.data() + i * K;
-    for (int64_t k = from; k < filled[i]; ++k) {
-      if (k == 0 && req[i]) continue;
-      if (!(row[k] > 0)) break;
-      hist[bucket(row[k])] += ch.item_cost(i, k);
+    const double* row = ch.row(i);
+    const int64_t f = filled[i], ci = c[i];
+    int64_t k = from;
+    if (k == 0 && req[i]) ++k;
+    if (k >= f || !(row[k] > 0)) return;
+    uint32_t cur = bucket(row[k]);
+    hhi = std::max(hhi, cur);
+    int64_t acc = 0;
+    for (; k < f && row[k] > 0; ++k) {
+      const uint32_t key = bucket(row[k]);
+      if (key != cur) {
+        hist[cur] += acc;
+        cur = key;
+        acc = 0;
+      }
+      acc += k == 0 ? m * ci : ci;
     }
+    hist[cur] += acc;
+    hlo = std::min(hlo, cur);
   };
-  for (int64_t i = 0; i < P; ++i) add_items(i, 0);
+  {  // generated in lockstep groups and histogrammed while in L1
+    int64_t i = 0;
+    for (; i + 4 <= P; i += 4) {
+      ch.base<4>(i, depth);
+      for (int j = 0; j < 4; ++j) add_items(i + j, 0);
+    }
+    for (; i < P; ++i) {
+      ch.base<1>(i, depth);
+      add_items(i, 0);
+    }
+  }
   // Crossing bucket: the highest key where the cost of items at or above it
   // exceeds the free budget; -1 when everything generated fits.
   auto crossing = [&]() -> int64_t {
     int64_t cum = 0;
-    for (int64_t key = kBuckets - 1; key > 0; --key) {
+    for (int64_t key = hhi; key > 0 && key >= static_cast<int64_t>(hlo); --key) {
       cum += hist[key];
       if (cum > free_budget) return key;
     }
     return -1;
   };
   int64_t cross = crossing();
-  // Chains whose generated items all lie at or above the crossing may have
-  // more items there: extend them below it (to the end when nothing crossed).
-  // The crossing can only rise, and every chain then ends below the old one:
-  // one round suffices.
-  bool grew = false;
-  for (int64_t i = 0; i < P; ++i) {
-    const int64_t k = filled[i];
-    if (k >= K || !(ratio[i * K + k - 1] > 0)) continue;
-    if (cross >= 0 && bucket(ratio[i * K + k - 1]) < static_cast<uint32_t>(cross)) continue;
-    ch.extend(i, -1, cross >= 0 ? static_cast<uint32_t>(cross) : 0);
-    add_items(i, k);
-    grew = true;
+  // Nothing crossed: the generated items all fit. Deepen the chains that have
+  // more (doubling) until the budget is crossed or every chain is complete.
+  for (int64_t d = depth; cross < 0 && d < K;) {
+    d = std::min(K, 2 * d);
+    bool more = false;
+    for (int64_t i = 0; i < P; ++i) {
+      const int64_t k = filled[i];
+      if (k >= K || !(ch.r(i, k - 1) > 0)) continue;
+      ch.extend(i, d);
+      add_items(i, k);
+      more = true;
+    }
+    if (!more) break;
+    cross = crossing();
   }
-  if (grew) cross = crossing();
+  // Chains whose generated items all lie at or above the crossing may have
+  // more items there (nothing crossed here means every chain is complete).
+  // They are extended
+  // kMore items at a time, four in lockstep, the crossing recomputed after each
+  // round (it rises as items are added), until no chain's last item is at or
+  // above it: then every item at or above the crossing is generated and the
+  // crossing is exact. Extending to the first crossing instead would generate
+  // items far below the final one (the first is low: the chains were cut).
+  constexpr int64_t kMore = 4;
+  static thread_local std::vector<int64_t> todo_tls, from_tls;
+  auto &todo = todo_tls, &from = from_tls;
+  auto above = [&](int64_t i) {
+    const int64_t k = filled[i];
+    return cross >= 0 && k < K && ch.r(i, k - 1) > 0 &&
+           bucket(ch.r(i, k - 1)) >= static_cast<uint32_t>(cross);
+  };
+  todo.clear();
+  for (int64_t i = 0; i < P; ++i) {
+    if (above(i)) todo.push_back(i);
+  }
+  while (!todo.empty()) {
+    from.resize(todo.size());
+    for (size_t x = 0; x < todo.size(); ++x) from[x] = filled[todo[x]];
+    size_t x = 0;
+    for (; x + 4 <= todo.size(); x += 4) ch.more<4>(todo.data() + x, kMore);
+    for (; x < todo.size(); ++x) ch.more<1>(todo.data() + x, kMore);
+    for (size_t y = 0; y < todo.size(); ++y) add_items(todo[y], from[y]);
+    cross = crossing();  // rises: fewer chains are still above it
+    size_t kept = 0;
+    for (size_t y = 0; y < todo.size(); ++y) {
+      if (above(todo[y])) todo[kept++] = todo[y];
+    }
+    todo.resize(kept);
+  }
+  hlo_tls = hlo;  // the keys this call touched
+  hhi_tls = hhi;
 
   // Prefix: items above the crossing bucket are all taken (by monotonicity
   // each prompt's are a prefix of its chain); the crossing bucket's items in
   // greedy order until the first that does not fit (the critical item).
-  std::vector<int32_t> taken(P, 0);  // items of the chain taken (forced block included)
+  taken.assign(P, 0);  // items of the chain taken (forced block included)
   int64_t spent = forced_cost;
   double value = 0.0;
-  static thread_local std::vector<std::tuple<double, int64_t, int64_t>> mid;
+  static thread_local std::vector<std::tuple<double, int64_t, int64_t>> mid_tls;
+  auto& mid = mid_tls;
   mid.clear();
+  // Ratios >= thr lie above the crossing bucket (bucket(r) > cross); each
+  // chain's taken prefix is found by comparisons alone, its gain summed with
+  // four accumulators (one serial add per item would bound this pass).
+  double thr = std::numeric_limits<double>::denorm_min();
+  if (cross >= 0) {
+    const uint64_t bits = static_cast<uint64_t>(cross + 1) << 48;
+    std::memcpy(&thr, &bits, sizeof thr);
+  }
   for (int64_t i = 0; i < P; ++i) {
-    const double* row = ratio.data() + i * K;
-    int64_t k = 0;
-    if (req[i]) {
-      value += row[0] * static_cast<double>(m * c[i]);
-      k = 1;
-    }
-    for (; k < filled[i] && row[k] > 0; ++k) {
-      const uint32_t key = bucket(row[k]);
-      if (cross >= 0 && key <= static_cast<uint32_t>(cross)) {
-        if (key == static_cast<uint32_t>(cross)) {
-          for (int64_t j = k; j < filled[i] && bucket(row[j]) == key; ++j) {
-            mid.emplace_back(-row[j], i, j);
-          }
-        }
-        break;
+    const double* row = ch.row(i);
+    const int64_t f = filled[i], ci = c[i];
+    const int64_t k0 = req[i] ? 1 : 0;
+    if (req[i]) value += row[0] * static_cast<double>(m * ci);
+    int64_t k = k0;
+    while (k < f && row[k] >= thr) ++k;
+    if (k > k0) {
+      const int64_t lo = std::max<int64_t>(k0, 1);
+      double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;
+      int64_t j = lo;
+      for (; j + 4 <= k; j += 4) {
+        s0 += row[j];
+        s1 += row[j + 1];
+        s2 += row[j + 2];
+        s3 += row[j + 3];
       }
-      spent += ch.item_cost(i, k);
-      value += ch.item_gain(i, k);
+      for (; j < k; ++j) s0 += row[j];
+      double gain = ((s0 + s1) + (s2 + s3)) * static_cast<double>(ci);
+      int64_t cost = (k - lo) * ci;
+      if (k0 == 0) {
+        gain += row[0] * static_cast<double>(m * ci);
+        cost += m * ci;
+      }
+      value += gain;
+      spent += cost;
+    }
+    if (cross >= 0 && k < f && row[k] > 0 && bucket(row[k]) == static_cast<uint32_t>(cross)) {
+      for (int64_t j = k; j < f && bucket(row[j]) == static_cast<uint32_t>(cross); ++j) {
+        mid.emplace_back(-row[j], i, j);
+      }
     }
     taken[i] = static_cast<int32_t>(k);
+  }
+  // The crossing bucket's items: a second histogram on the next 12 bits of the
+  // ratio; the items above its crossing all fit (taken), only the sub-bucket
+  // where the budget runs out is sorted (the critical item lies in it).
+  constexpr int kSubBits = 12;
+  auto sub_key = [](double r) -> uint32_t {
+    uint64_t bits;
+    std::memcpy(&bits, &r, sizeof bits);
+    return static_cast<uint32_t>(bits >> (48 - kSubBits)) & ((1u << kSubBits) - 1);
+  };
+  if (mid.size() > 64) {
+    int64_t sub[1 << kSubBits] = {};
+    for (const auto& [neg_r, i, k] : mid) sub[sub_key(-neg_r)] += ch.item_cost(i, k);
+    int64_t cum = 0, sub_cross = -1;
+    for (int64_t key = (1 << kSubBits) - 1; key >= 0; --key) {
+      cum += sub[key];
+      if (spent + cum > budget) {
+        sub_cross = key;
+        break;
+      }
+    }
+    size_t kept = 0;
+    for (size_t x = 0; x < mid.size(); ++x) {
+      const auto [neg_r, i, k] = mid[x];
+      const int64_t key = sub_key(-neg_r);
+      if (key > sub_cross) {  // above the sub-crossing: fits in any order
+        spent += ch.item_cost(i, k);
+        value += ch.item_gain(i, k);
+        taken[i] = std::max(taken[i], static_cast<int32_t>(k + 1));
+      } else if (key == sub_cross) {
+        mid[kept++] = mid[x];
+      }
+    }
+    mid.resize(kept);
   }
   std::sort(mid.begin(), mid.end());
   double upper = value;
@@ -286,10 +500,10 @@ std::tuple<double, double, int64_t> allocate_rollouts_cpu(COMPASS_ALLOCATE_ROLLO
     std::vector<HeapItem> heap;
     for (int64_t i = 0; i < P; ++i) {
       const int64_t k = taken[i];
-      if (k >= K) continue;
+      if (k >= K || spent + ch.item_cost(i, k) > budget) continue;
       if (k == filled[i]) ch.extend(i, k + 1);
-      const double r = ratio[i * K + k];
-      if (!(r > 0) || spent + ch.item_cost(i, k) > budget) continue;
+      const double r = ch.r(i, k);
+      if (!(r > 0)) continue;
       heap.push_back({r, i});
       c_min = std::min(c_min, c[i]);
     }
@@ -306,7 +520,7 @@ std::tuple<double, double, int64_t> allocate_rollouts_cpu(COMPASS_ALLOCATE_ROLLO
       taken[i] = static_cast<int32_t>(k + 1);
       if (k + 1 < K) {
         if (k + 1 == filled[i]) ch.extend(i, k + 2);
-        const double r = ratio[i * K + k + 1];
+        const double r = ch.r(i, k + 1);
         if (r > 0) {
           heap.push_back({r, i});
           std::push_heap(heap.begin(), heap.end(), GreedyLess{});
@@ -326,12 +540,12 @@ std::tuple<double, double, int64_t> allocate_rollouts_cpu(COMPASS_ALLOCATE_ROLLO
     const int64_t left = budget - spent;
     int64_t max_need = 0;
     for (int64_t i = 0; i < P; ++i) {
-      if (taken[i] == 0 && ratio[i * K] > 0) max_need = std::max(max_need, m * c[i] - left);
+      if (taken[i] == 0 && ch.r(i, 0) > 0) max_need = std::max(max_need, m * c[i] - left);
     }
     if (max_need <= 0) break;
     rm.clear();
     for (int64_t i = 0; i < P; ++i) {
-      if (taken[i] > 1) rm.push_back({ratio[i * K + taken[i] - 1], i});
+      if (taken[i] > 1) rm.push_back({ch.r(i, taken[i] - 1), i});
     }
     std::make_heap(rm.begin(), rm.end(), RemovalLess{});
     seq_prompt.clear();
@@ -347,19 +561,19 @@ std::tuple<double, double, int64_t> allocate_rollouts_cpu(COMPASS_ALLOCATE_ROLLO
       seq_freed.push_back(seq_freed.back() + c[i]);
       seq_loss.push_back(seq_loss.back() + top.ratio * static_cast<double>(c[i]));
       if (--left_items[i] > 1) {
-        rm.push_back({ratio[i * K + left_items[i] - 1], i});
+        rm.push_back({ch.r(i, left_items[i] - 1), i});
         std::push_heap(rm.begin(), rm.end(), RemovalLess{});
       }
     }
     double best_net = 0.0;
     int64_t best_j = -1, best_k = 0;
     for (int64_t j = 0; j < P; ++j) {
-      if (taken[j] != 0 || !(ratio[j * K] > 0)) continue;
+      if (taken[j] != 0 || !(ch.r(j, 0) > 0)) continue;
       const int64_t need = m * c[j] - left;
       const auto it = std::lower_bound(seq_freed.begin(), seq_freed.end(), need);
       if (it == seq_freed.end()) continue;
       const int64_t kk = it - seq_freed.begin();
-      const double net = ratio[j * K] * static_cast<double>(m * c[j]) - seq_loss[kk];
+      const double net = ch.r(j, 0) * static_cast<double>(m * c[j]) - seq_loss[kk];
       if (net > best_net && net > kMinGain) {
         best_net = net;
         best_j = j;
