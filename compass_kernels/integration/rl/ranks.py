@@ -585,11 +585,12 @@ class RankTrainer:
         out, self._routes = list(getattr(self, "_routes", [])), []
         return out
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        """This rank's owned part of the full model (Megatron names, TP-gathered)."""
+    def weights(self, part: str | int | None = None) -> dict[str, torch.Tensor]:
+        """This rank's owned share of the full model (Megatron names, TP-gathered),
+        or of one ``part`` of it ("embedding", a decoder layer number, "final")."""
         from compass_kernels.integration.megatron_parallel import gathered_megatron_params
 
-        return gathered_megatron_params(self.model)
+        return gathered_megatron_params(self.model, part)
 
 
 def float_keys(x: torch.Tensor) -> torch.Tensor:
@@ -1023,6 +1024,34 @@ class RankedTrainer:
         in_flight})."""
         return self._command("recorded_routes", [() for _ in self._procs])
 
+    def hf_parts(self):
+        """The trained weights under HF names, one part at a time (embedding, each
+        decoder layer, final norm / head; ``megatron_convert.megatron_parts``):
+        yields (part, {HF name: tensor}), gathering each part from the ranks that
+        own it only when asked, so the driver holds one part at a time.
+        :attr:`last_sync` then has ``parts``, ``peak_part_bytes`` (the largest part's
+        HF bytes) and ``total_bytes``."""
+        from compass_kernels.integration.megatron_convert import (
+            megatron_part_to_hf,
+            megatron_parts,
+        )
+
+        self.last_sync = {"parts": 0, "peak_part_bytes": 0, "total_bytes": 0}
+        for part in megatron_parts(self.hf_config):
+            got: dict[str, torch.Tensor] = {}
+            for share in self._command("weights", [(part,) for _ in self._procs]):
+                for k, v in share.items():
+                    if k in got:
+                        raise RankError(f"two ranks own {k}")
+                    got[k] = v
+            hf = megatron_part_to_hf(got, self.hf_config, part)
+            del got
+            n = sum(t.numel() * t.element_size() for t in hf.values())
+            self.last_sync["parts"] += 1
+            self.last_sync["total_bytes"] += n
+            self.last_sync["peak_part_bytes"] = max(self.last_sync["peak_part_bytes"], n)
+            yield part, hf
+
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The trained weights under HF names, gathered from the ranks."""
         from compass_kernels.integration.megatron_convert import megatron_to_hf
@@ -1124,3 +1153,11 @@ class LoopTrainer:
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         return self.ranked.hf_state_dict()
+
+    def hf_parts(self):
+        """See :meth:`RankedTrainer.hf_parts` (the loop's layer-by-layer sync)."""
+        return self.ranked.hf_parts()
+
+    @property
+    def last_sync(self) -> dict:
+        return self.ranked.last_sync
