@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> None:
                   targets=zeros, mask=mask, infer_logprobs=torch.zeros(T),
                   seq_index=torch.arange(T) // s, trace=trace)  # fmt: skip
     print(f"DeepSeek-V3-shaped trace: {n} x {s} tokens, 58 MoE layers x top-8 (uint8)")
-    print(f"{'layout':30}{'ranks':>6}{'full MB':>10}{'max rank MB':>13}{'ratio':>8}")
+    print(f"{'layout':30}{'ranks':>6}{'full MB':>10}{'max rank MB':>13}{'ratio':>8}"
+          f"{'kept MB':>9}{'fwd reply KB':>14}{'kept reply KB':>15}")  # fmt: skip
     for name, lay in LAYOUTS.items():
         plan = ck.packing.plan(lengths, dp_size=lay.dp, max_tokens=4 * s)
         data = StepData(batch, plan, torch.zeros(T), torch.zeros(T), torch.zeros(T))
@@ -78,8 +79,20 @@ def main(argv: list[str] | None = None) -> None:
         shares = make_shares(data, lay, infos, stage, what="train")
         sent = share_bytes(shares)
         full = full_broadcast_bytes(data, "train")
+        # old log-probs / entropy kept on the ranks (forward(keep=), train(use_kept=))
+        kept = StepData(batch, plan, None, None, torch.zeros(T))
+        sent_kept = share_bytes(make_shares(kept, lay, infos, stage, what="train"))
+        # what a last-stage rank sends back from the no-grad pass: every token's
+        # log-prob and entropy (float32), or the sums (5 numbers per micro-batch) and
+        # per-sequence entropy max / min (2 float64) of the kept forward
+        reply = [sum(8 * mb.targets.numel() for mb in mbs) if i.last_stage and i.tp == 0
+                 else 0 for i, mbs in zip(infos, shares, strict=True)]  # fmt: skip
+        reply_kept = [sum(40 + 16 * mb.lengths.numel() for mb in mbs)
+                      if i.last_stage and i.tp == 0 else 0
+                      for i, mbs in zip(infos, shares, strict=True)]  # fmt: skip
         print(f"{name:30}{lay.world_size:>6}{full / 1e6:>10.1f}{max(sent) / 1e6:>13.2f}"
-              f"{full / max(sent):>8.1f}")  # fmt: skip
+              f"{full / max(sent):>8.1f}{max(sent_kept) / 1e6:>9.2f}"
+              f"{max(reply) / 1e3:>14.1f}{max(reply_kept) / 1e3:>15.2f}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -46,6 +46,8 @@ __all__ = [
     "hf_to_megatron",
     "load_hf_state_dict",
     "megatron_config_from_hf",
+    "megatron_part_to_hf",
+    "megatron_parts",
     "megatron_to_hf",
 ]
 
@@ -414,42 +416,80 @@ def megatron_to_hf(
         HF names to tensors (views of the inputs where possible).
     """
     take = _Reader(mcore_state_dict, "mcore_state_dict")
+    out: dict[str, torch.Tensor] = {}
+    for part in megatron_parts(hf_config):
+        out.update(_to_hf_part(take, hf_config, part, fused_experts))
+    take.check_consumed()
+    return out
+
+
+def megatron_parts(hf_config: Any) -> list[str | int]:
+    """The parts :func:`megatron_part_to_hf` converts, in model order:
+    "embedding", each decoder layer number (0-based int), "final" (final norm and,
+    untied, the output layer). Their union is the whole model."""
+    return ["embedding", *range(int(hf_config.num_hidden_layers)), "final"]
+
+
+def megatron_part_to_hf(
+    mcore_state_dict: Mapping[str, torch.Tensor],
+    hf_config: Any,
+    part: str | int,
+    *,
+    fused_experts: bool = False,
+) -> dict[str, torch.Tensor]:
+    """:func:`megatron_to_hf` of one part (see :func:`megatron_parts`):
+    ``mcore_state_dict`` holds exactly that part's megatron-core tensors (full,
+    TP-gathered, full-model names); returns its HF tensors. A layer-by-layer
+    weight sync converts one part at a time (peak extra memory: one layer)."""
+    take = _Reader(mcore_state_dict, "mcore_state_dict")
+    out = _to_hf_part(take, hf_config, part, fused_experts)
+    take.check_consumed()
+    return out
+
+
+def _to_hf_part(take: _Reader, hf_config: Any, part: str | int,
+                fused_experts: bool) -> dict[str, torch.Tensor]:  # fmt: skip
     d = _dims(hf_config)
     h, hd, ng, nh, ne, ffn = (d[k] for k in _DIM_NAMES)
     vocab = int(hf_config.vocab_size)
     out: dict[str, torch.Tensor] = {}
-
-    out["model.embed_tokens.weight"] = take("embedding.word_embeddings.weight", (vocab, h))
+    if part == "embedding":
+        out["model.embed_tokens.weight"] = take("embedding.word_embeddings.weight", (vocab, h))
+        return out
+    if part == "final":
+        out["model.norm.weight"] = take("decoder.final_layernorm.weight", (h,))
+        if not d["tied"]:
+            out["lm_head.weight"] = take("output_layer.weight", (vocab, h))
+        return out
+    if not isinstance(part, int) or not 0 <= part < d["layers"]:
+        raise ValueError(f"part must be 'embedding', 'final' or a layer in [0, {d['layers']}), "
+                         f"got {part!r}")  # fmt: skip
     per_group = nh // ng
     qkv_rows = (per_group + 2) * hd
-    for i in range(d["layers"]):
-        src, dst = _MC_LAYER.format(i=i), _HF_LAYER.format(i=i)
-        for hf_name, mc_name, shape in _layer_renames(d):
-            out[dst + hf_name] = take(src + mc_name, shape)
-        qkv = take(src + "self_attention.linear_qkv.weight", (ng * qkv_rows, h)).reshape(
-            ng, qkv_rows, h
-        )
-        q, k, v = torch.split(qkv, [per_group * hd, hd, hd], dim=1)
-        out[dst + "self_attn.q_proj.weight"] = q.reshape(nh * hd, h).contiguous()
-        out[dst + "self_attn.k_proj.weight"] = k.reshape(ng * hd, h).contiguous()
-        out[dst + "self_attn.v_proj.weight"] = v.reshape(ng * hd, h).contiguous()
-        fc1s, fc2s = [], []
+    i = part
+    src, dst = _MC_LAYER.format(i=i), _HF_LAYER.format(i=i)
+    for hf_name, mc_name, shape in _layer_renames(d):
+        out[dst + hf_name] = take(src + mc_name, shape)
+    qkv = take(src + "self_attention.linear_qkv.weight", (ng * qkv_rows, h)).reshape(
+        ng, qkv_rows, h
+    )
+    q, k, v = torch.split(qkv, [per_group * hd, hd, hd], dim=1)
+    out[dst + "self_attn.q_proj.weight"] = q.reshape(nh * hd, h).contiguous()
+    out[dst + "self_attn.k_proj.weight"] = k.reshape(ng * hd, h).contiguous()
+    out[dst + "self_attn.v_proj.weight"] = v.reshape(ng * hd, h).contiguous()
+    fc1s, fc2s = [], []
+    for e in range(ne):
+        exp_src = src + f"mlp.experts.local_experts.{e}."
+        fc1s.append(take(exp_src + "linear_fc1.weight", (2 * ffn, h)))
+        fc2s.append(take(exp_src + "linear_fc2.weight", (h, ffn)))
+    if fused_experts:
+        out[dst + "mlp.experts.gate_up_proj"] = torch.stack(fc1s)
+        out[dst + "mlp.experts.down_proj"] = torch.stack(fc2s)
+    else:
         for e in range(ne):
-            exp_src = src + f"mlp.experts.local_experts.{e}."
-            fc1s.append(take(exp_src + "linear_fc1.weight", (2 * ffn, h)))
-            fc2s.append(take(exp_src + "linear_fc2.weight", (h, ffn)))
-        if fused_experts:
-            out[dst + "mlp.experts.gate_up_proj"] = torch.stack(fc1s)
-            out[dst + "mlp.experts.down_proj"] = torch.stack(fc2s)
-        else:
-            for e in range(ne):
-                exp_dst = dst + f"mlp.experts.{e}."
-                gate, up = torch.split(fc1s[e], [ffn, ffn], dim=0)
-                out[exp_dst + "gate_proj.weight"] = gate.contiguous()
-                out[exp_dst + "up_proj.weight"] = up.contiguous()
-                out[exp_dst + "down_proj.weight"] = fc2s[e]
-    out["model.norm.weight"] = take("decoder.final_layernorm.weight", (h,))
-    if not d["tied"]:
-        out["lm_head.weight"] = take("output_layer.weight", (vocab, h))
-    take.check_consumed()
+            exp_dst = dst + f"mlp.experts.{e}."
+            gate, up = torch.split(fc1s[e], [ffn, ffn], dim=0)
+            out[exp_dst + "gate_proj.weight"] = gate.contiguous()
+            out[exp_dst + "up_proj.weight"] = up.contiguous()
+            out[exp_dst + "down_proj.weight"] = fc2s[e]
     return out

@@ -316,10 +316,24 @@ def cp_token_positions(positions: torch.Tensor):
                          f"{tuple(positions.shape)}")  # fmt: skip
     prev = getattr(_CP_POSITIONS, "value", None)
     _CP_POSITIONS.value = positions
+    # RotaryEmbedding.forward is lru-cached by (max_seq_len, offset, ...): a cached
+    # result holds another micro-batch's per-token selection (two micro-batches of
+    # one length would share RoPE angles). Cleared on entry and exit.
+    _clear_rope_cache()
     try:
         yield
     finally:
         _CP_POSITIONS.value = prev
+        _clear_rope_cache()
+
+
+def _clear_rope_cache() -> None:
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    clear = getattr(RotaryEmbedding.forward, "cache_clear", None)
+    if clear is None:
+        raise ShimError("RotaryEmbedding.forward is not lru-cached: review cp_token_positions")
+    clear()
 
 
 def _make_rope_cp_rank(original: Callable) -> Callable:

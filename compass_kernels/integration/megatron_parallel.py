@@ -471,18 +471,35 @@ def clip_grads(model: torch.nn.Module, max_norm: float) -> float:
 # ---------------------------------------------------------------------------
 
 
-def gathered_megatron_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def model_part(name: str) -> str | int:
+    """The part (``megatron_convert.megatron_parts``) a full-model Megatron
+    parameter name belongs to: "embedding", a decoder layer number, or "final"."""
+    if name.startswith("embedding."):
+        return "embedding"
+    if name.startswith("decoder.layers."):
+        return int(name.split(".")[2])
+    if name.startswith(("decoder.final_layernorm.", "output_layer.")):
+        return "final"
+    raise ValueError(f"{name!r}: not a GPTModel parameter of a known part")
+
+
+def gathered_megatron_params(model: torch.nn.Module, part: str | int | None = None
+                             ) -> dict[str, torch.Tensor]:  # fmt: skip
     """This rank's share of the full model's Megatron parameters, TP shards
     all-gathered (a collective: every rank of the TP group must call it), under
     full-model names. Only the owner of each parameter returns it (dense: dp
     and cp rank 0, tp rank 0; experts: expert data-parallel rank 0), so the
-    union over ranks is the full state dict, each name once."""
+    union over ranks is the full state dict, each name once. ``part``: only
+    that part's parameters (:func:`model_part`; every rank of a TP group holds the
+    same names, so the gathers stay in step)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     out = {}
     tp_rank0 = ps.get_tensor_model_parallel_rank() == 0
     for name, p in model.named_parameters():
+        if part is not None and model_part(global_name(model, name)) != part:
+            continue
         t = p.detach()
         if bool(getattr(p, "tensor_model_parallel", False)):
             group = _shard_group(p)

@@ -58,7 +58,7 @@ from __future__ import annotations
 import re
 import time
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,6 +72,7 @@ __all__ = [
     "WeightSyncReport",
     "checkpoint_shapes",
     "engine_derived_state",
+    "sync_parts_to_vllm",
     "sync_to_vllm",
 ]
 
@@ -188,25 +189,29 @@ def _validate(
             f"missing {len(missing)} {missing[:5]}, unexpected {len(extra)} {extra[:5]}"
         )
     for name, (shape, _) in expected.items():
-        t = state_dict[name]
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"state_dict[{name!r}] must be a torch.Tensor, got {type(t).__name__}")
-        if tuple(t.shape) != shape:
-            raise ValueError(
-                f"state_dict[{name!r}] has shape {tuple(t.shape)}, the engine expects {shape}"
-            )
-        if not t.is_floating_point():
-            raise ValueError(f"state_dict[{name!r}] must be floating point, got {t.dtype}")
-        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            raise ValueError(
-                f"state_dict[{name!r}] is already {t.dtype}; pass the trainer's bf16 weights "
-                "(fp8=True quantizes them)"
-            )
-        if fp8 and is_block_fp8_weight(name) and t.dtype != torch.bfloat16:
-            raise ValueError(
-                f"state_dict[{name!r}] is {t.dtype}; the FP8 sync quantizes the bf16 weights "
-                "the trainer's forward uses (quantizing the fp32 master gives other FP8 values)"
-            )
+        _check_one(name, state_dict[name], shape, fp8)
+
+
+def _check_one(name: str, t: Any, shape: tuple[int, ...], fp8: bool | str) -> None:
+    """One tensor of the state dict against the checkpoint's ``shape``."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"state_dict[{name!r}] must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != shape:
+        raise ValueError(
+            f"state_dict[{name!r}] has shape {tuple(t.shape)}, the engine expects {shape}"
+        )
+    if not t.is_floating_point():
+        raise ValueError(f"state_dict[{name!r}] must be floating point, got {t.dtype}")
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise ValueError(
+            f"state_dict[{name!r}] is already {t.dtype}; pass the trainer's bf16 weights "
+            "(fp8=True quantizes them)"
+        )
+    if fp8 and is_block_fp8_weight(name) and t.dtype != torch.bfloat16:
+        raise ValueError(
+            f"state_dict[{name!r}] is {t.dtype}; the FP8 sync quantizes the bf16 weights "
+            "the trainer's forward uses (quantizing the fp32 master gives other FP8 values)"
+        )
 
 
 def _dequantized(
@@ -297,6 +302,19 @@ def sync_to_vllm(
         If the engine does not run in this process.
     """
     t0 = time.perf_counter()
+    _check_engine(llm, fp8)
+    expected = checkpoint_shapes(_model_dir(llm))
+    _validate(state_dict, expected, fp8)
+    names = _ordered(state_dict)
+
+    def source() -> Iterator[tuple[str, torch.Tensor]]:
+        for name in names:
+            yield name, state_dict[name]
+
+    return _load_stream(llm, source(), fp8, track_changes, t0)
+
+
+def _check_engine(llm: Any, fp8: bool | str) -> None:
     _check_in_process(llm)
     if fp8 not in (False, True, "dequantized"):
         raise ValueError(f'fp8 must be False, True or "dequantized", got {fp8!r}')
@@ -311,18 +329,69 @@ def sync_to_vllm(
             f"this engine is quantized ({quant!r}); pass fp8=True to quantize the weights "
             "to its layout"
         )
-    expected = checkpoint_shapes(_model_dir(llm))
-    _validate(state_dict, expected, fp8)
 
-    report = WeightSyncReport(fp8=fp8)
-    names = _ordered(state_dict)
-    groups: set[str] = set()
+
+def sync_parts_to_vllm(
+    llm: Any,
+    parts: Iterable[Mapping[str, torch.Tensor]],
+    *,
+    fp8: bool | str = False,
+    track_changes: bool = True,
+) -> WeightSyncReport:
+    """:func:`sync_to_vllm` part by part: ``parts`` yields the HF-named weights of
+    one part of the model at a time (embedding, one decoder layer, final norm /
+    head; e.g. ``RankedTrainer.hf_parts()`` gathering each from the sharded
+    trainer when the engine asks for it), so the extra memory on the trainer side
+    is one part, never the model. ``fp8`` quantizes each part's FP8 weights as it
+    passes (block-wise per layer).
+
+    Each part is checked (names of the checkpoint, each once; shapes; dtypes)
+    before its tensors load; the checks that need the whole model (every name
+    came) run at the end of the stream.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`sync_to_vllm`, for a part, before that part loads.
+    RuntimeError
+        If the stream ended with checkpoint tensors not sent: the engine then
+        holds the new weights for the parts sent and the old ones elsewhere
+        (sync again).
+    """
+    t0 = time.perf_counter()
+    _check_engine(llm, fp8)
+    expected = checkpoint_shapes(_model_dir(llm))
+    if fp8 is True:
+        expected = {k: v for k, v in expected.items() if not k.endswith(".weight_scale_inv")}
+    seen: set[str] = set()
 
     def source() -> Iterator[tuple[str, torch.Tensor]]:
-        for name in names:
-            yield name, state_dict[name]
+        for part in parts:
+            if not isinstance(part, Mapping):
+                raise TypeError(f"parts must yield mappings, got {type(part).__name__}")
+            for name in part:
+                if name not in expected:
+                    raise ValueError(f"{name!r} is not a tensor of the engine's checkpoint")
+                if name in seen:
+                    raise ValueError(f"{name!r} sent twice")
+                _check_one(name, part[name], expected[name][0], fp8)
+            seen.update(part)
+            for name in _ordered(part):
+                yield name, part[name]
+        missing = sorted(set(expected) - seen)
+        if missing:
+            raise RuntimeError(
+                f"the parts ended without {len(missing)} checkpoint tensors {missing[:5]}: the "
+                "engine holds new weights for the parts sent only; sync again"
+            )
 
-    stream: Iterator[tuple[str, torch.Tensor]] = source()
+    return _load_stream(llm, source(), fp8, track_changes, t0)
+
+
+def _load_stream(llm: Any, stream: Iterator[tuple[str, torch.Tensor]], fp8: bool | str,
+                 track_changes: bool, t0: float) -> WeightSyncReport:  # fmt: skip
+    report = WeightSyncReport(fp8=fp8)
+    groups: set[str] = set()
     tracker = None
     if fp8:
         tracker = _FP8_TRACKERS.get(llm)

@@ -18,6 +18,8 @@ than a full broadcast.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 
 import numpy as np
@@ -71,6 +73,12 @@ def test_layout_step_equals_one_process(setup, name):
     got = run_step(path, LAYOUTS[name], batch, adv, old=(ref.logprobs, ref.entropy),
                    max_tokens=64)  # fmt: skip
     d = compare(ref, got)
+    report = os.environ.get("COMPASS_RANKS_REPORT")  # docs/perf/ranks.md's table
+    if report:
+        with open(report, "a") as f:
+            f.write(json.dumps({"layout": name, **d, "bytes_per_rank": got.bytes_per_rank,
+                                "bytes_full": got.bytes_full, "sync": got.sync,
+                                "seconds": got.seconds}) + "\n")  # fmt: skip
     assert d["loss_rel"] < TOL and d["grad_norm_rel"] < TOL, d
     assert d["logprobs_max_abs"] < 1e-4, d
     assert d["weights_rel"] < TOL, d
@@ -84,6 +92,10 @@ def test_layout_step_equals_one_process(setup, name):
         assert got.replay[layer]["replayed_rows"] == st["replayed_rows"]
         assert abs(got.replay[layer]["agreement"] - st["agreement"]) < 1e-9
     assert len(got.bytes_per_rank) == LAYOUTS[name].world_size
+    # the weight sync's layer-by-layer gather: the same tensors, at most one layer at a time
+    assert got.parts_equal
+    assert got.sync["parts"] == 4 + 2  # embedding, 4 layers, final
+    assert got.sync["peak_part_bytes"] < got.sync["total_bytes"] / 3, got.sync
 
 
 def _infos(layout: Layout) -> list[RankInfo]:
@@ -169,3 +181,201 @@ def test_cp_split_is_megatrons_zigzag():
         rows_of = torch.where(src >= 0, src - torch.from_numpy(starts)[seq] + cu[seq], -1)
         has_row = (src >= 0) & (pos < torch.from_numpy(lengths - 1)[seq])
         assert torch.equal(torch.where(has_row, rows_of, -1), want)
+
+
+def _expected_ids(batch, plan, layout: Layout, info, j: int, layer: int):
+    """(ids [rows, k] sorted, has_row [rows] bool): the global trace's rows of
+    micro-batch j of this rank for ``layer``, in the order its router sees its
+    tokens (CP zigzag, then its sequence-parallel piece), computed from the
+    global trace without make_shares."""
+    from compass_kernels.integration.rl.ranks import local_tokens
+
+    idx = plan.micro_batch(info.dp, j).numpy()
+    lens = batch.lengths[idx]
+    src, seq, pos = local_tokens(lens, layout.pad_multiple, layout.cp, info.cp)
+    piece = src.numel() // layout.tp
+    sl = slice(info.tp * piece, (info.tp + 1) * piece)
+    src, seq, pos = src[sl], seq[sl], pos[sl]
+    gseq = torch.from_numpy(idx)[seq]
+    full_len = torch.from_numpy(batch.lengths)[gseq]
+    has_row = (src >= 0) & (pos < full_len - 1)
+    cu = batch.trace.cu_seqlens
+    rows = torch.where(has_row, cu[gseq] + pos, 0)
+    col = [int(x) for x in batch.trace.layer_ids].index(layer)
+    ids = batch.trace.expert_ids[rows, col, :].to(torch.int64).sort(dim=-1).values
+    return ids, has_row
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["pp2", "pp2xcp2", "pp2xtp2"])
+def test_replayed_ids_per_micro_batch_under_1f1b(setup, name):
+    """Under Megatron's 1F1B schedule with several micro-batches in flight, every
+    MoE layer of every stage dispatched, in each micro-batch's forward (no-grad
+    pass and training step), exactly the trace's rows of that micro-batch for its
+    tokens (the ids recorded by a hook on each router, not by the replay)."""
+    if name != "pp2" and not ALL:
+        pytest.skip("set COMPASS_TEST_RANKS=all (make test-ranks) to run every layout")
+    from compass_kernels.integration.rl.ranks import RankedTrainer
+
+    layout = {"pp2": Layout(pp=2), "pp2xcp2": Layout(pp=2, cp=2),
+              "pp2xtp2": Layout(pp=2, tp=2)}[name]  # fmt: skip
+    path, _, batch, adv, ref = setup
+    trainer = RankedTrainer(path, layout, timeout=300)
+    try:
+        data = trainer.plan(batch, max_tokens=40)  # 4+ micro-batches: several in flight
+        nmb = data.plan.num_micro_batches
+        assert nmb >= 3, nmb
+        assert all(n == 2 for n in trainer.record_routes(True))  # 4 MoE layers over 2 stages
+        trainer.forward(data)
+        fwd_routes = trainer.recorded_routes()
+        data.old_logprobs, data.old_entropy, data.advantages = ref.logprobs, ref.entropy, adv
+        trainer.train(data, num_sequences=batch.num_sequences)
+        train_routes = trainer.recorded_routes()
+    finally:
+        trainer.close()
+    for phase, per_rank in (("forward", fwd_routes), ("train", train_routes)):
+        max_flight = 0
+        for info, layers, recs in zip(trainer.infos, trainer.stage_layers, per_rank, strict=True):
+            assert sorted({r["layer"] for r in recs}) == layers, (phase, info)
+            for layer in layers:
+                mine = [r for r in recs if r["layer"] == layer]
+                assert len(mine) == nmb, (phase, info, layer, len(mine))  # one per micro-batch
+                for j, rec in enumerate(mine):  # Megatron forwards micro-batches in order
+                    want, has_row = _expected_ids(batch, data.plan, layout, info, j, layer)
+                    got = rec["ids"].to(torch.int64)
+                    assert got.shape[0] == has_row.numel(), (phase, info, layer, j)
+                    assert has_row.any()
+                    bad = (got[has_row] != want[has_row]).any(-1)
+                    assert not bad.any(), (phase, info.rank, layer, j, int(bad.sum()))
+                    max_flight = max(max_flight, rec["in_flight"])
+        # 1F1B: the first stage forwards micro-batch 1 before micro-batch 0's backward
+        assert max_flight == (2 if phase == "train" else 1), (phase, max_flight)
+
+
+def test_distributed_quantiles_equal_the_gathered_ones():
+    """The radix select over ranks' histograms gives exactly entropy_thresholds'
+    quantiles of the gathered values (ties, -0.0 / +0.0, tiny negatives, one value)."""
+    from compass_kernels.espo.loss import entropy_thresholds
+    from compass_kernels.integration.rl.ranks import distributed_quantiles, float_keys
+
+    g = torch.Generator().manual_seed(0)
+    levels = (0.2, 0.5, 0.8)
+    cases = [torch.rand(997, generator=g) * 5,
+             torch.randint(0, 4, (301,), generator=g).float() / 3,  # many ties
+             torch.tensor([0.0, -0.0, -1e-7, 3.0, 2.5, 2.5]),
+             torch.tensor([1.25])]  # fmt: skip
+    for vals in cases:
+        vals = vals.float()
+        parts = torch.tensor_split(vals, 3)  # three "ranks"
+
+        def hist(prefixes, shift, bits, parts=parts):
+            out = torch.zeros(prefixes.numel(), 1 << bits, dtype=torch.int64)
+            for p in parts:
+                k = float_keys(p)
+                high, low = k >> (shift + bits), (k >> shift) & ((1 << bits) - 1)
+                for i, pre in enumerate(prefixes.tolist()):
+                    out[i] += torch.bincount(low[high == pre], minlength=1 << bits)
+            return out
+
+        got = distributed_quantiles(hist, vals.numel(), levels)
+        cu = torch.tensor([0, vals.numel()])
+        want = entropy_thresholds(vals, cu, levels=levels).reshape(-1)
+        assert torch.equal(got, want), (got, want)
+
+
+def test_padding_micro_batch_share():
+    """Fewer sequences than dp x micro-batches: the planner's refusal becomes a
+    plan with empty micro-batches (or its error with empty="error"), and an empty
+    micro-batch's share is one zero-length sequence: mask all False, every routing
+    row missing as PADDING, on every rank of the layout."""
+    from transformers import AutoConfig
+
+    from compass_kernels.integration.rl.layout_check import synthetic_batch
+    from compass_kernels.integration.rl.ranks import StepData, make_shares, plan_or_pad
+    from compass_kernels.integration.tiny_moe import cached_tiny_qwen3_moe
+    from compass_kernels.routing import MissingReason
+
+    cfg = AutoConfig.from_pretrained(cached_tiny_qwen3_moe(num_hidden_layers=4))
+    batch, adv = synthetic_batch(cfg, num_sequences=3, seed=5, min_len=20, max_len=24)
+    with pytest.raises(ValueError, match="same number|need at least"):
+        plan_or_pad(batch.lengths, 2, 30, empty="error")
+    plan = plan_or_pad(batch.lengths, 2, 30)
+    assert plan.num_micro_batches == 2 and plan.empty_micro_batches == 1
+    got = sorted(int(i) for r in range(2) for j in range(2) for i in plan.micro_batch(r, j))
+    assert got == [0, 1, 2]  # every sequence once
+    layout = Layout(cp=2, tp=2, dp=2)
+    data = StepData(batch, plan, torch.randn(batch.num_tokens), torch.rand(batch.num_tokens), adv)
+    infos = _infos(layout)
+    shares = make_shares(data, layout, infos, [[0, 1, 2, 3]] * len(infos), what="train")
+    empty = [(info, mbs[j]) for info, mbs in zip(infos, shares, strict=True)
+             for j in range(2) if plan.micro_batch(info.dp, j).numel() == 0]  # fmt: skip
+    assert len(empty) == layout.tp * layout.cp  # the ranks of the short DP replica
+    for _, mb in empty:
+        assert mb.lengths.tolist() == [0]
+        n = layout.pad_multiple // layout.cp
+        assert mb.tokens.shape == (n,) and not mb.mask.any() and not mb.advantages.any()
+        tr = mb.trace
+        assert tr.num_tokens == n // layout.tp and bool(tr.missing.all())
+        assert bool((tr.missing_reason == int(MissingReason.PADDING)).all())
+        tr.validate(moe_layer_ids=[0, 1, 2, 3], top_k=tr.top_k, num_experts=tr.num_experts)
+
+
+@pytest.mark.slow
+def test_empty_micro_batch_step_equals_one_process(setup):
+    """ep2 x dp2 with 3 sequences: one DP replica runs a padding micro-batch
+    through the expert all-to-all (which spans both DP ranks, so skipping it
+    would hang); the step equals the one-process step of the same batch."""
+    from compass_kernels.integration.rl.layout_check import compare, run_step, synthetic_batch
+
+    path, cfg, _, _, _ = setup
+    batch, adv = synthetic_batch(cfg, num_sequences=3, seed=5, min_len=20, max_len=24)
+    ref = run_step(path, Layout(), batch, adv, max_tokens=30)
+    got = run_step(path, Layout(ep=2, dp=2), batch, adv, old=(ref.logprobs, ref.entropy),
+                   max_tokens=30)  # fmt: skip
+    d = compare(ref, got)
+    assert d["loss_rel"] < TOL and d["grad_norm_rel"] < TOL and d["weights_rel"] < TOL, d
+    assert d["logprobs_max_abs"] < 1e-4, d
+    for layer, st in ref.replay.items():  # padding rows are not counted
+        assert got.replay[layer]["rows"] == st["rows"]
+
+
+@pytest.mark.slow
+def test_old_policy_stays_on_the_ranks(setup):
+    """forward(keep=...) returns gap sums and per-sequence entropy max / min only;
+    they equal those of the gathered log-probs, and train(use_kept=...) (old
+    log-probs and entropy never leave the ranks; entropy-group boundaries by the
+    distributed select) equals the one-process step."""
+    from compass_kernels.integration.rl.ranks import RankedTrainer
+    from compass_kernels.integration.rl.trainer import gap_stats
+
+    path, _, batch, adv, ref = setup
+    noise = 0.3 * torch.randn(batch.num_tokens, generator=torch.Generator().manual_seed(1))
+    batch = dataclasses.replace(
+        batch, infer_logprobs=torch.where(batch.mask, ref.logprobs + noise, 0.0)
+    )
+    trainer = RankedTrainer(path, Layout(cp=2), timeout=300)
+    try:
+        data = trainer.plan(batch, 64)
+        full = trainer.forward(data)
+        full_bytes = trainer.last_reply_bytes["forward"]
+        lean = trainer.forward(data, keep="old")
+        lean_bytes = trainer.last_reply_bytes["forward"]
+        data.advantages = adv
+        m = trainer.train(data, num_sequences=batch.num_sequences, use_kept="old")
+    finally:
+        trainer.close()
+    mask = batch.mask
+    want = gap_stats(full["logprobs"][mask], batch.infer_logprobs[mask])
+    gap = lean["gap"]
+    assert gap["tokens"] == want.tokens
+    for k in ("mean_abs", "k3", "frac_gt_ln2", "max_abs"):
+        assert gap[k] == pytest.approx(getattr(want, k), rel=1e-9, abs=1e-12), k
+    for i in range(batch.num_sequences):
+        e = full["entropy"][(batch.seq_index == i) & mask].double()
+        assert float(lean["seq_entropy_max"][i]) == float(e.max())
+        assert float(lean["seq_entropy_min"][i]) == float(e.min())
+    # per rank: sums and per-sequence values (O(sequences)), never per-token tensors
+    assert "logprobs" not in lean and "entropy" not in lean
+    assert max(lean_bytes) < min(full_bytes), (lean_bytes, full_bytes)
+    assert abs(m["loss"] - ref.loss) / abs(ref.loss) < TOL, (m["loss"], ref.loss)
+    assert abs(m["grad_norm"] - ref.grad_norm) / ref.grad_norm < TOL

@@ -76,6 +76,8 @@ class StepResult:
     bytes_per_rank: list[int]
     bytes_full: int
     seconds: float
+    parts_equal: bool = False  # hf_parts() (layer by layer) == hf_state_dict(), bitwise
+    sync: dict | None = None  # RankedTrainer.last_sync of that gather
 
 
 def run_step(model_dir: Any, layout: Layout, batch: Any, advantages: torch.Tensor, *,
@@ -97,11 +99,19 @@ def run_step(model_dir: Any, layout: Layout, batch: Any, advantages: torch.Tenso
         m = trainer.train(data, num_sequences=batch.num_sequences)
         sent = trainer.last_bytes["train"]
         weights = trainer.hf_state_dict()
+        # the layer-by-layer gather (the weight sync's): the same tensors, one part a time
+        by_part: dict[str, torch.Tensor] = {}
+        for _, part in trainer.hf_parts():
+            by_part.update(part)
+        parts_equal = set(by_part) == set(weights) and all(
+            torch.equal(by_part[k], v) for k, v in weights.items()
+        )
+        sync = dict(trainer.last_sync)
     finally:
         trainer.close()
     return StepResult(layout, fwd["logprobs"], fwd["entropy"], m["loss"], m["grad_norm"],
                       weights, m["replay"], sent["per_rank"], sent["full"],
-                      time.perf_counter() - t0)  # fmt: skip
+                      time.perf_counter() - t0, parts_equal, sync)  # fmt: skip
 
 
 def compare(a: StepResult, b: StepResult) -> dict[str, float]:

@@ -93,6 +93,7 @@ COLUMNS = (
 #: the trainer's parallel layout (one process per rank) and the bytes of the
 #: step's largest per-rank share against a full broadcast of the batch.
 COLUMNS = COLUMNS + ("world_size", "tp", "pp", "ep", "cp", "dp", "bytes_rank_max", "bytes_full")
+COLUMNS = COLUMNS + ("sync_peak_part_bytes",)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -303,6 +304,52 @@ def engine_weight_check(
         return {n: p.detach().clone() for n, p in model.named_parameters()}
 
     (params,) = llm.collective_rpc(fetch)
+    checked, max_diff = 0, 0.0
+    for name, value in params.items():
+        want = hf_sd.get(name)
+        if want is None:
+            qkv = name.replace("qkv_proj", "{}_proj")
+            parts = [qkv.format(x) for x in "qkv"]
+            if qkv != name and all(p in hf_sd for p in parts):
+                if skip is not None and any(skip(p) for p in parts):
+                    continue
+                want = torch.cat([hf_sd[p] for p in parts])
+        elif skip is not None and skip(name):
+            continue
+        if want is None or tuple(want.shape) != tuple(value.shape):
+            continue
+        diff = (value.double() - want.to(value.dtype).double()).abs().max()
+        max_diff = max(max_diff, float(diff))
+        checked += 1
+    return {"checked": checked, "max_diff": max_diff}
+
+
+def _cast_parts(trainer: Any, dtype: torch.dtype):
+    """The trainer's HF weights part by part (``trainer.hf_parts()``), cast to ``dtype``."""
+    for _, part in trainer.hf_parts():
+        yield {k: v.to(dtype) for k, v in part.items()}
+
+
+def engine_weight_check_parts(llm: Any, parts: Any, *, skip: Any = None) -> dict[str, float]:
+    """:func:`engine_weight_check` against the trainer's weights given part by part
+    (each part's HF tensors: one layer at a time on the trainer side)."""
+
+    def fetch(worker: Any) -> dict[str, torch.Tensor]:
+        model = worker.model_runner.get_model()
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    (params,) = llm.collective_rpc(fetch)
+    checked, max_diff = 0, 0.0
+    for part in parts:
+        got = _compare_params(params, part, skip)
+        checked += got["checked"]
+        max_diff = max(max_diff, got["max_diff"])
+    return {"checked": checked, "max_diff": max_diff}
+
+
+def _compare_params(params: dict[str, torch.Tensor], hf_sd: dict[str, torch.Tensor],
+                    skip: Any) -> dict[str, float]:  # fmt: skip
+    """The comparison of :func:`engine_weight_check` for the engine params ``hf_sd`` covers."""
     checked, max_diff = 0, 0.0
     for name, value in params.items():
         want = hf_sd.get(name)
@@ -587,8 +634,16 @@ def _step(step, args, rng, pool, cfg, rollout, trainer, llm, probe_prompts, T, c
     engine_dtype = torch.bfloat16 if args.rollout_dtype == "bfloat16" else torch.float32
     if args.sync == "fp8":
         engine_dtype = torch.bfloat16  # FP8 is quantized from the bf16 weights, never fp32
-    hf_sd = {k: v.to(engine_dtype) for k, v in trainer.hf_state_dict().items()}
-    report = sync_to_vllm(llm, hf_sd, fp8="dequantized" if args.sync == "fp8" else False)
+    fp8_mode = "dequantized" if args.sync == "fp8" else False
+    by_part = getattr(trainer, "hf_parts", None) is not None
+    if by_part:  # the sharded trainer: gathered and loaded part by part (one layer at a time)
+        from compass_kernels.integration.weight_sync import sync_parts_to_vllm
+
+        report = sync_parts_to_vllm(llm, _cast_parts(trainer, engine_dtype), fp8=fp8_mode)
+        row["sync_peak_part_bytes"] = trainer.last_sync["peak_part_bytes"]
+    else:
+        hf_sd = {k: v.to(engine_dtype) for k, v in trainer.hf_state_dict().items()}
+        report = sync_to_vllm(llm, hf_sd, fp8=fp8_mode)
     row["t_sync"] = time.perf_counter() - t0
     row["sync_bytes"] = report.bytes_sent
     if report.fp8_report is not None:
@@ -596,7 +651,10 @@ def _step(step, args, rng, pool, cfg, rollout, trainer, llm, probe_prompts, T, c
     from compass_kernels.integration.fp8_sync import is_block_fp8_weight
 
     skip = is_block_fp8_weight if args.sync == "fp8" else None
-    wc = engine_weight_check(llm, hf_sd, skip=skip)
+    if by_part:  # the same check, one part of the trainer's weights at a time
+        wc = engine_weight_check_parts(llm, _cast_parts(trainer, engine_dtype), skip=skip)
+    else:
+        wc = engine_weight_check(llm, hf_sd, skip=skip)
     row["weights_checked"], row["weights_max_diff"] = wc["checked"], wc["max_diff"]
     t0 = time.perf_counter()
     row.update(_probe(rollout, trainer, probe_prompts))

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import pickle
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ __all__ = [
     "RankedTrainer",
     "local_tokens",
     "make_shares",
+    "plan_or_pad",
     "share_bytes",
 ]
 
@@ -99,7 +101,10 @@ class RankMicroBatch:
     lengths : [n] int64 real tokens per sequence (every rank: its layout and mask).
     tokens : [T_local] int64 token ids (first pipeline stage).
     targets, mask : [T_local] next-token ids and loss mask (last stage).
-    old_logprobs, old_entropy, advantages : [T_local] float32 (last stage, training).
+    old_logprobs, old_entropy, advantages : [T_local] float32 (last stage, training;
+        old log-probs / entropy None when the rank uses those its forward kept).
+    infer_logprobs : [T_local] float32 engine log-probs (last stage, a forward whose
+        results stay on the ranks: the rank returns gap sums, not log-probs).
     trace : the routing rows of this stage's MoE layers for this rank's tokens
         (CP zigzag, then the sequence-parallel piece), or None for native routing.
     """
@@ -111,6 +116,7 @@ class RankMicroBatch:
     old_logprobs: torch.Tensor | None = None
     old_entropy: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
+    infer_logprobs: torch.Tensor | None = None
     trace: Any = None
 
     def nbytes(self) -> int:
@@ -164,10 +170,13 @@ def make_shares(
         for j in range(plan.num_micro_batches):
             idx = plan.micro_batch(info.dp, j).numpy()
             if idx.size == 0:
-                raise ValueError(
-                    f"micro-batch {j} of data-parallel rank {info.dp} is empty (fewer sequences "
-                    "than dp x micro-batches): lower --dp or raise --max-tokens"
-                )
+                # fewer sequences than dp x micro-batches: a zero-token micro-batch
+                # (one sequence of length 0, padded to the layout's minimum) keeps
+                # the schedule's collectives in step and adds 0 to loss and grads
+                has_old = data.old_logprobs is not None
+                mbs.append(_padding_micro_batch(batch, layout, info, layers, what=what,
+                                                replay=replay, data_has_old=has_old))  # fmt: skip
+                continue
             lens = batch.lengths[idx]
             src, _, _ = local_tokens(lens, m, layout.cp, info.cp)
             gsrc = torch.from_numpy(np.concatenate([np.arange(offsets[i], offsets[i + 1])
@@ -183,7 +192,10 @@ def make_shares(
                 mb.mask = take(batch.mask, False)
                 if what == "train":
                     for name in ("old_logprobs", "old_entropy", "advantages"):
-                        setattr(mb, name, take(getattr(data, name)))
+                        if getattr(data, name) is not None:  # else: kept on the rank
+                            setattr(mb, name, take(getattr(data, name)))
+                elif what == "forward_stats":
+                    mb.infer_logprobs = take(batch.infer_logprobs)
             if replay:
                 mb.trace = batch.trace.slice(
                     layers=layers, sequences=idx.tolist(), token_lens=lens, pad_multiple=m,
@@ -194,6 +206,87 @@ def make_shares(
             mbs.append(mb)
         shares.append(mbs)
     return shares
+
+
+def _padding_micro_batch(
+    batch: Any,
+    layout: Layout,
+    info: RankInfo,
+    layers: list[int],
+    *,
+    what: str,
+    replay: bool,
+    data_has_old: bool = True,
+) -> RankMicroBatch:
+    """A micro-batch of no real token: ``lengths == [0]``, i.e. one sequence of
+    ``layout.pad_multiple`` padding tokens (each CP rank its zigzag pair, each SP
+    rank its piece), mask all False, its routing rows all missing (PADDING, so
+    they route natively and leave the replay statistics)."""
+    from compass_kernels.routing import MissingReason, RoutingTrace
+
+    n = layout.pad_multiple // layout.cp  # this CP rank's tokens
+    mb = RankMicroBatch(lengths=torch.zeros(1, dtype=torch.int64))
+    if info.first_stage:
+        mb.tokens = torch.zeros(n, dtype=batch.tokens.dtype)
+    if info.last_stage:
+        mb.targets = torch.zeros(n, dtype=batch.targets.dtype)
+        mb.mask = torch.zeros(n, dtype=torch.bool)
+        if what == "train":
+            mb.advantages = torch.zeros(n)
+            if data_has_old:
+                mb.old_logprobs = torch.zeros(n)
+                mb.old_entropy = torch.zeros(n)
+        elif what == "forward_stats":
+            mb.infer_logprobs = torch.zeros(n)
+    if replay:
+        tr = batch.trace
+        rows = n // layout.tp  # the sequence-parallel piece
+        k = int(tr.top_k)
+        ids = torch.arange(k, dtype=tr.expert_ids.dtype).expand(rows, len(layers), k).clone()
+        mb.trace = RoutingTrace(
+            ids, torch.tensor([0, rows], dtype=torch.int64), int(tr.num_experts),
+            layer_ids=layers, missing=torch.ones(rows, dtype=torch.bool),
+            missing_reason=torch.full((rows,), int(MissingReason.PADDING), dtype=torch.uint8),
+        )  # fmt: skip
+    return mb
+
+
+def plan_or_pad(lengths: np.ndarray, dp: int, max_tokens: int, *, empty: str = "pad") -> Any:
+    """``ck.packing.plan(lengths, dp_size=dp, max_tokens=max_tokens)``, or, where it
+    refuses for too few sequences and ``empty == "pad"``, a plan with empty
+    micro-batches: the one-rank plan's M micro-batches dealt round-robin to the dp
+    ranks (rank r gets micro-batches r, r + dp, ...), every rank
+    ceil(M / dp) of them, the missing ones empty (run as padding micro-batches).
+    The plan object carries ``empty_micro_batches`` (0 for the planner's own)."""
+    import compass_kernels as ck
+    from compass_kernels.packing.planner import Plan
+
+    if empty not in ("pad", "error"):
+        raise ValueError(f"empty must be 'pad' or 'error', got {empty!r}")
+    try:
+        plan = ck.packing.plan(lengths, dp_size=dp, max_tokens=max_tokens)
+        plan.empty_micro_batches = 0
+        return plan
+    except ValueError as err:  # KernelArgumentError is a ValueError
+        too_few = "same number" in str(err) or "need at least dp_size" in str(err)
+        if empty == "error" or not too_few:
+            raise
+        one = ck.packing.plan(lengths, dp_size=1, max_tokens=max_tokens)
+    m_one = one.num_micro_batches
+    m = -(-m_one // dp)
+    parts = [one.micro_batch(0, j).numpy() for j in range(m_one)]
+    order, offsets = [], [0]
+    for r in range(dp):
+        for j in range(m):
+            src = j * dp + r
+            if src < m_one:
+                order.append(parts[src])
+            offsets.append(offsets[-1] + (parts[src].size if src < m_one else 0))
+    plan = Plan(np.concatenate(order).astype(np.int64), np.asarray(offsets, dtype=np.int64),
+                dp, m, one._lengths, one._pad, one._cost_ab, max_tokens,
+                one._lower_bound)  # fmt: skip
+    plan.empty_micro_batches = dp * m - m_one
+    return plan
 
 
 def _take(t: torch.Tensor, fill: float | int = 0, *, real: torch.Tensor,
@@ -247,6 +340,9 @@ class RankTrainer:
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.0
         )
+        self.kept: dict[str, Any] = {}  # forward results kept on the rank, by name
+        self._kept_shares: dict[str, Any] = {}
+        self._kept_real: dict[str, Any] = {}
         self.tp_group = ps.get_tensor_model_parallel_group() if layout.tp > 1 else None
         self.cp_group = ps.get_context_parallel_group() if layout.cp > 1 else None
 
@@ -273,6 +369,12 @@ class RankTrainer:
         cu = torch.zeros(lens.size + 1, dtype=torch.int64)
         cu[1:] = torch.cumsum(counts, 0)
         return (~allowed)[None, None], (pos if lay.cp > 1 else None), cu, src >= 0
+
+    def _real_seq(self, mb: RankMicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(real-token flags [T_local] bool, sequence within the micro-batch [T_local])."""
+        src, seq, _ = local_tokens(mb.lengths.numpy(), self.layout.pad_multiple,
+                                   self.layout.cp, self.info.cp)  # fmt: skip
+        return src >= 0, seq
 
     def _forward_step(self, use_replay: bool, loss_fn):
         from compass_kernels.integration import megatron_cpu
@@ -340,9 +442,15 @@ class RankTrainer:
 
     # -- commands ----------------------------------------------------------------
 
-    def forward(self, shares: list[RankMicroBatch], replay: bool = True) -> dict:
+    def forward(self, shares: list[RankMicroBatch], replay: bool = True,
+                keep: str | None = None) -> dict:  # fmt: skip
         """No-grad passes (replayed or native routing): per micro-batch, the last
-        stage's log-probs and entropy of its tokens (tp rank 0 returns them)."""
+        stage's log-probs and entropy of its tokens (tp rank 0 returns them).
+
+        With ``keep`` (a name), the last stage keeps them under that name (a later
+        :meth:`train` reads them as the old policy's) and returns per micro-batch
+        only :func:`_forward_stats`: gap sums against ``infer_logprobs`` and each
+        sequence's response-entropy max / min."""
         import compass_kernels as ck
 
         def loss_fn(mb, cu, real, hidden):
@@ -356,11 +464,43 @@ class RankTrainer:
         self.replay.reset_stats()
         with torch.no_grad():
             out = self._run(shares, self._forward_step(replay, loss_fn), forward_only=True)
-        keep = self.info.last_stage and self.info.tp == 0
-        return {
-            "per_mb": [(d["logprobs"], d["entropy"]) for d in out] if keep else None,
-            "replay": self._replay_counts(shares, replay) if replay else {},
-        }
+        last = self.info.last_stage
+        counts = self._replay_counts(shares, replay) if replay else {}
+        if keep is None:  # the driver gathers every token's log-prob and entropy
+            return {"per_mb": [(d["logprobs"], d["entropy"]) for d in out]
+                    if last and self.info.tp == 0 else None, "replay": counts}  # fmt: skip
+        # the results stay here (the train step reads them); the driver gets sums
+        self._kept_shares[keep] = shares
+        self._kept_real[keep] = [self._real_seq(mb)[0] for mb in shares]
+        self.kept[keep] = [(d["logprobs"], d["entropy"]) for d in out] if last else None
+        if not (last and self.info.tp == 0):
+            return {"per_mb": None, "replay": counts}
+        return {"per_mb": None, "replay": counts,
+                "stats": [_forward_stats(mb, d["logprobs"], d["entropy"], *self._real_seq(mb))
+                          for mb, d in zip(shares, out, strict=True)]}  # fmt: skip
+
+    def entropy_histogram(self, keep: str, prefixes: torch.Tensor, shift: int,
+                          bits: int) -> torch.Tensor:  # fmt: skip
+        """Radix-select round over the response-token entropies this rank kept
+        (``keep``): for each prefix p, counts [2**bits] of the keys k
+        (:func:`float_keys`) with k >> (shift + bits) == p, by (k >> shift) &
+        (2**bits - 1). Ranks other than tp rank 0 of a last
+        stage return zeros (each token counted once)."""
+        out = torch.zeros(prefixes.numel(), 1 << bits, dtype=torch.int64)
+        kept = self.kept.get(keep)
+        if kept is None or self.info.tp != 0:
+            return out
+        parts = zip(kept, self._kept_shares[keep], self._kept_real[keep], strict=True)
+        vals = torch.cat([ent[mb.mask & real].float() for (_, ent), mb, real in parts])
+        if vals.numel() == 0:
+            return out
+        keys = float_keys(vals)
+        high = keys >> (shift + bits)
+        low = (keys >> shift) & ((1 << bits) - 1)
+        for i, p in enumerate(prefixes.tolist()):
+            sel = low[high == p]
+            out[i] = torch.bincount(sel, minlength=1 << bits)
+        return out
 
     def train(self, shares: list[RankMicroBatch], num_sequences: int,
               entropy_threshold: torch.Tensor | None, espo_kwargs: dict) -> dict:  # fmt: skip
@@ -371,6 +511,15 @@ class RankTrainer:
         nmb = len(shares)
         dp = self.layout.dp
         kwargs = dict(espo_kwargs)
+        use = kwargs.pop("use_kept", None)
+        if use is not None and self.info.last_stage:
+            kept = self.kept.get(use)
+            if kept is None or len(kept) != nmb:
+                raise RuntimeError(f"train: no kept forward {use!r} of {nmb} micro-batches")
+            for mb, (lp, ent), kmb in zip(shares, kept, self._kept_shares[use], strict=True):
+                if not torch.equal(mb.lengths, kmb.lengths):
+                    raise RuntimeError(f"train: kept forward {use!r} is of another batch")
+                mb.old_logprobs, mb.old_entropy = lp, ent
         if entropy_threshold is not None:
             kwargs["entropy_threshold"] = entropy_threshold
 
@@ -402,11 +551,126 @@ class RankTrainer:
             "replay": self._replay_counts(shares, self.use_replay) if self.use_replay else {},
         }
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        """This rank's owned part of the full model (Megatron names, TP-gathered)."""
+    # -- route recording (tests: the ids each MoE layer used, per forward) ----------
+
+    def record_routes(self, on: bool) -> int:
+        """Start (``on``) or stop recording, per router forward, the expert ids the
+        layer dispatched with (its ``routing_map``) and how many micro-batches were
+        in flight on this stage (forwarded, backward not finished). Returns the
+        number of routers hooked."""
+        for h in getattr(self, "_route_hooks", []):
+            h.remove()
+        self._route_hooks = []
+        self._routes: list[dict] = []
+        if not on:
+            return 0
+        from compass_kernels.integration.megatron_replay import find_moe_routers
+
+        def hook(layer, module, args, output):
+            if torch._C._current_graph_task_id() != -1:
+                return  # a recompute inside backward: not a forward of the schedule
+            routing_map = output[1]
+            k = int(module.topk)
+            ids = routing_map.nonzero()[:, 1].reshape(-1, k)  # row-major: sorted per token
+            self._routes.append({"layer": layer, "ids": ids.to(torch.int16).clone(),
+                                 "in_flight": len(self.replay._pending) + 1})  # fmt: skip
+
+        for layer, router in find_moe_routers(self.model).items():
+            self._route_hooks.append(
+                router.register_forward_hook(functools.partial(hook, layer)))  # fmt: skip
+        return len(self._route_hooks)
+
+    def recorded_routes(self) -> list[dict]:
+        """The records since :meth:`record_routes` (call order), then cleared."""
+        out, self._routes = list(getattr(self, "_routes", [])), []
+        return out
+
+    def weights(self, part: str | int | None = None) -> dict[str, torch.Tensor]:
+        """This rank's owned share of the full model (Megatron names, TP-gathered),
+        or of one ``part`` of it ("embedding", a decoder layer number, "final")."""
         from compass_kernels.integration.megatron_parallel import gathered_megatron_params
 
-        return gathered_megatron_params(self.model)
+        return gathered_megatron_params(self.model, part)
+
+
+def float_keys(x: torch.Tensor) -> torch.Tensor:
+    """Order-preserving int64 keys in [0, 2**32) of float32 values (total order;
+    -0.0 just below +0.0)."""
+    b = x.float().contiguous().view(torch.int32).to(torch.int64)
+    return torch.where(b >= 0, b + (1 << 31), -1 - b)
+
+
+def key_to_float(k: int) -> float:
+    """The float32 value of a :func:`float_keys` key."""
+    b = k - (1 << 31) if k >= (1 << 31) else -1 - k
+    return float(torch.tensor([b], dtype=torch.int32).view(torch.float32)[0])
+
+
+#: Radix-select rounds over the 32 key bits: (shift, bits), most significant first.
+RADIX_ROUNDS = ((21, 11), (10, 11), (0, 10))
+
+
+def select_order_statistics(histogram: Any, targets: list[int]) -> list[float]:
+    """Exact order statistics (0-based ranks ``targets``) of float32 values spread
+    over ranks, by a radix select in len(RADIX_ROUNDS) rounds: ``histogram(prefixes,
+    shift, bits)`` returns the [len(prefixes), 2**bits] counts summed over ranks
+    (see :meth:`RankTrainer.entropy_histogram`)."""
+    prefix = [0] * len(targets)
+    rest = list(targets)
+    for shift, bits in RADIX_ROUNDS:
+        counts = histogram(torch.tensor(prefix, dtype=torch.int64), shift, bits)
+        cum = torch.cumsum(counts, 1)
+        for i in range(len(targets)):
+            b = int(torch.searchsorted(cum[i], torch.tensor(rest[i]), right=True))
+            if b >= cum.shape[1]:
+                raise RuntimeError(f"order statistic {targets[i]}: only {int(cum[i, -1])} values")
+            rest[i] -= int(cum[i, b - 1]) if b > 0 else 0
+            prefix[i] = (prefix[i] << bits) | b
+    return [key_to_float(p) for p in prefix]
+
+
+def distributed_quantiles(histogram: Any, n: int, levels: tuple[float, ...]) -> torch.Tensor:
+    """torch.quantile's linear rule (as ``espo.loss.entropy_thresholds``) at
+    ``levels`` over n values held by the ranks, from two order statistics per
+    level (:func:`select_order_statistics`): [Q] float64, equal to the gathered
+    computation."""
+    q = torch.tensor(levels, dtype=torch.float64)
+    if n == 0:
+        return torch.full_like(q, float("nan"))
+    pos = q * float(max(n - 1, 0))
+    lo = pos.floor()
+    w = pos - lo
+    i_lo = lo.to(torch.int64).clamp(max=n - 1)
+    i_hi = pos.ceil().to(torch.int64).clamp(max=n - 1)
+    want = sorted(set(i_lo.tolist()) | set(i_hi.tolist()))
+    vals = dict(zip(want, select_order_statistics(histogram, want), strict=True))
+    v_lo = torch.tensor([vals[i] for i in i_lo.tolist()], dtype=torch.float64)
+    v_hi = torch.tensor([vals[i] for i in i_hi.tolist()], dtype=torch.float64)
+    return torch.lerp(v_lo, v_hi, w)
+
+
+def _forward_stats(mb: RankMicroBatch, lp: torch.Tensor, ent: torch.Tensor,
+                   real: torch.Tensor, seq: torch.Tensor) -> dict:  # fmt: skip
+    """What the driver needs of one micro-batch's forward on this rank: sums of
+    the gap d = lp - infer over its response tokens (count, sum |d|, sum
+    expm1(d) - d, count |d| > ln 2, max |d|) and, per sequence of the
+    micro-batch, the max / min response-token entropy of this rank's tokens
+    (+inf / -inf where it holds none)."""
+    import math
+
+    m = mb.mask & real
+    d = lp[m].double() - mb.infer_logprobs[m].double()
+    n = mb.lengths.numel()
+    e = ent.double()
+    emax = torch.full((n,), -math.inf, dtype=torch.float64)
+    emin = torch.full((n,), math.inf, dtype=torch.float64)
+    emax.scatter_reduce_(0, seq[m], e[m], "amax")
+    emin.scatter_reduce_(0, seq[m], e[m], "amin")
+    return {"n": int(d.numel()), "abs": float(d.abs().sum()),
+            "k3": float((torch.expm1(d) - d).sum()),
+            "gt_ln2": int((d.abs() > math.log(2)).sum()),
+            "max": float(d.abs().max()) if d.numel() else 0.0,
+            "ent_max": emax, "ent_min": emin}  # fmt: skip
 
 
 class _null:
@@ -497,6 +761,7 @@ class RankedTrainer:
         self.use_replay = replay
         self.timeout = timeout
         self.vocab_size = int(self.hf_config.vocab_size)
+        self.last_reply_bytes: dict[str, list[int]] = {}
         ctx = mp.get_context("spawn")
         world = layout.world_size
         self._res = ctx.Queue()
@@ -527,6 +792,7 @@ class RankedTrainer:
         self.infos: list[RankInfo] = [v[0] for v in ready.values]
         self.stage_layers: list[list[int]] = [v[1] for v in ready.values]
         self.last_bytes: dict[str, Any] = {}
+        self._kept: dict[str, Any] = {}  # name -> the plan of the forward kept under it
 
     # -- plumbing ------------------------------------------------------------------
 
@@ -554,6 +820,9 @@ class RankedTrainer:
                 raise RankError(f"rank {rank} answered {what!r} to {cmd!r}")
             out[rank] = value
         values = [out[r] for r in range(len(self._procs))]
+        # what each rank sent back (pickled, as the queue carries it)
+        self.last_reply_bytes[cmd] = [len(pickle.dumps(v[0])) if cmd != "ready" else 0
+                                      for v in values]  # fmt: skip
         return _Replies(values, time.perf_counter() - t0)
 
     def _command(self, cmd: str, per_rank_args: list[tuple]) -> list[Any]:
@@ -576,11 +845,17 @@ class RankedTrainer:
 
     # -- steps -----------------------------------------------------------------------
 
-    def plan(self, batch: Any, max_tokens: int) -> StepData:
-        import compass_kernels as ck
+    def plan(self, batch: Any, max_tokens: int, *, empty: str = "pad") -> StepData:
+        """The step's packing plan over ``layout.dp`` ranks (``ck.packing.plan``).
 
-        plan = ck.packing.plan(batch.lengths, dp_size=self.layout.dp, max_tokens=max_tokens)
-        return StepData(batch=batch, plan=plan)
+        ``empty``: what to do when the planner cannot give every rank the same
+        number of non-empty micro-batches (fewer sequences than dp x micro-batches):
+        "pad" (default) plans on one rank and deals its micro-batches out over the
+        dp ranks, the ranks short of micro-batches running zero-token padding ones
+        (:func:`_padding_micro_batch`: they keep the schedule's collectives in step
+        and add 0 to loss and gradients); "error" re-raises the planner's error."""
+        return StepData(batch=batch, plan=plan_or_pad(batch.lengths, self.layout.dp,
+                                                      max_tokens, empty=empty))  # fmt: skip
 
     def _scatter(self, data: StepData, what: str, replay: bool) -> list[list[RankMicroBatch]]:
         shares = make_shares(data, self.layout, self.infos, self.stage_layers, what=what,
@@ -601,6 +876,8 @@ class RankedTrainer:
                 continue
             for j, (l_mb, e_mb) in enumerate(res["per_mb"]):
                 idx = plan.micro_batch(info.dp, j).numpy()
+                if idx.size == 0:
+                    continue  # a padding micro-batch (see _padding_micro_batch)
                 src, _, _ = local_tokens(batch.lengths[idx], lay.pad_multiple, lay.cp, info.cp)
                 gsrc = torch.from_numpy(np.concatenate([np.arange(offsets[i], offsets[i + 1])
                                                         for i in idx]))  # fmt: skip
@@ -613,14 +890,64 @@ class RankedTrainer:
             raise RankError(f"{int((seen != 1).sum())} tokens were returned by no rank or twice")
         return lp, ent
 
-    def forward(self, data: StepData, *, replay: bool = True) -> dict:
+    def forward(self, data: StepData, *, replay: bool = True, keep: str | None = None) -> dict:
         """No-grad pass over the step's batch: per-token log-probs and entropy
-        (sample order) and the replay statistics summed over ranks."""
-        shares = self._scatter(data, "forward", replay)
-        results = self._command("forward", [(s, replay) for s in shares])
-        lp, ent = self._assemble(data, results)
-        return {"logprobs": lp, "entropy": ent,
-                "replay": self._replay_dicts(results)}  # fmt: skip
+        (sample order) and the replay statistics summed over ranks.
+
+        With ``keep`` (a name), the log-probs and entropy stay on the last-stage
+        ranks under that name (``train(use_kept=name)`` reads them) and the
+        driver receives only: ``gap`` (mean |d|, k3, fraction |d| > ln 2, max |d|,
+        count of d = log-prob - engine log-prob over the response tokens; needs
+        ``batch.infer_logprobs``) and, per sequence (sample order), ``seq_entropy_max``
+        / ``seq_entropy_min`` [n] float64 of its response tokens (RL-ZVP's inputs)."""
+        if keep is None:
+            shares = self._scatter(data, "forward", replay)
+            results = self._command("forward", [(s, replay) for s in shares])
+            lp, ent = self._assemble(data, results)
+            return {"logprobs": lp, "entropy": ent,
+                    "replay": self._replay_dicts(results)}  # fmt: skip
+        shares = self._scatter(data, "forward_stats", replay)
+        results = self._command("forward", [(s, replay, keep) for s in shares])
+        self._kept[keep] = data.plan
+        return {**self._reduce_stats(data, results), "replay": self._replay_dicts(results)}
+
+    def _reduce_stats(self, data: StepData, results: list[dict]) -> dict:
+        import math
+
+        n_seq = data.batch.num_sequences
+        emax = torch.full((n_seq,), -math.inf, dtype=torch.float64)
+        emin = torch.full((n_seq,), math.inf, dtype=torch.float64)
+        n = gt = 0
+        s_abs = s_k3 = mx = 0.0
+        for info, res in zip(self.infos, results, strict=True):
+            for j, st in enumerate(res.get("stats") or []):
+                idx = data.plan.micro_batch(info.dp, j)
+                n += st["n"]
+                gt += st["gt_ln2"]
+                s_abs += st["abs"]
+                s_k3 += st["k3"]
+                mx = max(mx, st["max"])
+                if idx.numel():
+                    emax[idx] = torch.maximum(emax[idx], st["ent_max"])
+                    emin[idx] = torch.minimum(emin[idx], st["ent_min"])
+        nan = float("nan")
+        gap = {"mean_abs": s_abs / n if n else nan, "k3": s_k3 / n if n else nan,
+               "frac_gt_ln2": gt / n if n else nan, "max_abs": mx if n else nan,
+               "tokens": n}  # fmt: skip
+        return {"gap": gap, "seq_entropy_max": emax, "seq_entropy_min": emin}
+
+    def _histogram(self, keep: str, prefixes: torch.Tensor, shift: int, bits: int):
+        parts = self._command("entropy_histogram",
+                              [(keep, prefixes, shift, bits) for _ in self._procs])  # fmt: skip
+        return torch.stack(parts).sum(0)
+
+    def kept_entropy_quantiles(self, keep: str, levels: tuple[float, ...],
+                               num_tokens: int) -> torch.Tensor:  # fmt: skip
+        """Exact quantiles (torch.quantile's linear rule) at ``levels`` of the
+        ``num_tokens`` response-token entropies the ranks kept under ``keep``, by
+        a distributed radix select (3 rounds of histograms, never the values)."""
+        return distributed_quantiles(functools.partial(self._histogram, keep), num_tokens,
+                                     tuple(levels))  # fmt: skip
 
     def _replay_dicts(self, results: list[dict]) -> dict[int, dict]:
         from compass_kernels.routing import ReplayStats
@@ -640,14 +967,25 @@ class RankedTrainer:
         from compass_kernels.espo.loss import entropy_thresholds
 
         cfg = loss_config.resolve(**{k: v for k, v in espo_kwargs.items()
-                                     if k != "entropy_threshold"},
+                                     if k not in ("entropy_threshold", "use_kept")},
                                   vocab_size=self.vocab_size)  # fmt: skip
         thr = espo_kwargs.pop("entropy_threshold", None)
+        use = espo_kwargs.get("use_kept")
+        if (data.old_logprobs is None) != (data.old_entropy is None) or (
+            data.old_logprobs is None and use is None
+        ):
+            raise ValueError("train: give data.old_logprobs and old_entropy, or use_kept=<name> "
+                             "of a forward(keep=<name>) of this batch")  # fmt: skip
+        if use is not None and self._kept.get(use) is not data.plan:
+            raise ValueError(f"train: use_kept={use!r} names no forward of this step's plan")
         if thr is None and cfg.num_groups > 1 and not cfg.per_sequence and not cfg.token_groups:
             m = data.batch.mask
-            ent = data.old_entropy[m]
-            cu = torch.tensor([0, ent.numel()], dtype=torch.int64)
-            thr = entropy_thresholds(ent, cu, levels=cfg.levels).reshape(-1)
+            if data.old_entropy is None:  # kept on the ranks: an exact distributed select
+                thr = self.kept_entropy_quantiles(use, cfg.levels, int(m.sum()))
+            else:
+                ent = data.old_entropy[m]
+                cu = torch.tensor([0, ent.numel()], dtype=torch.int64)
+                thr = entropy_thresholds(ent, cu, levels=cfg.levels).reshape(-1)
         shares = self._scatter(data, "train", self.use_replay)
         results = self._command("train", [(s, num_sequences, thr, espo_kwargs) for s in shares])
         return self._reduce_train(data, results)
@@ -674,6 +1012,45 @@ class RankedTrainer:
         out["grad_norm"] = results[0]["grad_norm"]
         out["replay"] = self._replay_dicts(results)
         return out
+
+    def record_routes(self, on: bool = True) -> list[int]:
+        """Every rank records (``on``) the expert ids its MoE layers dispatch with,
+        per forward (see :meth:`RankTrainer.record_routes`); returns routers hooked
+        per rank."""
+        return self._command("record_routes", [(on,) for _ in self._procs])
+
+    def recorded_routes(self) -> list[list[dict]]:
+        """Per rank, its route records in call order ({layer, ids [rows, k] int16,
+        in_flight})."""
+        return self._command("recorded_routes", [() for _ in self._procs])
+
+    def hf_parts(self):
+        """The trained weights under HF names, one part at a time (embedding, each
+        decoder layer, final norm / head; ``megatron_convert.megatron_parts``):
+        yields (part, {HF name: tensor}), gathering each part from the ranks that
+        own it only when asked, so the driver holds one part at a time.
+        :attr:`last_sync` then has ``parts``, ``peak_part_bytes`` (the largest part's
+        HF bytes) and ``total_bytes``."""
+        from compass_kernels.integration.megatron_convert import (
+            megatron_part_to_hf,
+            megatron_parts,
+        )
+
+        self.last_sync = {"parts": 0, "peak_part_bytes": 0, "total_bytes": 0}
+        for part in megatron_parts(self.hf_config):
+            got: dict[str, torch.Tensor] = {}
+            for share in self._command("weights", [(part,) for _ in self._procs]):
+                for k, v in share.items():
+                    if k in got:
+                        raise RankError(f"two ranks own {k}")
+                    got[k] = v
+            hf = megatron_part_to_hf(got, self.hf_config, part)
+            del got
+            n = sum(t.numel() * t.element_size() for t in hf.values())
+            self.last_sync["parts"] += 1
+            self.last_sync["total_bytes"] += n
+            self.last_sync["peak_part_bytes"] = max(self.last_sync["peak_part_bytes"], n)
+            yield part, hf
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The trained weights under HF names, gathered from the ranks."""
@@ -776,3 +1153,11 @@ class LoopTrainer:
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         return self.ranked.hf_state_dict()
+
+    def hf_parts(self):
+        """See :meth:`RankedTrainer.hf_parts` (the loop's layer-by-layer sync)."""
+        return self.ranked.hf_parts()
+
+    @property
+    def last_sync(self) -> dict:
+        return self.ranked.last_sync
