@@ -66,15 +66,12 @@ def test_libstdcxx_is_shared():
 @needs_cuda_build
 def test_sm90a_kernels_are_built_without_spills():
     usage = aot.resource_usage(_C.__file__, arch="sm_90a")
-    aot.assert_no_spills(usage)  # every kernel of _C; the advantages ones below in detail
+    aot.assert_no_spills(usage)  # every kernel of _C; the codec's below in detail
     usage = {k: v for k, v in usage.items()
-             if "10advantages" in k and re.search(r"(group_kernel|zvp_kernel)I", k)}  # fmt: skip
-    names = {re.search(r"(group_kernel|zvp_kernel)I(\w+?)E", k).group(0) for k in usage}
-    # 2 reward dtypes for the group kernel; 2 x 2 (rewards, advantages) for RL-ZVP
-    assert names == {
-        "group_kernelIfE", "group_kernelIdE",
-        "zvp_kernelIffE", "zvp_kernelIfdE", "zvp_kernelIdfE", "zvp_kernelIddE",
-    }  # fmt: skip
+             if "7routing" in k and re.search(r"(table_kernel|encode_kernel)", k)}  # fmt: skip
+    # the binomial table, and encoders per (id dtype, top_k specialisation)
+    assert sum("table_kernel" in k for k in usage) == 1, sorted(usage)
+    assert sum("encode_kernel" in k for k in usage) >= 2, sorted(usage)
     aot.assert_no_spills(usage)
     aot.assert_registers_at_most(usage, 64)
 
@@ -82,12 +79,12 @@ def test_sm90a_kernels_are_built_without_spills():
 @pytest.mark.sm90
 @needs_cuda_build
 def test_sm90a_sass_has_the_expected_math():
-    """Statistics in float64 (DADD/DFMA), warp-shuffle reductions, no device asserts."""
+    """The codec's encoder: 64-bit integer rank sums (IADD / IMAD wide), a warp
+    shuffle or shared scan, no device asserts."""
     usage = aot.resource_usage(_C.__file__, arch="sm_90a")
-    group = next(k for k in usage if "group_kernelIfE" in k)
-    sass = aot.sass_of(_C.__file__, function=group)
-    aot.assert_sass_contains(sass, r"\bDADD\b", kernel=group)
-    aot.assert_sass_contains(sass, r"SHFL\.BFLY", kernel=group)
+    enc = next(k for k in usage if "encode_kernel" in k)
+    sass = aot.sass_of(_C.__file__, function=enc)
+    aot.assert_sass_contains(sass, r"\bIMAD\.WIDE", kernel=enc)
     assert "__assertfail" not in sass, "device assert in a hot kernel: build with -DNDEBUG"
 
 
