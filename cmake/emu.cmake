@@ -18,11 +18,10 @@ endif()
 # Plain CUDA (no wgmma / TMA / clusters / CUTLASS) that runs under emulation.
 set(COMPASS_EMU_KERNELS csrc/routing/codec.cu
     csrc/espo/espo_loss.cu
-    csrc/logprobs/logprobs.cu csrc/fp8/fp8.cu csrc/fp8_gemm/grouped_args.cu)
+    csrc/logprobs/logprobs.cu csrc/fp8_gemm/grouped_args.cu)
 # Host code the entry points call (argument checks, DLPack views).
 set(COMPASS_EMU_HOST_SOURCES
-    csrc/espo/espo_loss_cpu.cpp csrc/logprobs/logprobs_cpu.cpp
-    csrc/fp8/fp8_cpu.cpp csrc/fp8/permute_cpu.cpp csrc/fp8_gemm/grouped_gemm_cpu.cpp
+    csrc/espo/espo_loss_cpu.cpp csrc/logprobs/logprobs_cpu.cpp csrc/fp8_gemm/grouped_gemm_cpu.cpp
     csrc/fp8_gemm/grouped_args_cpu.cpp csrc/dlpack_view.cpp)
 
 set(_emu_gen ${CMAKE_BINARY_DIR}/emu)
@@ -139,29 +138,6 @@ if(COMPASS_EMU_MUTANTS)
     ENTRIES ${_espo_entries}
     FIND "const bool clipped = o2 < o1<semicolon>"
     REPLACE "const bool clipped = o2 <= o1<semicolon>")
-  # ck.fp8 (tests/test_fp8.py: MUTANTS), each a plausible edit.
-  set(_fp8 csrc/fp8/fp8.cu)
-  set(_fp8_entries quantize_cuda permute_quantize_cuda unpermute_cuda)
-  compass_emu_mutant(fp8_amax_skips_a_warp KERNEL ${_fp8} FILE ${_fp8} ENTRIES ${_fp8_entries}
-    FIND "for (int w = 0<semicolon> w < kWarps<semicolon> ++w) m = fmaxf"
-    REPLACE "for (int w = 0<semicolon> w < kWarps - 1<semicolon> ++w) m = fmaxf")
-  compass_emu_mutant(fp8_ties_away KERNEL ${_fp8} FILE csrc/include/compass/fp8.h
-    ENTRIES ${_fp8_entries}
-    FIND "(n + 0x7ffffu + ((n >> 20) & 1u)) >> 20"
-    REPLACE "(n + 0x80000u) >> 20")
-  compass_emu_mutant(fp8_group_guard_off_by_one KERNEL ${_fp8} FILE ${_fp8} ENTRIES ${_fp8_entries}
-    FIND "if (gid >= rows * per_row) return"
-    REPLACE "if (gid > rows * per_row) return")
-  compass_emu_mutant(fp8_rank_ignores_other_warps KERNEL ${_fp8} FILE ${_fp8}
-    ENTRIES ${_fp8_entries}
-    FIND "hist[w * experts + x] = run<semicolon>"
-    REPLACE "hist[w * experts + x] = 0<semicolon>")
-  compass_emu_mutant(fp8_scan_no_barrier KERNEL ${_fp8} FILE ${_fp8} ENTRIES ${_fp8_entries}
-    FIND "const int64_t add = e >= d ? total[e - d] : 0<semicolon>\n    __syncthreads()<semicolon>"
-    REPLACE "const int64_t add = e >= d ? total[e - d] : 0<semicolon>")
-  compass_emu_mutant(fp8_unpermute_fused_fma KERNEL ${_fp8} FILE ${_fp8} ENTRIES ${_fp8_entries}
-    FIND "acc = __fadd_rn(acc, __fmul_rn(w[t * k + j], load_value(y + p * ys + c)))"
-    REPLACE "acc = fmaf(w[t * k + j], load_value(y + p * ys + c), acc)")
   # ck.espo log-probs: a thread skipping part of its vocab slice, and the
   # block sum read before every warp wrote its partial.
   set(_lp csrc/logprobs/logprobs.cu)
@@ -220,7 +196,7 @@ set_target_properties(compass_emu_kernels PROPERTIES POSITION_INDEPENDENT_CODE O
 pybind11_add_module(_C_emu MODULE NO_EXTRAS
   csrc/emu/src/module.cpp csrc/emu/src/bindings_routing.cpp
   csrc/emu/src/bindings_espo.cpp csrc/emu/src/bindings_logprobs.cpp
-  csrc/emu/src/bindings_fp8.cpp csrc/emu/src/bindings_fp8_gemm.cpp
+  csrc/emu/src/bindings_fp8_gemm.cpp
   csrc/emu/src/bindings_selftest.cpp csrc/emu/src/runtime.cpp csrc/emu/src/memcheck.cpp
   csrc/emu/src/fiber.cpp
   ${COMPASS_EMU_HOST_SOURCES} $<TARGET_OBJECTS:compass_emu_kernels>)
