@@ -46,7 +46,8 @@ def check_tensor(
 
 
 def check_finite(name: str, t: torch.Tensor) -> None:
-    """Raise if ``t`` holds NaN or Inf, naming the first bad index (``index i`` or ``[i, j, ...]``; one host sync).
+    """Raise if ``t`` holds NaN or Inf, naming the first bad index (``index i``,
+    or ``[i, j, ...]`` for an n-d tensor; one host sync).
 
     Fast path: a float64 sum is finite iff every element is (NaN and Inf
     propagate; float32/half values cannot overflow a float64 sum), one

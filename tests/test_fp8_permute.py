@@ -53,10 +53,9 @@ CASES = [
     (128, 2, 300, torch.int64, "mn_major_tma"),  # ids need 9 bits; 2 full chunks
 ]
 # The interpreter runs ~1 ms per program: Triton gets the cases up to two chunks.
-PERMUTE_PARAMS = (
-    [pytest.param("torch", *c) for c in CASES]
-    + [pytest.param("triton", *c, marks=pytest.mark.triton) for c in CASES if c[0] != 300]
-)
+PERMUTE_PARAMS = [pytest.param("torch", *c) for c in CASES] + [
+    pytest.param("triton", *c, marks=pytest.mark.triton) for c in CASES if c[0] != 300
+]
 
 
 @pytest.mark.parametrize(("backend", "m", "k", "experts", "id_dtype", "layout"), PERMUTE_PARAMS)

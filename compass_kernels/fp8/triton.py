@@ -1,8 +1,9 @@
 """Triton kernels of ck.fp8: blockwise quantization, fused MoE permutation, unpermute.
 
-Same contract as the torch backend (spec: ``reference.py``, bit for bit); outputs are allocated by the caller and written here. The
-kernels run on CUDA tensors, on CPU tensors under ``TRITON_INTERPRET=1``
-(tests), and compile ahead of time for sm_90a (tests/test_aot.py).
+Same contract as the torch backend (spec: ``reference.py``, bit for bit);
+outputs are allocated by the caller and written here. The kernels run on
+CUDA tensors, on CPU tensors under ``TRITON_INTERPRET=1`` (tests), and
+compile ahead of time for sm_90a (tests/test_aot.py).
 
 Bit-exactness choices:
 - fp32 -> e4m3 is integer bit arithmetic (:func:`_e4m3_bits`, the same
@@ -292,7 +293,8 @@ def permute_quantize_triton(
     x, topk_ids, num_experts, eps, ue8m0, scale_layout, q, scales, expert_offsets, src_index,
     dst_index, workspace,
 ) -> None:  # fmt: skip
-    """The fused permutation + 1x128 quantization (argument contract: reference.py, permute_quantize_torch)."""
+    """The fused permutation + 1x128 quantization (argument contract:
+    reference.py, permute_quantize_torch)."""
     m, k = topk_ids.shape
     slots, cols = m * k, x.shape[1]
     chunks = triton.cdiv(slots, CHUNK)
