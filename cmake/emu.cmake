@@ -21,7 +21,7 @@ set(COMPASS_EMU_KERNELS csrc/routing/codec.cu
     csrc/logprobs/logprobs.cu csrc/fp8_gemm/grouped_args.cu)
 # Host code the entry points call (argument checks, DLPack views).
 set(COMPASS_EMU_HOST_SOURCES
-    csrc/espo/espo_loss_cpu.cpp csrc/logprobs/logprobs_cpu.cpp csrc/fp8_gemm/grouped_gemm_cpu.cpp
+    csrc/espo/espo_loss_cpu.cpp csrc/logprobs/logprobs_cpu.cpp
     csrc/fp8_gemm/grouped_args_cpu.cpp csrc/dlpack_view.cpp)
 
 set(_emu_gen ${CMAKE_BINARY_DIR}/emu)

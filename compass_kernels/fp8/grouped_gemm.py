@@ -3,7 +3,7 @@
 Token-packed: the rows of expert ``e`` are ``[expert_offsets[e],
 expert_offsets[e+1])`` of the permuted activations, with no padding between
 experts (the layout ``ck.fp8``'s fused permute + 1x128 quantization produces).
-Kernels: ``cpp`` (csrc/fp8_gemm, CPU tensors), ``cuda`` (CUTLASS sm_90a
+Kernels: ``torch`` (CPU tensors: float32 dequantise + matmul), ``cuda`` (CUTLASS sm_90a
 pointer-array grouped GEMM with blockwise scaling, its arguments built on the
 device), ``triton`` (``triton_gemm.py``, CUDA tensors, or CPU tensors in the
 interpreter). Spec: ``reference_gemm.py``.
@@ -114,7 +114,7 @@ grouped_gemm_op = register_op(
     " int out_dtype) -> Tensor",
     outputs=_outputs,
     kernels={
-        "cpp": "fp8_gemm.grouped_gemm_cpu",
+        "torch": "compass_kernels.fp8.reference_gemm:grouped_gemm_torch",
         "cuda": "compass_kernels.fp8.grouped_gemm:grouped_gemm_cutlass",
         "triton": "compass_kernels.fp8.triton_gemm:grouped_gemm_triton",
     },
@@ -197,11 +197,11 @@ def grouped_gemm(
     expert_offsets : [E+1] int64, 0 = o[0] <= o[1] <= ... <= o[E] = M. Experts
         with no rows cost nothing.
     out_dtype : torch.bfloat16 (default) or torch.float32.
-    validate : check the offsets' contents. The C++ (CPU) kernel always checks,
-        at no cost; on CUDA the check needs a host sync: off by default (bad
-        offsets are undefined behaviour, as in every varlen kernel), on with
-        validate=True. CPU tensors on another backend are checked unless False.
-    backend : None (default dispatch: cpp on CPU, cuda = CUTLASS on CUDA), "cpp",
+    validate : check the offsets' contents. On CPU tensors by default
+        (validate=False opts out); on CUDA the check needs a host sync: off by
+        default (bad offsets are undefined behaviour, as in every varlen
+        kernel), on with validate=True.
+    backend : None (default dispatch: torch on CPU, cuda = CUTLASS on CUDA), "torch",
         "cuda" or "triton". The CUTLASS kernel needs bf16 output, K % 16 == 0,
         N % 8 == 0 and K-major contiguous scales; the Triton kernel takes any.
     out : [M, N] output to write (tests pass poisoned buffers).
@@ -218,11 +218,10 @@ def grouped_gemm(
     if code is None:
         raise ValueError(f"out_dtype: expected torch.bfloat16 or torch.float32, got {out_dtype}")
     dev = a_q.device
-    if (
-        validate if validate is not None else (dev.type == "cpu" and backend not in (None, "cpp"))
-    ) and not has_no_data(a_q, expert_offsets):
-        if not (dev.type == "cpu" and backend in (None, "cpp")):
-            check_offsets("expert_offsets", expert_offsets, a_q.shape[0], exact=True)
+    if (validate if validate is not None else dev.type == "cpu") and not has_no_data(
+        a_q, expert_offsets
+    ):
+        check_offsets("expert_offsets", expert_offsets, a_q.shape[0], exact=True)
     if out is not None:
         check_tensor("out", out, ndim=2, dtypes=(out_dtype,), device=dev)
         m, n = a_q.shape[0], b_q.shape[1]

@@ -7,9 +7,6 @@ namespace fp8_gemm {
 
 void bind(pybind11::module_& root) {
   auto m = root.def_submodule("fp8_gemm", "FP8 grouped expert GEMM (blockwise scales)");
-  COMPASS_DEF_NOGIL(m, grouped_gemm_cpu,
-                    "(a_q, a_scales, b_q, b_scales, expert_offsets, out_dtype, out): writes out "
-                    "in place");
   const char* args = "(a_q, a_scales, b_q, b_scales, expert_offsets, out, shapes, ptrs[, stream]): "
                      "per-expert problem shapes [E, 3] and pointer arrays [5, E] in place";
   COMPASS_DEF_NOGIL(m, grouped_args_cpu, args);

@@ -1,7 +1,9 @@
-// Host entry points of the FP8 grouped expert GEMM (CPU in grouped_gemm_cpu.cpp),
-// bound one line each in bindings.cpp. Arguments are borrowed views; the output
-// is written in place. check_grouped_gemm_args runs every dtype/shape/device
-// check before any work. Spec: compass_kernels/fp8/reference_gemm.py.
+// Host entry points of the FP8 grouped expert GEMM's CUDA side (the argument
+// builder, CPU twin and CUDA kernel; the CUTLASS sm_90a GEMM), bound one line
+// each in bindings.cpp. Arguments are borrowed views; outputs are written in
+// place. check_grouped_gemm_args runs every dtype/shape/device check before
+// any launch. Spec: compass_kernels/fp8/reference_gemm.py (the CPU backend is
+// torch there).
 #pragma once
 
 #include <cstdint>
@@ -40,8 +42,6 @@ enum OutDType : int64_t { kOutBF16 = 0, kOutF32 = 1 };
 void check_grouped_gemm_args(COMPASS_FP8_GROUPED_GEMM_ARGS);
 // offsets[0] == 0, non-decreasing, offsets[E] == rows (host memory).
 void check_offsets_data(const TensorView& expert_offsets, int64_t rows);
-
-void grouped_gemm_cpu(COMPASS_FP8_GROUPED_GEMM_ARGS);
 
 // Checks of the builder's arguments, and the layout (base addresses, byte
 // strides) it reads: shared by the CPU and CUDA entry points.
