@@ -17,11 +17,10 @@ endif()
 
 # Plain CUDA (no wgmma / TMA / clusters / CUTLASS) that runs under emulation.
 set(COMPASS_EMU_KERNELS csrc/routing/codec.cu
-    csrc/espo/espo_loss.cu
-    csrc/logprobs/logprobs.cu csrc/fp8_gemm/grouped_args.cu)
+    csrc/espo/espo_loss.cu csrc/fp8_gemm/grouped_args.cu)
 # Host code the entry points call (argument checks, DLPack views).
 set(COMPASS_EMU_HOST_SOURCES
-    csrc/espo/espo_loss_cpu.cpp csrc/logprobs/logprobs_cpu.cpp
+    csrc/espo/espo_loss_cpu.cpp
     csrc/fp8_gemm/grouped_args_cpu.cpp csrc/dlpack_view.cpp)
 
 set(_emu_gen ${CMAKE_BINARY_DIR}/emu)
@@ -138,18 +137,6 @@ if(COMPASS_EMU_MUTANTS)
     ENTRIES ${_espo_entries}
     FIND "const bool clipped = o2 < o1<semicolon>"
     REPLACE "const bool clipped = o2 <= o1<semicolon>")
-  # ck.espo log-probs: a thread skipping part of its vocab slice, and the
-  # block sum read before every warp wrote its partial.
-  set(_lp csrc/logprobs/logprobs.cu)
-  set(_lp_entries token_logprobs_entropy_cuda token_logprobs_entropy_bwd_cuda
-      logprobs_tile_stats_cuda)
-  compass_emu_mutant(lp_half_stride KERNEL ${_lp} FILE ${_lp} ENTRIES ${_lp_entries}
-    FIND "for (int64_t j = threadIdx.x<semicolon> j < n<semicolon> j += kThreads)"
-    REPLACE "for (int64_t j = threadIdx.x<semicolon> j < n<semicolon> j += 2 * kThreads)")
-  compass_emu_mutant(lp_sum_no_barrier KERNEL ${_lp} FILE ${_lp} ENTRIES ${_lp_entries}
-    FIND "partial[threadIdx.x / 32] = v<semicolon>\n  __syncthreads()<semicolon>\n"
-    REPLACE "partial[threadIdx.x / 32] = v<semicolon>\n")
-
   # ck.fp8.grouped_gemm's argument builder (tests/test_fp8_gemm_args.py: MUTANTS).
   set(_fp8g csrc/fp8_gemm/grouped_args.cu)
   compass_emu_mutant(fp8_gemm_args_guard_off_by_one KERNEL ${_fp8g} FILE ${_fp8g}
@@ -195,7 +182,7 @@ set_target_properties(compass_emu_kernels PROPERTIES POSITION_INDEPENDENT_CODE O
 # NO_EXTRAS: no strip, so the line tables below survive.
 pybind11_add_module(_C_emu MODULE NO_EXTRAS
   csrc/emu/src/module.cpp csrc/emu/src/bindings_routing.cpp
-  csrc/emu/src/bindings_espo.cpp csrc/emu/src/bindings_logprobs.cpp
+  csrc/emu/src/bindings_espo.cpp
   csrc/emu/src/bindings_fp8_gemm.cpp
   csrc/emu/src/bindings_selftest.cpp csrc/emu/src/runtime.cpp csrc/emu/src/memcheck.cpp
   csrc/emu/src/fiber.cpp

@@ -20,7 +20,6 @@ namespace advantages { void bind(py::module_& m); }
 namespace routing { void bind(py::module_& m); }
 namespace espo { void bind(py::module_& m); }
 namespace packing { void bind(py::module_& m); }
-namespace logprobs { void bind(py::module_& m); }
 namespace fp8_gemm { void bind(py::module_& m); }
 }  // namespace compass
 
@@ -73,6 +72,5 @@ PYBIND11_MODULE(_C, m) {
   compass::routing::bind(m);
   compass::espo::bind(m);
   compass::packing::bind(m);
-  compass::logprobs::bind(m);
   compass::fp8_gemm::bind(m);
 }
