@@ -16,12 +16,9 @@ if(NOT CMAKE_CXX_COMPILER_ID STREQUAL "GNU")
 endif()
 
 # Plain CUDA (no wgmma / TMA / clusters / CUTLASS) that runs under emulation.
-set(COMPASS_EMU_KERNELS csrc/routing/codec.cu
-    csrc/espo/espo_loss.cu csrc/fp8_gemm/grouped_args.cu)
+set(COMPASS_EMU_KERNELS csrc/routing/codec.cu csrc/fp8_gemm/grouped_args.cu)
 # Host code the entry points call (argument checks, DLPack views).
-set(COMPASS_EMU_HOST_SOURCES
-    csrc/espo/espo_loss_cpu.cpp
-    csrc/fp8_gemm/grouped_args_cpu.cpp csrc/dlpack_view.cpp)
+set(COMPASS_EMU_HOST_SOURCES csrc/fp8_gemm/grouped_args_cpu.cpp csrc/dlpack_view.cpp)
 
 set(_emu_gen ${CMAKE_BINARY_DIR}/emu)
 file(MAKE_DIRECTORY ${_emu_gen})
@@ -121,22 +118,6 @@ if(COMPASS_EMU_MUTANTS)
   compass_emu_mutant(codec_dup_check_off KERNEL ${_rc} FILE ${_rc} ENTRIES encode_sets_cuda
     FIND "ok = below_sum == kk * (kk - 1) / 2"
     REPLACE "ok = below_sum >= 0")
-  # ck.espo segmented loss (tests/test_espo_loss.py must catch each)
-  set(_espo csrc/espo/espo_loss.cu)
-  set(_espo_entries espo_group_sums_cuda espo_loss_forward_cuda espo_loss_backward_cuda)
-  compass_emu_mutant(espo_stride_skips_tokens KERNEL ${_espo} FILE ${_espo} ENTRIES ${_espo_entries}
-    FIND "t < end<semicolon> t += kThreads) {\n    if (!valid_token(mask, t)) continue<semicolon>"
-    REPLACE "t < end<semicolon> t += 2 * kThreads) {\n    if (!valid_token(mask, t)) continue<semicolon>")
-  compass_emu_mutant(espo_reduce_no_barrier KERNEL ${_espo} FILE ${_espo} ENTRIES ${_espo_entries}
-    FIND "  if (lane == 0) partial[warp] = v<semicolon>\n  __syncthreads()<semicolon>"
-    REPLACE "  if (lane == 0) partial[warp] = v<semicolon>")
-  compass_emu_mutant(espo_padding_grad_kept KERNEL ${_espo} FILE ${_espo} ENTRIES ${_espo_entries}
-    FIND "t = cu[n] + threadIdx.x<semicolon> t < total"
-    REPLACE "t = cu[n] + threadIdx.x<semicolon> t < cu[n]")
-  compass_emu_mutant(espo_clip_inclusive KERNEL ${_espo} FILE csrc/include/compass/espo_loss.h
-    ENTRIES ${_espo_entries}
-    FIND "const bool clipped = o2 < o1<semicolon>"
-    REPLACE "const bool clipped = o2 <= o1<semicolon>")
   # ck.fp8.grouped_gemm's argument builder (tests/test_fp8_gemm_args.py: MUTANTS).
   set(_fp8g csrc/fp8_gemm/grouped_args.cu)
   compass_emu_mutant(fp8_gemm_args_guard_off_by_one KERNEL ${_fp8g} FILE ${_fp8g}
@@ -182,7 +163,7 @@ set_target_properties(compass_emu_kernels PROPERTIES POSITION_INDEPENDENT_CODE O
 # NO_EXTRAS: no strip, so the line tables below survive.
 pybind11_add_module(_C_emu MODULE NO_EXTRAS
   csrc/emu/src/module.cpp csrc/emu/src/bindings_routing.cpp
-  csrc/emu/src/bindings_espo.cpp
+ 
   csrc/emu/src/bindings_fp8_gemm.cpp
   csrc/emu/src/bindings_selftest.cpp csrc/emu/src/runtime.cpp csrc/emu/src/memcheck.cpp
   csrc/emu/src/fiber.cpp

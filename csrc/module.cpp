@@ -18,7 +18,6 @@ namespace py = pybind11;
 namespace compass {
 namespace advantages { void bind(py::module_& m); }
 namespace routing { void bind(py::module_& m); }
-namespace espo { void bind(py::module_& m); }
 namespace packing { void bind(py::module_& m); }
 namespace fp8_gemm { void bind(py::module_& m); }
 }  // namespace compass
@@ -70,7 +69,6 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_devices", &cuda_devices, "(count, reason) of usable CUDA devices");
   compass::advantages::bind(m);
   compass::routing::bind(m);
-  compass::espo::bind(m);
   compass::packing::bind(m);
   compass::fp8_gemm::bind(m);
 }

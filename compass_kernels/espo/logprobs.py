@@ -359,7 +359,7 @@ def _finalize(state: torch.Tensor, inv_t: float, with_entropy: bool, tp_group, t
         s, a, xt = packed.unbind(0)
         m = big_m
     log_s = torch.log(s)
-    logp = torch.clamp((xt - m) * inv_t - log_s, max=0.0)  # never positive
+    logp = torch.clamp((xt - m) * inv_t - log_s, max=0.0)  # compass/logprobs.h logprob_of
     ok = (targets >= 0) & (targets < vocab)
     if not (ok.all() if targets.device.type == "cpu" else False):
         masked = torch.where(targets == IGNORE_INDEX, 0.0, float("nan")).to(logp.dtype)

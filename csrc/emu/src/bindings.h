@@ -6,7 +6,6 @@
 namespace compass {
 namespace emu {
 void bind_routing(pybind11::module_& root);
-void bind_espo(pybind11::module_& root);
 void bind_fp8_gemm(pybind11::module_& root);
 void bind_selftest(pybind11::module_& root);
 }  // namespace emu
