@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -66,26 +65,18 @@ def test_libstdcxx_is_shared():
 @needs_cuda_build
 def test_sm90a_kernels_are_built_without_spills():
     usage = aot.resource_usage(_C.__file__, arch="sm_90a")
-    aot.assert_no_spills(usage)  # every kernel of _C; the codec's below in detail
-    usage = {k: v for k, v in usage.items()
-             if "7routing" in k and re.search(r"(table_kernel|encode_kernel)", k)}  # fmt: skip
-    # the binomial table, and encoders per (id dtype, top_k specialisation)
-    assert sum("table_kernel" in k for k in usage) == 1, sorted(usage)
-    assert sum("encode_kernel" in k for k in usage) >= 2, sorted(usage)
-    aot.assert_no_spills(usage)
-    aot.assert_registers_at_most(usage, 64)
+    aot.assert_no_spills(usage)  # every kernel of _C (per-kernel budgets: each capability's tests)
+    names = " ".join(usage)
+    assert "encode_kernel" in names and "grouped_args_kernel" in names, sorted(usage)
 
 
 @pytest.mark.sm90
 @needs_cuda_build
-def test_sm90a_sass_has_the_expected_math():
-    """The codec's encoder: 64-bit integer rank sums (IADD / IMAD wide), a warp
-    shuffle or shared scan, no device asserts."""
+def test_sm90a_kernels_have_no_device_asserts():
+    """-DNDEBUG always: a device assert makes ptxas serialize wgmma (C7510)."""
     usage = aot.resource_usage(_C.__file__, arch="sm_90a")
     enc = next(k for k in usage if "encode_kernel" in k)
-    sass = aot.sass_of(_C.__file__, function=enc)
-    aot.assert_sass_contains(sass, r"\bIMAD\.WIDE", kernel=enc)
-    assert "__assertfail" not in sass, "device assert in a hot kernel: build with -DNDEBUG"
+    assert "__assertfail" not in aot.sass_of(_C.__file__, function=enc)
 
 
 def _nvcc() -> str | None:
