@@ -16,9 +16,9 @@ if(NOT CMAKE_CXX_COMPILER_ID STREQUAL "GNU")
 endif()
 
 # Plain CUDA (no wgmma / TMA / clusters / CUTLASS) that runs under emulation.
-set(COMPASS_EMU_KERNELS csrc/routing/codec.cu csrc/fp8_gemm/grouped_args.cu)
+set(COMPASS_EMU_KERNELS csrc/routing/codec.cu csrc/fp8/grouped_args.cu)
 # Host code the entry points call (argument checks, DLPack views).
-set(COMPASS_EMU_HOST_SOURCES csrc/fp8_gemm/grouped_args_cpu.cpp csrc/dlpack_view.cpp)
+set(COMPASS_EMU_HOST_SOURCES csrc/fp8/grouped_args_cpu.cpp csrc/dlpack_view.cpp)
 
 set(_emu_gen ${CMAKE_BINARY_DIR}/emu)
 file(MAKE_DIRECTORY ${_emu_gen})
@@ -119,7 +119,7 @@ if(COMPASS_EMU_MUTANTS)
     FIND "ok = below_sum == kk * (kk - 1) / 2"
     REPLACE "ok = below_sum >= 0")
   # ck.fp8.grouped_gemm's argument builder (tests/test_fp8_gemm_args.py: MUTANTS).
-  set(_fp8g csrc/fp8_gemm/grouped_args.cu)
+  set(_fp8g csrc/fp8/grouped_args.cu)
   compass_emu_mutant(fp8_gemm_args_guard_off_by_one KERNEL ${_fp8g} FILE ${_fp8g}
     ENTRIES grouped_args_cuda
     FIND "if (e >= experts) return"
@@ -164,7 +164,7 @@ set_target_properties(compass_emu_kernels PROPERTIES POSITION_INDEPENDENT_CODE O
 pybind11_add_module(_C_emu MODULE NO_EXTRAS
   csrc/emu/src/module.cpp csrc/emu/src/bindings_routing.cpp
  
-  csrc/emu/src/bindings_fp8_gemm.cpp
+  csrc/emu/src/bindings_fp8.cpp
   csrc/emu/src/bindings_selftest.cpp csrc/emu/src/runtime.cpp csrc/emu/src/memcheck.cpp
   csrc/emu/src/fiber.cpp
   ${COMPASS_EMU_HOST_SOURCES} $<TARGET_OBJECTS:compass_emu_kernels>)

@@ -19,7 +19,7 @@ namespace compass {
 namespace advantages { void bind(py::module_& m); }
 namespace routing { void bind(py::module_& m); }
 namespace packing { void bind(py::module_& m); }
-namespace fp8_gemm { void bind(py::module_& m); }
+namespace fp8 { void bind(py::module_& m); }
 }  // namespace compass
 
 namespace {
@@ -70,5 +70,5 @@ PYBIND11_MODULE(_C, m) {
   compass::advantages::bind(m);
   compass::routing::bind(m);
   compass::packing::bind(m);
-  compass::fp8_gemm::bind(m);
+  compass::fp8::bind(m);
 }

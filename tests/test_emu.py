@@ -225,7 +225,7 @@ def test_bad_launch_configuration_is_a_launch_error(st):
 def test_module_lists_the_kernels_and_entry_points():
     ev = _emu.evidence()
     assert ev["built"]
-    assert {"routing.encode_sets_cuda", "fp8_gemm.grouped_args_cuda"} <= set(ev["entry_points"])
+    assert {"routing.encode_sets_cuda", "fp8.grouped_args_cuda"} <= set(ev["entry_points"])
     assert any("routing" in k and "encode_kernel" in k for k in ev["kernels"]), ev["kernels"]
     assert any("grouped_args_kernel" in k for k in ev["kernels"]), ev["kernels"]
     before = ev["stats"]["launches"]

@@ -41,7 +41,7 @@ def _sm_count(index: int) -> int:
 @functools.cache
 def _cutlass_entry_points():
     """(argument builder, GEMM, tile heuristic) of _C, looked up once."""
-    ext = load().fp8_gemm
+    ext = load().fp8
     if not hasattr(ext, "grouped_gemm_sm90_cuda"):
         raise BackendUnavailableError(
             "fp8_grouped_gemm: compass_kernels._C was built without the CUTLASS kernel: rebuild "
@@ -85,11 +85,11 @@ def cutlass_launch_args(a_q, b_q, stream, sms):
 
 
 def grouped_gemm_cutlass(a_q, a_scales, b_q, b_scales, expert_offsets, out_dtype, out, stream):
-    """The ``cuda`` backend: CUTLASS sm_90a (csrc/fp8_gemm/grouped_gemm_sm90.cuh).
+    """The ``cuda`` backend: CUTLASS sm_90a (csrc/fp8/grouped_gemm_sm90.cuh).
 
     Two launches on ``stream``, no host sync: the argument builder (problem
     shapes and pointer arrays from the offsets, on the device), then the
-    grouped GEMM in the tile configuration ``fp8_gemm.choose_sm90_tile`` picks
+    grouped GEMM in the tile configuration ``fp8.choose_sm90_tile`` picks
     from shapes (64-row pingpong tiles for decode-sized groups, 128-row
     cooperative tiles for prefill). Needs K % 16 == 0, N % 8 == 0, bf16 output
     and K-major contiguous scales (checked, with a clear error, at the C++
@@ -105,7 +105,7 @@ def grouped_gemm_cutlass(a_q, a_scales, b_q, b_scales, expert_offsets, out_dtype
 
 @functools.cache
 def _workspace_bytes(tile: int, experts: int, sms: int) -> int:
-    return load().fp8_gemm.grouped_gemm_sm90_workspace(tile, experts, sms)
+    return load().fp8.grouped_gemm_sm90_workspace(tile, experts, sms)
 
 
 grouped_gemm_op = register_op(
@@ -121,7 +121,7 @@ grouped_gemm_op = register_op(
 )
 
 
-#: Rows of the pointer arrays the argument builder writes (compass/fp8_gemm.h: PtrRow).
+#: Rows of the pointer arrays the argument builder writes (compass/fp8.h: PtrRow).
 PTR_ROWS = ("a", "b", "a_scales", "b_scales", "out")
 
 
@@ -142,7 +142,7 @@ grouped_args_op = register_op(
     "(Tensor a_q, Tensor a_scales, Tensor b_q, Tensor b_scales, Tensor expert_offsets,"
     " Tensor out) -> (Tensor, Tensor)",
     outputs=_args_outputs,
-    kernels={"cpp": "fp8_gemm.grouped_args_cpu", "cuda": "fp8_gemm.grouped_args_cuda"},
+    kernels={"cpp": "fp8.grouped_args_cpu", "cuda": "fp8.grouped_args_cuda"},
 )
 
 

@@ -6,7 +6,7 @@
 namespace compass {
 namespace emu {
 void bind_routing(pybind11::module_& root);
-void bind_fp8_gemm(pybind11::module_& root);
+void bind_fp8(pybind11::module_& root);
 void bind_selftest(pybind11::module_& root);
 }  // namespace emu
 }  // namespace compass

@@ -77,6 +77,6 @@ PYBIND11_MODULE(_C_emu, m) {
   }, "launches, blocks, CUDA threads and fiber switches emulated in this process");
 
   compass::emu::bind_routing(m);
-  compass::emu::bind_fp8_gemm(m);
+  compass::emu::bind_fp8(m);
   compass::emu::bind_selftest(m);
 }

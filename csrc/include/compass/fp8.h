@@ -9,7 +9,7 @@
 #include "compass/common.h"
 
 namespace compass {
-namespace fp8_gemm {
+namespace fp8 {
 
 // Scale granularity along K (1x128 activation groups, 128x128 weight blocks)
 // and along N (weight blocks): the kernels promote their accumulator to fp32
@@ -23,7 +23,7 @@ COMPASS_HD int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // Per-expert problem shapes and pointer arrays of a pointer-array grouped GEMM
 // (CUTLASS's GroupProblemShape<Shape<int,int,int>> and its ptr_A / ptr_B /
 // ptr_SFA / ptr_SFB / ptr_D arrays), built from the expert offsets on the
-// device (csrc/fp8_gemm/grouped_args.cu) so the launch needs no host sync and
+// device (csrc/fp8/grouped_args.cu) so the launch needs no host sync and
 // can be captured in a CUDA graph; the CPU builds the same with the same
 // function (tests, and the host-side plan).
 enum PtrRow : int { kPtrA = 0, kPtrB, kPtrSFA, kPtrSFB, kPtrD, kNumPtrRows };
@@ -53,5 +53,5 @@ COMPASS_HD void group_args(const GroupedLayout& g, int64_t e, int64_t experts, i
   ptrs[kPtrD * experts + e] = static_cast<int64_t>(g.d + static_cast<uint64_t>(lo * g.d_row));
 }
 
-}  // namespace fp8_gemm
+}  // namespace fp8
 }  // namespace compass

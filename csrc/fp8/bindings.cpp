@@ -1,12 +1,12 @@
 // ck.fp8.grouped_gemm entry points: one line per backend.
 #include "compass_pybind.h"
-#include "fp8_gemm/fp8_gemm_api.h"
+#include "fp8/fp8_api.h"
 
 namespace compass {
-namespace fp8_gemm {
+namespace fp8 {
 
 void bind(pybind11::module_& root) {
-  auto m = root.def_submodule("fp8_gemm", "FP8 grouped expert GEMM (blockwise scales)");
+  auto m = root.def_submodule("fp8", "FP8 grouped expert GEMM (blockwise scales)");
   const char* args = "(a_q, a_scales, b_q, b_scales, expert_offsets, out, shapes, ptrs[, stream]): "
                      "per-expert problem shapes [E, 3] and pointer arrays [5, E] in place";
   COMPASS_DEF_NOGIL(m, grouped_args_cpu, args);
@@ -26,5 +26,5 @@ void bind(pybind11::module_& root) {
 #endif
 }
 
-}  // namespace fp8_gemm
+}  // namespace fp8
 }  // namespace compass

@@ -9,11 +9,11 @@
 #include <cstdint>
 #include <vector>
 
-#include "compass/fp8_gemm.h"
+#include "compass/fp8.h"
 #include "compass/tensor_view.h"
 
 namespace compass {
-namespace fp8_gemm {
+namespace fp8 {
 
 // a_q [M, K] float8_e4m3fn (unit stride along K), token-packed: rows
 // [expert_offsets[e], expert_offsets[e+1]) belong to expert e, no padding;
@@ -83,5 +83,5 @@ void grouped_gemm_sm90_m128(COMPASS_FP8_GROUPED_GEMM_ARGS, TensorView shapes, Te
                             TensorView workspace, int64_t sm_count, uintptr_t stream);
 #endif
 
-}  // namespace fp8_gemm
+}  // namespace fp8
 }  // namespace compass

@@ -1,12 +1,12 @@
 // Host side of the grouped-GEMM argument builder: the GEMM's argument checks
 // (shared with the CUTLASS entry point), the layout (base addresses and byte
 // strides) both builders read, and the CPU builder, which runs the same
-// per-expert function (compass::fp8_gemm::group_args) as the CUDA kernel in
+// per-expert function (compass::fp8::group_args) as the CUDA kernel in
 // grouped_args.cu.
-#include "fp8_gemm/fp8_gemm_api.h"
+#include "fp8/fp8_api.h"
 
 namespace compass {
-namespace fp8_gemm {
+namespace fp8 {
 
 void check_grouped_gemm_args(COMPASS_FP8_GROUPED_GEMM_ARGS) {
   for (const TensorView* t : {&a_scales, &b_q, &b_scales, &expert_offsets, &out}) {
@@ -96,5 +96,5 @@ void grouped_args_cpu(COMPASS_FP8_GROUPED_ARGS_ARGS) {
   }
 }
 
-}  // namespace fp8_gemm
+}  // namespace fp8
 }  // namespace compass
