@@ -22,7 +22,7 @@ Baselines (the ``speedup`` column is against the first):
 - ``compass``: the public API (default backend, validation as by default).
 
 The ``overhead`` case times one tiny call (8 sequences, 256 tokens) through
-each layer: the two raw C++ kernels with prepared arguments (the floor), the
+each layer: the two raw torch kernels with prepared arguments (the floor), the
 public API without gradient, and with forward + backward.
 
 GPU: the H100 model column counts the bytes the fused path must move (see
@@ -208,8 +208,8 @@ def overhead_case() -> Case:
     lp, old, ent, adv, cu = make_batch(8, 256, "cpu", seed=3)
     thr = entropy_thresholds(ent, cu, levels=(1 - RHO,))
     scale = ALPHA / math.log(VOCAB)
-    sums_k = espo_group_sums_op.kernel("cpp")
-    fwd_k = espo_loss_forward_op.kernel("cpp")
+    sums_k = espo_group_sums_op.kernel("torch")
+    fwd_k = espo_loss_forward_op.kernel("torch")
     sums = espo_group_sums_op.outputs(ent, lp, old, cu, None, thr, 2, ADAPTIVE_EPS)
     args = (lp, old, ent, adv, cu, None, thr, sums[0], 2, ADAPTIVE_EPS, 0.0, 0.0, scale, 0.0,
             -20.0, 20.0, 1.0 / 8, 1)  # fmt: skip

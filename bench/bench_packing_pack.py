@@ -20,7 +20,7 @@ Baselines (written from their technique, not copied):
   packing utilities work sequence by sequence like this).
 
 ``compass.pack``: the public API (metadata, cu_seqlens, position ids and
-every tensor, C++ kernel on CPU).
+every tensor; the torch backend on CPU, Triton on GPU).
 """
 
 from __future__ import annotations

@@ -16,14 +16,9 @@ if(NOT CMAKE_CXX_COMPILER_ID STREQUAL "GNU")
 endif()
 
 # Plain CUDA (no wgmma / TMA / clusters / CUTLASS) that runs under emulation.
-set(COMPASS_EMU_KERNELS csrc/advantages/advantages.cu csrc/routing/replay.cu csrc/routing/codec.cu
-    csrc/espo/espo_loss.cu
-    csrc/logprobs/logprobs.cu csrc/packing/pack.cu csrc/fp8/fp8.cu csrc/fp8_gemm/grouped_args.cu)
+set(COMPASS_EMU_KERNELS csrc/routing/codec.cu csrc/fp8/grouped_args.cu)
 # Host code the entry points call (argument checks, DLPack views).
-set(COMPASS_EMU_HOST_SOURCES csrc/advantages/advantages_cpu.cpp csrc/routing/replay_cpu.cpp
-    csrc/espo/espo_loss_cpu.cpp csrc/logprobs/logprobs_cpu.cpp csrc/packing/pack_cpu.cpp
-    csrc/fp8/fp8_cpu.cpp csrc/fp8/permute_cpu.cpp csrc/fp8_gemm/grouped_gemm_cpu.cpp
-    csrc/fp8_gemm/grouped_args_cpu.cpp csrc/dlpack_view.cpp)
+set(COMPASS_EMU_HOST_SOURCES csrc/fp8/grouped_args_cpu.cpp csrc/dlpack_view.cpp)
 
 set(_emu_gen ${CMAKE_BINARY_DIR}/emu)
 file(MAKE_DIRECTORY ${_emu_gen})
@@ -109,50 +104,6 @@ function(compass_emu_mutant name)
 endfunction()
 
 if(COMPASS_EMU_MUTANTS)
-  set(_adv csrc/advantages/advantages.cu)
-  set(_adv_entries group_advantages_cuda rl_zvp_cuda)
-  # The two bugs a review planted without any test noticing (issue 6):
-  compass_emu_mutant(stride16 KERNEL ${_adv} FILE ${_adv} ENTRIES ${_adv_entries}
-    FIND "j += 32) sum +="
-    REPLACE "j += 16) sum +=")
-  compass_emu_mutant(tail_not_cleared KERNEL ${_adv} FILE ${_adv} ENTRIES ${_adv_entries}
-    FIND "t < total"
-    REPLACE "t < cu[n]")
-  # Ours: one per emulator check, each a plausible edit.
-  compass_emu_mutant(group_guard_off_by_one KERNEL ${_adv} FILE ${_adv} ENTRIES ${_adv_entries}
-    FIND "if (g >= groups) return"
-    REPLACE "if (g > groups) return")
-  compass_emu_mutant(idle_lanes_exit KERNEL ${_adv} FILE ${_adv} ENTRIES ${_adv_entries}
-    FIND "  double sum = 0.0"
-    REPLACE "  if (lane >= count) return<semicolon>  // lanes past the group have no work\n  double sum = 0.0")
-  compass_emu_mutant(idle_threads_exit KERNEL ${_adv} FILE ${_adv} ENTRIES ${_adv_entries}
-    FIND "  float hmax = -FLT_MAX"
-    REPLACE "  if (begin + threadIdx.x >= end) return<semicolon>  // no tokens for this thread\n  float hmax = -FLT_MAX")
-  compass_emu_mutant(block_max_no_barrier KERNEL ${_adv} FILE csrc/include/compass/cuda_utils.cuh
-    ENTRIES ${_adv_entries}
-    FIND "partial[threadIdx.x / 32] = v<semicolon>\n  __syncthreads()<semicolon>\n"
-    REPLACE "partial[threadIdx.x / 32] = v<semicolon>\n")
-  # ck.routing (issue 7): each caught by tests/test_routing.py.
-  set(_rt csrc/routing/replay.cu)
-  set(_rt_entries replay_topk_cuda replay_topk_backward_cuda)
-  compass_emu_mutant(map_no_syncwarp KERNEL ${_rt} FILE ${_rt} ENTRIES ${_rt_entries}
-    FIND "__syncwarp()<semicolon>  // the zeros land before the selected experts are set"
-    REPLACE "// (no __syncwarp)")
-  compass_emu_mutant(flush_no_barrier KERNEL ${_rt} FILE ${_rt} ENTRIES ${_rt_entries}
-    FIND "  __syncthreads()<semicolon>\n  for (int j = threadIdx.x<semicolon> j < e<semicolon> j += blockDim.x) {\n    if (hist[j])"
-    REPLACE "  for (int j = threadIdx.x<semicolon> j < e<semicolon> j += blockDim.x) {\n    if (hist[j])")
-  compass_emu_mutant(dup_includes_self KERNEL ${_rt} FILE ${_rt} ENTRIES ${_rt_entries}
-    FIND "q < lane && rq == rep"
-    REPLACE "q <= lane && rq == rep")
-  compass_emu_mutant(tie_to_later KERNEL ${_rt} FILE ${_rt} ENTRIES ${_rt_entries}
-    FIND "(bi == e || ranks_above<A>(sel[j], x, bv, bi))"
-    REPLACE "(bi == e || sel[j] >= bv)")
-  compass_emu_mutant(grad_drops_dot KERNEL ${_rt} FILE ${_rt} ENTRIES ${_rt_entries}
-    FIND "grad_used<A>(g, num / den, dot,"
-    REPLACE "grad_used<A>(g, num / den, A(0),")
-  compass_emu_mutant(bwd_no_syncwarp KERNEL ${_rt} FILE ${_rt} ENTRIES ${_rt_entries}
-    FIND "__syncwarp()<semicolon>  // the dense part lands"
-    REPLACE "// (no __syncwarp)")
   # ck.routing's set-code encoder (tests/test_routing_codec.py: CODEC_MUTANTS).
   set(_rc csrc/routing/codec.cu)
   compass_emu_mutant(codec_vals_no_barrier KERNEL ${_rc} FILE ${_rc} ENTRIES encode_sets_cuda
@@ -167,74 +118,8 @@ if(COMPASS_EMU_MUTANTS)
   compass_emu_mutant(codec_dup_check_off KERNEL ${_rc} FILE ${_rc} ENTRIES encode_sets_cuda
     FIND "ok = below_sum == kk * (kk - 1) / 2"
     REPLACE "ok = below_sum >= 0")
-  # ck.espo segmented loss (tests/test_espo_loss.py must catch each)
-  set(_espo csrc/espo/espo_loss.cu)
-  set(_espo_entries espo_group_sums_cuda espo_loss_forward_cuda espo_loss_backward_cuda)
-  compass_emu_mutant(espo_stride_skips_tokens KERNEL ${_espo} FILE ${_espo} ENTRIES ${_espo_entries}
-    FIND "t < end<semicolon> t += kThreads) {\n    if (!valid_token(mask, t)) continue<semicolon>"
-    REPLACE "t < end<semicolon> t += 2 * kThreads) {\n    if (!valid_token(mask, t)) continue<semicolon>")
-  compass_emu_mutant(espo_reduce_no_barrier KERNEL ${_espo} FILE ${_espo} ENTRIES ${_espo_entries}
-    FIND "  if (lane == 0) partial[warp] = v<semicolon>\n  __syncthreads()<semicolon>"
-    REPLACE "  if (lane == 0) partial[warp] = v<semicolon>")
-  compass_emu_mutant(espo_padding_grad_kept KERNEL ${_espo} FILE ${_espo} ENTRIES ${_espo_entries}
-    FIND "t = cu[n] + threadIdx.x<semicolon> t < total"
-    REPLACE "t = cu[n] + threadIdx.x<semicolon> t < cu[n]")
-  compass_emu_mutant(espo_clip_inclusive KERNEL ${_espo} FILE csrc/include/compass/espo_loss.h
-    ENTRIES ${_espo_entries}
-    FIND "const bool clipped = o2 < o1<semicolon>"
-    REPLACE "const bool clipped = o2 <= o1<semicolon>")
-  # ck.packing (tests/test_packing_pack.py catches each):
-  set(_pk csrc/packing/pack.cu)
-  set(_pk_entries thd_pack_cuda thd_unpack_cuda thd_positions_cuda)
-  compass_emu_mutant(pack_pad_boundary KERNEL ${_pk} FILE ${_pk}
-    ENTRIES ${_pk_entries}
-    FIND "out[i] = p < len[j] ?"
-    REPLACE "out[i] = p <= len[j] ?")
-  compass_emu_mutant(unpack_drops_rank_offset KERNEL ${_pk} FILE ${_pk}
-    ENTRIES ${_pk_entries}
-    FIND "packed[(rank * rows_per_rank + off[j] + u) * upr + e]"
-    REPLACE "packed[(off[j] + u) * upr + e]")
-  compass_emu_mutant(zigzag_mirror_off_by_one KERNEL ${_pk}
-    FILE csrc/include/compass/packing.h ENTRIES ${_pk_entries}
-    FIND "(2 * cp - 1 - r) * c + (u - c)"
-    REPLACE "(2 * cp - 2 - r) * c + (u - c)")
-  # ck.fp8 (tests/test_fp8.py: MUTANTS), each a plausible edit.
-  set(_fp8 csrc/fp8/fp8.cu)
-  set(_fp8_entries quantize_cuda permute_quantize_cuda unpermute_cuda)
-  compass_emu_mutant(fp8_amax_skips_a_warp KERNEL ${_fp8} FILE ${_fp8} ENTRIES ${_fp8_entries}
-    FIND "for (int w = 0<semicolon> w < kWarps<semicolon> ++w) m = fmaxf"
-    REPLACE "for (int w = 0<semicolon> w < kWarps - 1<semicolon> ++w) m = fmaxf")
-  compass_emu_mutant(fp8_ties_away KERNEL ${_fp8} FILE csrc/include/compass/fp8.h
-    ENTRIES ${_fp8_entries}
-    FIND "(n + 0x7ffffu + ((n >> 20) & 1u)) >> 20"
-    REPLACE "(n + 0x80000u) >> 20")
-  compass_emu_mutant(fp8_group_guard_off_by_one KERNEL ${_fp8} FILE ${_fp8} ENTRIES ${_fp8_entries}
-    FIND "if (gid >= rows * per_row) return"
-    REPLACE "if (gid > rows * per_row) return")
-  compass_emu_mutant(fp8_rank_ignores_other_warps KERNEL ${_fp8} FILE ${_fp8}
-    ENTRIES ${_fp8_entries}
-    FIND "hist[w * experts + x] = run<semicolon>"
-    REPLACE "hist[w * experts + x] = 0<semicolon>")
-  compass_emu_mutant(fp8_scan_no_barrier KERNEL ${_fp8} FILE ${_fp8} ENTRIES ${_fp8_entries}
-    FIND "const int64_t add = e >= d ? total[e - d] : 0<semicolon>\n    __syncthreads()<semicolon>"
-    REPLACE "const int64_t add = e >= d ? total[e - d] : 0<semicolon>")
-  compass_emu_mutant(fp8_unpermute_fused_fma KERNEL ${_fp8} FILE ${_fp8} ENTRIES ${_fp8_entries}
-    FIND "acc = __fadd_rn(acc, __fmul_rn(w[t * k + j], load_value(y + p * ys + c)))"
-    REPLACE "acc = fmaf(w[t * k + j], load_value(y + p * ys + c), acc)")
-  # ck.espo log-probs: a thread skipping part of its vocab slice, and the
-  # block sum read before every warp wrote its partial.
-  set(_lp csrc/logprobs/logprobs.cu)
-  set(_lp_entries token_logprobs_entropy_cuda token_logprobs_entropy_bwd_cuda
-      logprobs_tile_stats_cuda)
-  compass_emu_mutant(lp_half_stride KERNEL ${_lp} FILE ${_lp} ENTRIES ${_lp_entries}
-    FIND "for (int64_t j = threadIdx.x<semicolon> j < n<semicolon> j += kThreads)"
-    REPLACE "for (int64_t j = threadIdx.x<semicolon> j < n<semicolon> j += 2 * kThreads)")
-  compass_emu_mutant(lp_sum_no_barrier KERNEL ${_lp} FILE ${_lp} ENTRIES ${_lp_entries}
-    FIND "partial[threadIdx.x / 32] = v<semicolon>\n  __syncthreads()<semicolon>\n"
-    REPLACE "partial[threadIdx.x / 32] = v<semicolon>\n")
-
   # ck.fp8.grouped_gemm's argument builder (tests/test_fp8_gemm_args.py: MUTANTS).
-  set(_fp8g csrc/fp8_gemm/grouped_args.cu)
+  set(_fp8g csrc/fp8/grouped_args.cu)
   compass_emu_mutant(fp8_gemm_args_guard_off_by_one KERNEL ${_fp8g} FILE ${_fp8g}
     ENTRIES grouped_args_cuda
     FIND "if (e >= experts) return"
@@ -244,8 +129,7 @@ if(COMPASS_EMU_MUTANTS)
     FIND "off[e], off[e + 1], shapes"
     REPLACE "off[e], off[experts], shapes")
 endif()
-# COMPASS_EMU_MUTANTS_<CAP>(X): the mutants of one capability's kernels;
-# COMPASS_EMU_MUTANTS(X) is advantages' list under its first name.
+# COMPASS_EMU_MUTANTS_<CAP>(X): the mutants of one capability's kernels.
 set(_mutant_header "// generated by cmake/emu.cmake\n#pragma once\n")
 foreach(cap IN LISTS COMPASS_CAPABILITIES)
   set(_mutant_list "")
@@ -265,7 +149,6 @@ foreach(cu IN LISTS COMPASS_EMU_KERNELS)
   string(TOUPPER "${cap}_${stem}" _CAP)
   string(APPEND _mutant_header "#define COMPASS_EMU_MUTANTS_${_CAP}(X)${_mutant_list}\n")
 endforeach()
-string(APPEND _mutant_header "#define COMPASS_EMU_MUTANTS(X) COMPASS_EMU_MUTANTS_ADVANTAGES(X)\n")
 file(CONFIGURE OUTPUT ${_emu_gen}/compass_emu_mutants.h CONTENT "${_mutant_header}")
 
 # ------------------------------------------------------------------- module
@@ -279,9 +162,9 @@ set_target_properties(compass_emu_kernels PROPERTIES POSITION_INDEPENDENT_CODE O
 
 # NO_EXTRAS: no strip, so the line tables below survive.
 pybind11_add_module(_C_emu MODULE NO_EXTRAS
-  csrc/emu/src/module.cpp csrc/emu/src/bindings_advantages.cpp csrc/emu/src/bindings_routing.cpp
-  csrc/emu/src/bindings_espo.cpp csrc/emu/src/bindings_logprobs.cpp csrc/emu/src/bindings_packing.cpp
-  csrc/emu/src/bindings_fp8.cpp csrc/emu/src/bindings_fp8_gemm.cpp
+  csrc/emu/src/module.cpp csrc/emu/src/bindings_routing.cpp
+ 
+  csrc/emu/src/bindings_fp8.cpp
   csrc/emu/src/bindings_selftest.cpp csrc/emu/src/runtime.cpp csrc/emu/src/memcheck.cpp
   csrc/emu/src/fiber.cpp
   ${COMPASS_EMU_HOST_SOURCES} $<TARGET_OBJECTS:compass_emu_kernels>)

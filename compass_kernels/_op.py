@@ -6,12 +6,13 @@ its dispatch, from a single spec.
         "(Tensor rewards, Tensor order, Tensor offsets, int mode, float eps, "
         "float zero_var_tol) -> (Tensor, Tensor, Tensor, Tensor)",
         outputs=_alloc_outputs,                         # also the fake
-        kernels={"cpp": "advantages.group_advantages_cpu",        # in compass_kernels._C
-                 "cuda": "advantages.group_advantages_cuda",
+        kernels={"torch": "compass_kernels.advantages.reference:group_advantages_torch",
                  "triton": "compass_kernels.advantages.triton:group_advantages_triton"},
     )
     adv, zv, mean, std = group_advantages_op(r, order, offsets, 0, 1e-6, 1e-6)
 
+A kernel spec is "package.module:function" (Python: torch, Triton) or
+"submodule.function" in compass_kernels._C (C++ / CUDA: "cpp", "cuda").
 Kernel calling convention (every backend): ``kernel(*args, *outputs)`` writes the
 outputs in place; CUDA entry points take the raw stream handle last. ``outputs``
 allocates the outputs from the op's arguments with tensor factory methods, so

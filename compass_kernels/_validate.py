@@ -46,7 +46,8 @@ def check_tensor(
 
 
 def check_finite(name: str, t: torch.Tensor) -> None:
-    """Raise if ``t`` holds NaN or Inf, naming the first bad index (one host sync).
+    """Raise if ``t`` holds NaN or Inf, naming the first bad index (``index i``,
+    or ``[i, j, ...]`` for an n-d tensor; one host sync).
 
     Fast path: a float64 sum is finite iff every element is (NaN and Inf
     propagate; float32/half values cannot overflow a float64 sum), one
@@ -56,9 +57,10 @@ def check_finite(name: str, t: torch.Tensor) -> None:
         return
     bad = ~torch.isfinite(t)
     if bool(bad.any()):
-        idx = int(bad.nonzero()[0, 0])
+        idx = bad.nonzero()[0].tolist()
+        where = f"index {idx[0]}" if t.dim() == 1 else f"{idx}"
         raise ValueError(
-            f"{name}: expected finite values, got {t[idx].item()} at index {idx} "
+            f"{name}: expected finite values, got {t[tuple(idx)].item()} at {where} "
             f"({int(bad.sum())} non-finite of {t.numel()})"
         )
 

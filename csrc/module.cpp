@@ -18,11 +18,8 @@ namespace py = pybind11;
 namespace compass {
 namespace advantages { void bind(py::module_& m); }
 namespace routing { void bind(py::module_& m); }
-namespace espo { void bind(py::module_& m); }
 namespace packing { void bind(py::module_& m); }
 namespace fp8 { void bind(py::module_& m); }
-namespace logprobs { void bind(py::module_& m); }
-namespace fp8_gemm { void bind(py::module_& m); }
 }  // namespace compass
 
 namespace {
@@ -77,9 +74,6 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_devices", &cuda_devices, "(count, reason) of usable CUDA devices");
   compass::advantages::bind(m);
   compass::routing::bind(m);
-  compass::espo::bind(m);
   compass::packing::bind(m);
   compass::fp8::bind(m);
-  compass::logprobs::bind(m);
-  compass::fp8_gemm::bind(m);
 }

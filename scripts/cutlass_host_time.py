@@ -44,12 +44,12 @@ def per_call_us(fn, n: int = 20000, repeats: int = 7) -> float:
 
 
 def main() -> None:
-    ext = load().fp8_gemm
+    ext = load().fp8
     a_q = torch.empty(ROWS, K, dtype=torch.float8_e4m3fn)
     b_q = torch.empty(E, N, 16, dtype=torch.float8_e4m3fn)  # only shapes are read
 
     def prep_before():
-        x = load().fp8_gemm
+        x = load().fp8
         if not hasattr(x, "grouped_gemm_sm90_cuda"):
             raise RuntimeError("needs a CUDA build of _C (the workspace size)")
         torch.empty((E, 3), dtype=torch.int32, device=a_q.device)

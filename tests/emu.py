@@ -14,7 +14,7 @@ Tests only: dispatch never chooses it (compass_kernels._dispatch.TEST_BACKENDS);
 
 - :func:`install`: adds the "cuda-emulated" backend to every registered op
   whose CUDA entry point _C_emu has (tests/conftest.py and ck.info() call it).
-- :func:`call` (``"advantages.group_advantages_cuda"``, args...): run an
+- :func:`call` (``"routing.encode_sets_cuda"``, args...): run an
   emulated entry point; a failed check raises an :class:`EmulationError`
   subclass whose message names kernel, block, thread, address and, when
   ``addr2line`` is installed, the source line.
@@ -125,7 +125,7 @@ def install() -> list[str]:
 
 
 def call(qualified: str, *args: Any) -> Any:
-    """Run the emulated entry point ``qualified`` (e.g. "advantages.rl_zvp_cuda")."""
+    """Run the emulated entry point ``qualified`` (e.g. "routing.encode_sets_cuda")."""
     fn = entry_point(qualified)
     err_cls = load().EmulationError
     try:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -66,29 +65,18 @@ def test_libstdcxx_is_shared():
 @needs_cuda_build
 def test_sm90a_kernels_are_built_without_spills():
     usage = aot.resource_usage(_C.__file__, arch="sm_90a")
-    aot.assert_no_spills(usage)  # every kernel of _C; the advantages ones below in detail
-    usage = {k: v for k, v in usage.items()
-             if "10advantages" in k and re.search(r"(group_kernel|zvp_kernel)I", k)}  # fmt: skip
-    names = {re.search(r"(group_kernel|zvp_kernel)I(\w+?)E", k).group(0) for k in usage}
-    # 2 reward dtypes for the group kernel; 2 x 2 (rewards, advantages) for RL-ZVP
-    assert names == {
-        "group_kernelIfE", "group_kernelIdE",
-        "zvp_kernelIffE", "zvp_kernelIfdE", "zvp_kernelIdfE", "zvp_kernelIddE",
-    }  # fmt: skip
-    aot.assert_no_spills(usage)
-    aot.assert_registers_at_most(usage, 64)
+    aot.assert_no_spills(usage)  # every kernel of _C (per-kernel budgets: each capability's tests)
+    names = " ".join(usage)
+    assert "encode_kernel" in names and "grouped_args_kernel" in names, sorted(usage)
 
 
 @pytest.mark.sm90
 @needs_cuda_build
-def test_sm90a_sass_has_the_expected_math():
-    """Statistics in float64 (DADD/DFMA), warp-shuffle reductions, no device asserts."""
+def test_sm90a_kernels_have_no_device_asserts():
+    """-DNDEBUG always: a device assert makes ptxas serialize wgmma (C7510)."""
     usage = aot.resource_usage(_C.__file__, arch="sm_90a")
-    group = next(k for k in usage if "group_kernelIfE" in k)
-    sass = aot.sass_of(_C.__file__, function=group)
-    aot.assert_sass_contains(sass, r"\bDADD\b", kernel=group)
-    aot.assert_sass_contains(sass, r"SHFL\.BFLY", kernel=group)
-    assert "__assertfail" not in sass, "device assert in a hot kernel: build with -DNDEBUG"
+    enc = next(k for k in usage if "encode_kernel" in k)
+    assert "__assertfail" not in aot.sass_of(_C.__file__, function=enc)
 
 
 def _nvcc() -> str | None:

@@ -225,9 +225,9 @@ def test_bad_launch_configuration_is_a_launch_error(st):
 def test_module_lists_the_kernels_and_entry_points():
     ev = _emu.evidence()
     assert ev["built"]
-    assert {"advantages.group_advantages_cuda", "advantages.rl_zvp_cuda"} <= set(ev["entry_points"])
-    assert "compass::advantages::group_kernel<float>" in ev["kernels"]
-    assert "compass::advantages::zvp_kernel<double, float>" in ev["kernels"]
+    assert {"routing.encode_sets_cuda", "fp8.grouped_args_cuda"} <= set(ev["entry_points"])
+    assert any("routing" in k and "encode_kernel" in k for k in ev["kernels"]), ev["kernels"]
+    assert any("grouped_args_kernel" in k for k in ev["kernels"]), ev["kernels"]
     before = ev["stats"]["launches"]
     run(_emu.load().selftest.barriers, torch.zeros(64, dtype=torch.int32), 0)
     assert _emu.evidence()["stats"]["launches"] == before + 1
@@ -236,9 +236,9 @@ def test_module_lists_the_kernels_and_entry_points():
 def test_every_planted_mutant_is_built():
     """A mutant whose pattern no longer matches its source is left out of the build
     (cmake/emu.cmake warns); this fails until its pattern is updated."""
-    from tests.test_espo_loss import MUTANTS
+    from tests.test_routing_codec import CODEC_MUTANTS
 
-    assert sorted(_emu.mutants().get("espo", [])) == sorted(MUTANTS)
+    assert sorted(_emu.mutants().get("routing", [])) == sorted(CODEC_MUTANTS)
     with pytest.raises(ValueError, match="unknown mutant"):
         with _emu.mutant("no_such_mutant"):
             pass

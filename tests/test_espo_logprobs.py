@@ -1,4 +1,4 @@
-"""ck.espo token log-probs / entropy (C++ CPU backend and the public API) vs the float64 reference.
+"""ck.espo token log-probs / entropy (torch CPU backend, public API) vs the float64 reference.
 
 Triton-backend tests live in test_espo_logprobs_triton.py. Outputs are
 poisoned (NaN) before each kernel runs; logits mix large positive offsets,
@@ -13,7 +13,6 @@ import pytest
 import torch
 
 import compass_kernels as ck
-from compass_kernels._ext import load
 from compass_kernels.espo.logprobs import (
     logprobs_tile_stats_op,
     token_logprobs_entropy_bwd_op,
@@ -24,7 +23,6 @@ from compass_kernels.espo.reference_logprobs import (
     token_logprobs_entropy_reference,
 )
 from compass_kernels.testing import assert_verbose_allclose, empty_poisoned, make_generator
-from tests import emu as _emu
 
 # float32 accumulation of |x| up to ~60: a few ulps of lse (6e-6) plus the
 # sum's rounding; bf16 gradients are one bf16 rounding of a float32 value.
@@ -90,14 +88,14 @@ def check_forward(logits, targets, temperature, with_entropy, backend):
 def test_forward_matches_reference(shape, dtype):
     logits, targets = make_logits(*shape, seed=sum(shape), dtype=dtype)
     for temperature, with_entropy in ((1.0, True), (0.7, True), (1.3, False)):
-        check_forward(logits, targets, temperature, with_entropy, "cpp")
+        check_forward(logits, targets, temperature, with_entropy, "torch")
 
 
 def test_strided_rows():
     wide, targets = make_logits(9, 700, seed=3)
     logits = wide[:, :613]  # rows 700 apart, vocab contiguous
     targets = targets % 613
-    check_forward(logits, targets, 0.9, True, "cpp")
+    check_forward(logits, targets, 0.9, True, "torch")
 
 
 def test_all_negative_and_huge_logits():
@@ -107,7 +105,7 @@ def test_all_negative_and_huge_logits():
     for offset in (-1e4, -50.0, 1e4):
         z = torch.randn(6, 1000, generator=g) * 2 + offset
         y = torch.randint(0, 1000, (6,), generator=g)
-        check_forward(z, y, 1.0, True, "cpp")
+        check_forward(z, y, 1.0, True, "torch")
 
 
 def test_never_a_positive_logprob():
@@ -116,7 +114,7 @@ def test_never_a_positive_logprob():
     z = torch.full((64, 33), -30.0)
     y = torch.arange(64) % 33
     z[torch.arange(64), y] = torch.linspace(10, 1e5, 64)
-    logp, ent, _, _ = _fwd_poisoned(z, y, 1.0, True, "cpp")
+    logp, ent, _, _ = _fwd_poisoned(z, y, 1.0, True, "torch")
     assert bool((logp <= 0).all()) and bool((ent >= 0).all())
 
 
@@ -132,7 +130,7 @@ def test_masked_target_gives_minus_inf():
 
 def test_large_vocab_151936():
     logits, targets = make_logits(3, 151936, seed=5, masked=False)
-    check_forward(logits, targets, 1.0, True, "cpp")
+    check_forward(logits, targets, 1.0, True, "torch")
 
 
 def test_65536_tokens():
@@ -142,14 +140,14 @@ def test_65536_tokens():
     g = make_generator(6)
     logits = torch.randn(rows, vocab, generator=g) * 4
     targets = torch.randint(0, vocab, (rows,), generator=g)
-    logp, ent, m, log_s = _fwd_poisoned(logits, targets, 1.0, True, "cpp")
+    logp, ent, m, log_s = _fwd_poisoned(logits, targets, 1.0, True, "torch")
     ref_lp, ref_h = token_logprobs_entropy_reference(logits, targets)
     assert_verbose_allclose(logp, ref_lp.float(), **TOL[torch.float32])
     assert_verbose_allclose(ent, ref_h.float(), **TOL[torch.float32])
     grad = empty_poisoned((rows, vocab), torch.float32)
     gl = torch.randn(rows, generator=g)
     token_logprobs_entropy_bwd_op.run(
-        (logits, targets, m, log_s, ent, gl, None, 1.0, 0), "cpp", (grad,)
+        (logits, targets, m, log_s, ent, gl, None, 1.0, 0), "torch", (grad,)
     )
     ref = torch.softmax(logits.double(), -1).neg_()
     ref[torch.arange(rows), targets] += 1
@@ -188,7 +186,7 @@ def test_backward_matches_reference(shape, dtype):
     g = make_generator(12)
     gl, gh = torch.randn(shape[0], generator=g), torch.randn(shape[0], generator=g)
     for grads in ((gl, gh), (gl, None), (None, gh)):
-        check_backward(logits, targets, 0.8, *grads, "cpp")
+        check_backward(logits, targets, 0.8, *grads, "torch")
 
 
 def test_autograd_through_public_api():
@@ -223,60 +221,21 @@ def test_small_target_gradient_survives_bf16():
     y = torch.arange(8)
     z[torch.arange(8), y] = math.log(0.999 * (vocab - 1) / 0.001)
     logits = z.to(torch.bfloat16)
-    _, ent, m, log_s = _fwd_poisoned(logits, y, 1.0, True, "cpp")
+    _, ent, m, log_s = _fwd_poisoned(logits, y, 1.0, True, "torch")
     grad = empty_poisoned(logits.shape, torch.bfloat16)
     args = (logits, y, m, log_s, ent, torch.ones(8), None, 1.0, 0)
-    token_logprobs_entropy_bwd_op.run(args, "cpp", (grad,))
+    token_logprobs_entropy_bwd_op.run(args, "torch", (grad,))
     ref = reference_grad(logits, y, 1.0, torch.ones(8), None)
     target_grad = grad[torch.arange(8), y].double()
     assert bool((target_grad > 5e-4).all()), target_grad
     assert_verbose_allclose(target_grad, ref[torch.arange(8), y], atol=0, rtol=1e-2)
 
 
-# ------------------------------------------------- CUDA kernels, emulated on the CPU
-
-EMULATED_SHAPES = [(1, 1), (3, 7), (5, 513), (9, 1025)]  # rows x vocab vs 256 threads a row
-
-
-@pytest.mark.emulated
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", EMULATED_SHAPES)
-def test_cuda_emulated_forward_backward(shape, dtype):
-    logits, targets = make_logits(*shape, seed=51 + sum(shape), dtype=dtype)
-    for temperature, with_entropy in ((1.0, True), (0.7, False)):
-        check_forward(logits, targets, temperature, with_entropy, "cuda-emulated")
-    g = make_generator(52)
-    gl, gh = torch.randn(shape[0], generator=g), torch.randn(shape[0], generator=g)
-    for grads in ((gl, gh), (None, gh)):
-        check_backward(logits, targets, 0.8, *grads, "cuda-emulated")
-
-
-@pytest.mark.emulated
-def test_cuda_emulated_tile_stats():
-    check_tile_stats("cuda-emulated")
-
-
-# Planted bugs (cmake/emu.cmake) the emulated tests above must catch.
-LP_MUTANTS = {
-    "lp_half_stride": AssertionError,  # a thread skips every other slice: wrong sums
-    "lp_sum_no_barrier": "EmulationError",  # partials read before every warp wrote them
-}
-
-
-@pytest.mark.emulated
-@pytest.mark.parametrize("mutant", list(LP_MUTANTS))
-def test_emulated_backend_catches_planted_bugs(mutant):
-    expected = LP_MUTANTS[mutant]
-    expected = getattr(_emu, expected) if isinstance(expected, str) else expected
-    with _emu.mutant(mutant), pytest.raises(expected):
-        test_cuda_emulated_forward_backward((9, 1025), torch.float32)
-
-
 # ------------------------------------------------------------- tile statistics
 
 
 def test_tile_stats_merge_to_the_full_row():
-    check_tile_stats("cpp")
+    check_tile_stats("torch")
 
 
 def check_tile_stats(backend):
@@ -331,28 +290,6 @@ def test_bad_inputs_public_api():
         f(zb, y)
 
 
-def test_bad_inputs_at_the_cpp_boundary():
-    C = load().logprobs
-    z, y = torch.randn(4, 10), torch.randint(0, 10, (4,))
-    out = [torch.empty(4) for _ in range(4)]
-    with pytest.raises(ValueError, match="targets: expected dtype int64"):
-        C.token_logprobs_entropy_cpu(z, y.int(), 1.0, True, *out)
-    with pytest.raises(ValueError, match="log_norm: expected dtype float32"):
-        C.token_logprobs_entropy_cpu(z, y, 1.0, True, *out[:3], out[3].double())
-    with pytest.raises(ValueError, match="logp"):
-        C.token_logprobs_entropy_cpu(z, y, 1.0, True, torch.empty(3), *out[1:])
-    with pytest.raises(ValueError, match=r"targets: expected token ids in \[0, 10\)"):
-        C.token_logprobs_entropy_cpu(z, torch.tensor([0, 1, 2, 99]), 1.0, True, *out)
-    with pytest.raises(ValueError, match="temperature: expected a finite value > 0"):
-        C.token_logprobs_entropy_cpu(z, y, -1.0, True, *out)
-    with pytest.raises(ValueError, match="grad_logits"):
-        C.token_logprobs_entropy_bwd_cpu(z, y, *out[1:], None, None, 1.0, 0, torch.empty(4, 9))
-    with pytest.raises(ValueError, match="vocab_start: expected >= 0"):
-        C.token_logprobs_entropy_bwd_cpu(z, y, *out[1:], None, None, 1.0, -1, torch.empty(4, 10))
-    with pytest.raises(ValueError, match="state_in"):
-        C.logprobs_tile_stats_cpu(z, y, 0, 1.0, True, torch.empty(3, 4), torch.empty(4, 4))
-
-
 def test_empty_batch():
     logp, ent = ck.espo.token_logprobs_entropy(torch.empty(0, 5), torch.empty(0, dtype=torch.int64))
     assert logp.shape == (0,) and ent.shape == (0,)
@@ -366,7 +303,7 @@ def test_opcheck_registered_ops():
     x = logits.clone().requires_grad_()
     torch.library.opcheck(torch.ops.compass.token_logprobs_entropy.default,
                           (x, targets, 0.9, True))  # fmt: skip
-    _, ent, m, log_s = _fwd_poisoned(logits, targets, 0.9, True, "cpp")
+    _, ent, m, log_s = _fwd_poisoned(logits, targets, 0.9, True, "torch")
     g = torch.randn(5)
     bwd = torch.ops.compass.token_logprobs_entropy_bwd.default
     torch.library.opcheck(bwd, (logits, targets, m, log_s, ent, g, g, 0.9, 0))
@@ -390,7 +327,7 @@ def test_traces_under_torch_compile():
     assert_verbose_allclose(x.grad, ref.float(), **GRAD_TOL[torch.float32])
 
 
-# ------------------------------------------------------- fused linear (cpp)
+# ------------------------------------------------------- fused linear (torch)
 
 
 def make_fused(rows, hidden, vocab, seed, dtype=torch.float32):
@@ -525,23 +462,3 @@ def test_vocab_tensor_parallel_two_gloo_ranks_equal_one_process(tmp_path):
     # and the single process agrees with the float64 reference
     ref_lp, ref_h, _, _ = fused_reference_grads(h, w, y, 0.8, gl, gh)
     assert_verbose_allclose(logp, ref_lp.float(), atol=5e-5, rtol=1e-5)
-
-
-@pytest.mark.sm90
-def test_cuda_kernels_built_for_sm90a_without_spills():
-    import re
-
-    from compass_kernels import _C
-    from tests import aot
-
-    if not load().build_info()["cuda"]:
-        pytest.fail("the CUDA kernels were not compiled (COMPASS_CUDA=OFF or no nvcc)")
-    usage = aot.resource_usage(_C.__file__, arch="sm_90a")
-    found = (re.search(r"8logprobs\w*?(fwd|tile|bwd)_kernel", k) for k in usage)
-    names = {m.group(1) for m in found if m}
-    assert names == {"fwd", "tile", "bwd"}, sorted(usage)
-    ours = {k: v for k, v in usage.items() if re.search(r"8logprobs\w*?(fwd|tile|bwd)_kernel", k)}
-    # 2 dtypes x 2 (fwd, tile) + 2 x 4 (bwd grads) variants
-    assert len(ours) == 16, sorted(ours)
-    aot.assert_no_spills(ours)
-    aot.assert_registers_at_most(ours, 64)

@@ -1,9 +1,9 @@
 """ck.espo.espo_loss: every backend against the float64 reference (loss,
 gradients, metrics), the GSPO / GRPO modes against verl's formulas, edge
-cases, bad inputs, op registration, and the planted CUDA bugs.
+cases, bad inputs, op registration.
 
-Backends: "cpp" (C++), "triton" (the interpreter on CPU tensors here, or a
-GPU), "cuda-emulated" (the CUDA kernels' source run by the SIMT emulator).
+Backends: "torch" (CPU, vectorised), "triton" (the interpreter on CPU tensors
+here, or a GPU).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import compass_kernels as ck
-from compass_kernels._ext import load
 from compass_kernels.espo import loss as espo_mod
 from compass_kernels.espo.loss import (
     espo_group_sums_op,
@@ -28,10 +27,8 @@ from compass_kernels.espo.reference_loss import (
     espo_loss_reference,
 )
 from compass_kernels.testing import assert_verbose_allclose, empty_poisoned, make_generator
-from tests import emu as _emu
 
-EMULATED = pytest.param("cuda-emulated", marks=pytest.mark.emulated)
-BACKENDS = ["cpp", pytest.param("triton", marks=pytest.mark.triton), EMULATED]
+BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.triton)]
 
 
 @pytest.fixture
@@ -106,7 +103,7 @@ def _compare(got, ref, *, atol=1e-6, rtol=1e-5):
 # (backend, n): the Triton interpreter costs ~1 ms per program-iteration, so it
 # stops at 7 sequences here (longer and more sequences: the 65,536-token and
 # poisoned-output tests).
-CASES = [(b, n) for b in BACKENDS for n in (1, 7)] + [("cpp", 37), (EMULATED, 37)]
+CASES = [(b, n) for b in BACKENDS for n in (1, 7)] + [("torch", 37)]
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -166,19 +163,14 @@ def test_reference_gradcheck(dual):
 # ------------------------------------------------- thresholds and groups
 
 
-@pytest.mark.parametrize("impl", ["torch", "cpp"])
 @pytest.mark.parametrize("per_sequence", [False, True])
-def test_thresholds_equal_torch_quantile(per_sequence, impl):
-    """Both threshold paths (the device sort, the C++ kernel) give torch.quantile's
-    values bit for bit: a token at the boundary lands in the same group."""
+def test_thresholds_equal_torch_quantile(per_sequence):
+    """The thresholds (a sort on the tensors' device) are torch.quantile's values
+    bit for bit: a token at the boundary lands in the same group."""
     lp, old, ent, adv, cu, mask = make_batch(17, seed=2, masked=0.3, max_len=90)
     cu[-3] = cu[-4]  # an empty sequence: NaN row, never read
     levels = (0.0, 0.25, 0.5, 0.8, 1.0)
-    if impl == "torch":
-        got = ck.espo.entropy_thresholds(ent, cu, mask, levels=levels, per_sequence=per_sequence)
-    else:
-        lv = torch.tensor(levels, dtype=torch.float64)
-        got = espo_mod.espo_thresholds_op(ent, cu, mask, lv, int(per_sequence), backend="cpp")
+    got = ck.espo.entropy_thresholds(ent, cu, mask, levels=levels, per_sequence=per_sequence)
     ref = entropy_thresholds_reference(ent, cu, mask, levels, per_sequence=per_sequence)
     got = got.reshape(ref.shape)
     keep = ~torch.isnan(ref)
@@ -327,8 +319,8 @@ def test_espo_with_one_group_and_gspo_form_is_gspo():
     """The extremes: ESPO with a single entropy group, the GSPO-token ratio and
     GSPO's fixed clip is GSPO."""
     batch = make_batch(19, seed=9, spread=0.001)
-    a = _run("cpp", batch, dict(num_groups=1, ratio_form="gspo_token", clip=(3e-4, 4e-4)))
-    b = _run("cpp", batch, dict(mode="gspo"))
+    a = _run("torch", batch, dict(num_groups=1, ratio_form="gspo_token", clip=(3e-4, 4e-4)))
+    b = _run("torch", batch, dict(mode="gspo"))
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     assert float(a[2]["clip_frac"]) > 0
 
@@ -338,14 +330,14 @@ def test_num_sequences_makes_micro_batches_sum_to_the_batch():
     threshold, the micro-batches' losses and gradients add up to the batch's."""
     lp, old, ent, adv, cu, _ = make_batch(12, seed=21, pad=0)
     thr = ck.espo.entropy_thresholds(ent, cu, levels=(0.8,))
-    whole = _run("cpp", (lp, old, ent, adv, cu, None), dict(vocab_size=500),
+    whole = _run("torch", (lp, old, ent, adv, cu, None), dict(vocab_size=500),
                  entropy_threshold=thr)  # fmt: skip
     split = int(cu[5])
     parts = []
     for sl, seqs in ((slice(0, split), slice(0, 5)), (slice(split, None), slice(5, None))):
         c = cu[seqs.start : (seqs.stop or 12) + 1] - cu[seqs.start]
         batch = (lp[sl], old[sl], ent[sl], adv[seqs], c, None)
-        parts.append(_run("cpp", batch, dict(vocab_size=500), entropy_threshold=thr,
+        parts.append(_run("torch", batch, dict(vocab_size=500), entropy_threshold=thr,
                           num_sequences=12))  # fmt: skip
     assert_verbose_allclose(parts[0][0] + parts[1][0], whole[0], atol=1e-7, rtol=1e-6)
     assert_verbose_allclose(torch.cat([parts[0][1], parts[1][1]]), whole[1], atol=1e-9)
@@ -393,7 +385,7 @@ def test_kernels_write_every_output(backend, config, backend_device):
     espo_group_sums_op.run((ent, lp, old, cu, mask, thr, K, flags), backend, (sums,))
     ref_sums = espo_group_sums_op.run((ent.cpu(), lp.cpu(), old.cpu(), cu.cpu(),
                                        None if mask is None else mask.cpu(), thr.cpu(), K, flags),
-                                      "cpp")  # fmt: skip
+                                      "torch")  # fmt: skip
     assert_verbose_allclose(sums.cpu(), ref_sums, atol=1e-9, rtol=1e-12, name="sums")
     el, eh = (0.0, 0.0) if cfg.adaptive else (cfg.eps_low, cfg.eps_high)
     args = (lp, old, ent, adv, cu, mask, thr, sums, K, flags, el, eh,
@@ -404,7 +396,7 @@ def test_kernels_write_every_output(backend, config, backend_device):
             empty_poisoned(n * width, f64, dev), empty_poisoned(width, f64, dev))  # fmt: skip
     espo_loss_forward_op.run(args, backend, outs)
     cpu_args = tuple(a.cpu() if isinstance(a, torch.Tensor) else a for a in args)
-    ref = espo_loss_forward_op.run(cpu_args, "cpp")
+    ref = espo_loss_forward_op.run(cpu_args, "torch")
     for name, got, want in zip(("loss", "grad", "seq_stats", "stats"), outs, ref, strict=True):
         assert_verbose_allclose(got.cpu(), want, atol=1e-7, rtol=1e-6, name=name)
     rloss, rgrad, _ = _reference((lp, old, ent, adv, cu, mask), CONFIGS[config])
@@ -460,7 +452,7 @@ def test_bad_input(change, match):
         ck.espo.espo_loss(**kw)
 
 
-@pytest.mark.parametrize("backend", ["cpp", pytest.param("triton", marks=pytest.mark.triton)])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.triton)])
 @pytest.mark.parametrize(
     ("field", "value", "match"),
     [
@@ -494,66 +486,11 @@ def test_advantages_layout_must_be_said_when_ambiguous():
         assert float(loss) == pytest.approx(-1.0)
 
 
-def test_cpp_boundary_names_bad_arguments():
-    C = load()
-    lp, old, ent, adv, cu, _ = make_batch(3, seed=1, max_len=5, pad=2)
-    thr = torch.zeros(1, dtype=torch.float64)
-    sums = torch.empty(3 * 2 * 3, dtype=torch.float64)
-    with pytest.raises(
-        ValueError, match="thresholds: expected size 1 \\(num_groups - 1 boundaries\\)"
-    ):
-        C.espo.espo_group_sums_cpu(ent, lp, old, cu, None, torch.zeros(2, dtype=torch.float64),
-                                   2, 0, sums)  # fmt: skip
-    with pytest.raises(ValueError, match="num_groups: expected 1..8, got 9"):
-        C.espo.espo_group_sums_cpu(ent, lp, old, cu, None, thr, 9, 0, sums)
-    with pytest.raises(ValueError, match="logprobs: expected dtype float32"):
-        C.espo.espo_group_sums_cpu(ent, lp.double(), old, cu, None, thr, 2, 0, sums)
-    C.espo.espo_group_sums_cpu(ent, lp, old, cu, None, thr, 2, 0, sums)
-    outs = [torch.empty(()), torch.empty(lp.numel()), torch.empty(3 * 13, dtype=torch.float64),
-            torch.empty(13, dtype=torch.float64)]  # fmt: skip
-    common = (lp, old, ent, adv, cu, None, thr, sums, 2, 8, 0.0, 0.0, 0.01)
-    with pytest.raises(ValueError, match="dual_clip: expected 0 \\(off\\) or a finite value > 1"):
-        C.espo.espo_loss_forward_cpu(*common, 0.5, -20.0, 20.0, 1.0 / 3, 1, *outs)
-    with pytest.raises(ValueError, match="grad: expected size 0"):
-        C.espo.espo_loss_forward_cpu(*common, 0.0, -20.0, 20.0, 1.0 / 3, 0, *outs)
-    with pytest.raises(ValueError, match="seq_stats: expected size 39"):
-        bad = outs[:2] + [torch.empty(5, dtype=torch.float64)] + outs[3:]
-        C.espo.espo_loss_forward_cpu(*common, 0.0, -20.0, 20.0, 1.0 / 3, 1, *bad)
-
-
-@pytest.mark.emulated
-def test_cuda_boundary_checks_arguments_under_emulation():
-    lp, old, ent, adv, cu, _ = make_batch(3, seed=1, max_len=5, pad=2)
-    thr = torch.zeros(1, dtype=torch.float64)
-    with pytest.raises(ValueError, match="sums: expected dtype float64"):
-        _emu.call("espo.espo_group_sums_cuda", ent, lp, old, cu, None, thr, 2, 0,
-                  torch.empty(18))  # fmt: skip
-    with pytest.raises(ValueError, match="out: expected size 1 \\(one per token"):
-        _emu.call("espo.espo_loss_backward_cuda", torch.ones(1), torch.ones(1), torch.empty(2))
-
-
-@pytest.mark.emulated
-def test_bad_offsets_on_the_cuda_path_are_out_of_bounds_under_emulation():
-    """The CUDA entries do not read cu_seqlens on the host (that would sync): a
-    bad one is a wild access on a GPU, which the emulator names."""
-    lp, old, ent, adv, cu, _ = make_batch(3, seed=1, max_len=5, pad=2)
-    bad = cu.clone()
-    bad[-1] = 999
-    sums = torch.empty(3 * 2 * 3, dtype=torch.float64)
-    with pytest.raises(_emu.OutOfBoundsError, match="sums_kernel.*past its end"):
-        _emu.call("espo.espo_group_sums_cuda", ent, lp, old, bad, None,
-                  torch.zeros(1, dtype=torch.float64), 2, 0, sums)  # fmt: skip
-
-
 # ----------------------------------------------------- registration
 
 
 def test_opcheck_registered_ops():
     lp, old, ent, adv, cu, mask = make_batch(6, seed=12, masked=0.2)
-    lv = torch.tensor([0.5, 0.8], dtype=torch.float64)
-    for per_seq in (0, 1):
-        torch.library.opcheck(torch.ops.compass.espo_entropy_thresholds.default,
-                              (ent, cu, mask, lv, per_seq))  # fmt: skip
     thr = ck.espo.entropy_thresholds(ent, cu, mask, levels=(0.8,))
     sums_args = (ent, lp, old, cu, mask, thr, 2, 8)
     torch.library.opcheck(torch.ops.compass.espo_group_sums.default, sums_args)
@@ -594,40 +531,11 @@ def test_no_grad_skips_the_gradient():
     assert math.isclose(float(loss), float(rloss), rel_tol=1e-5, abs_tol=1e-7)
 
 
-# ------------------------------------------------------- planted bugs
-
-# cmake/emu.cmake builds each into _C_emu.mutants.espo: every one must fail a
-# test above under the emulated CUDA backend.
-MUTANTS = {
-    "espo_stride_skips_tokens": ("AssertionError", None),
-    "espo_reduce_no_barrier": ("UninitializedSharedMemoryError", "static shared memory"),
-    "espo_padding_grad_kept": ("AssertionError", "grad"),
-    "espo_clip_inclusive": ("AssertionError", None),
-}
-
-
-@pytest.mark.emulated
-def test_every_planted_bug_is_built():
-    """A mutant whose FIND text no longer matches is left out of the build
-    (cmake/emu.cmake warns): this fails until the list is updated."""
-    assert sorted(_emu.mutants().get("espo", [])) == sorted(MUTANTS)
-
-
-@pytest.mark.emulated
-@pytest.mark.parametrize("mutant", list(MUTANTS))
-def test_emulated_backend_catches_planted_bugs(mutant):
-    error, match = MUTANTS[mutant]
-    expected = AssertionError if error == "AssertionError" else getattr(_emu, error)
-    with _emu.mutant(mutant), pytest.raises(expected, match=match):
-        test_kernels_write_every_output("cuda-emulated", "espo_seq_k3_drop_gspo_form", "cpu")
-        test_matches_reference("cuda-emulated", "espo", 7, "cpu")
-
-
 # ------------------------------------------------------------------- GPU
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("backend", ["triton"])
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_gpu_matches_reference(backend, config):
     """On a device: long and empty sequences, masks, both dtypes of the default path."""
@@ -636,7 +544,7 @@ def test_gpu_matches_reference(backend, config):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("backend", ["triton"])
 def test_gpu_path_never_syncs_the_host(backend):
     """The default CUDA path (thresholds, sums, forward, metrics) runs with the
     host-sync guard on: no .item(), no data-dependent shapes."""

@@ -1,9 +1,8 @@
 """ck.fp8 quantization: every backend bit for bit against the reference, the e4m3
 conversion over every tie and boundary, layouts, bad inputs, op registration.
 
-Backends: C++ (cpp), the CUDA kernels under the SIMT emulator (cuda-emulated,
-marker emulated), Triton (interpreter on CPU tensors without a GPU, marker
-triton), and cuda / triton on a device (marker gpu). The permutation is in
+Backends: torch (CPU, vectorised), Triton (interpreter on CPU tensors without
+a GPU, marker triton; CUDA tensors on a device). The permutation is in
 test_fp8_permute.py.
 """
 
@@ -13,7 +12,6 @@ import pytest
 import torch
 
 import compass_kernels as ck
-from compass_kernels._ext import dl, load
 from compass_kernels.fp8 import quantize_op
 from compass_kernels.fp8.reference import (
     dequantize_reference,
@@ -21,11 +19,9 @@ from compass_kernels.fp8.reference import (
     to_e4m3,
 )
 from compass_kernels.testing import assert_bitwise_equal, make_generator, poison_
-from tests import emu as _emu
 
-EMULATED = pytest.param("cuda-emulated", marks=pytest.mark.emulated)
 TRITON = pytest.param("triton", marks=pytest.mark.triton)
-BACKENDS = ["cpp", EMULATED, TRITON]
+BACKENDS = ["torch", TRITON]
 LAYOUTS = list(ck.fp8.SCALE_LAYOUTS)
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -279,7 +275,7 @@ def test_strided_input_rows():
 
 
 @pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
-@pytest.mark.parametrize("backend", [None, EMULATED, TRITON])
+@pytest.mark.parametrize("backend", [None, TRITON])
 def test_non_finite_input_is_an_error(bad, backend):
     w = torch.randn(150, 140, dtype=torch.bfloat16)
     w[131, 7] = bad
@@ -310,49 +306,13 @@ def test_bad_arguments_name_the_argument():
         ck.fp8.dequantize(ck.fp8.quantize_blockwise(w)[0], torch.ones(2, 1))
 
 
-@pytest.mark.parametrize("backend", ["cpp", EMULATED])
-def test_kernel_boundary_checks(backend):
-    """The C++ entry points check what they are handed, naming the argument."""
-    kernel = quantize_op.kernel(backend)
-    x = torch.randn(130, 260)
-    q = torch.empty(130, 260, dtype=torch.float8_e4m3fn)
-    s_ok = torch.empty(2, 3)
-    with pytest.raises(ValueError, match=r"q: expected dtype float8_e4m3fn, got uint8\[130, 260\]"):
-        kernel(x, 128, 128, 1e-4, False, False, 0, q.view(torch.uint8), s_ok)
-    with pytest.raises(ValueError, match=r"scales: expected size 2 \(row blocks\) in dim 0"):
-        kernel(x, 128, 128, 1e-4, False, False, 0, q, torch.empty(3, 3))
-    with pytest.raises(ValueError, match=r"scales: expected MN-major \(column-major\) strides"):
-        kernel(x, 128, 128, 1e-4, False, False, 1, q, s_ok)
-    with pytest.raises(ValueError, match=r"scale_layout: expected 0 \(K-major\)"):
-        kernel(x, 128, 128, 1e-4, False, False, 7, q, s_ok)
-    with pytest.raises(ValueError, match=r"x: expected dtype float32 \| bfloat16 \| float16"):
-        kernel(x.double(), 128, 128, 1e-4, False, False, 0, q, s_ok)
-    with pytest.raises(ValueError, match=r"x: expected unit stride along the last dim"):
-        kernel(torch.randn(260, 130).t(), 128, 128, 1e-4, False, False, 0, q, s_ok)
-    with pytest.raises(ValueError, match=r"eps: expected a float in \[1e-30, 1\]"):
-        kernel(x, 128, 128, 0.0, False, False, 0, q, s_ok)
-
-
-@pytest.mark.emulated
-def test_cuda_kernels_support_the_engine_blocks_only():
+def test_torch_backend_takes_any_block():
+    """The Triton kernels take the engine blocks (1, 128) and (128, 128) only;
+    the torch backend (CPU) and the reference take any."""
     x = torch.randn(8, 64)
-    q, s = quantize_op.outputs(x, 64, 64, 1e-4, False, False, 0)
-    match = r"block: the CUDA kernels support \(1, 128\) and \(128, 128\)"
-    with pytest.raises(ValueError, match=match):
-        quantize_op.run((x, 64, 64, 1e-4, False, False, 0), "cuda-emulated", (q, s))
-    # the C++ kernel and the reference take any block
     q, s = ck.fp8.quantize_blockwise(x, block=(3, 64))
     rq, rs = quantize_reference(x, 3, 64, eps=1e-4)
     assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
-
-
-def test_dlpack_caster_accepts_fp8_views():
-    x = torch.randn(3, 5)
-    q = torch.empty(3, 5, dtype=torch.float8_e4m3fn)
-    s = torch.empty(1, 1)
-    load().fp8.quantize_cpu(dl(x), 128, 128, 1e-4, False, False, 0, dl(q), dl(s))
-    rq = quantize_reference(x, 128, 128, eps=1e-4)[0]
-    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
 
 
 # -------------------------------------------------------------- registration
@@ -375,44 +335,3 @@ def test_registered_op_traces_under_torch_compile():
     rq, rs = quantize_reference(x * 2.0, 1, 128, eps=1e-10, use_div=True)
     assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
     assert s.stride() == (1, 36)
-
-
-# ----------------------------------------------------------------- mutants
-
-# Planted bugs (cmake/emu.cmake builds each into _C_emu.mutants.fp8): each must
-# fail one test here or in test_fp8_permute.py under the emulated backend.
-MUTANTS = {
-    "fp8_amax_skips_a_warp": ("block_max", AssertionError, "scales"),
-    "fp8_ties_away": ("conversion", AssertionError, "q: "),
-    "fp8_group_guard_off_by_one": ("groups", "OutOfBoundsError", "'x'|'q'|'scales'"),
-    "fp8_rank_ignores_other_warps": ("permute", AssertionError, "workspace"),
-    # Caught downstream (wrong offsets -> writes out of bounds); the race checker
-    # itself did not flag this missing barrier (noted in the report).
-    "fp8_scan_no_barrier": ("permute", "OutOfBoundsError", None),
-    "fp8_unpermute_fused_fma": ("unpermute", AssertionError, None),
-}
-
-
-@pytest.mark.emulated
-@pytest.mark.parametrize("mutant", list(MUTANTS))
-def test_emulated_backend_catches_planted_bugs(mutant):
-    from tests import test_fp8_permute as perm
-
-    test, error, match = MUTANTS[mutant]
-    expected = error if isinstance(error, type) else getattr(_emu, error)
-    be = "cuda-emulated"
-    with _emu.mutant(mutant), pytest.raises(expected, match=match):
-        if test == "block_max":
-            test_block_max_in_any_row(be, "cpu")
-        elif test == "conversion":
-            test_e4m3_conversion_every_tie_and_boundary(be, "cpu")
-        elif test == "groups":
-            test_token_groups_match_reference(be, torch.float32, False, "k_major", (5, 7), "cpu")
-        elif test == "permute":
-            perm.test_permute_matches_reference(be, 300, 3, 7, torch.int32, "k_major", "cpu")
-        else:
-            perm.test_unpermute_matches_reference(be, torch.float32, "cpu")
-
-
-def test_every_planted_mutant_is_built():
-    assert sorted(_emu.mutants().get("fp8", [])) == sorted(MUTANTS)

@@ -1,6 +1,6 @@
 """ck.fp8.grouped_gemm: every backend against the float64 reference.
 
-Backends on CPU tensors: cpp (csrc/fp8_gemm) and triton (the interpreter).
+Backends on CPU tensors: torch (float32 dequantise + matmul) and triton (the interpreter).
 Problems come from ck.fp8's reference quantizer, token-packed with empty
 experts, 1 / 127 / 128 / 129 tokens, K and N not multiples of 128, both
 activation-scale layouts; outputs are poisoned (NaN) before each kernel runs.
@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import compass_kernels as ck
-from compass_kernels._ext import load
 from compass_kernels.fp8.grouped_gemm import OUT_DTYPES, grouped_gemm_op
 from compass_kernels.testing import empty_poisoned
 from tests.fp8_gemm_cases import (
@@ -24,7 +23,7 @@ from tests.fp8_gemm_cases import (
     offsets_of,
 )
 
-BACKENDS = ["cpp", pytest.param("triton", marks=pytest.mark.triton)]
+BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.triton)]
 
 
 def _device(backend):
@@ -77,10 +76,10 @@ def test_public_api(backend):
     check_close(mine.cpu(), args, rel_err=_rel(backend))
 
 
-def test_cpp_parallel_path_matches_reference():
-    # Past the OpenMP threshold (2^22 multiply-adds): the parallel tile loop.
+def test_torch_backend_on_a_larger_problem():
+    # K = 640 (5 scale blocks), 345 rows in two experts around an empty one.
     args = make_problem((300, 0, 45), 200, 640, seed=9)
-    check_close(_run(args, "cpp", torch.float32), args)
+    check_close(_run(args, "torch", torch.float32), args)
 
 
 # ------------------------------------------------------------------ bad input
@@ -130,23 +129,6 @@ def test_bad_out_dtype_and_out():
         ck.fp8.grouped_gemm(*_GOOD, out_dtype=torch.float16)
     with pytest.raises(ValueError, match="out: expected dtype bfloat16"):
         ck.fp8.grouped_gemm(*_GOOD, out=torch.empty(5, 16))
-
-
-@pytest.mark.parametrize(
-    "i,bad,match",
-    [
-        (0, _GOOD[0].view(torch.uint8), "a_q: expected dtype float8_e4m3fn"),
-        (1, _GOOD[1].t(), r"a_scales: expected size 5 \(M = a_q.shape\[0\]\) in dim 0"),
-        (2, _GOOD[2].transpose(1, 2).contiguous().transpose(1, 2), "b_q: expected unit stride"),
-        (4, torch.tensor([0, 4, 3], dtype=torch.int64), "expert_offsets: expected non-decreasing"),
-        (5, 2, "out_dtype: expected 0"),
-    ],
-)
-def test_cpp_boundary_checks(i, bad, match):
-    args = [*_GOOD, 0, torch.empty(5, 16, dtype=torch.bfloat16)]
-    args[i] = bad
-    with pytest.raises(ValueError, match=match):
-        load().fp8_gemm.grouped_gemm_cpu(*args)
 
 
 def test_offsets_from_counts_helper():

@@ -36,16 +36,16 @@ def _fresh_cache():
 def test_buffers_are_reused_per_shape_and_stream():
     a_q, b_q = _operands(1000, 7, 512)
     shapes, ptrs, ws, tile = gg.cutlass_launch_args(a_q, b_q, 0, 132)
-    assert tile == _C.fp8_gemm.choose_sm90_tile(1000, 7, 512, 132)
+    assert tile == _C.fp8.choose_sm90_tile(1000, 7, 512, 132)
     assert shapes.shape == (7, 3) and shapes.dtype == torch.int32
     assert ptrs.shape == (len(gg.PTR_ROWS), 7) and ptrs.dtype == torch.int64
     assert ws.dtype == torch.uint8
-    assert ws.numel() == _C.fp8_gemm.grouped_gemm_sm90_workspace(tile, 7, 132)
+    assert ws.numel() == _C.fp8.grouped_gemm_sm90_workspace(tile, 7, 132)
     # another token count with the same tile, another K: the same buffers
     a2, b2 = _operands(999, 7, 512, k=128)
     again = gg.cutlass_launch_args(a2, b2, 0, 132)
     assert all(x is y for x, y in zip(again[:3], (shapes, ptrs, ws), strict=True))
-    assert _C.fp8_gemm.choose_sm90_tile(100000, 7, 512, 132) != tile
+    assert _C.fp8.choose_sm90_tile(100000, 7, 512, 132) != tile
     # another stream, expert count, tile or SM count: other buffers
     big = _operands(100000, 7, 512, k=16)[0]
     for args in ((a_q, b_q, 1, 132), (a_q, _operands(1000, 9, 512)[1], 0, 132),
@@ -59,6 +59,6 @@ def test_tile_follows_the_heuristic_for_every_token_count():
     _, b_q = _operands(1, 256, 4096)
     for rows in (0, 1, 128, 16384, 16385, 131072):
         a_q, _ = _operands(rows, 256, 4096, k=16)
-        assert gg.cutlass_launch_args(a_q, b_q, 0, 132)[3] == _C.fp8_gemm.choose_sm90_tile(
+        assert gg.cutlass_launch_args(a_q, b_q, 0, 132)[3] == _C.fp8.choose_sm90_tile(
             rows, 256, 4096, 132
         )

@@ -1,5 +1,5 @@
 """The CUTLASS sm_90a grouped GEMM's tile-configuration heuristic
-(csrc/fp8_gemm/sm90_tiles.h), plain C++ run on the CPU through its binding,
+(csrc/fp8/sm90_tiles.h), plain C++ run on the CPU through its binding,
 and the tile list agreeing with the build's translation units."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from compass_kernels import _C
 
 M64, M128 = 0, 1
 H100_SMS = 132
-choose = _C.fp8_gemm.choose_sm90_tile
+choose = _C.fp8.choose_sm90_tile
 
 
 @pytest.mark.parametrize(
@@ -63,8 +63,8 @@ def test_every_tile_has_its_translation_unit():
     CUTLASS list (one configuration per translation unit)."""
     root = Path(__file__).resolve().parents[1]
     cmake = (root / "CMakeLists.txt").read_text()
-    listed = re.search(r"set\(fp8_gemm_CUTLASS_CU([^)]*)\)", cmake).group(1).split()
-    want = [f"csrc/fp8_gemm/grouped_gemm_sm90_{t}.cu" for t in _C.fp8_gemm.SM90_TILES]
+    listed = re.search(r"set\(fp8_CUTLASS_CU([^)]*)\)", cmake).group(1).split()
+    want = [f"csrc/fp8/grouped_gemm_sm90_{t}.cu" for t in _C.fp8.SM90_TILES]
     assert listed == want
     for f in want:
         text = (root / f).read_text()
@@ -103,10 +103,10 @@ def test_cutlass_config_uses_qgmma_without_spills(tile):
     sass = aot.sass_of(_C.__file__, function=gemm[0])
     aot.assert_sass_contains(sass, rf"QGMMA\.{mma}\.F32\.E4M3\.E4M3", kernel=f"{tile} grouped GEMM")
     assert "__assertfail" not in sass
-    index = list(_C.fp8_gemm.SM90_TILES).index(tile)
-    smem = _C.fp8_gemm.grouped_gemm_sm90_shared_bytes(index)
+    index = list(_C.fp8.SM90_TILES).index(tile)
+    smem = _C.fp8.grouped_gemm_sm90_shared_bytes(index)
     assert 0 < smem <= SM90_SHARED_LIMIT
-    ws = _C.fp8_gemm.grouped_gemm_sm90_workspace(index, 256, H100_SMS)
+    ws = _C.fp8.grouped_gemm_sm90_workspace(index, 256, H100_SMS)
     print(
         f"fp8 grouped GEMM {tile} (CUTLASS, sm_90a): {row['registers']} registers, "
         f"{smem} B shared memory, workspace {ws} B at E = 256"
@@ -127,7 +127,7 @@ def test_cutlass_units_build_at_most_two_at_a_time():
         rules = (ninja.parent / "CMakeFiles" / "rules.ninja").read_text()
         assert re.search(r"pool compass_cutlass\n\s+depth = 2", rules), ninja
         text = ninja.read_text()
-        for tile in _C.fp8_gemm.SM90_TILES:
+        for tile in _C.fp8.SM90_TILES:
             block = text.split(f"grouped_gemm_sm90_{tile}.cu.o:", 1)
             if len(block) == 2:  # a CUDA build tree
                 assert "pool = compass_cutlass" in block[1].split("\nbuild ", 1)[0], (ninja, tile)
@@ -172,9 +172,9 @@ def _old_layout(experts, cutlass_bytes, elem):
 
 
 def test_workspace_layout_cutlass_region_aligned_for_every_expert_count():
-    """The workspace carve (csrc/fp8_gemm/sm90_workspace.h): CUTLASS's region 128-byte
+    """The workspace carve (csrc/fp8/sm90_workspace.h): CUTLASS's region 128-byte
     aligned, the per-expert arrays 16-byte aligned and disjoint, for E = 1..300."""
-    layout_of = _C.fp8_gemm.sm90_workspace_layout
+    layout_of = _C.fp8.sm90_workspace_layout
     for elem in _ELEM_SIZES:
         for cutlass_bytes in _CUTLASS_BYTES:
             for e in range(1, 301):
@@ -195,6 +195,6 @@ def test_workspace_layout_check_rejects_the_old_carve():
 
 def test_workspace_layout_rejects_bad_arguments():
     with pytest.raises(ValueError, match="experts >= 1"):
-        _C.fp8_gemm.sm90_workspace_layout(0, 64, [8] * 5)
+        _C.fp8.sm90_workspace_layout(0, 64, [8] * 5)
     with pytest.raises(ValueError, match="elem_bytes: expected 5"):
-        _C.fp8_gemm.sm90_workspace_layout(3, 64, [8] * 4)
+        _C.fp8.sm90_workspace_layout(3, 64, [8] * 4)

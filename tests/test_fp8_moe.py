@@ -17,7 +17,7 @@ import compass_kernels as ck
 from compass_kernels.fp8.reference_moe import moe_mlp_reference
 from compass_kernels.testing import empty_poisoned, make_generator
 
-BACKENDS = ["cpp", pytest.param("triton", marks=pytest.mark.triton)]
+BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.triton)]
 COUNTS = (0, 1, 127, 129, 0, 3)
 
 
@@ -111,7 +111,7 @@ def run(args, backend, **kw):
     "backend,dtype",
     # The interpreter takes ~30 s per layer here: one dtype (the float32 path
     # differs only in the combine's output dtype, a torch cast).
-    [("cpp", torch.bfloat16), ("cpp", torch.float32),
+    [("torch", torch.bfloat16), ("torch", torch.float32),
      pytest.param("triton", torch.bfloat16, marks=pytest.mark.triton)],
 )  # fmt: skip
 def test_odd_expert_sizes_match_reference(backend, dtype):
@@ -127,7 +127,7 @@ def test_odd_expert_sizes_match_reference(backend, dtype):
 )
 def test_shapes_match_reference(tokens, hidden, inter, experts, top_k):
     args = make_layer(tokens, hidden, inter, experts, top_k, seed=tokens + hidden)
-    check_moe(run(args, "cpp"), args)
+    check_moe(run(args, "torch"), args)
 
 
 def test_float16_and_default_backend():

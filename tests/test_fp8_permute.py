@@ -12,9 +12,8 @@ from compass_kernels.fp8 import SCALE_LAYOUTS, permute_op, unpermute_op
 from compass_kernels.fp8.reference import permute_quantize_reference, unpermute_reference
 from compass_kernels.testing import assert_bitwise_equal, make_generator, poison_
 
-EMULATED = pytest.param("cuda-emulated", marks=pytest.mark.emulated)
 TRITON = pytest.param("triton", marks=pytest.mark.triton)
-BACKENDS = ["cpp", EMULATED, TRITON]
+BACKENDS = ["torch", TRITON]
 
 
 @pytest.fixture
@@ -54,11 +53,9 @@ CASES = [
     (128, 2, 300, torch.int64, "mn_major_tma"),  # ids need 9 bits; 2 full chunks
 ]
 # The interpreter runs ~1 ms per program: Triton gets the cases up to two chunks.
-PERMUTE_PARAMS = (
-    [pytest.param("cpp", *c) for c in CASES]
-    + [pytest.param("cuda-emulated", *c, marks=pytest.mark.emulated) for c in CASES]
-    + [pytest.param("triton", *c, marks=pytest.mark.triton) for c in CASES if c[0] != 300]
-)
+PERMUTE_PARAMS = [pytest.param("torch", *c) for c in CASES] + [
+    pytest.param("triton", *c, marks=pytest.mark.triton) for c in CASES if c[0] != 300
+]
 
 
 @pytest.mark.parametrize(("backend", "m", "k", "experts", "id_dtype", "layout"), PERMUTE_PARAMS)
@@ -70,8 +67,8 @@ def test_permute_matches_reference(backend, m, k, experts, id_dtype, layout, bac
     dev = backend_device
     q, s, off, src, dst, ws = run_permute(x.to(dev), ids.to(dev), experts, layout, backend)
     rq, rs, roff, rsrc, rdst = permute_quantize_reference(x, ids, experts)
-    if backend != "cpp":  # the sort's intermediates: the same numbers on every backend
-        cpu_ws = run_permute(x, ids, experts, layout, "cpp")[5]
+    if backend != "torch":  # the sort's intermediates: the same numbers on every backend
+        cpu_ws = run_permute(x, ids, experts, layout, "torch")[5]
         assert_bitwise_equal(ws.cpu(), cpu_ws, name="workspace")
     assert_bitwise_equal(off.cpu(), roff, name="expert_offsets")
     assert_bitwise_equal(src.cpu(), rsrc, name="src_index")
@@ -153,7 +150,7 @@ def test_permute_then_unpermute_is_the_weighted_sum():
 # ------------------------------------------------------------- bad inputs
 
 
-@pytest.mark.parametrize("backend", [None, EMULATED, TRITON])
+@pytest.mark.parametrize("backend", [None, TRITON])
 def test_bad_expert_ids_are_an_error(backend):
     x = torch.randn(4, 128)
     for bad in (8, -1):
@@ -184,13 +181,16 @@ def test_bad_permute_arguments_name_the_argument():
         ck.fp8.unpermute(y.half(), torch.tensor([0, 1, 2, 3]), torch.ones(2, 2))
 
 
-@pytest.mark.emulated
+@pytest.mark.triton
 def test_unchecked_bad_ids_on_the_gpu_path_are_dropped_not_written_out_of_bounds():
     """With validate=False (the GPU default) an id out of range must not write
     outside the outputs: its slot is dropped (dst_index -1)."""
     x = torch.randn(3, 128)
     ids = torch.tensor([[0, 9], [1, 0], [-4, 1]])
-    p = ck.fp8.permute_quantize(x, ids, 2, validate=False, backend="cuda-emulated")
+    from tests.triton_tier import DEVICE
+
+    x, ids = x.to(DEVICE), ids.to(DEVICE)
+    p = ck.fp8.permute_quantize(x, ids, 2, validate=False, backend="triton")
     assert p.dst_index[[1, 4]].tolist() == [-1, -1]
     assert p.expert_offsets.tolist() == [0, 2, 4]
     assert sorted(p.src_index[:4].tolist()) == [0, 2, 3, 5]

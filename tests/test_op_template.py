@@ -17,16 +17,27 @@ from compass_kernels.testing import make_generator
 # ------------------------------------------------------------ the caster
 
 
-def _plan_args(n=6):
-    ids = torch.tensor([4, 1, 4, 1, 7, 4])[:n]
-    return ids, torch.empty(n, dtype=torch.int64), torch.empty(n + 1, dtype=torch.int64), \
-        torch.empty(n, dtype=torch.int64)  # fmt: skip
+def _encode_args(ids: torch.Tensor, e: int = 8):
+    """The route codec's encode op (host-side C++, kept): a caster test bed."""
+    rows, k = ids.shape
+    payload = torch.empty(load().routing.set_code_bytes(rows, e, k), dtype=torch.uint8)
+    status, table = torch.empty(2, dtype=torch.int64), torch.empty(k * e, dtype=torch.int64)
+    return ids, e, None, payload, status, table
+
+
+_IDS = torch.tensor([[0, 3], [1, 7], [2, 5], [6, 7], [0, 1]], dtype=torch.uint8)
+
+
+def _decoded(payload: torch.Tensor, rows: int, e: int = 8, k: int = 2) -> torch.Tensor:
+    ids = torch.empty(rows, k, dtype=torch.uint8)
+    load().routing.decode_sets_cpu(payload, e, ids, 0)
+    return ids
 
 
 @pytest.mark.parametrize("form", ["tensor", "capsule", "numpy", "dlpack_object"])
 def test_caster_takes_every_dlpack_form(form):
     """Tensors, capsules and any object with __dlpack__ (numpy here) become views."""
-    ids, order, offsets, unique = _plan_args()
+    ids, e, missing, payload, status, table = _encode_args(_IDS.clone())
 
     class Wrapped:  # a foreign array type: only the protocol
         def __init__(self, t):
@@ -40,25 +51,28 @@ def test_caster_takes_every_dlpack_form(form):
 
     conv = {"tensor": lambda t: t, "capsule": dl, "numpy": lambda t: t.numpy(),
             "dlpack_object": Wrapped}[form]  # fmt: skip
-    groups = load().advantages.group_plan_cpu(conv(ids), conv(order), conv(offsets), conv(unique))
-    assert groups == 3
-    assert order.tolist() == [1, 3, 0, 2, 5, 4]
-    assert offsets[:4].tolist() == [0, 2, 5, 6] and unique[:3].tolist() == [1, 4, 7]
+    payload.fill_(0xAA)
+    status.fill_(7)
+    load().routing.encode_sets_op_cpu(conv(ids), e, None, conv(payload), conv(status), conv(table))
+    assert status.tolist() == [0, -1]
+    assert torch.equal(_decoded(payload, 5), _IDS)
+    assert table[:e].tolist() == list(range(e))  # C(a, 1) = a
 
 
 def test_caster_rejects_non_tensors_and_names_arguments():
-    ids, order, offsets, unique = _plan_args()
+    ids, e, missing, payload, status, table = _encode_args(_IDS.clone())
+    enc = load().routing.encode_sets_op_cpu
     with pytest.raises(TypeError, match="incompatible function arguments"):
-        load().advantages.group_plan_cpu([1, 2], order, offsets, unique)
-    with pytest.raises(ValueError, match="order: expected dtype int64, got int32\\[6\\] on cpu"):
-        load().advantages.group_plan_cpu(ids, order.int(), offsets, unique)
-    with pytest.raises(ValueError, match="offsets: expected size 7 \\(len\\(group_ids\\) \\+ 1\\)"):
-        load().advantages.group_plan_cpu(ids, order, offsets[:6], unique)
-    with pytest.raises(ValueError, match="order: expected a contiguous tensor"):
-        load().advantages.group_plan_cpu(ids, torch.empty(12, dtype=torch.int64)[::2], offsets,
-                                         unique)  # fmt: skip
-    with pytest.raises(ValueError, match="group_ids: expected dtype int8 \\| uint8 \\| int16"):
-        load().advantages.group_plan_cpu(ids.float(), order, offsets, unique)
+        enc([1, 2], e, None, payload, status, table)
+    with pytest.raises(ValueError, match="status: expected dtype int64, got int32\\[2\\] on cpu"):
+        enc(ids, e, None, payload, status.int(), table)
+    n = payload.numel()
+    with pytest.raises(ValueError, match=f"payload: expected size {n} \\(set_code_bytes"):
+        enc(ids, e, None, payload[:-1], status, table)
+    with pytest.raises(ValueError, match="ids: expected a contiguous tensor"):
+        enc(torch.empty(5, 4, dtype=torch.uint8)[:, ::2], e, None, payload, status, table)
+    with pytest.raises(ValueError, match="ids: expected dtype uint8 \\| int16"):
+        enc(ids.float(), e, None, payload, status, table)
 
 
 def test_outputs_never_require_grad():
@@ -182,12 +196,10 @@ def test_explicit_backend_is_traceable():
 
 def test_numpy_dtype_roundtrip_of_views():
     """A view with a byte offset (a slice) is read at its offset, not at the storage start."""
-    base = torch.tensor([9, 9, 5, 3, 5], dtype=torch.int64)
-    ids = base[2:]
-    order, offsets, unique = (torch.empty(3, dtype=torch.int64), torch.empty(4, dtype=torch.int64),
-                              torch.empty(3, dtype=torch.int64))  # fmt: skip
-    assert load().advantages.group_plan_cpu(ids, order, offsets, unique) == 2
-    assert unique[:2].tolist() == [3, 5] and np.array_equal(order.numpy(), [1, 0, 2])
+    base = torch.cat([torch.tensor([[4, 5], [3, 6]], dtype=torch.uint8), _IDS])
+    ids, e, missing, payload, status, table = _encode_args(base[2:])
+    load().routing.encode_sets_op_cpu(ids, e, missing, payload, status, table)
+    assert np.array_equal(_decoded(payload, 5).numpy(), _IDS.numpy())
 
 
 # -------------------------------------------------------------- evidence

@@ -1,7 +1,7 @@
 """ck.packing.pack / unpack (Megatron THD) on every backend against the
 one-sequence-at-a-time reference: odd lengths (1 included), every dtype and
-row width, cp in {1, 2, 4}, poisoned outputs, exact round trips, clear errors,
-the planted CUDA bugs caught under emulation."""
+row width, cp in {1, 2, 4}, poisoned outputs, exact round trips, clear errors.
+Backends: "torch" (CPU, vectorised) and "triton" (GPU; the interpreter here)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,11 @@ import pytest
 import torch
 
 import compass_kernels as ck
-from compass_kernels._ext import load
 from compass_kernels.packing import reference as ref
 from compass_kernels.packing.thd import thd_pack_op, thd_positions_op, thd_unpack_op
 from compass_kernels.testing import empty_poisoned
-from tests import emu as _emu
 
-EMULATED = pytest.param("cuda-emulated", marks=pytest.mark.emulated)
-BACKENDS = ["cpp", pytest.param("triton", marks=pytest.mark.triton), EMULATED]
+BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.triton)]
 
 
 @pytest.fixture
@@ -52,7 +49,7 @@ def _indices(n: int, seed: int) -> list[int]:
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("cp,pad", [(1, 1), (1, 3), (2, 4), (2, 8), (4, 8), (4, 24)])
 def test_pack_matches_reference_and_round_trips(backend, backend_device, cp, pad):
-    n = 9 if backend == "cuda-emulated" else 23
+    n = 23
     lengths, tensors = make_batch(n, seed=cp * 100 + pad, device=backend_device)
     idx = _indices(n, cp + pad)
     fills = {"routing": 255, "ids": -1}
@@ -184,19 +181,6 @@ def test_triton_tiles_cross_rows_sequences_and_programs(w, tile, cp):
     assert torch.equal(out.cpu(), want), tile
 
 
-@pytest.mark.emulated
-def test_emulated_kernel_spans_many_blocks():
-    """More units than one block of threads; 4-byte rows (float32 log-probs)."""
-    lengths, tensors = make_batch(60, seed=3, max_len=70)
-    x = tensors["old_logprobs"]
-    idx = list(range(0, 60, 2))
-    b = ck.packing.pack(x, lengths, idx, pad_multiple=8, cp_size=2, cp_rank=1,
-                        backend="cuda-emulated")  # fmt: skip
-    want = ref.pack_reference(x, lengths, idx, pad_multiple=8, cp_size=2, cp_rank=1)
-    assert b.local_tokens > 2 * 256  # three blocks of 256 threads
-    assert torch.equal(b.tensors["input"], want["packed"])
-
-
 def test_plan_to_packed_micro_batches():
     """A plan's micro-batches, packed for cp=2, tp=2 (pad 8): every rank's local
     tokens stay within max_tokens / cp, and every sequence comes back."""
@@ -270,57 +254,31 @@ def test_errors_name_the_argument():
         ck.packing.unpack(b.tensors["input"], b)
 
 
-def test_cpp_boundary_errors():
-    C = load().packing
+def test_torch_boundary_errors():
+    """The CPU backend checks the metadata's values (host memory) and names them."""
     t = lambda a: torch.tensor(a, dtype=torch.int64)  # noqa: E731
     src, out = torch.zeros(10, 4, dtype=torch.uint8), torch.empty(8, 4, dtype=torch.uint8)
+    pack = lambda *a: thd_pack_op.run(a, "torch", out=(out,))  # noqa: E731
     with pytest.raises(ValueError, match=r"seqlens: expected every sequence non-empty"):
-        C.thd_pack_cpu(src, t([0, 3]), t([3, 0]), t([0, 4, 8]), 1, 0, 0, 8, out)
+        pack(src, t([0, 3]), t([3, 0]), t([0, 4, 8]), 1, 0, 0, 8)
     with pytest.raises(ValueError, match=r"seq_start: sequence 1 spans source rows \[8, 12\)"):
-        C.thd_pack_cpu(src, t([0, 8]), t([3, 4]), t([0, 4, 8]), 1, 0, 0, 8, out)
+        pack(src, t([0, 8]), t([3, 4]), t([0, 4, 8]), 1, 0, 0, 8)
     with pytest.raises(ValueError, match=r"out_offsets: sequence 0 of 3 tokens has 1 local slots"):
-        C.thd_pack_cpu(src, t([0, 3]), t([3, 4]), t([0, 1, 8]), 2, 0, 0, 8, out)
+        pack(src, t([0, 3]), t([3, 4]), t([0, 1, 8]), 2, 0, 0, 8)
     with pytest.raises(ValueError, match="src: expected dtype uint8"):
-        C.thd_pack_cpu(src.float(), t([0, 3]), t([3, 4]), t([0, 4, 8]), 1, 0, 0, 8, out)
-    with pytest.raises(ValueError, match=r"cu_seqlens: expected increments equal to seqlens"):
-        C.thd_unpack_cpu(torch.zeros(8, 4, dtype=torch.uint8), t([3, 4]), t([0, 3, 6]),
-                         t([0, 4, 8]), 1, 6, torch.empty(6, 4, dtype=torch.uint8))  # fmt: skip
-
-
-@pytest.mark.emulated
-def test_cuda_boundary_checks_arguments_under_emulation():
-    t = lambda a: torch.tensor(a, dtype=torch.int64)  # noqa: E731
-    src, out = torch.zeros(10, 4, dtype=torch.uint8), torch.empty(8, 4, dtype=torch.uint8)
+        pack(src.float(), t([0, 3]), t([3, 4]), t([0, 4, 8]), 1, 0, 0, 8)
     with pytest.raises(ValueError, match="cp_rank: expected 0 <= cp_rank < cp_size = 2"):
-        _emu.call("packing.thd_pack_cuda", src, t([0, 3]), t([3, 4]), t([0, 4, 8]), 2, 3, 0, 8,
-                  out)  # fmt: skip
-    with pytest.raises(ValueError, match="out: expected size 8 .*total"):
-        _emu.call("packing.thd_pack_cuda", src, t([0, 3]), t([3, 4]), t([0, 4, 8]), 1, 0, 0, 8,
-                  out[:7])  # fmt: skip
-
-
-# Planted bugs (cmake/emu.cmake builds each into _C_emu.mutants.packing): each
-# must fail the test named here under the emulated CUDA backend.
-MUTANTS = {
-    "pack_pad_boundary": "pack",
-    "unpack_drops_rank_offset": "roundtrip",
-    "zigzag_mirror_off_by_one": "pack",
-}
-
-
-@pytest.mark.emulated
-@pytest.mark.parametrize("mutant", list(MUTANTS))
-def test_emulated_backend_catches_planted_bugs(mutant):
-    with _emu.mutant(mutant), pytest.raises((AssertionError, _emu.OutOfBoundsError)):
-        if MUTANTS[mutant] == "pack":
-            test_kernels_write_every_output("cuda-emulated", "cpu")
-        else:
-            test_pack_matches_reference_and_round_trips("cuda-emulated", "cpu", 2, 4)
-
-
-@pytest.mark.emulated
-def test_every_planted_mutant_is_built():
-    assert sorted(_emu.mutants().get("packing", [])) == sorted(MUTANTS)
+        pack(src, t([0, 3]), t([3, 4]), t([0, 4, 8]), 2, 3, 0, 8)
+    with pytest.raises(ValueError, match="out: expected size 7 in dim 0"):
+        thd_pack_op.run((src, t([0, 3]), t([3, 4]), t([0, 4, 8]), 1, 0, 0, 7), "torch",
+                        out=(out,))  # fmt: skip
+    with pytest.raises(ValueError, match=r"cu_seqlens: expected increments equal to seqlens"):
+        thd_unpack_op.run((torch.zeros(8, 4, dtype=torch.uint8), t([3, 4]), t([0, 3, 6]),
+                           t([0, 4, 8]), 1, 6), "torch",
+                          out=(torch.empty(6, 4, dtype=torch.uint8),))  # fmt: skip
+    with pytest.raises(ValueError, match=r"out_offsets: expected 0 \.\. total = 8, got 0 \.\. 6"):
+        thd_positions_op.run((t([0, 2, 6]), 1, 0, 8), "torch",
+                             out=(torch.empty(8, dtype=torch.int64),))  # fmt: skip
 
 
 @pytest.mark.sm90
@@ -368,22 +326,3 @@ def test_unpack_backward_is_pack_of_the_gradient(cp):
             seqcat, lengths, idx, pad_multiple=4, cp_size=cp, cp_rank=r)["packed"]  # fmt: skip
     assert torch.equal(out.grad, want)
     torch.autograd.gradcheck(lambda t: ck.packing.unpack(t, b), (out.detach().requires_grad_(),))
-
-
-@pytest.mark.sm90
-@pytest.mark.skipif(
-    not load().build_info()["cuda"],
-    reason="compass_kernels._C was built without CUDA (COMPASS_CUDA=OFF)",
-)
-def test_cuda_kernels_built_for_sm90a_without_spills():
-    """pack (4 unit widths), unpack (4) and positions are in _C's sm_90a SASS, no spills."""
-    from compass_kernels import _C
-    from tests import aot
-
-    usage = {k: v for k, v in aot.resource_usage(_C.__file__, arch="sm_90a").items()
-             if "7packing" in k}  # fmt: skip
-    assert sum("pack_kernel" in k and "unpack" not in k for k in usage) == 4
-    assert sum("unpack_kernel" in k for k in usage) == 4
-    assert sum("positions_kernel" in k for k in usage) == 1
-    aot.assert_no_spills(usage)
-    aot.assert_registers_at_most(usage, 64)

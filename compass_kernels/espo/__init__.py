@@ -2,8 +2,8 @@
 fused with the lm_head, ``logprobs.py``) and the segmented ESPO / GSPO / GRPO
 policy loss (``loss.py``).
 
-Kernels in csrc/logprobs and csrc/espo (C++ and CUDA) and the ``triton_*``
-modules; the specs in ``reference_logprobs.py`` and ``reference_loss.py``.
+Kernels: the ``triton_*`` modules (GPU) and the ``*_torch`` functions of the
+``reference_*`` modules (CPU), which also hold the specs.
 """
 
 from __future__ import annotations

@@ -8,10 +8,10 @@
   of logits in float32, statistics merged across tiles (and across vocab
   shards of a tensor-parallel group), tiles recomputed in the backward.
 
-Kernels: csrc/logprobs (C++ CPU, OpenMP over tokens; CUDA, one block per
-token, emulated in the tests) and ``triton_logprobs.py`` (CUDA, and CPU
-tensors under the Triton interpreter). Spec:
-``reference_logprobs.py``. Math and state: csrc/include/compass/logprobs.h.
+Kernels: ``torch`` (CPU tensors: ``reference_logprobs.py``'s ``*_torch``,
+vectorised float32) and ``triton_logprobs.py`` (CUDA, and CPU tensors under
+the Triton interpreter). Spec: ``reference_logprobs.py``; the float32 state
+and formulas are stated there, above the torch kernels.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ __all__ = [
 
 _LOGITS_DTYPES = (torch.float32, torch.bfloat16)
 _TRITON = "compass_kernels.espo.triton_logprobs:"
+_TORCH = "compass_kernels.espo.reference_logprobs:"
 
 
 # ---------------------------------------------------------------------- ops
@@ -49,8 +50,7 @@ token_logprobs_entropy_op = register_op(
     " -> (Tensor, Tensor, Tensor, Tensor)",
     outputs=_fwd_outputs,
     kernels={
-        "cpp": "logprobs.token_logprobs_entropy_cpu",
-        "cuda": "logprobs.token_logprobs_entropy_cuda",
+        "torch": _TORCH + "token_logprobs_entropy_torch",
         "triton": _TRITON + "token_logprobs_entropy_triton",
     },
 )
@@ -62,8 +62,7 @@ token_logprobs_entropy_bwd_op = register_op(
     " Tensor? grad_entropy, float temperature, int vocab_start) -> Tensor",
     outputs=lambda logits, *_: (torch.empty_like(logits, memory_format=torch.contiguous_format),),
     kernels={
-        "cpp": "logprobs.token_logprobs_entropy_bwd_cpu",
-        "cuda": "logprobs.token_logprobs_entropy_bwd_cuda",
+        "torch": _TORCH + "token_logprobs_entropy_bwd_torch",
         "triton": _TRITON + "token_logprobs_entropy_bwd_triton",
     },
 )
@@ -74,8 +73,7 @@ logprobs_tile_stats_op = register_op(
     " Tensor state_in) -> Tensor",
     outputs=lambda logits, targets, vs, t, e, state_in: (torch.empty_like(state_in),),
     kernels={
-        "cpp": "logprobs.logprobs_tile_stats_cpu",
-        "cuda": "logprobs.logprobs_tile_stats_cuda",
+        "torch": _TORCH + "logprobs_tile_stats_torch",
         "triton": _TRITON + "logprobs_tile_stats_triton",
     },
 )
@@ -121,13 +119,13 @@ torch.library.register_autograd(
 
 
 def _python_checks(validate: bool | None, device: torch.device, backend: str | None) -> bool:
-    """Whether to check the data (targets in range, logits finite) in Python: the cpp
-    kernels check it themselves for free; CUDA needs a host sync (opt-in)."""
-    if device.type == "cpu" and backend in (None, "cpp"):
-        return False
+    """Whether to check the data (targets in range, logits finite) in Python: CPU
+    tensors unless validate=False or tracing; CUDA needs a host sync (opt-in)."""
     if device.type == "meta":
         return False  # no data to check
-    return bool(validate) if validate is not None else device.type == "cpu"
+    if validate is not None:
+        return bool(validate)
+    return device.type == "cpu" and not has_no_data()
 
 
 def _check_targets(targets: torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
@@ -180,14 +178,13 @@ def token_logprobs_entropy(
     temperature : float > 0; the distribution is softmax(logits / temperature).
     with_entropy : compute the entropy (skipping it saves ~a third of the forward).
     validate : check targets' range and that logits hold no NaN / +inf and no
-        all -inf row. The C++ (CPU) kernel always checks, at no extra cost; on
-        CUDA the checks need a host sync: off by default, on with validate=True.
+        all -inf row. On CPU by default (validate=False opts out); on CUDA
+        the checks need a host sync: off by default, on with validate=True.
         NaN / Inf policy: logits finite or -inf (a masked token), not all -inf
         in a row (ValueError naming [row, column] where checked); unchecked, a
         NaN / +inf logit or an all -inf row gives NaN log-prob and entropy for
         that row only (and NaN gradients in that row).
-    backend : None (CPU: "cpp"; CUDA: "cuda", or "triton" with
-        COMPASS_CUDA_BACKEND=triton), "cpp", "cuda" or "triton".
+    backend : None (CPU: "torch"; CUDA: "triton"), "torch" or "triton".
 
     Returns
     -------
@@ -350,9 +347,9 @@ def _finalize(state: torch.Tensor, inv_t: float, with_entropy: bool, tp_group, t
     """(row_max, log_norm, logp, entropy) [T] from the merged per-token state [4, T]
     (m, s, a, z_target; m and z_target in raw-logit units). With a TP group, shards
     merge with all-reduce MAX of m, then SUM of (s, a, z_target) rescaled to the
-    global max (compass/logprobs.h merge). ``targets`` [T] and the full ``vocab``
-    (all shards): an IGNORE_INDEX target gets log-prob 0, any other outside [0,
-    vocab) NaN (no tile held it)."""
+    global max (the merge of reference_logprobs.logprobs_tile_stats_torch).
+    ``targets`` [T] and the full ``vocab`` (all shards): an IGNORE_INDEX target
+    gets log-prob 0, any other outside [0, vocab) NaN (no tile held it)."""
     m, s, a, xt = state.unbind(0)
     if tp_group is not None:
         import torch.distributed as dist
@@ -521,8 +518,8 @@ def fused_linear_logprobs_entropy(
         NaN / Inf policy: hidden and weight must be finite (ValueError naming
         which where checked); unchecked, a non-finite hidden row gives NaN
         for that token, a non-finite weight row NaN for every token.
-    backend : kernels of the per-tile statistics: None (CPU "cpp", CUDA "cuda"
-        or COMPASS_CUDA_BACKEND), "cpp", "cuda" or "triton".
+    backend : kernels of the per-tile statistics: None (CPU "torch", CUDA
+        "triton"), "torch" or "triton".
     grad_gemm_dtype : operands of the backward's gradient GEMMs: "input"
         (hidden's dtype: each float32 d logits tile is rounded once to it, the
         GEMM accumulates in float32 and writes float32 where torch.mm has

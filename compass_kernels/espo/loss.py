@@ -2,9 +2,10 @@
 ratios, per-group adaptive clipping and the three-level mean, forward and
 backward, on packed varlen batches, with context parallelism.
 
-Two ops per call, each with C++ (CPU), CUDA and Triton kernels (csrc/espo,
-``triton_loss.py``): ``espo_group_sums`` (phase 1: per (sequence, entropy
-group) token count, sum of l - l_old and of entropy) and
+Two ops per call, each with a torch (CPU: ``reference_loss.py``'s
+``*_torch``) and a Triton kernel (GPU: ``triton_loss.py``):
+``espo_group_sums`` (phase 1: per (sequence, entropy group) token count, sum
+of l - l_old and of entropy) and
 ``espo_loss_forward`` (phase 2: per-token ratio, clip decision, loss,
 d loss / d logprobs, statistics). Between them a context-parallel group
 all-reduces the sums (a sequence's tokens are spread over its CP ranks). The
@@ -33,7 +34,7 @@ from compass_kernels.espo import loss_config
 
 __all__ = ["espo_loss", "entropy_thresholds", "EspoMetrics"]
 
-# flags shared with the kernels (csrc/include/compass/espo_loss.h)
+# flags shared with the kernels (reference_loss.py, triton_loss.py)
 PER_SEQ_THRESHOLDS, TOKEN_GROUPS, DROP_LOW, ADAPTIVE_EPS, GSPO_TOKEN_FORM, ADV_PER_TOKEN = (
     1, 2, 4, 8, 16, 32,
 )  # fmt: skip
@@ -43,7 +44,7 @@ F64 = torch.float64
 def stat_width(num_groups: int) -> int:
     """Columns of a statistics row: clipped-low, clipped-high, dual-clipped per
     group, then loss, loss tokens, sum ratio, sum k3, |log-ratio| > ln 2 count,
-    min ratio, max ratio (compass::espo_loss::StatCols)."""
+    min ratio, max ratio (min / max last: a CP all-reduce takes MIN / MAX there)."""
     return 3 * num_groups + 7
 
 
@@ -69,14 +70,14 @@ def _forward_outputs(logprobs, old_logprobs, entropy, advantages, cu_seqlens, ma
 
 
 _TRITON = "compass_kernels.espo.triton_loss:"
+_TORCH = "compass_kernels.espo.reference_loss:"
 espo_group_sums_op = register_op(
     "espo_group_sums",
     "(Tensor entropy, Tensor logprobs, Tensor old_logprobs, Tensor cu_seqlens, Tensor? mask,"
     " Tensor thresholds, int num_groups, int flags) -> Tensor",
     outputs=_sums_outputs,
     kernels={
-        "cpp": "espo.espo_group_sums_cpu",
-        "cuda": "espo.espo_group_sums_cuda",
+        "torch": _TORCH + "espo_group_sums_torch",
         "triton": _TRITON + "espo_group_sums_triton",
     },
 )
@@ -88,8 +89,7 @@ espo_loss_forward_op = register_op(
     " float inv_num_seqs, int need_grad) -> (Tensor, Tensor, Tensor, Tensor)",
     outputs=_forward_outputs,
     kernels={
-        "cpp": "espo.espo_loss_forward_cpu",
-        "cuda": "espo.espo_loss_forward_cuda",
+        "torch": _TORCH + "espo_loss_forward_torch",
         "triton": _TRITON + "espo_loss_forward_triton",
     },
 )
@@ -98,8 +98,7 @@ espo_loss_backward_op = register_op(
     "(Tensor grad_loss, Tensor grad_coef) -> Tensor",
     outputs=lambda grad_loss, grad_coef: (torch.empty_like(grad_coef),),
     kernels={
-        "cpp": "espo.espo_loss_backward_cpu",
-        "cuda": "espo.espo_loss_backward_cuda",
+        "torch": _TORCH + "espo_loss_backward_torch",
         "triton": _TRITON + "espo_loss_backward_triton",
     },
 )
@@ -147,20 +146,6 @@ class _EagerLoss(torch.autograd.Function):
 # ------------------------------------------------------------- thresholds
 
 
-# The C++ (CPU) boundaries; CUDA tensors take entropy_thresholds (a device
-# sort in torch: no kernel of ours to register).
-espo_thresholds_op = register_op(
-    "espo_entropy_thresholds",
-    "(Tensor entropy, Tensor cu_seqlens, Tensor? mask, Tensor levels, int per_sequence) -> Tensor",
-    outputs=lambda entropy, cu_seqlens, mask, levels, per_sequence: (
-        torch.empty(
-            (cu_seqlens.shape[0] - 1 if per_sequence else 1) * levels.shape[0],
-            dtype=F64,
-            device=entropy.device,
-        ),
-    ),  # fmt: skip
-    kernels={"cpp": "espo.espo_thresholds_cpu"},
-)
 _LEVELS: dict[tuple, torch.Tensor] = {}
 
 
@@ -404,14 +389,13 @@ def espo_loss(
         parts of the same sequences: thresholds, group sums and metrics are
         reduced over it; the returned loss is this rank's part (its gradient
         is exact), ``metrics["loss"]`` the whole.
-    validate : check cu_seqlens and finite inputs in Python (a host sync). The
-        C++ kernels check them anyway; on CUDA off by default (no sync); on CPU
-        tensors with another backend on by default. NaN / Inf policy:
-        logprobs, old_logprobs, old_entropy (tokens before cu_seqlens[-1]) and
-        advantages must be finite (ValueError naming the argument and index
-        where checked); unchecked, the loss, its gradient and the metrics are
-        NaN. Padding tokens past cu_seqlens[-1] are never read.
-    backend : None, "cpp", "cuda" or "triton".
+    validate : check cu_seqlens and finite inputs in Python: on CPU tensors by
+        default (validate=False opts out); on CUDA a host sync, off by default.
+        NaN / Inf policy: logprobs, old_logprobs, old_entropy (tokens before
+        cu_seqlens[-1]) and advantages must be finite (ValueError naming the
+        argument and index where checked); unchecked, the loss, its gradient and
+        the metrics are NaN. Padding tokens past cu_seqlens[-1] are never read.
+    backend : None (torch on CPU, triton on CUDA), "torch" or "triton".
 
     Returns
     -------
@@ -463,15 +447,9 @@ def espo_loss(
                      size=K - 1, size_what="num_groups - 1 boundaries", device=dev)  # fmt: skip
         thr = entropy_threshold.detach().to(F64).contiguous()
     else:
-        if cp_group is None and dev.type == "cpu" and backend in (None, "cpp"):
-            # C++ (sorts of the valid tokens, no torch op per step): ~10 us
-            # where the torch sort path costs ~0.5 ms of op overheads on CPU.
-            thr = espo_thresholds_op(ent, cu, mask, _levels(cfg.levels, dev),
-                                     int(cfg.per_sequence), backend="cpp")  # fmt: skip
-        else:
-            thr = entropy_thresholds(ent, cu, mask, levels=cfg.levels,
-                                     per_sequence=cfg.per_sequence, cp_group=cp_group)  # fmt: skip
-            thr = thr.reshape(-1)
+        thr = entropy_thresholds(ent, cu, mask, levels=cfg.levels,
+                                 per_sequence=cfg.per_sequence, cp_group=cp_group)  # fmt: skip
+        thr = thr.reshape(-1)
         flags |= PER_SEQ_THRESHOLDS if cfg.per_sequence else 0
     lp_data = lp.detach()
     sums = espo_group_sums_op(ent, lp_data, old, cu, mask, thr, K, flags, backend=backend)
@@ -516,11 +494,11 @@ def _advantages_layout(size: int, n: int, total: int, per_token: bool | None) ->
 
 
 def _python_checks(validate: bool | None, device: torch.device, backend: str | None) -> bool:
-    """The cpp backend checks the data itself; elsewhere checks cost a host sync:
-    opt-in on CUDA, default on CPU tensors with another backend."""
+    """Data checks in Python: on CPU tensors by default (host memory: no sync),
+    never while tracing unless validate=True; opt-in on CUDA (a host sync)."""
     if validate is not None:
-        return bool(validate) and not (device.type == "cpu" and backend in (None, "cpp"))
-    return device.type == "cpu" and backend not in (None, "cpp")
+        return bool(validate)
+    return device.type == "cpu" and not has_no_data()
 
 
 def _reduce_stats(stats: torch.Tensor, K: int, group) -> torch.Tensor:

@@ -33,7 +33,7 @@ GROUPINGS = ("global", "sequence")
 #: Most entropy groups per sequence (the kernels keep per-group counters in registers).
 MAX_GROUPS = 8
 
-# ratio-form codes shared with the kernels (csrc/include/compass/espo_loss.h)
+# ratio-form codes shared with the kernels (reference_loss.py, triton_loss.py)
 FORM_ESPO, FORM_GSPO_TOKEN = 0, 1
 
 

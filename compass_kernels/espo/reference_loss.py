@@ -182,3 +182,134 @@ def espo_loss_reference(
         "log_ratio_gt_ln2_frac": (d_all.abs() > math.log(2.0)).sum().double() / valid_n,
     }
     return loss, metrics
+
+
+# ---------------------------------------------------------------------------
+# The torch backend of the ESPO loss ops (CPU tensors): vectorised over tokens
+# (index_add per (sequence, bucket)), float64 statistics. Calling convention of
+# every backend: the op's arguments, then its outputs, written in place. Flags
+# and the statistics row: compass_kernels/espo/loss.py (PER_SEQ_THRESHOLDS ..,
+# stat_width).
+
+_PER_SEQ, _TOKEN_GROUPS, _DROP_LOW, _ADAPTIVE, _GSPO_TOKEN, _ADV_PER_TOKEN = 1, 2, 4, 8, 16, 32
+F64 = torch.float64
+
+
+def _tokens(cu_seqlens, mask, total: int):
+    """(sequence id [T] (n for padding), valid [T]) of the packed batch."""
+    n = cu_seqlens.shape[0] - 1
+    t = torch.arange(total)
+    seq = (torch.searchsorted(cu_seqlens, t, right=True) - 1).clamp(max=n)
+    valid = t < cu_seqlens[-1]
+    if mask is not None:
+        valid &= mask
+    return seq, valid
+
+
+def _buckets(e64, seq, thresholds, num_groups: int, flags: int):
+    q = num_groups - 1
+    if q == 0:
+        return torch.zeros(e64.shape[0], dtype=torch.int64)
+    thr = thresholds.view(-1, q)
+    rows = thr[seq.clamp(max=thr.shape[0] - 1)] if flags & _PER_SEQ else thr  # n >= 1
+    return (e64[:, None] > rows).sum(dim=1)
+
+
+def espo_group_sums_torch(entropy, logprobs, old_logprobs, cu_seqlens, mask, thresholds,
+                          num_groups, flags, sums) -> None:  # fmt: skip
+    """``espo_group_sums`` op: sums [n, K, 3] float64 = per (sequence, entropy
+    bucket) over the valid tokens: count, sum (l - l_old), sum entropy."""
+    n, K = cu_seqlens.shape[0] - 1, num_groups
+    if n == 0:
+        return
+    seq, valid = _tokens(cu_seqlens, mask, entropy.shape[0])
+    e = entropy.to(F64)
+    b = _buckets(e, seq, thresholds, K, flags)
+    d = logprobs.to(F64) - old_logprobs.to(F64)
+    idx = (seq * K + b)[valid]
+    out = torch.zeros(n * K, 3, dtype=F64)
+    out.index_add_(0, idx, torch.stack([torch.ones_like(d), d, e], dim=1)[valid])
+    sums.copy_(out.reshape(-1))
+
+
+def espo_loss_forward_torch(logprobs, old_logprobs, entropy, advantages, cu_seqlens, mask,
+                            thresholds, sums, num_groups, flags, eps_low, eps_high, eps_scale,
+                            dual_clip, log_lo, log_hi, inv_num_seqs, need_grad, loss, grad,
+                            seq_stats, stats) -> None:  # fmt: skip
+    """``espo_loss_forward`` op: the loss (0-d, logprobs' dtype), d loss / d l
+    per token (``grad`` [T], or [0] when not need_grad; 0 off the loss),
+    seq_stats [n, 3K + 7] and stats [3K + 7] float64 (loss.py: stat_width)."""
+    n, K, total = cu_seqlens.shape[0] - 1, num_groups, logprobs.shape[0]
+    width = 3 * K + 7
+    if need_grad:
+        grad.zero_()
+    if n == 0:  # no sequence: no loss, the ratio extremes' identities
+        stats.zero_()
+        stats[-2:] = torch.tensor([math.inf, -math.inf], dtype=F64)
+        loss.zero_()
+        return
+    seq, valid = _tokens(cu_seqlens, mask, total)
+    token_groups = bool(flags & _TOKEN_GROUPS)
+    b = torch.zeros(total, dtype=torch.int64) if token_groups else _buckets(
+        entropy.to(F64), seq, thresholds, K, flags)  # fmt: skip
+    # per (sequence, group): count, mean d, s_g, clip range, weight
+    s3 = sums.view(n, K, 3)
+    cnt = s3[..., 0]
+    if token_groups:
+        groups = cnt[:, 0]
+    else:
+        first = 1 if flags & _DROP_LOW else 0
+        groups = (cnt[:, first:] > 0).sum(dim=1).to(F64)
+    m_g = s3[..., 1] / cnt
+    adaptive = bool(flags & _ADAPTIVE)
+    eps = eps_scale * (s3[..., 2] / cnt) if adaptive else None
+    weight = inv_num_seqs / (groups[:, None] * (1.0 if token_groups else cnt))
+
+    i = seq.clamp(max=n - 1)
+    in_loss = valid & ~((b == 0) & bool(flags & _DROP_LOW))
+    d = logprobs.to(F64) - old_logprobs.to(F64)
+    r = torch.exp(d)
+    gm, gw = m_g[i, b], weight[i, b]
+    log_s = d if token_groups else gm if flags & _GSPO_TOKEN else gm + d
+    clamped = (log_s < log_lo) | (log_s > log_hi)
+    value = r if token_groups else torch.exp(gm) if flags & _GSPO_TOKEN else torch.exp(gm) * r
+    s = torch.where(clamped, torch.exp(log_s.clamp(log_lo, log_hi)), value)
+    a = advantages.to(F64)
+    a = a if flags & _ADV_PER_TOKEN else a[i]
+    el = eps[i, b] if adaptive else torch.full_like(s, eps_low)
+    eh = eps[i, b] if adaptive else torch.full_like(s, eps_high)
+    c = torch.minimum(torch.maximum(s, 1.0 - el), 1.0 + eh)
+    o1, o2 = s * a, c * a
+    clipped = o2 < o1
+    f = torch.where(clipped, o2, o1)
+    dual = (a < 0) & (f < dual_clip * a) if dual_clip > 0.0 else torch.zeros_like(clipped)
+    f = torch.where(dual, dual_clip * a, f)
+    g_tok = torch.where(clipped | dual | clamped, 0.0, a * s)
+
+    row = torch.zeros(n + 1, width, dtype=F64)  # row n: padding, dropped below
+    ones = torch.ones_like(d)
+    vi, li = seq[valid], seq[in_loss]
+    row[:, 3 * K + 3].index_add_(0, vi, (r - 1.0 - d)[valid])
+    row[:, 3 * K + 4].index_add_(0, vi, (d.abs() > math.log(2.0)).to(F64)[valid])
+    row[:, 3 * K].index_add_(0, li, (-gw * f)[in_loss])
+    row[:, 3 * K + 1].index_add_(0, li, ones[in_loss])
+    row[:, 3 * K + 2].index_add_(0, li, s[in_loss])
+    flat = row.view(-1)
+    for col0, hit in ((0, clipped & (a < 0)), (K, clipped & (a > 0)), (2 * K, dual)):
+        sel = in_loss & hit
+        flat.index_add_(0, seq[sel] * width + col0 + b[sel], ones[sel])
+    rmin = torch.full((n + 1,), math.inf, dtype=F64).scatter_reduce_(0, li, s[in_loss], "amin")
+    rmax = torch.full((n + 1,), -math.inf, dtype=F64).scatter_reduce_(0, li, s[in_loss], "amax")
+    row[:, 3 * K + 5], row[:, 3 * K + 6] = rmin, rmax
+    row = row[:n]
+    seq_stats.copy_(row.reshape(-1))
+    stats.copy_(torch.cat([row[:, : 3 * K + 5].sum(dim=0), rmin[:n].amin().reshape(1),
+                           rmax[:n].amax().reshape(1)]))  # fmt: skip
+    loss.copy_(stats[3 * K])  # no host read
+    if need_grad:
+        grad.copy_(torch.where(in_loss, -gw * g_tok, 0.0))
+
+
+def espo_loss_backward_torch(grad_loss, grad_coef, out) -> None:
+    """``espo_loss_backward`` op: out [T] = grad_loss (1 element) * grad_coef."""
+    torch.mul(grad_coef, grad_loss.reshape(()), out=out)

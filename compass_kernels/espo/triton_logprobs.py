@@ -1,7 +1,7 @@
 """Triton kernels of ck.espo's token log-probs and entropy.
 
-Same contract as the C++ kernels in csrc/logprobs (the spec is
-``reference_logprobs.py``; the state and formulas are compass/logprobs.h's):
+Same contract as the torch backend (the spec is ``reference_logprobs.py``;
+the float32 state and formulas are stated there, above the torch kernels):
 outputs are allocated by the caller and written here. They run on CUDA
 tensors, on CPU tensors under ``TRITON_INTERPRET=1`` (tests), and compile
 ahead of time for sm_90 (``aot_variants``).
@@ -39,7 +39,7 @@ __all__ = [
 BLOCK = 2048
 #: Launch options of every kernel here (tests/test_espo_logprobs_triton.py compiles with these).
 LAUNCH = {"num_warps": 4}
-_MIN_EXP = -200.0  # compass/logprobs.h kMinExponent
+_MIN_EXP = -200.0  # reference_logprobs._MIN_EXP
 
 
 @triton.jit
@@ -110,7 +110,7 @@ def _fwd_kernel(
     ok = (y >= 0) & (y < V)
     xt = tl.load(row_ptr + tl.where(ok, y, 0)).to(tl.float32)  # never outside the row
     lp = tl.minimum((xt - m) * inv_t - log_s, 0.0)  # never positive
-    # the ignore index (-100): 0; any other target outside [0, V): NaN (logprobs.h)
+    # the ignore index (-100): 0; any other target outside [0, V): NaN (the policy)
     lp = tl.where(ok, lp, tl.where(y == -100, 0.0, float("nan")))
     tl.store(max_ptr + row, m)
     tl.store(log_norm_ptr + row, log_s)
@@ -260,7 +260,7 @@ def logprobs_tile_stats_triton(
     logits, targets, vocab_start, temperature, with_entropy, state_in, state_out, *,
     block: int = BLOCK,
 ) -> None:  # fmt: skip
-    """One vocab tile of the online statistics (see csrc/logprobs/logprobs_api.h)."""
+    """One vocab tile of the online statistics (reference_logprobs.logprobs_tile_stats_torch)."""
     _check_logits("logits", logits)
     rows, dev = logits.shape[0], logits.device
     _check_rows("targets", targets, rows, torch.int64, dev)

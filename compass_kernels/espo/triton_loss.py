@@ -1,7 +1,7 @@
 """Triton kernels of the ESPO segmented loss (``ck.espo.espo_loss``).
 
-Same contract as the C++ / CUDA kernels in csrc/espo (the spec is
-``reference_loss.py``): outputs are allocated by the caller and written here.
+Same contract as the torch backend (``reference_loss.py``, which holds the
+spec too): outputs are allocated by the caller and written here.
 They run on CUDA tensors, on CPU tensors under ``TRITON_INTERPRET=1`` (tests),
 and compile ahead of time for sm_90a (tests/test_aot.py via
 :func:`aot_variants`).
@@ -10,7 +10,7 @@ One program per sequence for both phases, looping over BLOCK-token chunks with
 int64 offsets (a 64k-token sequence is 64 iterations, no grid or int32
 limit); per-group accumulators are [BLOCK, KP] tiles selected by a one-hot of
 the token's bucket (KP: K rounded up to a power of two). Float64 arithmetic
-throughout, as in the C++ / CUDA kernels: the clip decision compares ratios
+throughout, as in the torch backend: the clip decision compares ratios
 against 1 +- 3e-4 (GSPO), where float32 rounding would flip tokens. Fixed
 reduction trees: deterministic, no atomics.
 """
@@ -310,7 +310,7 @@ def _common(ref, cu_seqlens, mask, thresholds, num_groups, flags):
 def espo_group_sums_triton(entropy, logprobs, old_logprobs, cu_seqlens, mask, thresholds,
                            num_groups, flags, sums) -> None:  # fmt: skip
     """Phase 1: sums [n*K*3] float64 = per (sequence, group) count, sum of
-    l - l_old, sum of entropy (csrc/espo/espo_api.h, COMPASS_ESPO_SUMS_ARGS)."""
+    l - l_old, sum of entropy (reference_loss.espo_group_sums_torch)."""
     _check("entropy", entropy, _REAL, None)
     device, total = entropy.device, entropy.shape[0]
     for name, t in (("logprobs", logprobs), ("old_logprobs", old_logprobs)):

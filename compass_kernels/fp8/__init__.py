@@ -13,7 +13,7 @@
   top-k weighted combine. No host sync on the GPU path.
 - :func:`dequantize`.
 
-Every backend (C++ CPU, CUDA, Triton) gives the bits of ``reference.py``.
+Every backend (torch on CPU, Triton on GPU) gives the bits of ``reference.py``.
 Conventions and layouts: docs/design.md, section "FP8".
 """
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from compass_kernels._op import register_op
+from compass_kernels._op import has_no_data, register_op
 from compass_kernels._validate import check_finite, check_tensor, describe
 from compass_kernels.fp8.grouped_gemm import grouped_gemm  # noqa: F401  (ck.fp8.grouped_gemm)
 
@@ -80,15 +80,14 @@ quantize_op = register_op(
     " int scale_layout) -> (Tensor, Tensor)",
     outputs=_quantize_outputs,
     kernels={
-        "cpp": "fp8.quantize_cpu",
-        "cuda": "fp8.quantize_cuda",
+        "torch": "compass_kernels.fp8.reference:quantize_torch",
         "triton": "compass_kernels.fp8.triton:quantize_triton",
     },
 )
 
 
 def workspace_size(slots: int, num_experts: int) -> int:
-    """int32 elements of scratch the GPU permutation uses (csrc/fp8/fp8_api.h)."""
+    """int32 elements of the permutation's workspace (reference.py: permute_quantize_torch)."""
     chunks = -(-slots // 256)
     return slots + 2 * chunks * num_experts
 
@@ -112,8 +111,7 @@ permute_op = register_op(
     " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
     outputs=_permute_outputs,
     kernels={
-        "cpp": "fp8.permute_quantize_cpu",
-        "cuda": "fp8.permute_quantize_cuda",
+        "torch": "compass_kernels.fp8.reference:permute_quantize_torch",
         "triton": "compass_kernels.fp8.triton:permute_quantize_triton",
     },
 )
@@ -125,8 +123,7 @@ unpermute_op = register_op(
         torch.empty(w.shape[0], y.shape[1], dtype=y.dtype, device=y.device),
     ),
     kernels={
-        "cpp": "fp8.unpermute_cpu",
-        "cuda": "fp8.unpermute_cuda",
+        "torch": "compass_kernels.fp8.reference:unpermute_torch",
         "triton": "compass_kernels.fp8.triton:unpermute_triton",
     },
 )
@@ -154,12 +151,12 @@ def _check_eps(eps: float) -> float:
 
 
 def _data_checks(validate: bool | None, device: torch.device, backend: str | None) -> bool:
-    """Whether to check in Python the values the C++ CPU kernels check for free.
-    CUDA: opt-in (validate=True: a host sync). CPU tensors on another backend
-    (Triton interpreter, CUDA emulation): on unless validate=False."""
+    """Whether to check the input values in Python: CPU tensors unless
+    validate=False (host memory: no sync) or while tracing (no data); CUDA
+    only with validate=True (a host sync)."""
     if validate is not None:
-        return bool(validate) and not (device.type == "cpu" and backend in (None, "cpp"))
-    return device.type == "cpu" and backend not in (None, "cpp")
+        return bool(validate)
+    return device.type == "cpu" and not has_no_data()
 
 
 def _input(name: str, x: torch.Tensor, ndim: tuple[int, ...]) -> torch.Tensor:
@@ -194,14 +191,14 @@ def quantize_blockwise(
         quantize the bf16 values the trainer holds, never an fp32 master.
         N, K need not be multiples of 128: edge blocks are partial (as zero
         padding would give, and as vLLM's per_block_cast_to_fp8 does).
-    block : (128, 128) (the CUDA / Triton kernels' block; the C++ kernel and
+    block : (128, 128) (the Triton kernels' block; the torch backend (CPU) and
         the reference take any).
     eps : floor of a block's amax (1e-4: per_block_cast_to_fp8 / DeepGEMM).
     ue8m0 : round each scale up to a power of two (DeepGEMM's UE8M0 scales).
     scale_layout : "k_major" (vLLM's weight_scale_inv), "mn_major", "mn_major_tma".
-    validate : check that w is finite. The C++ kernel always does (an error
-        names the first inf/NaN); on CUDA it is a host sync, off by default;
-        unchecked inf/NaN there give an unspecified block (fmaxf drops NaN).
+    validate : check that w is finite (an error names the first inf/NaN). On
+        CPU by default (validate=False opts out); on CUDA it is a host sync,
+        off by default; unchecked inf/NaN give an unspecified block.
         NaN / Inf policy: w must be finite (ValueError naming w and the
         element where checked); unchecked, only the blocks holding a
         non-finite value are unspecified, every other block is exact.
@@ -217,7 +214,7 @@ def quantize_blockwise(
     layout = _layout(scale_layout)
     eps = _check_eps(eps)
     if _data_checks(validate, w.device, backend):
-        check_finite("w", w.reshape(-1))
+        check_finite("w", w)
     try:
         if w.dim() == 3:
             outs = [quantize_op(e, br, bc, eps, bool(ue8m0), False, layout, backend=backend)
@@ -282,7 +279,7 @@ def quantize_token_groups(
     layout = _layout(scale_layout)
     eps = _check_eps(eps)
     if _data_checks(validate, x.device, backend):
-        check_finite("x", x.reshape(-1))
+        check_finite("x", x)
     return quantize_op(x, 1, group_size, eps, bool(ue8m0), True, layout, backend=backend)
 
 
@@ -351,7 +348,7 @@ def permute_quantize(
     topk_ids : [M, k] int32 | int64 expert ids in [0, num_experts).
     num_experts : E (the CUDA path takes up to 1024).
     eps, ue8m0, scale_layout : as in :func:`quantize_token_groups` (same bits).
-    validate : check ids in range and x finite. The C++ kernel always does; on
+    validate : check ids in range and x finite. On CPU by default; on
         CUDA it is a host sync, off by default: unchecked out-of-range ids
         are dropped (dst_index -1, no row; offsets[E] counts the rest, rows
         past it are unwritten). NaN / Inf policy: x must be finite (ValueError
@@ -372,7 +369,7 @@ def permute_quantize(
     eps = _check_eps(eps)
     ids = topk_ids.contiguous()
     if _data_checks(validate, x.device, backend):
-        check_finite("x", x.reshape(-1))
+        check_finite("x", x)
         if ids.numel():
             lo, hi = torch.aminmax(ids)
             if int(lo) < 0 or int(hi) >= num_experts:
@@ -400,8 +397,8 @@ def unpermute(
     topk_weights : [M, k] float (computed in float32).
     Returns [M, N] in y's dtype (float32 accumulation in j order, unfused
     multiply-add: the same bits on every backend). Deterministic: a gather per
-    token, no atomics. validate: check dst_index in [-1, P) (C++: always; CUDA:
-    host sync, opt-in; unchecked out-of-range indices there are undefined).
+    token, no atomics. validate: check dst_index in [-1, P) (CPU: by default;
+    CUDA: host sync, opt-in; unchecked out-of-range indices there are undefined).
     NaN / Inf policy: y and topk_weights are not checked (a weighted gather,
     like torch's): a non-finite value reaches exactly the tokens that gather it.
     """

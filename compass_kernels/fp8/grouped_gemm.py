@@ -3,7 +3,7 @@
 Token-packed: the rows of expert ``e`` are ``[expert_offsets[e],
 expert_offsets[e+1])`` of the permuted activations, with no padding between
 experts (the layout ``ck.fp8``'s fused permute + 1x128 quantization produces).
-Kernels: ``cpp`` (csrc/fp8_gemm, CPU tensors), ``cuda`` (CUTLASS sm_90a
+Kernels: ``torch`` (CPU tensors: float32 dequantise + matmul), ``cuda`` (CUTLASS sm_90a
 pointer-array grouped GEMM with blockwise scaling, its arguments built on the
 device), ``triton`` (``triton_gemm.py``, CUDA tensors, or CPU tensors in the
 interpreter). Spec: ``reference_gemm.py``.
@@ -41,7 +41,7 @@ def _sm_count(index: int) -> int:
 @functools.cache
 def _cutlass_entry_points():
     """(argument builder, GEMM, tile heuristic) of _C, looked up once."""
-    ext = load().fp8_gemm
+    ext = load().fp8
     if not hasattr(ext, "grouped_gemm_sm90_cuda"):
         raise BackendUnavailableError(
             "fp8_grouped_gemm: compass_kernels._C was built without the CUTLASS kernel (no "
@@ -86,11 +86,11 @@ def cutlass_launch_args(a_q, b_q, stream, sms):
 
 
 def grouped_gemm_cutlass(a_q, a_scales, b_q, b_scales, expert_offsets, out_dtype, out, stream):
-    """The ``cuda`` backend: CUTLASS sm_90a (csrc/fp8_gemm/grouped_gemm_sm90.cuh).
+    """The ``cuda`` backend: CUTLASS sm_90a (csrc/fp8/grouped_gemm_sm90.cuh).
 
     Two launches on ``stream``, no host sync: the argument builder (problem
     shapes and pointer arrays from the offsets, on the device), then the
-    grouped GEMM in the tile configuration ``fp8_gemm.choose_sm90_tile`` picks
+    grouped GEMM in the tile configuration ``fp8.choose_sm90_tile`` picks
     from shapes (64-row pingpong tiles for decode-sized groups, 128-row
     cooperative tiles for prefill). Needs K % 16 == 0, N % 8 == 0, bf16 output
     and K-major contiguous scales (checked, with a clear error, at the C++
@@ -106,7 +106,7 @@ def grouped_gemm_cutlass(a_q, a_scales, b_q, b_scales, expert_offsets, out_dtype
 
 @functools.cache
 def _workspace_bytes(tile: int, experts: int, sms: int) -> int:
-    return load().fp8_gemm.grouped_gemm_sm90_workspace(tile, experts, sms)
+    return load().fp8.grouped_gemm_sm90_workspace(tile, experts, sms)
 
 
 grouped_gemm_op = register_op(
@@ -115,14 +115,14 @@ grouped_gemm_op = register_op(
     " int out_dtype) -> Tensor",
     outputs=_outputs,
     kernels={
-        "cpp": "fp8_gemm.grouped_gemm_cpu",
+        "torch": "compass_kernels.fp8.reference_gemm:grouped_gemm_torch",
         "cuda": "compass_kernels.fp8.grouped_gemm:grouped_gemm_cutlass",
         "triton": "compass_kernels.fp8.triton_gemm:grouped_gemm_triton",
     },
 )
 
 
-#: Rows of the pointer arrays the argument builder writes (compass/fp8_gemm.h: PtrRow).
+#: Rows of the pointer arrays the argument builder writes (compass/fp8.h: PtrRow).
 PTR_ROWS = ("a", "b", "a_scales", "b_scales", "out")
 
 
@@ -143,7 +143,7 @@ grouped_args_op = register_op(
     "(Tensor a_q, Tensor a_scales, Tensor b_q, Tensor b_scales, Tensor expert_offsets,"
     " Tensor out) -> (Tensor, Tensor)",
     outputs=_args_outputs,
-    kernels={"cpp": "fp8_gemm.grouped_args_cpu", "cuda": "fp8_gemm.grouped_args_cuda"},
+    kernels={"cpp": "fp8.grouped_args_cpu", "cuda": "fp8.grouped_args_cuda"},
 )
 
 
@@ -198,17 +198,17 @@ def grouped_gemm(
     expert_offsets : [E+1] int64, 0 = o[0] <= o[1] <= ... <= o[E] = M. Experts
         with no rows cost nothing.
     out_dtype : torch.bfloat16 (default) or torch.float32.
-    validate : check the offsets' contents. The C++ (CPU) kernel always checks,
-        at no cost; on CUDA the check needs a host sync: off by default (bad
-        offsets are undefined behaviour, as in every varlen kernel), on with
-        validate=True. CPU tensors on another backend are checked unless False.
+    validate : check the offsets' contents. On CPU tensors by default
+        (validate=False opts out); on CUDA the check needs a host sync: off by
+        default (bad offsets are undefined behaviour, as in every varlen
+        kernel), on with validate=True.
     NaN / Inf policy: ``a_scales`` and ``b_scales`` must be finite; checked on
         CPU tensors unless validate=False (one float64 sum of the small scale
         tensors, no sync), on CUDA with validate=True (a host sync); unchecked, a non-finite
         scale makes the output rows / columns of its block NaN / Inf. NaN
         encodings in ``a_q`` / ``b_q`` (e4m3fn 0x7f / 0xff) are never checked
         (a pass over the operands): they give NaN in the rows / columns they touch.
-    backend : None (default dispatch: cpp on CPU, cuda = CUTLASS on CUDA), "cpp",
+    backend : None (default dispatch: torch on CPU, cuda = CUTLASS on CUDA), "torch",
         "cuda" or "triton". The CUTLASS kernel needs bf16 output, K % 16 == 0,
         N % 8 == 0 and K-major contiguous scales; the Triton kernel takes any.
     out : [M, N] output to write (tests pass poisoned buffers).
@@ -225,11 +225,10 @@ def grouped_gemm(
     if code is None:
         raise ValueError(f"out_dtype: expected torch.bfloat16 or torch.float32, got {out_dtype}")
     dev = a_q.device
-    if (
-        validate if validate is not None else (dev.type == "cpu" and backend not in (None, "cpp"))
-    ) and not has_no_data(a_q, expert_offsets):
-        if not (dev.type == "cpu" and backend in (None, "cpp")):
-            check_offsets("expert_offsets", expert_offsets, a_q.shape[0], exact=True)
+    if (validate if validate is not None else dev.type == "cpu") and not has_no_data(
+        a_q, expert_offsets
+    ):
+        check_offsets("expert_offsets", expert_offsets, a_q.shape[0], exact=True)
     if (dev.type == "cpu" if validate is None else validate) and not has_no_data(
         a_scales, b_scales
     ):

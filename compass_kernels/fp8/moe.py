@@ -10,9 +10,11 @@ Qwen3-MoE) in vLLM's weight layout:
     -> unpermute with the top-k weights, fp32 accumulation (ck.fp8.unpermute)
 
 P = tokens * top_k rows, token-packed by expert (no padding). Forward only
-(FP8 inference: rollouts). Every stage is one registered op with a cpp,
-cuda and triton backend, so ``backend=`` selects the whole chain; on CUDA
-no stage syncs the host (output sizes follow from shapes).
+(FP8 inference: rollouts). Every stage is one registered op: torch on CPU,
+Triton on CUDA, the GEMMs also CUTLASS ("cuda"); ``backend=`` selects the
+chain ("cuda" picks CUTLASS for the GEMMs, Triton for the other stages,
+their one GPU backend); on CUDA no stage syncs the host (output sizes follow
+from shapes).
 
 Intermediate roundings are fixed, as the engines fix them (vLLM's fused_moe
 writes bf16 intermediate caches): the gate/up and down GEMMs write bf16 on
@@ -115,16 +117,16 @@ def moe_mlp(
     w13_weight, w13_scale, w2_weight, w2_scale : vLLM's block-FP8 layout, see
         :func:`check_moe_weights` (``MLP_e(x) = W2_e (silu(W1_e x) * (W3_e x))``).
     validate : check the ids' range and finiteness of ``hidden`` (a host sync
-        on CUDA: off by default there; the C++ path always checks).
+        on CUDA: off by default there; on by default on CPU).
         NaN / Inf policy: ``hidden``, ``topk_weights`` and the weight scales
-        must be finite: checked on CPU tensors unless validate=False (no sync; the
-        C++ kernel checks ``hidden`` itself), on CUDA with
-        validate=True (host syncs); unchecked, a non-finite value gives NaN /
-        Inf in the outputs of the tokens it reaches (a weight scale: every
-        token routed to that expert), never an error or a read out of bounds.
-    backend : None (cpp on CPU, cuda on CUDA: CUTLASS GEMMs), "cpp", "cuda" or
-        "triton" (CUDA tensors, or CPU tensors in the interpreter); used by
-        every stage. The CUTLASS GEMM needs H % 16 == 0, I % 16 == 0.
+        must be finite: checked on CPU tensors unless validate=False (no sync),
+        on CUDA with validate=True (host syncs); unchecked, a non-finite value
+        gives NaN / Inf in the outputs of the tokens it reaches (a weight scale:
+        every token routed to that expert), never an error or a read out of bounds.
+    backend : None (torch on CPU, cuda on CUDA: CUTLASS GEMMs), "torch", "cuda"
+        or "triton" (CUDA tensors, or CPU tensors in the interpreter); used by
+        every stage ("cuda": the GEMMs; the other stages run Triton). The
+        CUTLASS GEMM needs H % 16 == 0, I % 16 == 0.
     out : [T, H] in ``hidden``'s dtype to write.
 
     Returns
@@ -161,7 +163,7 @@ def moe_mlp(
                         ("w2_scale", w2_scale)):  # fmt: skip
             check_finite(name, x.detach().reshape(-1))
     try:
-        p = _fp8.permute_quantize(hidden, topk_ids, e, validate=validate, backend=backend)
+        p = _fp8.permute_quantize(hidden, topk_ids, e, validate=validate, backend=_stage(backend))
     except ValueError as err:  # permute_quantize names its argument x; this function's is hidden
         if str(err).startswith("x: "):
             raise ValueError(f"hidden: {str(err)[3:]}") from None
@@ -173,7 +175,8 @@ def moe_mlp(
     y = y if hidden.dtype == torch.bfloat16 else y.float()
     w = topk_weights.detach().to(torch.float32).contiguous()
     direct = out is not None and out.dtype == y.dtype
-    res = _fp8.unpermute_op(y, p.dst_index, w, backend=backend, out=(out,) if direct else None)
+    res = _fp8.unpermute_op(y, p.dst_index, w, backend=_stage(backend),
+                            out=(out,) if direct else None)  # fmt: skip
     if direct:
         return out
     if out is not None:
@@ -181,12 +184,18 @@ def moe_mlp(
     return res.to(hidden.dtype)
 
 
+def _stage(backend: str | None) -> str | None:
+    """The backend of a stage with one GPU backend (Triton): ``"cuda"`` names
+    the GEMMs' CUTLASS kernel; those stages then take their default."""
+    return None if backend == "cuda" else backend
+
+
 def _experts(a_q, a_scales, offsets, w13, s13, w2, s2, inter, backend):
     """The stages between the permutation and the combine: [P, H] fp8 rows in
     expert order -> [P, H] bf16 expert outputs."""
     gate_up = _fp8.grouped_gemm(a_q, a_scales, w13, s13, offsets, backend=backend)
     act = torch.nn.functional.silu(gate_up[:, :inter].float()) * gate_up[:, inter:].float()
-    h_q, h_s = _fp8.quantize_token_groups(act, validate=False, backend=backend)
+    h_q, h_s = _fp8.quantize_token_groups(act, validate=False, backend=_stage(backend))
     return _fp8.grouped_gemm(h_q, h_s, w2, s2, offsets, backend=backend)
 
 
@@ -243,6 +252,6 @@ def grouped_mlp(
     ):
         check_finite("w13_scale", w13_scale.reshape(-1))
         check_finite("w2_scale", w2_scale.reshape(-1))
-    a_q, a_s = _fp8.quantize_token_groups(x, validate=validate, backend=backend)
+    a_q, a_s = _fp8.quantize_token_groups(x, validate=validate, backend=_stage(backend))
     return _experts(a_q, a_s, expert_offsets, w13_weight, w13_scale, w2_weight, w2_scale, inter,
                     backend)  # fmt: skip

@@ -1,6 +1,6 @@
-"""Plain-torch references of ck.fp8: the executable spec every backend matches bit for bit.
-
-Written for clarity (explicit block loops), never imported by a fast path.
+"""Plain-torch references of ck.fp8: the executable spec every backend matches bit for bit
+(explicit block loops, written for clarity), and the ops' torch backend (CPU
+tensors, vectorised; the ``*_torch`` functions at the end).
 
 Conventions (docs/design.md, section FP8), per block of ``block_rows x block_cols``
 elements (ragged edges: partial blocks, exactly as zero padding would give):
@@ -145,3 +145,80 @@ def unpermute_reference(
             if p >= 0:
                 acc[t] = acc[t] + topk_weights[t, j].to(torch.float32) * yf[p]
     return acc.to(y.dtype)
+
+
+# ---------------------------------------------------------------------------
+# The torch backend of the ck.fp8 ops (CPU tensors): vectorised, the same bits
+# as the loop-level spec above (every product / quotient rounded to float32,
+# then to e4m3fn). Calling convention of every backend: the op's arguments,
+# then its outputs, written in place. Value checks (finite inputs) are the
+# public functions' (compass_kernels/fp8/__init__.py), as for every backend.
+
+PERMUTE_CHUNK = 256  # slots per chunk of the permutation's counting sort (every backend)
+
+
+def quantize_torch(x, block_rows, block_cols, eps, ue8m0, use_div, scale_layout, q, scales):
+    """``fp8_quantize`` op: ``q`` [R, C] float8_e4m3fn and ``scales``
+    [ceil(R / br), ceil(C / bc)] float32 (any strides: the layout is the
+    caller's), blocks of any shape; x [R, C] float32 | bfloat16 | float16."""
+    rows, cols = x.shape
+    if rows == 0 or cols == 0:
+        return
+    nb, kb = -(-rows // block_rows), -(-cols // block_cols)
+    xp = torch.zeros(nb * block_rows, kb * block_cols, dtype=torch.float32)
+    xp[:rows, :cols] = x  # zero padding: a partial block's amax is its elements'
+    blocks = xp.view(nb, block_rows, kb, block_cols)
+    s = block_scale(blocks.abs().amax(dim=(1, 3)), eps, ue8m0)
+    sb = s[:, None, :, None]
+    y = blocks / sb if use_div else blocks * (1.0 / sb)
+    q.copy_(to_e4m3(y.reshape(nb * block_rows, kb * block_cols)[:rows, :cols]))
+    scales.copy_(s)
+
+
+def permute_quantize_torch(x, topk_ids, num_experts, eps, ue8m0, scale_layout, q, scales,
+                           expert_offsets, src_index, dst_index, workspace):  # fmt: skip
+    """``fp8_permute_quantize`` op: the stable counting sort of the top-k slots by
+    expert in the GPU kernels' terms (chunks of 256 slots; ``workspace`` int32
+    = rank of each slot among its chunk's earlier slots of its expert [slots] |
+    per-chunk expert counts [chunks, E] | their exclusive prefix over chunks
+    [chunks, E]), then the 1x128 quantization of the permuted rows."""
+    m, k = topk_ids.shape
+    slots, e = m * k, num_experts
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    if slots and (int(flat.min()) < 0 or int(flat.max()) >= e):
+        raise ValueError(f"topk_ids: expected expert ids in [0, {e})")
+    chunks = -(-slots // PERMUTE_CHUNK)
+    s = torch.arange(slots, dtype=torch.int64)
+    key = (s // PERMUTE_CHUNK) * e + flat  # (chunk, expert)
+    counts = torch.bincount(key, minlength=chunks * e)
+    order = torch.argsort(key, stable=True)
+    first = counts.cumsum(0) - counts  # first sorted position of each key
+    rank = torch.empty(slots, dtype=torch.int64)
+    rank[order] = s - first[key[order]]
+    per_chunk = counts.view(chunks, e)
+    base = per_chunk.cumsum(0) - per_chunk
+    expert_offsets.zero_()
+    torch.cumsum(per_chunk.sum(0), 0, out=expert_offsets[1:])
+    dst = expert_offsets[flat] + base.reshape(-1)[key] + rank
+    dst_index.copy_(dst)
+    src_index[dst] = s
+    workspace.copy_(torch.cat([rank, counts, base.reshape(-1)]).to(torch.int32))
+    if slots:
+        rows = x[src_index // k]
+        quantize_torch(rows, 1, 128, eps, ue8m0, True, scale_layout, q, scales)
+
+
+def unpermute_torch(y, dst_index, topk_weights, out):
+    """``fp8_unpermute`` op: out[t] = sum_j w[t, j] * y[dst_index[t*k + j]] in
+    float32, in j order, product and sum each rounded (no fused multiply-add);
+    slots with dst_index < 0 are skipped. ``out`` [M, C] in y's dtype."""
+    m, k = topk_weights.shape
+    acc = torch.zeros(m, y.shape[1], dtype=torch.float32)
+    dst = dst_index.view(m, k)
+    w = topk_weights.to(torch.float32)
+    for j in range(k):
+        p = dst[:, j]
+        rows = y[p.clamp(min=0)].to(torch.float32)
+        term = w[:, j, None] * rows
+        acc = torch.where((p >= 0)[:, None], acc + term, acc)
+    out.copy_(acc)

@@ -1,6 +1,7 @@
 """Plain-torch reference of ``ck.fp8.grouped_gemm``: the oracle every backend is tested against.
 
-Written for clarity (one matmul per expert), never imported by a fast path.
+Written for clarity (one float64 matmul per expert); the op's CPU backend
+(``grouped_gemm_torch``, float32) is at the end.
 
 Math (DESIGN.md, FP8): rows ``[offsets[e], offsets[e+1])`` of the token-packed
 activations belong to expert ``e`` (no padding between experts); with the
@@ -21,7 +22,7 @@ import torch
 
 from compass_kernels.fp8.reference import dequantize_reference
 
-__all__ = ["grouped_gemm_reference", "grouped_gemm_abs_reference"]
+__all__ = ["grouped_gemm_reference", "grouped_gemm_abs_reference", "grouped_gemm_torch"]
 
 
 def _check_offsets(expert_offsets: torch.Tensor, num_experts: int, rows: int) -> list[int]:
@@ -81,3 +82,23 @@ def grouped_gemm_abs_reference(
     return grouped_gemm_reference(
         a_q.abs(), a_scales.abs(), b_q.abs(), b_scales.abs(), expert_offsets, torch.float64
     )
+
+
+def grouped_gemm_torch(a_q, a_scales, b_q, b_scales, expert_offsets, out_dtype, out) -> None:
+    """``fp8_grouped_gemm`` op on CPU tensors (the ``torch`` backend): dequantise
+    in float32 (activations once, each expert's weight when it has rows), one
+    float32 matmul per expert, written to ``out`` [M, N] (``out_dtype`` 0
+    bfloat16, 1 float32). Offsets are read on the host (checked by the public
+    function unless validate=False)."""
+    m, k = a_q.shape
+    e, n, _ = b_q.shape
+    if m == 0 or n == 0:
+        return
+    off = expert_offsets.tolist()
+    a = a_q.to(torch.float32) * a_scales.repeat_interleave(128, dim=1)[:, :k]
+    for i in range(e):
+        lo, hi = off[i], off[i + 1]
+        if hi > lo:
+            sb = b_scales[i].repeat_interleave(128, dim=0)[:n].repeat_interleave(128, dim=1)
+            w = b_q[i].to(torch.float32) * sb[:, :k]
+            out[lo:hi] = a[lo:hi] @ w.T  # float32 sums, rounded once to out's dtype

@@ -1,13 +1,13 @@
 """Triton kernels of ck.fp8: blockwise quantization, fused MoE permutation, unpermute.
 
-Same contract as the C++ / CUDA kernels in csrc/fp8 (spec: ``reference.py``,
-bit for bit); outputs are allocated by the caller and written here. The
-kernels run on CUDA tensors, on CPU tensors under ``TRITON_INTERPRET=1``
-(tests), and compile ahead of time for sm_90a (tests/test_aot.py).
+Same contract as the torch backend (spec: ``reference.py``, bit for bit);
+outputs are allocated by the caller and written here. The kernels run on
+CUDA tensors, on CPU tensors under ``TRITON_INTERPRET=1`` (tests), and
+compile ahead of time for sm_90a (tests/test_aot.py).
 
 Bit-exactness choices:
 - fp32 -> e4m3 is integer bit arithmetic (:func:`_e4m3_bits`, the same
-  algorithm as csrc/include/compass/fp8.h), not ``.to(tl.float8e4nv)``: the
+  round-to-nearest-even as torch's cast after a clamp to +-448), not ``.to(tl.float8e4nv)``: the
   hardware cast (cvt.rn.satfinite) gives the same bits on sm_90, but the
   interpreter's cast does not, and the bit form is what can be tested here.
 - divisions are ``tl.math.div_rn`` (IEEE); Triton's ``/`` lowers to the
@@ -293,7 +293,8 @@ def permute_quantize_triton(
     x, topk_ids, num_experts, eps, ue8m0, scale_layout, q, scales, expert_offsets, src_index,
     dst_index, workspace,
 ) -> None:  # fmt: skip
-    """The fused permutation + 1x128 quantization (argument contract: csrc/fp8/fp8_api.h)."""
+    """The fused permutation + 1x128 quantization (argument contract:
+    reference.py, permute_quantize_torch)."""
     m, k = topk_ids.shape
     slots, cols = m * k, x.shape[1]
     chunks = triton.cdiv(slots, CHUNK)

@@ -1,6 +1,6 @@
 """Triton kernel of ck.fp8.grouped_gemm: token-packed FP8 grouped GEMM, blockwise scales.
 
-Same contract as the C++ kernel in csrc/fp8_gemm (spec: ``reference_gemm.py``);
+Same contract as the torch backend and CUTLASS (spec: ``reference_gemm.py``);
 the output is allocated by the caller and written here. Runs on CUDA tensors,
 on CPU tensors under ``TRITON_INTERPRET=1`` (tests), and compiles ahead of
 time for sm_90a (tests/test_fp8_gemm_triton.py: FP8 wgmma in the PTX).

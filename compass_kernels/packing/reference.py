@@ -1,5 +1,5 @@
-"""The executable spec of ck.packing, written for clarity, never imported by a
-fast path.
+"""The executable spec of ck.packing, written for clarity, and the THD ops'
+torch backend (CPU tensors).
 
 - :func:`karmarkar_karp`: the largest differencing method as RL frameworks run
   it in Python (verl's seqlen_balancing: equal-size and exact modes), the
@@ -7,6 +7,8 @@ fast path.
 - :func:`check_plan`: every constraint a plan must hold, as assertions.
 - :func:`pack_reference` / :func:`unpack_reference`: THD packing, one sequence
   at a time.
+- ``thd_{pack,unpack,positions}_torch``: the ops' CPU backend, vectorised
+  (one gather each); tested against the loop-level spec above.
 """
 
 from __future__ import annotations
@@ -250,3 +252,169 @@ def unpack_reference(per_rank: list[torch.Tensor], lengths, indices, *, pad_mult
                     cursor[r] += 1
         out.extend(seq[:L])
     return torch.stack(out)
+
+
+# ---------------------------------------------------------------------------
+# The torch backend of the THD ops (CPU tensors): vectorised, one gather per op.
+# Same calling convention as every backend (arguments, then the outputs,
+# written in place). Checks: every argument, and the metadata's values (host
+# memory: free to read).
+
+
+def _vec(name: str, t: torch.Tensor, like: torch.Tensor, size: int | None = None, what: str = ""):
+    if t.dim() != 1 or t.dtype != torch.int64 or t.device != like.device:
+        raise ValueError(f"{name}: expected an int64 vector on {like.device}, got {_desc(t)}")
+    if size is not None and t.numel() != size:
+        raise ValueError(f"{name}: expected size {size} ({what}), got {_desc(t)}")
+
+
+def _desc(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)} on {t.device}"
+
+
+def _rows(name: str, t: torch.Tensor, rows: int | None = None, width: int | None = None) -> None:
+    if t.dtype != torch.uint8:
+        raise ValueError(f"{name}: expected dtype uint8, got {_desc(t)}")
+    if t.dim() != 2 or not t.is_contiguous():
+        raise ValueError(f"{name}: expected contiguous uint8 [rows, bytes], got {_desc(t)}")
+    if rows is not None and t.shape[0] != rows:
+        raise ValueError(f"{name}: expected size {rows} in dim 0 (total), got {_desc(t)}")
+    if width is not None and t.shape[1] != width:
+        raise ValueError(f"{name}: expected {width} bytes per row (the input's), got {_desc(t)}")
+
+
+def _check_meta(seqlens, out_offsets, cp_size: int, total: int) -> torch.Tensor:
+    """The metadata's values; returns the local slot counts [m]."""
+    if cp_size < 1:
+        raise ValueError(f"cp_size: expected >= 1, got {cp_size}")
+    if int(out_offsets[0]) != 0:
+        raise ValueError(f"out_offsets: expected out_offsets[0] == 0, got {int(out_offsets[0])}")
+    bad = (seqlens < 1).nonzero()
+    if bad.numel():
+        j = int(bad[0])
+        raise ValueError(f"seqlens: expected every sequence non-empty, got seqlens[{j}] = "
+                         f"{int(seqlens[j])}")  # fmt: skip
+    local = out_offsets[1:] - out_offsets[:-1]
+    ok = (local >= 1) & (local * cp_size >= seqlens) & ((cp_size == 1) | (local % 2 == 0))
+    if not bool(ok.all()):
+        j = int((~ok).nonzero()[0])
+        raise ValueError(
+            f"out_offsets: sequence {j} of {int(seqlens[j])} tokens has {int(local[j])} local "
+            f"slots; expected an even count (cp > 1) >= ceil(len / cp_size) with cp_size = "
+            f"{cp_size}"
+        )
+    if int(out_offsets[-1]) != total:
+        raise ValueError(f"total: expected out_offsets[-1] = {int(out_offsets[-1])}, got {total}")
+    return local
+
+
+def _zigzag_position(u, local, cp: int, rank: int):
+    if cp == 1:
+        return u
+    c = local // 2
+    return torch.where(u < c, rank * c + u, (2 * cp - 1 - rank) * c + (u - c))
+
+
+def _segment_of(offsets: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(segment j, index within it) of each of ``total`` slots of ``offsets``."""
+    u = torch.arange(total, dtype=torch.int64)
+    j = torch.searchsorted(offsets, u, right=True) - 1
+    return j, u - offsets[j]
+
+
+def thd_pack_torch(src, seq_start, seqlens, out_offsets, cp_size, cp_rank, fill, total, out):
+    """``thd_pack`` op: ``out`` [total, W] uint8 rows, sequence j's local slots
+    ``out_offsets[j]:out_offsets[j+1]`` holding its zigzag chunks for ``cp_rank``
+    (rows of ``src`` from ``seq_start[j]``), padding = ``fill`` bytes."""
+    _rows("src", src)
+    m = seqlens.numel()
+    _vec("seqlens", seqlens, src)
+    _vec("seq_start", seq_start, src, m, "one per sequence = len(seqlens)")
+    _vec("out_offsets", out_offsets, src, m + 1, "len(seqlens) + 1")
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank: expected 0 <= cp_rank < cp_size = {cp_size}, got {cp_rank}")
+    if not 0 <= fill <= 255:
+        raise ValueError(f"fill: expected a byte 0..255, got {fill}")
+    _rows("out", out, total, src.shape[1])
+    local = _check_meta(seqlens, out_offsets, cp_size, total)
+    end = seq_start + seqlens
+    bad = ((seq_start < 0) | (end > src.shape[0])).nonzero()
+    if bad.numel():
+        j = int(bad[0])
+        raise ValueError(
+            f"seq_start: sequence {j} spans source rows [{int(seq_start[j])}, {int(end[j])}), "
+            f"outside src ({src.shape[0]} rows)"
+        )
+    j, u = _segment_of(out_offsets, total)
+    p = _zigzag_position(u, local[j], cp_size, cp_rank)
+    valid = p < seqlens[j]
+    row = torch.where(valid, seq_start[j] + p, 0)
+    out.copy_(src[row])
+    out[~valid] = fill
+
+
+def thd_unpack_torch(packed, seqlens, cu_seqlens, out_offsets, cp_size, total, out):
+    """``thd_unpack`` op: ``out`` [total, W], the sequences unpadded in micro-batch
+    order, from ``packed`` [cp_size * local_tokens, W] (every rank's rows stacked)."""
+    _rows("packed", packed)
+    m = seqlens.numel()
+    _vec("seqlens", seqlens, packed)
+    _vec("out_offsets", out_offsets, packed, m + 1, "len(seqlens) + 1")
+    _vec("cu_seqlens", cu_seqlens, packed, m + 1, "len(seqlens) + 1")
+    if cp_size < 1 or packed.shape[0] % cp_size:
+        raise ValueError(
+            f"packed: expected cp_size = {cp_size} ranks' rows stacked (a multiple of cp_size), "
+            f"got {_desc(packed)}"
+        )
+    _rows("out", out, total, packed.shape[1])
+    tl = packed.shape[0] // cp_size
+    local = _check_meta(seqlens, out_offsets, cp_size, tl)
+    if int(cu_seqlens[0]) != 0:
+        raise ValueError(f"cu_seqlens: expected cu_seqlens[0] == 0, got {int(cu_seqlens[0])}")
+    inc = cu_seqlens[1:] - cu_seqlens[:-1]
+    bad = (inc != seqlens).nonzero()
+    if bad.numel():
+        j = int(bad[0])
+        raise ValueError(
+            f"cu_seqlens: expected increments equal to seqlens, got cu_seqlens[{j + 1}] - "
+            f"cu_seqlens[{j}] = {int(inc[j])} for seqlens[{j}] = {int(seqlens[j])}"
+        )
+    if int(cu_seqlens[-1]) != total:
+        raise ValueError(f"total: expected cu_seqlens[-1] = {int(cu_seqlens[-1])}, got {total}")
+    j, p = _segment_of(cu_seqlens, total)
+    if cp_size == 1:
+        rank, slot = torch.zeros_like(p), p
+    else:
+        c = local[j] // 2
+        q = p // c
+        first = q < cp_size
+        rank = torch.where(first, q, 2 * cp_size - 1 - q)
+        slot = torch.where(first, p - q * c, c + p - q * c)
+    out.copy_(packed[rank * tl + out_offsets[j] + slot])
+
+
+def thd_positions_torch(out_offsets, cp_size, cp_rank, total, out):
+    """``thd_positions`` op: ``out`` [total] int64, each local slot's position in
+    its padded sequence."""
+    if out_offsets.dim() != 1 or out_offsets.dtype != torch.int64 or out_offsets.numel() < 1:
+        raise ValueError(f"out_offsets: expected an int64 vector of m + 1 >= 1 elements, got "
+                         f"{_desc(out_offsets)}")  # fmt: skip
+    if cp_size < 1:
+        raise ValueError(f"cp_size: expected >= 1, got {cp_size}")
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank: expected 0 <= cp_rank < cp_size = {cp_size}, got {cp_rank}")
+    if out.dim() != 1 or out.dtype != torch.int64 or out.numel() != total:
+        raise ValueError(f"out: expected int64 [{total}] (total), got {_desc(out)}")
+    first, last = int(out_offsets[0]), int(out_offsets[-1])
+    if first != 0 or last != total:
+        raise ValueError(f"out_offsets: expected 0 .. total = {total}, got {first} .. {last}")
+    local = out_offsets[1:] - out_offsets[:-1]
+    bad = ((local < 0) | ((cp_size > 1) & (local % 2 != 0))).nonzero()
+    if bad.numel():
+        j = int(bad[0])
+        raise ValueError(
+            f"out_offsets: sequence {j} has {int(local[j])} local slots; expected an even count "
+            f">= 0 (cp_size = {cp_size})"
+        )
+    j, u = _segment_of(out_offsets, total)
+    out.copy_(_zigzag_position(u, local[j], cp_size, cp_rank))

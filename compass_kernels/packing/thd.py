@@ -36,8 +36,7 @@ thd_pack_op = register_op(
     " int fill, int total) -> Tensor",
     outputs=lambda src, ss, sl, oo, cp, r, fill, total: _rows_like(src, total),
     kernels={
-        "cpp": "packing.thd_pack_cpu",
-        "cuda": "packing.thd_pack_cuda",
+        "torch": "compass_kernels.packing.reference:thd_pack_torch",
         "triton": "compass_kernels.packing.triton:thd_pack_triton",
     },
 )
@@ -47,8 +46,7 @@ thd_unpack_op = register_op(
     " int total) -> Tensor",
     outputs=lambda packed, sl, cu, oo, cp, total: _rows_like(packed, total),
     kernels={
-        "cpp": "packing.thd_unpack_cpu",
-        "cuda": "packing.thd_unpack_cuda",
+        "torch": "compass_kernels.packing.reference:thd_unpack_torch",
         "triton": "compass_kernels.packing.triton:thd_unpack_triton",
     },
 )
@@ -57,8 +55,7 @@ thd_positions_op = register_op(
     "(Tensor out_offsets, int cp_size, int cp_rank, int total) -> Tensor",
     outputs=lambda oo, cp, r, total: (torch.empty(total, dtype=torch.int64, device=oo.device),),
     kernels={
-        "cpp": "packing.thd_positions_cpu",
-        "cuda": "packing.thd_positions_cuda",
+        "torch": "compass_kernels.packing.reference:thd_positions_torch",
         "triton": "compass_kernels.packing.triton:thd_positions_triton",
     },
 )
@@ -182,7 +179,7 @@ def pack(
         2*cp_size-1-cp_rank of each sequence's 2*cp_size chunks.
     pad_values : name -> value written to padding (default 0; -1 or a byte value
         for integer tensors, e.g. 255 to mark uint8 routing rows missing).
-    backend : None (default dispatch), "cpp", "cuda" or "triton".
+    backend : None (default dispatch: "torch" on CPU, "triton" on GPU), "torch" or "triton".
 
     NaN / Inf policy: values are moved as bytes, never computed with: NaN / Inf
     pass through bit for bit, nothing to check (as for :func:`unpack`).

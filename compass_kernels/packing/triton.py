@@ -164,7 +164,7 @@ def _check(rows: torch.Tensor, name: str) -> None:
 
 def thd_pack_triton(src, seq_start, seqlens, out_offsets, cp_size, cp_rank, fill, total, out, *,
                     tile=None):  # fmt: skip
-    """THD pack (see csrc/packing/packing_api.h): ``out`` [total, W] written in place.
+    """THD pack (spec: reference.py, thd_pack_torch): ``out`` [total, W] written in place.
     ``tile``: (rows, units) per program instead of the default (tests)."""
     _check(src, "src")
     _check(out, "out")

@@ -1,4 +1,4 @@
-// ck.fp8 entry points: one line per backend.
+// ck.fp8.grouped_gemm entry points: one line per backend.
 #include "compass_pybind.h"
 #include "fp8/fp8_api.h"
 
@@ -6,21 +6,25 @@ namespace compass {
 namespace fp8 {
 
 void bind(pybind11::module_& root) {
-  auto m = root.def_submodule("fp8", "FP8 blockwise quantization, fused MoE permutation");
-  const char* quant = "(x, block_rows, block_cols, eps, ue8m0, use_div, scale_layout, q, scales[, stream]): "
-                      "writes q and scales in place";
-  const char* perm = "(x, topk_ids, num_experts, eps, ue8m0, scale_layout, q, scales, expert_offsets, "
-                     "src_index, dst_index, workspace[, stream]): writes the outputs in place";
-  const char* unperm = "(y, dst_index, topk_weights, out[, stream]): writes out in place";
-  COMPASS_DEF_NOGIL(m, quantize_cpu, quant);
-  COMPASS_DEF_NOGIL(m, permute_quantize_cpu, perm);
-  COMPASS_DEF_NOGIL(m, unpermute_cpu, unperm);
-  m.def("permute_workspace_size", &permute_workspace_size,
-        "(slots, num_experts) -> int32 elements of workspace the CUDA permutation needs");
+  auto m = root.def_submodule("fp8", "FP8 grouped expert GEMM (blockwise scales)");
+  const char* args = "(a_q, a_scales, b_q, b_scales, expert_offsets, out, shapes, ptrs[, stream]): "
+                     "per-expert problem shapes [E, 3] and pointer arrays [5, E] in place";
+  COMPASS_DEF_NOGIL(m, grouped_args_cpu, args);
+  m.def("choose_sm90_tile", &choose_sm90_tile_binding,
+        "(rows, experts, n, sm_count) -> CUTLASS sm_90a tile configuration (0 = m64, 1 = m128)");
+  m.def("sm90_workspace_layout", &sm90_workspace_layout_binding,
+        "(experts, cutlass_bytes, elem_bytes[5]) -> [cutlass_offset, cutlass_bytes, offsets of "
+        "StrideA, StrideB, StrideD, LayoutSFA, LayoutSFB, total bytes]");
+  m.attr("SM90_TILES") = pybind11::make_tuple("m64", "m128");
 #ifdef COMPASS_WITH_CUDA
-  COMPASS_DEF(m, quantize_cuda, quant);
-  COMPASS_DEF(m, permute_quantize_cuda, perm);
-  COMPASS_DEF(m, unpermute_cuda, unperm);
+  COMPASS_DEF(m, grouped_args_cuda, args);
+#endif
+#ifdef COMPASS_WITH_CUTLASS  // CUDA build with CUTLASS headers (CMakeLists.txt)
+  COMPASS_DEF(m, grouped_gemm_sm90_workspace, "(tile, experts, sm_count) -> workspace bytes");
+  COMPASS_DEF(m, grouped_gemm_sm90_shared_bytes, "(tile) -> dynamic shared memory per CTA");
+  COMPASS_DEF(m, grouped_gemm_sm90_cuda,
+              "(a_q, a_scales, b_q, b_scales, expert_offsets, out_dtype, out, tile, shapes, ptrs, "
+              "workspace, sm_count, stream): CUTLASS sm_90a blockwise grouped GEMM");
 #endif
 }
 

@@ -1,90 +1,86 @@
-// Host entry points of the FP8 kernels (CPU in fp8_cpu.cpp / permute_cpu.cpp,
-// CUDA in fp8.cu), bound one line each in bindings.cpp. Arguments are borrowed
-// views; outputs are written in place. check_* runs every dtype/shape/device
-// check before any launch. Spec: compass_kernels/fp8/reference.py.
+// Host entry points of the FP8 grouped expert GEMM's CUDA side (the argument
+// builder, CPU twin and CUDA kernel; the CUTLASS sm_90a GEMM), bound one line
+// each in bindings.cpp. Arguments are borrowed views; outputs are written in
+// place. check_grouped_gemm_args runs every dtype/shape/device check before
+// any launch. Spec: compass_kernels/fp8/reference_gemm.py (the CPU backend is
+// torch there).
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "compass/fp8.h"
 #include "compass/tensor_view.h"
 
 namespace compass {
-template <> struct DTypeOf<fp8_math::Bf16Bits> {
-  static constexpr DType value = DType::kBFloat16;
-};
-template <> struct DTypeOf<fp8_math::F16Bits> {
-  static constexpr DType value = DType::kFloat16;
-};
-
 namespace fp8 {
 
-// Input dtypes of the quantizers (fp32 values or raw 16-bit storage).
-using InputTypes = Types<float, fp8_math::Bf16Bits, fp8_math::F16Bits>;
+// a_q [M, K] float8_e4m3fn (unit stride along K), token-packed: rows
+// [expert_offsets[e], expert_offsets[e+1]) belong to expert e, no padding;
+// a_scales [M, ceil(K/128)] float32, any strides (K-major or MN-major);
+// b_q [E, N, K] float8_e4m3fn (unit stride along K); b_scales
+// [E, ceil(N/128), ceil(K/128)] float32, any strides; expert_offsets [E+1]
+// int64; out_dtype 0 = bfloat16, 1 = float32 (must be out's dtype); out [M, N]
+// (unit stride along N).
+#define COMPASS_FP8_GROUPED_GEMM_ARGS                                                   \
+  TensorView a_q, TensorView a_scales, TensorView b_q, TensorView b_scales,             \
+      TensorView expert_offsets, int64_t out_dtype, TensorView out
 
-// x [R, C] float32|bfloat16|float16 (unit column stride, any row stride);
-// blocks of block_rows x block_cols (ragged edges: partial blocks); outputs
-// q [R, C] float8_e4m3fn (contiguous), scales [ceil(R/br), ceil(C/bc)] float32
-// in the consumer's layout, scale_layout (checked against the strides):
-// 0 K-major (row-major), 1 MN-major (column-major), 2 MN-major with the
-// column stride rounded up to a multiple of 4 (DeepGEMM's TMA-aligned fp32
-// scales: 16-byte aligned columns).
-// use_div: q = e4m3(x / s) (vLLM's activation kernels), else e4m3(x * (1/s))
-// (DeepGEMM / vLLM per_block_cast_to_fp8).
-#define COMPASS_FP8_QUANTIZE_ARGS                                                           \
-  TensorView x, int64_t block_rows, int64_t block_cols, double eps, bool ue8m0, bool use_div, \
-      int64_t scale_layout, TensorView q, TensorView scales
+// The device-side argument builder (grouped_args.cu; CPU twin in
+// grouped_args_cpu.cpp): the GEMM's operands as above (out_dtype implied by
+// out), plus outputs shapes [E, 3] int32 (M_e, N, K) and ptrs [5, E] int64
+// (rows PtrRow: A, B, SFA, SFB, D addresses per expert).
+#define COMPASS_FP8_GROUPED_ARGS_ARGS                                                   \
+  TensorView a_q, TensorView a_scales, TensorView b_q, TensorView b_scales,             \
+      TensorView expert_offsets, TensorView out, TensorView shapes, TensorView ptrs
 
-// MoE token permutation fused with 1x128 quantization. x [M, K] as above;
-// topk_ids [M, k] int32|int64 in [0, E); outputs: q [M*k, K] float8_e4m3fn
-// and scales [M*k, ceil(K/128)] float32 (scale_layout as above) in expert order (stable:
-// ties keep the flat slot order t*k + j), expert_offsets [E+1] int64 (no
-// padding), src_index [M*k] int64 (permuted row -> slot t*k + j), dst_index
-// [M*k] int64 (slot -> permuted row), workspace int32 (permute_workspace_size):
-// the sort's intermediates, the same numbers on every backend: rank [M*k]
-// (within a chunk of kPermuteChunk slots), chunk counts [chunks, E], chunk
-// bases [chunks, E] (exclusive prefix over chunks per expert).
-#define COMPASS_FP8_PERMUTE_ARGS                                                       \
-  TensorView x, TensorView topk_ids, int64_t num_experts, double eps, bool ue8m0,        \
-      int64_t scale_layout, TensorView q, TensorView scales, TensorView expert_offsets, TensorView src_index, \
-      TensorView dst_index, TensorView workspace
+enum OutDType : int64_t { kOutBF16 = 0, kOutF32 = 1 };
 
-// The inverse with the top-k combine: out[t] = sum_j w[t, j] * y[dst_index[t*k + j]]
-// (fp32 accumulation in j order, rows with dst_index < 0 skipped). y [P, N]
-// float32|bfloat16 (unit column stride); dst_index [M*k] int64; topk_weights
-// [M, k] float32; out [M, N] y's dtype (contiguous).
-#define COMPASS_FP8_UNPERMUTE_ARGS \
-  TensorView y, TensorView dst_index, TensorView topk_weights, TensorView out
+// Shared by every backend (views named by the caller's COMPASS_NAME_ARGS):
+// dtypes, ranks, sizes, unit inner strides, same device. Offsets' contents
+// are checked by the CPU entry point (host-readable) and, opt-in, in Python.
+void check_grouped_gemm_args(COMPASS_FP8_GROUPED_GEMM_ARGS);
+// offsets[0] == 0, non-decreasing, offsets[E] == rows (host memory).
+void check_offsets_data(const TensorView& expert_offsets, int64_t rows);
 
-// Tokens per chunk of the CUDA permutation (one CTA ranks a chunk stably).
-constexpr int64_t kPermuteChunk = 256;
-// Most experts the CUDA permutation handles (a chunk's per-warp histograms
-// live in shared memory: 8 warps x E int32).
-constexpr int64_t kPermuteMaxExperts = 1024;
-
-// int32 elements of workspace the CUDA permutation needs for n = M*k slots.
-inline int64_t permute_workspace_size(int64_t slots, int64_t num_experts) {
-  const int64_t chunks = (slots + kPermuteChunk - 1) / kPermuteChunk;
-  return slots + 2 * chunks * num_experts;
-}
-
-enum ScaleLayout : int64_t { kKMajor = 0, kMNMajor = 1, kMNMajorTMA = 2 };
-
-// Shared by every backend (defined in fp8_cpu.cpp). check_scales: dtype,
-// shape [rows, cols] and the strides of scale_layout.
-void check_scales(const TensorView& scales, const TensorView& x, int64_t rows, int64_t cols,
-                  int64_t scale_layout);
-void check_quantize_args(COMPASS_FP8_QUANTIZE_ARGS);
-void check_permute_args(COMPASS_FP8_PERMUTE_ARGS);
-void check_unpermute_args(COMPASS_FP8_UNPERMUTE_ARGS);
-
-void quantize_cpu(COMPASS_FP8_QUANTIZE_ARGS);
-void permute_quantize_cpu(COMPASS_FP8_PERMUTE_ARGS);
-void unpermute_cpu(COMPASS_FP8_UNPERMUTE_ARGS);
+// Checks of the builder's arguments, and the layout (base addresses, byte
+// strides) it reads: shared by the CPU and CUDA entry points.
+void check_grouped_args(COMPASS_FP8_GROUPED_ARGS_ARGS);
+GroupedLayout grouped_layout(const TensorView& a_q, const TensorView& a_scales,
+                             const TensorView& b_q, const TensorView& b_scales,
+                             const TensorView& out);
+void grouped_args_cpu(COMPASS_FP8_GROUPED_ARGS_ARGS);
 #if defined(COMPASS_WITH_CUDA) || defined(COMPASS_EMULATION)  // emulated: csrc/emu
-void quantize_cuda(COMPASS_FP8_QUANTIZE_ARGS, uintptr_t stream);
-void permute_quantize_cuda(COMPASS_FP8_PERMUTE_ARGS, uintptr_t stream);
-void unpermute_cuda(COMPASS_FP8_UNPERMUTE_ARGS, uintptr_t stream);
+void grouped_args_cuda(COMPASS_FP8_GROUPED_ARGS_ARGS, uintptr_t stream);
+#endif
+// The tile configuration heuristic (sm90_tiles.h), bound for the CPU tests
+// and used by the CUDA entry point below.
+int64_t choose_sm90_tile_binding(int64_t rows, int64_t experts, int64_t n, int64_t sm_count);
+// The workspace layout (sm90_workspace.h), bound for the CPU tests:
+// [cutlass_offset, cutlass_bytes, 5 array offsets, total].
+std::vector<int64_t> sm90_workspace_layout_binding(int64_t experts, int64_t cutlass_bytes,
+                                                  std::vector<int64_t> elem_bytes);
+#ifdef COMPASS_WITH_CUDA  // CUTLASS sm_90a (grouped_gemm_sm90.cuh, one TU per tile config)
+// Bytes of workspace the CUTLASS grouped GEMM with tile configuration `tile`
+// (sm90_tiles.h: Sm90Tile) needs for E experts on sm_count SMs.
+int64_t grouped_gemm_sm90_workspace(int64_t tile, int64_t experts, int64_t sm_count);
+// Dynamic shared memory per CTA of a configuration (GemmKernel::SharedStorageSize).
+int64_t grouped_gemm_sm90_shared_bytes(int64_t tile);
+// The GEMM's arguments, then the tile configuration, the builder's shapes /
+// ptrs (already filled on the device by grouped_args_cuda), a uint8 workspace,
+// the SM count, the stream.
+void grouped_gemm_sm90_cuda(COMPASS_FP8_GROUPED_GEMM_ARGS, int64_t tile, TensorView shapes,
+                            TensorView ptrs, TensorView workspace, int64_t sm_count,
+                            uintptr_t stream);
+// One per translation unit (grouped_gemm_sm90_<tile>.cu).
+int64_t grouped_gemm_sm90_m64_workspace(int64_t experts, int64_t sm_count);
+int64_t grouped_gemm_sm90_m64_shared_bytes();
+void grouped_gemm_sm90_m64(COMPASS_FP8_GROUPED_GEMM_ARGS, TensorView shapes, TensorView ptrs,
+                           TensorView workspace, int64_t sm_count, uintptr_t stream);
+int64_t grouped_gemm_sm90_m128_workspace(int64_t experts, int64_t sm_count);
+int64_t grouped_gemm_sm90_m128_shared_bytes();
+void grouped_gemm_sm90_m128(COMPASS_FP8_GROUPED_GEMM_ARGS, TensorView shapes, TensorView ptrs,
+                            TensorView workspace, int64_t sm_count, uintptr_t stream);
 #endif
 
 }  // namespace fp8

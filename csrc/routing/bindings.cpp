@@ -6,14 +6,7 @@ namespace compass {
 namespace routing {
 
 void bind(pybind11::module_& root) {
-  auto m = root.def_submodule("routing", "router replay");
-  const char* fwd = "(logits, expert_ids, expert_bias|None, valid|None, score_function, normalize, "
-                    "scaling, min_score_ratio, weights, routing_map, tokens_per_expert, counts, "
-                    "ids_used[, stream]): writes the outputs in place";
-  const char* bwd = "(grad_weights, logits, ids_used, score_function, normalize, scaling, "
-                    "grad_logits[, stream]): writes grad_logits in place";
-  COMPASS_DEF_NOGIL(m, replay_topk_cpu, fwd);
-  COMPASS_DEF_NOGIL(m, replay_topk_backward_cpu, bwd);
+  auto m = root.def_submodule("routing", "route set codec");
   COMPASS_DEF_NOGIL(m, encode_sets_cpu, "(ids [rows, K] uint8|int16, num_experts, missing [rows] bool|None, out uint8, impl 0 auto|1 "
                     "baseline): set coding");
   COMPASS_DEF_NOGIL(m, decode_sets_cpu, "(data uint8, num_experts, ids [rows, K] out, impl 0 auto|1 baseline|2 AVX2 without R12)");
@@ -27,8 +20,6 @@ void bind(pybind11::module_& root) {
   m.def("set_code_decode_path", &set_code_decode_path,
         "(num_experts, top_k, uint8_ids, impl) -> the unrank decode runs: r12|hint|bisect|none");
 #ifdef COMPASS_WITH_CUDA
-  COMPASS_DEF(m, replay_topk_cuda, fwd);
-  COMPASS_DEF(m, replay_topk_backward_cuda, bwd);
   COMPASS_DEF(m, encode_sets_cuda, enc);
 #endif
 }

@@ -1,39 +1,17 @@
-// Host entry points of the router-replay kernels (CPU in replay_cpu.cpp, CUDA
-// in replay.cu), bound one line each in bindings.cpp. Arguments are borrowed
-// views; outputs are written in place. check_* runs every dtype/shape/device
-// check before any launch.
+// Host entry points of the route set codec (CPU in codec_cpu.cpp, CUDA in
+// codec.cu), bound one line each in bindings.cpp. Arguments are borrowed
+// views; outputs are written in place. (Router replay is Python: the torch
+// reference on CPU, Triton on GPU.)
 #pragma once
 
 #include <cstdint>
 #include <optional>
 #include <string>
 
-#include "compass/routing.h"
 #include "compass/tensor_view.h"
 
 namespace compass {
 namespace routing {
-
-// logits [T, E] float32|float64; expert_ids [T, K] uint8|int16|int32|int64 (rows
-// with valid False are not read); expert_bias [E] logits' dtype or None; valid
-// [T] bool or None; score_function 0 softmax / 1 sigmoid; min_score_ratio < 0:
-// no ratio test. Outputs: weights [T, K] logits' dtype, routing_map [T, E] bool,
-// tokens_per_expert [E] int64, counts [6] int64 (routing.h: Count), ids_used
-// [T, K] int64.
-#define COMPASS_REPLAY_TOPK_ARGS                                                               \
-  TensorView logits, TensorView expert_ids, std::optional<TensorView> expert_bias,             \
-      std::optional<TensorView> valid, int64_t score_function, bool normalize, double scaling, \
-      double min_score_ratio, TensorView weights, TensorView routing_map,                      \
-      TensorView tokens_per_expert, TensorView counts, TensorView ids_used
-// grad_weights [T, K] and logits [T, E] float32|float64 (same dtype); ids_used
-// [T, K] int64 (from replay_topk); out: grad_logits [T, E] logits' dtype.
-#define COMPASS_REPLAY_TOPK_BACKWARD_ARGS                                                   \
-  TensorView grad_weights, TensorView logits, TensorView ids_used, int64_t score_function, \
-      bool normalize, double scaling, TensorView grad_logits
-
-// Shared by every backend (defined in replay_cpu.cpp), called with named views.
-void check_replay_topk_args(COMPASS_REPLAY_TOPK_ARGS);
-void check_replay_topk_backward_args(COMPASS_REPLAY_TOPK_BACKWARD_ARGS);
 
 // Set coding of top-k sets (codec_cpu.cpp, setcode.h): ids [rows, K] uint8|int16
 // <-> the payload uint8 [set_code_bytes(rows, E, K)]; G rows per pack of B bits.
@@ -64,11 +42,7 @@ std::string set_code_decode_path(int64_t num_experts, int64_t top_k, bool uint8_
 // on a bad row instead (naming it) and fills status with (0, -1).
 void encode_sets_op_cpu(COMPASS_ENCODE_SETS_ARGS);
 
-void replay_topk_cpu(COMPASS_REPLAY_TOPK_ARGS);
-void replay_topk_backward_cpu(COMPASS_REPLAY_TOPK_BACKWARD_ARGS);
 #if defined(COMPASS_WITH_CUDA) || defined(COMPASS_EMULATION)  // emulated: csrc/emu
-void replay_topk_cuda(COMPASS_REPLAY_TOPK_ARGS, uintptr_t stream);
-void replay_topk_backward_cuda(COMPASS_REPLAY_TOPK_BACKWARD_ARGS, uintptr_t stream);
 void encode_sets_cuda(COMPASS_ENCODE_SETS_ARGS, uintptr_t stream);  // codec.cu
 #endif
 

@@ -5,13 +5,8 @@
 
 namespace compass {
 namespace emu {
-void bind_advantages(pybind11::module_& root);
 void bind_routing(pybind11::module_& root);
-void bind_espo(pybind11::module_& root);
-void bind_packing(pybind11::module_& root);
 void bind_fp8(pybind11::module_& root);
-void bind_logprobs(pybind11::module_& root);
-void bind_fp8_gemm(pybind11::module_& root);
 void bind_selftest(pybind11::module_& root);
 }  // namespace emu
 }  // namespace compass

@@ -76,12 +76,7 @@ PYBIND11_MODULE(_C_emu, m) {
     return d;
   }, "launches, blocks, CUDA threads and fiber switches emulated in this process");
 
-  compass::emu::bind_advantages(m);
   compass::emu::bind_routing(m);
-  compass::emu::bind_espo(m);
-  compass::emu::bind_packing(m);
   compass::emu::bind_fp8(m);
-  compass::emu::bind_logprobs(m);
-  compass::emu::bind_fp8_gemm(m);
   compass::emu::bind_selftest(m);
 }

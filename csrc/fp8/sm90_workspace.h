@@ -1,6 +1,6 @@
 // Layout of the CUTLASS sm_90a grouped GEMM's workspace (grouped_gemm_sm90.cuh).
 // Plain C++ (no CUTLASS types): the CUDA entry point feeds it the CUTLASS
-// sizes; the CPU build binds it (fp8_gemm.sm90_workspace_layout) so the
+// sizes; the CPU build binds it (fp8.sm90_workspace_layout) so the
 // offsets are tested for every expert count on any host.
 //
 // CUTLASS's own region comes first, at offset 0 of a 128-byte aligned base:
@@ -14,7 +14,7 @@
 #include <cstdint>
 
 namespace compass {
-namespace fp8_gemm {
+namespace fp8 {
 
 constexpr int64_t kSm90WorkspaceAlign = 128;
 constexpr int kSm90GroupArrays = 5;
@@ -46,5 +46,5 @@ inline Sm90WorkspaceLayout sm90_workspace_layout(
   return l;
 }
 
-}  // namespace fp8_gemm
+}  // namespace fp8
 }  // namespace compass

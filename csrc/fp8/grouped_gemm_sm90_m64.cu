@@ -2,10 +2,10 @@
 // (grouped_gemm_sm90.cuh): 64x128x128, cluster 1x1x1, pingpong: two consumer
 // warpgroups on their own 64-row tiles (decode-sized groups).
 // One configuration per translation unit: each costs ~1 min and ~4 GB to compile.
-#include "fp8_gemm/grouped_gemm_sm90.cuh"
+#include "fp8/grouped_gemm_sm90.cuh"
 
 namespace compass {
-namespace fp8_gemm {
+namespace fp8 {
 
 using Sm90Config_m64 =
     sm90::Config<cute::Shape<cute::_64, cute::_128, cute::_128>, cute::Shape<cute::_1, cute::_1, cute::_1>,
@@ -26,5 +26,5 @@ void grouped_gemm_sm90_m64(COMPASS_FP8_GROUPED_GEMM_ARGS, TensorView shapes, Ten
                             shapes, ptrs, workspace, sm_count, stream, "m64");
 }
 
-}  // namespace fp8_gemm
+}  // namespace fp8
 }  // namespace compass

@@ -1,7 +1,7 @@
 // Tile configurations of the CUTLASS sm_90a grouped GEMM and the heuristic
 // that chooses among them from shapes only (no host sync: the per-expert
 // counts live on the device). Plain C++, unit-tested on the CPU
-// (tests/test_fp8_gemm_tiles.py through fp8_gemm.choose_sm90_tile).
+// (tests/test_fp8_tiles.py through fp8.choose_sm90_tile).
 //
 // Each configuration is one translation unit (grouped_gemm_sm90_m64.cu, _m128.cu):
 //   kSm90M64   64x128x128, pingpong: two consumer warpgroups, each on its own
@@ -16,7 +16,7 @@
 #include <cstdint>
 
 namespace compass {
-namespace fp8_gemm {
+namespace fp8 {
 
 enum Sm90Tile : int64_t { kSm90M64 = 0, kSm90M128 = 1, kNumSm90Tiles = 2 };
 
@@ -37,5 +37,5 @@ inline Sm90Tile choose_sm90_tile(int64_t rows, int64_t experts, int64_t n, int64
   return kSm90M128;
 }
 
-}  // namespace fp8_gemm
+}  // namespace fp8
 }  // namespace compass

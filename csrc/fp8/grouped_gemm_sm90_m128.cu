@@ -2,10 +2,10 @@
 // (grouped_gemm_sm90.cuh): 128x128x128, cluster 1x1x1, cooperative: both consumer
 // warpgroups on one 128-row tile (prefill-sized groups).
 // One configuration per translation unit: each costs ~1 min and ~4 GB to compile.
-#include "fp8_gemm/grouped_gemm_sm90.cuh"
+#include "fp8/grouped_gemm_sm90.cuh"
 
 namespace compass {
-namespace fp8_gemm {
+namespace fp8 {
 
 using Sm90Config_m128 =
     sm90::Config<cute::Shape<cute::_128, cute::_128, cute::_128>, cute::Shape<cute::_1, cute::_1, cute::_1>,
@@ -26,5 +26,5 @@ void grouped_gemm_sm90_m128(COMPASS_FP8_GROUPED_GEMM_ARGS, TensorView shapes, Te
                              shapes, ptrs, workspace, sm_count, stream, "m128");
 }
 
-}  // namespace fp8_gemm
+}  // namespace fp8
 }  // namespace compass

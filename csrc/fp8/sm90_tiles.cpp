@@ -1,12 +1,12 @@
 // Host side of the CUTLASS sm_90a grouped GEMM's tile configurations: the
 // heuristic's binding (plain C++, built and tested on every host) and, in CUDA
 // builds with CUTLASS, the dispatch to the configuration's translation unit.
-#include "fp8_gemm/fp8_gemm_api.h"
-#include "fp8_gemm/sm90_tiles.h"
-#include "fp8_gemm/sm90_workspace.h"
+#include "fp8/fp8_api.h"
+#include "fp8/sm90_tiles.h"
+#include "fp8/sm90_workspace.h"
 
 namespace compass {
-namespace fp8_gemm {
+namespace fp8 {
 
 int64_t choose_sm90_tile_binding(int64_t rows, int64_t experts, int64_t n, int64_t sm_count) {
   COMPASS_CHECK(rows >= 0 && experts >= 1 && n >= 1 && sm_count >= 1,
@@ -69,5 +69,5 @@ void grouped_gemm_sm90_cuda(COMPASS_FP8_GROUPED_GEMM_ARGS, int64_t tile, TensorV
 }
 #endif
 
-}  // namespace fp8_gemm
+}  // namespace fp8
 }  // namespace compass

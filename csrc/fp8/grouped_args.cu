@@ -6,12 +6,12 @@
 #include <cuda_runtime.h>
 
 #include "compass/cuda_utils.cuh"
-#include "compass/fp8_gemm.h"
+#include "compass/fp8.h"
 #include "compass/launch.cuh"
-#include "fp8_gemm/fp8_gemm_api.h"
+#include "fp8/fp8_api.h"
 
 namespace compass {
-namespace fp8_gemm {
+namespace fp8 {
 
 namespace {
 
@@ -38,8 +38,8 @@ void grouped_args_cuda(COMPASS_FP8_GROUPED_ARGS_ARGS, uintptr_t stream_handle) {
   compass::launch<grouped_args_kernel>(blocks, kArgsThreads, 0,
       reinterpret_cast<cudaStream_t>(stream_handle), grouped_layout(a_q, a_scales, b_q, b_scales, out),
       expert_offsets.ptr<int64_t>(), experts, shapes.ptr<int32_t>(), ptrs.ptr<int64_t>());
-  check_launch("fp8_gemm.grouped_args_kernel");
+  check_launch("fp8.grouped_args_kernel");
 }
 
-}  // namespace fp8_gemm
+}  // namespace fp8
 }  // namespace compass

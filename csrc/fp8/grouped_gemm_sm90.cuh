@@ -28,11 +28,11 @@
 #include "cutlass/gemm/dispatch_policy.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "compass/cuda_utils.cuh"
-#include "fp8_gemm/fp8_gemm_api.h"
-#include "fp8_gemm/sm90_workspace.h"
+#include "fp8/fp8_api.h"
+#include "fp8/sm90_workspace.h"
 
 namespace compass {
-namespace fp8_gemm {
+namespace fp8 {
 namespace sm90 {
 
 using namespace cute;
@@ -170,7 +170,7 @@ void run(COMPASS_FP8_GROUPED_GEMM_ARGS, TensorView shapes, TensorView ptrs, Tens
   auto* lsfb = reinterpret_cast<LayoutSFB*>(base + layout.offsets[4]);
   fill_group_layouts<Cfg><<<static_cast<unsigned>((e + 127) / 128), 128, 0, stream>>>(
       shapes.ptr<int32_t>(), e, a_q.strides[0], out.strides[0], sa, sb, sd, lsfa, lsfb);
-  check_launch("fp8_gemm.fill_group_layouts");
+  check_launch("fp8.fill_group_layouts");
 
   auto* p = ptrs.ptr<int64_t>();
   typename Gemm::Arguments args{
@@ -188,15 +188,15 @@ void run(COMPASS_FP8_GROUPED_GEMM_ARGS, TensorView shapes, TensorView ptrs, Tens
   args.hw_info.sm_count = static_cast<int>(sm_count);
 
   Gemm gemm;
-  COMPASS_CHECK(gemm.can_implement(args) == cutlass::Status::kSuccess, "fp8_gemm (", name,
+  COMPASS_CHECK(gemm.can_implement(args) == cutlass::Status::kSuccess, "fp8 (", name,
                 "): CUTLASS cannot run this problem (alignment or shape)");
   auto st = gemm.initialize(args, cutlass_ws, stream);
-  COMPASS_CHECK(st == cutlass::Status::kSuccess, "fp8_gemm (", name, "): CUTLASS initialize failed");
+  COMPASS_CHECK(st == cutlass::Status::kSuccess, "fp8 (", name, "): CUTLASS initialize failed");
   st = gemm.run(stream);
-  COMPASS_CHECK(st == cutlass::Status::kSuccess, "fp8_gemm (", name, "): CUTLASS launch failed");
-  check_launch("fp8_gemm.grouped_gemm_sm90");
+  COMPASS_CHECK(st == cutlass::Status::kSuccess, "fp8 (", name, "): CUTLASS launch failed");
+  check_launch("fp8.grouped_gemm_sm90");
 }
 
 }  // namespace sm90
-}  // namespace fp8_gemm
+}  // namespace fp8
 }  // namespace compass
