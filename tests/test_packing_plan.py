@@ -354,16 +354,3 @@ def test_large_batch_fast_and_balanced():
     assert p.stats["imbalance"] <= 1.01
     assert p.stats["max_mb_tokens"] <= 65536
     assert sorted(p.order.tolist()) == list(range(65536))
-
-
-def test_readme_packing_example_runs():
-    import re
-    from pathlib import Path
-
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    m = re.search(r"## Length-aware packing \(`ck.packing`\)\n\n```python\n(.*?)```", text, re.S)
-    assert m, "README.md has no packing example"
-    scope = {"torch": torch}
-    exec(compile(m.group(1), "README.md:packing", "exec"), scope)
-    assert scope["plan"].stats["imbalance"] <= 1.01
-    assert scope["params"].qkv_format == "thd"

@@ -387,17 +387,6 @@ def test_set_codec_errors_name_the_row():
         _setcode.layout(1024, 16)
 
 
-def test_readme_routing_example_runs(capsys):
-    import re
-    from pathlib import Path
-
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    m = re.search(r"## Router replay \(ck.routing\)\n\n```python\n(.*?)```", text, re.S)
-    assert m, "README.md has no ck.routing example"
-    exec(compile(m.group(1), "README.md:routing", "exec"), {})
-    assert capsys.readouterr().out.strip()
-
-
 def test_layer_lookup_by_global_number_not_position():
     t = make_trace([4, 3], layers=(3, 5, 9), mtp=(0,), missing_frac=0.3, seed=12)
     ids, valid = t.layer(5)

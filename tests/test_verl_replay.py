@@ -48,13 +48,14 @@ def test_routed_experts_to_trace():
     routes, attn = verl_routes(1)
     trace = rp.routed_experts_to_trace(routes, attn, num_experts=E, moe_layer_ids=LAYERS)
     lens = attn.sum(-1)
-    assert trace.seq_lens() == lens.tolist()
+    # tokens - 1 rows per sequence (the row-count contract): the last token's row
+    # (never a rollout input) is dropped, the token counts kept
+    assert trace.seq_lens() == (lens - 1).tolist() and trace.token_lens == lens.tolist()
     assert trace.expert_ids.dtype == torch.uint8 and trace.layer_ids.tolist() == LAYERS
-    assert torch.equal(trace.expert_ids.long(), routes[attn.bool()])
-    reasons = trace.missing_reason
-    cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
-    assert (reasons[cu[1:] - 1] == MissingReason.NO_ROW).all()
-    assert int((reasons != 0).sum()) == len(lens)  # only the last rows
+    keep = attn.bool().clone()
+    keep[torch.arange(attn.shape[0]), attn.cumsum(-1).argmax(-1)] = False  # each last token
+    assert torch.equal(trace.expert_ids.long(), routes[keep])
+    assert trace.missing_reason is None or int((trace.missing_reason != 0).sum()) == 0
     # verl's nested layout (left_right_2_no_padding) gives the same trace
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     td = tu.get_tensordict(
@@ -98,7 +99,7 @@ def test_micro_batch_trace_follows_verl_thd_packing(tp, cp, sp):
     trace = rp.routed_experts_to_trace(routes, attn, num_experts=E, moe_layer_ids=LAYERS)
     align = tp * cp * 2 if cp > 1 else tp
     mb = [4, 1, 3]
-    padded = sum(-(-trace.seq_lens()[i] // align) * align for i in mb)
+    padded = sum(-(-trace.token_lens[i] // align) * align for i in mb)
     rows = []
     for cp_rank in range(cp):
         for tp_rank in range(tp if sp else 1):

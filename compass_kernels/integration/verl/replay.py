@@ -102,8 +102,8 @@ def routed_experts_to_trace(
 
     Returns
     -------
-    RoutingTrace with cu_seqlens over the valid tokens; each sequence's last
-    row missing (reason NO_ROW).
+    RoutingTrace with tokens - 1 rows per sequence (the last token's row is
+    dropped: it routes natively) and ``token_lens`` the sequences' token counts.
     """
     if placeholders not in ("missing", "error"):
         raise ValueError(f"placeholders: expected 'missing' or 'error', got {placeholders!r}")
@@ -133,12 +133,21 @@ def routed_experts_to_trace(
                 "within its top-k (a placeholder row, not a routing)"
             )
         reason[dup] = MissingReason.NOT_CAPTURED
-    last = cu[1:][lens > 0] - 1
-    reason[last.to(dev)] = MissingReason.NO_ROW
+    # verl's routes have a row for every token, the last one included (its
+    # routing is never trained on: nothing follows it). The trace keeps
+    # tokens - 1 rows per sequence and the token counts (ck.routing's row-count
+    # contract); the last token routes natively in the replay.
+    keep = torch.ones(T, dtype=torch.bool, device=dev)
+    keep[(cu[1:][lens > 0] - 1).to(dev)] = False
+    rows_kept = (lens - 1).clamp(min=0)
+    cu_kept = torch.zeros(lens.numel() + 1, dtype=torch.int64)
+    torch.cumsum(rows_kept, 0, out=cu_kept[1:])
+    ids, reason = ids[keep], reason[keep]
     missing = reason != 0
-    trace = RoutingTrace(ids, cu.to(dev), num_experts, layer_ids=moe_layer_ids,
+    trace = RoutingTrace(ids, cu_kept.to(dev), num_experts, layer_ids=moe_layer_ids,
                          missing=missing if bool(missing.any()) else None,
-                         missing_reason=reason if bool(missing.any()) else None)  # fmt: skip
+                         missing_reason=reason if bool(missing.any()) else None,
+                         token_lens=lens)  # fmt: skip
     if validate:
         trace.validate(num_experts=num_experts, top_k=K)
     return trace
@@ -166,7 +175,7 @@ def micro_batch_trace(
     ``trace`` (None: all)."""
     factor = 2 if cp_layout == "zigzag" and cp_size > 1 else 1
     align = tp_size * cp_size * factor
-    lens = trace.seq_lens() if sequences is None else [trace.seq_lens()[i] for i in sequences]
+    lens = trace.token_lens if sequences is None else [trace.token_lens[i] for i in sequences]
     return trace.slice(
         layers=layers, sequences=sequences, token_lens=lens, pad_multiple=align,
         cp_size=cp_size, cp_rank=cp_rank, cp_layout=cp_layout if cp_size > 1 else None,
