@@ -298,30 +298,7 @@ def engine_weight_check(
     (HF names for which ``skip(name)`` is true are left out: FP8-synced weights).
 
     Returns {"checked": tensors compared, "max_diff": largest |difference|}."""
-
-    def fetch(worker: Any) -> dict[str, torch.Tensor]:
-        model = worker.model_runner.get_model()
-        return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-    (params,) = llm.collective_rpc(fetch)
-    checked, max_diff = 0, 0.0
-    for name, value in params.items():
-        want = hf_sd.get(name)
-        if want is None:
-            qkv = name.replace("qkv_proj", "{}_proj")
-            parts = [qkv.format(x) for x in "qkv"]
-            if qkv != name and all(p in hf_sd for p in parts):
-                if skip is not None and any(skip(p) for p in parts):
-                    continue
-                want = torch.cat([hf_sd[p] for p in parts])
-        elif skip is not None and skip(name):
-            continue
-        if want is None or tuple(want.shape) != tuple(value.shape):
-            continue
-        diff = (value.double() - want.to(value.dtype).double()).abs().max()
-        max_diff = max(max_diff, float(diff))
-        checked += 1
-    return {"checked": checked, "max_diff": max_diff}
+    return engine_weight_check_parts(llm, [hf_sd], skip=skip)
 
 
 def _cast_parts(trainer: Any, dtype: torch.dtype):
