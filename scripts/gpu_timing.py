@@ -33,6 +33,10 @@ import traceback
 import torch
 
 import compass_kernels as ck
+from compass_kernels.espo.logprobs import token_logprobs_entropy_op
+from compass_kernels.fp8 import permute_op
+from compass_kernels.fp8.grouped_gemm import grouped_gemm_op
+from compass_kernels.packing.thd import thd_pack_op
 
 HBM_BPS = 3.35e12
 BF16_FLOPS = 989e12
@@ -65,6 +69,13 @@ class Timer:
         return statistics.median(times)
 
 
+def _gpu_backends(op, dev):
+    """The op's GPU backends (every one it registers) on a GPU; the default on the CPU."""
+    if dev != "cuda":
+        return (None,)
+    return tuple(b for b in op.backends if b not in ("torch", "cpp"))
+
+
 def row(op, backend, seconds, *, bytes_=None, flops=None, ceiling=None, **extra):
     r = {"op": op, "backend": backend, "ms": round(seconds * 1e3, 4)}
     if bytes_ is not None:
@@ -83,7 +94,7 @@ def logprobs_rows(t: Timer, dev: str, small: bool):
     logits = torch.randn(T, V, device=dev, generator=g).to(torch.bfloat16)
     y = torch.randint(0, V, (T,), device=dev, generator=g)
     out = []
-    for backend in ("cuda", "triton") if dev == "cuda" else (None,):
+    for backend in _gpu_backends(token_logprobs_entropy_op, dev):
         s = t(lambda b=backend: ck.espo.token_logprobs_entropy(logits, y, backend=b))
         out.append(row("logprobs_fwd", backend or "default", s, bytes_=T * V * 2, shape=f"{T}x{V}"))
 
@@ -95,7 +106,7 @@ def logprobs_rows(t: Timer, dev: str, small: bool):
     out.append(row("logprobs_fwd", "torch fp32", s, bytes_=T * V * 2, shape=f"{T}x{V}"))
     lg = logits.clone().requires_grad_()
     gl, gh = torch.randn(T, device=dev), torch.randn(T, device=dev)
-    for backend in ("cuda", "triton") if dev == "cuda" else (None,):
+    for backend in _gpu_backends(token_logprobs_entropy_op, dev):
         lp, ent = ck.espo.token_logprobs_entropy(lg, y, backend=backend)
 
         def bwd(lp=lp, ent=ent):
@@ -115,7 +126,7 @@ def permute_rows(t: Timer, dev: str, small: bool):
     ].to(torch.int32)
     moved = M * K * 2 + M * k * K * 1 + M * k * (K // 128) * 4
     out = []
-    for backend in ("cuda", "triton") if dev == "cuda" else (None,):
+    for backend in _gpu_backends(permute_op, dev):
         s = t(lambda b=backend: ck.fp8.permute_quantize(x, ids, E, backend=b))
         out.append(row("permute_quantize", backend or "default", s, bytes_=moved,
                        shape=f"{M}x{k} K={K} E={E}"))  # fmt: skip
@@ -132,7 +143,7 @@ def pack_rows(t: Timer, dev: str, small: bool):
     x = torch.randn(total, H, device=dev).to(torch.bfloat16)
     idx = list(range(len(lengths)))[::-1]
     out = []
-    for backend in ("cuda", "triton") if dev == "cuda" else (None,):
+    for backend in _gpu_backends(thd_pack_op, dev):
         s = t(lambda b=backend: ck.packing.pack(x, lengths, idx, pad_multiple=8, backend=b))
         out.append(row("thd_pack", backend or "default", s, bytes_=2 * total * H * 2,
                        shape=f"{len(lengths)} seqs, {total * H * 2 / 2**30:.2f} GiB"))  # fmt: skip
@@ -152,7 +163,7 @@ def gemm_rows(t: Timer, dev: str, small: bool):
     off = off.to(dev)
     flops = 2 * rows * N * K
     out = []
-    for backend in ("cuda", "triton") if dev == "cuda" else (None,):
+    for backend in _gpu_backends(grouped_gemm_op, dev):
 
         def call(b=backend):
             return ck.fp8.grouped_gemm(a_q, a_s, b_q, b_s, off, backend=b)
