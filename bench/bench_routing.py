@@ -217,13 +217,13 @@ def synthetic_trace(tokens: int, e: int, k: int, layers: int, seed: int):
 
 
 def tiny_model_trace(tokens: int, seed: int = 0):
-    """The routing of the tiny Qwen3-MoE checkpoint (compass_kernels/integration/tiny_moe.py,
+    """The routing of the tiny Qwen3-MoE checkpoint (compass_kernels/integration/cpu/tiny_moe.py,
     E=8, K=2, 3 MoE layers): a transformers forward over random tokens, each
     layer's top-k of its router logits (what vLLM captures on the same weights,
     tests/integration)."""
     from transformers import AutoModelForCausalLM
 
-    from compass_kernels.integration.tiny_moe import cached_tiny_qwen3_moe
+    from compass_kernels.integration.cpu.tiny_moe import cached_tiny_qwen3_moe
     from compass_kernels.routing import RoutingTrace
 
     model = AutoModelForCausalLM.from_pretrained(cached_tiny_qwen3_moe(), dtype=torch.float32)

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 import compass_kernels as ck
-from compass_kernels.integration.fp8_sync import (
+from compass_kernels.integration.vllm.fp8_sync import (
     FP8WeightSync,
     is_block_fp8_weight,
     logprob_agreement,
@@ -52,7 +52,7 @@ def random_model(seed: int = 0, **overrides: Any):
     """A Qwen3-MoE with the tiny generator's random weights, in memory (float32)."""
     from transformers import Qwen3MoeForCausalLM
 
-    from compass_kernels.integration.tiny_moe import _hf_config, _init_weights, _split_options
+    from compass_kernels.integration.cpu.tiny_moe import _hf_config, _init_weights, _split_options
 
     cfg_dict, opts = _split_options(overrides)
     config = _hf_config(cfg_dict)
@@ -71,11 +71,11 @@ def fp8_dequantized(model):
     The bf16 copy holds the weights rounded to bf16 (what the trainer's
     forward uses); the FP8 copy holds ``q * scale`` of those, quantized per
     checkpoint tensor (one expert projection at a time, as vLLM's block-FP8
-    checkpoints are) by :class:`compass_kernels.integration.fp8_sync.FP8WeightSync`.
+    checkpoints are) by :class:`compass_kernels.integration.vllm.fp8_sync.FP8WeightSync`.
     """
     import copy
 
-    from compass_kernels.integration.megatron_convert import hf_to_megatron, megatron_to_hf
+    from compass_kernels.integration.megatron.convert import hf_to_megatron, megatron_to_hf
 
     cfg = model.config
     bf16 = _bf16_values(model)
@@ -173,7 +173,7 @@ def gate(
     freeze_routing: bool = False,
 ) -> dict[str, float]:
     """The quality gate's numbers (see
-    :func:`compass_kernels.integration.fp8_sync.logprob_agreement`)
+    :func:`compass_kernels.integration.vllm.fp8_sync.logprob_agreement`)
     on ``tokens`` [B, T], or on ``n_seq`` sequences the bf16 model samples
     (temperature 1) from random one-token prompts; plus the routing-flip rate,
     the logit RMS error and the bf16 model's mean next-token entropy."""
@@ -251,7 +251,7 @@ def train_on_corpus(model, tokenizer_path, *, steps: int = 300, lr: float = 3e-3
     Returns (model, held-out token batch [16, seq_len + 1])."""
     from transformers import AutoTokenizer
 
-    from compass_kernels.integration.tiny_moe import _corpus
+    from compass_kernels.integration.cpu.tiny_moe import _corpus
 
     tok = AutoTokenizer.from_pretrained(tokenizer_path)
     text = " ".join(_corpus(seed + 1, 4000))
@@ -279,7 +279,7 @@ def train_on_corpus(model, tokenizer_path, *, steps: int = 300, lr: float = 3e-3
 
 
 def _main() -> None:
-    from compass_kernels.integration.tiny_moe import cached_tiny_qwen3_moe
+    from compass_kernels.integration.cpu.tiny_moe import cached_tiny_qwen3_moe
 
     torch.set_num_threads(1)  # tiny GEMMs: threads only contend (10x slower on a loaded host)
     rows = []

@@ -15,7 +15,7 @@ import argparse
 import numpy as np
 import torch
 
-from compass_kernels.integration.megatron_parallel import Layout, RankInfo
+from compass_kernels.integration.megatron.parallel import Layout, RankInfo
 
 LAYOUTS = {
     "dp8": Layout(dp=8),

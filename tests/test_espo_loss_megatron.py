@@ -1,4 +1,4 @@
-"""The Megatron drop-in (compass_kernels/integration/megatron_espo.py) on a real megatron-core
+"""The Megatron drop-in (compass_kernels/integration/megatron/espo.py) on a real megatron-core
 GPTModel (tiny Qwen3-MoE, CPU, gloo world size 1): the model's labels output
 (vocab-parallel cross-entropy) is -log-prob, and after Megatron's loss scaling
 the parameter gradients are those of the float64 reference loss computed from
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.integration
 def model(megatron_cpu, tiny_moe_path):
     from transformers import AutoConfig
 
-    from compass_kernels.integration.megatron_convert import (
+    from compass_kernels.integration.megatron.convert import (
         build_megatron_model,
         load_hf_state_dict,
     )
@@ -34,7 +34,7 @@ def model(megatron_cpu, tiny_moe_path):
 
 
 def test_loss_func_gives_the_reference_gradients(model):
-    from compass_kernels.integration.megatron_espo import EspoBatch, make_loss_func
+    from compass_kernels.integration.megatron.espo import EspoBatch, make_loss_func
 
     cfg, m = model
     T, nmb = 61, 2

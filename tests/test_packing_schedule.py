@@ -137,7 +137,7 @@ def test_generate_length_aware_checks_the_engine():
     No vLLM needed: the engine is a stand-in."""
     from types import SimpleNamespace
 
-    from compass_kernels.integration.vllm_rollout import generate_length_aware
+    from compass_kernels.integration.vllm.rollout import generate_length_aware
 
     cfg = SimpleNamespace(scheduler_config=SimpleNamespace(policy="fcfs"))
     llm = SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=cfg))

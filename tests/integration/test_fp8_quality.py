@@ -16,7 +16,7 @@ from bench.fp8_quality import (  # noqa: E402
     linear_errors,
     random_model,
 )
-from compass_kernels.integration.fp8_sync import is_block_fp8_weight  # noqa: E402
+from compass_kernels.integration.vllm.fp8_sync import is_block_fp8_weight  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

@@ -14,14 +14,14 @@ pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 import compass_kernels as ck  # noqa: E402
-from compass_kernels.integration.fp8_sync import (  # noqa: E402
+from compass_kernels.integration.megatron.convert import hf_to_megatron, load_hf_state_dict  # noqa: E402
+from compass_kernels.integration.vllm.fp8_sync import (  # noqa: E402
     FP8WeightSync,
     from_megatron,
     is_block_fp8_weight,
     logprob_agreement,
     quantization_config,
 )
-from compass_kernels.integration.megatron_convert import hf_to_megatron, load_hf_state_dict  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

@@ -11,8 +11,8 @@ import torch
 pytest.importorskip("megatron.core")
 pytest.importorskip("transformers")
 
-from compass_kernels.integration import megatron_cpu as shim  # noqa: E402
-from compass_kernels.integration.megatron_convert import (  # noqa: E402
+from compass_kernels.integration.cpu import megatron as shim  # noqa: E402
+from compass_kernels.integration.megatron.convert import (  # noqa: E402
     build_megatron_model,
     hf_to_megatron,
     load_hf_state_dict,

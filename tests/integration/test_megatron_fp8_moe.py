@@ -1,4 +1,4 @@
-"""The Megatron experts hook (compass_kernels/integration/megatron_fp8_moe.py) on a real
+"""The Megatron experts hook (compass_kernels/integration/megatron/fp8_moe.py) on a real
 megatron-core SequentialMLP on CPU (gloo, world size 1): under no_grad its FP8
 forward agrees with Megatron's own bf16 experts forward (same weights, same
 grouped rows, probs applied), the weight layout is Megatron's (a swapped GLU
@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("megatron.core")
 
 import compass_kernels as ck  # noqa: E402
-from compass_kernels.integration import megatron_fp8_moe as hook  # noqa: E402
+from compass_kernels.integration.megatron import fp8_moe as hook  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -28,7 +28,7 @@ def experts():
     from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from compass_kernels.integration.megatron_cpu import init_single_process_gloo
+    from compass_kernels.integration.cpu.megatron import init_single_process_gloo
 
     init_single_process_gloo(seed=0)
     cfg = TransformerConfig(

@@ -15,8 +15,8 @@ import torch
 pytest.importorskip("megatron.core")
 pytest.importorskip("transformers")
 
-from compass_kernels.integration import megatron_replay as mr  # noqa: E402
-from compass_kernels.integration.megatron_convert import build_megatron_model, load_hf_state_dict  # noqa: E402
+from compass_kernels.integration.megatron import replay as mr  # noqa: E402
+from compass_kernels.integration.megatron.convert import build_megatron_model, load_hf_state_dict  # noqa: E402
 from compass_kernels.routing import MissingReason, RoutingTrace  # noqa: E402
 
 pytestmark = pytest.mark.integration
@@ -309,7 +309,7 @@ def test_dense_first_layer_keys_layers_by_global_number(megatron_cpu, hf_parts):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    from compass_kernels.integration.megatron_convert import megatron_config_from_hf
+    from compass_kernels.integration.megatron.convert import megatron_config_from_hf
 
     cfg, _, _ = hf_parts
     config = megatron_config_from_hf(cfg, moe_layer_freq=[0, 1, 1])
@@ -478,7 +478,7 @@ def test_mtp_layers_are_not_replayed_from_decoder_rows(megatron_cpu, hf_parts):
         get_gpt_mtp_block_spec,
     )
 
-    from compass_kernels.integration.megatron_convert import megatron_config_from_hf
+    from compass_kernels.integration.megatron.convert import megatron_config_from_hf
 
     cfg, _, _ = hf_parts
     config = megatron_config_from_hf(cfg, mtp_num_layers=1)
@@ -518,7 +518,7 @@ def _pipeline_stage(rank, world_size, path):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from transformers import AutoConfig
 
-    from compass_kernels.integration.megatron_convert import megatron_config_from_hf
+    from compass_kernels.integration.megatron.convert import megatron_config_from_hf
 
     config = megatron_config_from_hf(
         AutoConfig.from_pretrained(path),
@@ -581,7 +581,7 @@ def test_two_stage_pipeline_keys_layers_by_global_number(tiny_moe_path):
 
 
 def mr_run_distributed(fn, args):
-    from compass_kernels.integration import megatron_cpu as shim
+    from compass_kernels.integration.cpu import megatron as shim
 
     return shim.run_distributed(
         fn, 2, args=args, megatron={"pipeline_model_parallel_size": 2}, timeout=280
@@ -698,7 +698,7 @@ def _cp_rank(rank, world_size, path):
 
 
 def test_context_parallel_ranks_replay_exactly_their_zigzag_slice(tiny_moe_path):
-    from compass_kernels.integration import megatron_cpu as shim
+    from compass_kernels.integration.cpu import megatron as shim
 
     results = shim.run_distributed(
         _cp_rank, 2, args=(str(tiny_moe_path),), megatron={"context_parallel_size": 2},

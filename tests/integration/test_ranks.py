@@ -29,7 +29,7 @@ import torch
 pytest.importorskip("megatron.core")
 pytest.importorskip("transformers")
 
-from compass_kernels.integration.megatron_parallel import Layout, RankInfo  # noqa: E402
+from compass_kernels.integration.megatron.parallel import Layout, RankInfo  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -52,8 +52,8 @@ TOL = 1e-4
 def setup():
     from transformers import AutoConfig
 
+    from compass_kernels.integration.cpu.tiny_moe import cached_tiny_qwen3_moe
     from compass_kernels.integration.rl.layout_check import run_step, synthetic_batch
-    from compass_kernels.integration.tiny_moe import cached_tiny_qwen3_moe
 
     path = cached_tiny_qwen3_moe(num_hidden_layers=4)  # 4 layers, 8 experts: every layout fits
     cfg = AutoConfig.from_pretrained(path)
@@ -115,6 +115,7 @@ def test_each_rank_receives_its_share_only(name):
     from transformers import AutoConfig
 
     import compass_kernels as ck
+    from compass_kernels.integration.cpu.tiny_moe import cached_tiny_qwen3_moe
     from compass_kernels.integration.rl.layout_check import synthetic_batch
     from compass_kernels.integration.rl.ranks import (
         StepData,
@@ -123,7 +124,6 @@ def test_each_rank_receives_its_share_only(name):
         make_shares,
         share_bytes,
     )
-    from compass_kernels.integration.tiny_moe import cached_tiny_qwen3_moe
 
     layout = LAYOUTS[name]
     cfg = AutoConfig.from_pretrained(cached_tiny_qwen3_moe(num_hidden_layers=4))
@@ -288,9 +288,9 @@ def test_padding_micro_batch_share():
     row missing as PADDING, on every rank of the layout."""
     from transformers import AutoConfig
 
+    from compass_kernels.integration.cpu.tiny_moe import cached_tiny_qwen3_moe
     from compass_kernels.integration.rl.layout_check import synthetic_batch
     from compass_kernels.integration.rl.ranks import StepData, make_shares, plan_or_pad
-    from compass_kernels.integration.tiny_moe import cached_tiny_qwen3_moe
     from compass_kernels.routing import MissingReason
 
     cfg = AutoConfig.from_pretrained(cached_tiny_qwen3_moe(num_hidden_layers=4))

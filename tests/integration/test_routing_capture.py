@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from compass_kernels.integration import routing_capture as rc  # noqa: E402
+from compass_kernels.integration.vllm import capture as rc  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -34,7 +34,7 @@ def _prompt(n, seed):
 @pytest.fixture(scope="module")
 def engine(tiny_moe_path):
     pytest.importorskip("vllm")
-    from compass_kernels.integration.vllm_engine import shutdown_vllm, start_vllm
+    from compass_kernels.integration.cpu.vllm_engine import shutdown_vllm, start_vllm
 
     previous = os.environ.get(rc.PLUGIN_ENV)
     os.environ[rc.PLUGIN_ENV] = "1"
@@ -325,11 +325,11 @@ def test_vllm_traces_replay_in_megatron_with_full_agreement(engine, megatron_cpu
     1.0 in every layer."""
     from transformers import AutoConfig
 
-    from compass_kernels.integration.megatron_convert import (
+    from compass_kernels.integration.megatron.convert import (
         build_megatron_model,
         load_hf_state_dict,
     )
-    from compass_kernels.integration.megatron_replay import TraceReplay
+    from compass_kernels.integration.megatron.replay import TraceReplay
     from compass_kernels.routing import RoutingTrace
 
     prompts = [_prompt(n, 30 + i) for i, n in enumerate((90, 41))]
@@ -390,7 +390,7 @@ def test_installed_entry_points_name_the_packaged_modules():
     group = entry_points(group="vllm.general_plugins")
     plugins = [e for e in group if e.name.startswith("compass")]
     assert [e.value for e in plugins] == [
-        "compass_kernels.integration.routing_capture:register_plugin"
+        "compass_kernels.integration.vllm.capture:register_plugin"
     ], "reinstall the package (pip install -e .) after moving a module"
     assert plugins[0].load() is rc.register_plugin
     scripts = [e for e in entry_points(group="console_scripts") if e.name == "compass-rl"]

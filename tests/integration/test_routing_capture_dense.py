@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from compass_kernels.integration import routing_capture as rc  # noqa: E402
+from compass_kernels.integration.vllm import capture as rc  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -19,7 +19,7 @@ _DENSE = {"mlp_only_layers": [0]}
 @pytest.fixture(scope="module")
 def dense_path():
     pytest.importorskip("tokenizers")
-    from compass_kernels.integration.tiny_moe import cached_tiny_qwen3_moe
+    from compass_kernels.integration.cpu.tiny_moe import cached_tiny_qwen3_moe
 
     return cached_tiny_qwen3_moe(**_DENSE)
 
@@ -29,7 +29,7 @@ def test_dense_first_layer_is_not_a_column(dense_path):
     from transformers import AutoModelForCausalLM
     from vllm import SamplingParams
 
-    from compass_kernels.integration.vllm_engine import shutdown_vllm, start_vllm
+    from compass_kernels.integration.cpu.vllm_engine import shutdown_vllm, start_vllm
 
     llm = start_vllm(dense_path, max_model_len=128, max_num_seqs=2)
     try:

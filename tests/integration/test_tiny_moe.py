@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-from compass_kernels.integration import tiny_moe  # noqa: E402
+from compass_kernels.integration.cpu import tiny_moe  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

@@ -10,8 +10,8 @@ import torch
 pytest.importorskip("megatron.core")
 pytest.importorskip("verl", reason="verl (the `verl` extra, scripts/setup_env.sh)")
 
-from compass_kernels.integration import megatron_replay as mr  # noqa: E402
-from compass_kernels.integration.megatron_convert import build_megatron_model, load_hf_state_dict  # noqa: E402
+from compass_kernels.integration.megatron import replay as mr  # noqa: E402
+from compass_kernels.integration.megatron.convert import build_megatron_model, load_hf_state_dict  # noqa: E402
 from compass_kernels.integration.verl import replay as rp  # noqa: E402
 
 pytestmark = pytest.mark.integration

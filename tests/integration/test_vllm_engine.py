@@ -98,7 +98,7 @@ def test_text_prompt_uses_the_generated_tokenizer(vllm_llm, tiny_moe_path):
 
 
 def test_start_vllm_rejects_bad_arguments(tmp_path, tiny_moe_path):
-    from compass_kernels.integration.vllm_engine import start_vllm
+    from compass_kernels.integration.cpu.vllm_engine import start_vllm
 
     with pytest.raises(ValueError, match="block_size"):
         start_vllm(tiny_moe_path, block_size=16)

@@ -1,4 +1,4 @@
-"""ck.fp8.moe_mlp as vLLM modular-kernel experts (compass_kernels/integration/vllm_fp8_moe.py),
+"""ck.fp8.moe_mlp as vLLM modular-kernel experts (compass_kernels/integration/vllm/fp8_moe.py),
 run through vLLM's own FusedMoEKernel (no-DP/EP prepare/finalize) on CPU, against
 vLLM's own CPU fused-MoE kernel on the dequantized weights in the same
 [E, 2I, H] / [E, H, I] layout: the layouts (gate rows then up rows, w2
@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("vllm")
 
 import compass_kernels as ck  # noqa: E402
-from compass_kernels.integration.vllm_fp8_moe import CompassFp8Experts, make_kernel  # noqa: E402
+from compass_kernels.integration.vllm.fp8_moe import CompassFp8Experts, make_kernel  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

@@ -24,7 +24,7 @@ _PROMPTS = [{"prompt_token_ids": [7 + i, 300 + 5 * i, 40 + i, 900 - i]} for i in
 @pytest.fixture(scope="module")
 def engine(tiny_moe_path):
     pytest.importorskip("vllm")
-    from compass_kernels.integration.vllm_engine import shutdown_vllm, start_vllm
+    from compass_kernels.integration.cpu.vllm_engine import shutdown_vllm, start_vllm
 
     llm = start_vllm(
         tiny_moe_path,
@@ -55,7 +55,7 @@ def _assert_ran_in(outputs, order):
     """vLLM first scheduled the requests in `order`: the timestamps never go
     back along it, and each admission step (max_num_seqs = 2) took the next
     two of it."""
-    from compass_kernels.integration.vllm_rollout import scheduled_order
+    from compass_kernels.integration.vllm.rollout import scheduled_order
 
     ts = [o.metrics.scheduled_ts for o in outputs]
     along = [ts[i] for i in order]
@@ -66,7 +66,7 @@ def _assert_ran_in(outputs, order):
 
 
 def test_priority_mode_runs_longest_predicted_first(engine):
-    from compass_kernels.integration.vllm_rollout import engine_policy, generate_length_aware
+    from compass_kernels.integration.vllm.rollout import engine_policy, generate_length_aware
 
     assert engine_policy(engine) == "priority"
     pred = _predictor()
@@ -82,7 +82,7 @@ def test_priority_mode_runs_longest_predicted_first(engine):
 def test_order_mode_on_first_come_first_served(engine):
     """No priorities (all equal: vLLM falls back to arrival order): submitting
     in our order is what runs, and the outputs come back in the caller's order."""
-    from compass_kernels.integration.vllm_rollout import generate_length_aware
+    from compass_kernels.integration.vllm.rollout import generate_length_aware
 
     pred = _predictor()
     res = generate_length_aware(engine, _PROMPTS, _params(), prompt_keys=_KEYS, predictor=pred,
@@ -95,7 +95,7 @@ def test_order_mode_on_first_come_first_served(engine):
 def test_without_our_priorities_vllm_runs_arrival_order(engine):
     """The control: the same engine and prompts with no priorities run in the
     caller's order, so the tests above see our order and not vLLM's default."""
-    from compass_kernels.integration.vllm_rollout import scheduled_order
+    from compass_kernels.integration.vllm.rollout import scheduled_order
 
     outputs = engine.generate(_PROMPTS, _params(), use_tqdm=False)
     ran = scheduled_order(outputs)

@@ -19,13 +19,13 @@ pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 import compass_kernels as ck  # noqa: E402
-from compass_kernels.integration.fp8_sync import is_block_fp8_weight  # noqa: E402
-from compass_kernels.integration.megatron_convert import (  # noqa: E402
+from compass_kernels.integration.megatron.convert import (  # noqa: E402
     hf_to_megatron,
     load_hf_state_dict,
     megatron_to_hf,
 )
-from compass_kernels.integration.weight_sync import (  # noqa: E402
+from compass_kernels.integration.vllm.fp8_sync import is_block_fp8_weight  # noqa: E402
+from compass_kernels.integration.vllm.weight_sync import (  # noqa: E402
     checkpoint_shapes,
     engine_derived_state,
     sync_to_vllm,

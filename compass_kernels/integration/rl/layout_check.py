@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from compass_kernels.integration.megatron_parallel import Layout
+from compass_kernels.integration.megatron.parallel import Layout
 
 __all__ = ["StepResult", "compare", "run_step", "synthetic_batch"]
 

@@ -14,7 +14,7 @@ Per step (docs/design.md, "The reference RL loop"):
    routing traces, log-probs and advantages re-laid out with the tokens;
 5. megatron-core training step on CPU with router replay and ESPO (old-policy
    log-probs and entropy from a no-grad pass, through the fused linear path);
-6. weight sync into vLLM (``compass_kernels.integration.weight_sync.sync_to_vllm``), verified
+6. weight sync into vLLM (``compass_kernels.integration.vllm.weight_sync.sync_to_vllm``), verified
    on a probe batch.
 
 Writes ``steps.csv`` and ``steps.png`` to ``--out``; prints a per-step table.
@@ -206,7 +206,7 @@ def _model_dir(args: argparse.Namespace) -> Path:
                 f"compass-rl: --model-dir {path} is not an HF checkpoint folder (no config.json)"
             )
         return path
-    from compass_kernels.integration.tiny_moe import cached_tiny_qwen3_moe
+    from compass_kernels.integration.cpu.tiny_moe import cached_tiny_qwen3_moe
 
     overrides = {
         key: value
@@ -352,19 +352,19 @@ def run(args: argparse.Namespace, terminal: Any = None) -> list[dict[str, Any]]:
     for the progress bar, the per-step table and the summary (default: stderr for the
     bar, stdout for the rest)."""
     _check_args(args)
-    from compass_kernels.integration.vllm_engine import apply_fast_env
+    from compass_kernels.integration.cpu.vllm_engine import apply_fast_env
 
     apply_fast_env()
     from tqdm import tqdm
     from transformers import AutoConfig
 
     import compass_kernels as ck
+    from compass_kernels.integration.cpu.vllm_engine import shutdown_vllm, start_vllm
     from compass_kernels.integration.rl import task as T
     from compass_kernels.integration.rl.ranks import Layout, LoopTrainer
     from compass_kernels.integration.rl.rollout import Rollout
     from compass_kernels.integration.rl.trainer import Batch, gap_stats
-    from compass_kernels.integration.vllm_engine import shutdown_vllm, start_vllm
-    from compass_kernels.integration.weight_sync import sync_to_vllm
+    from compass_kernels.integration.vllm.weight_sync import sync_to_vllm
 
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
@@ -614,7 +614,7 @@ def _step(step, args, rng, pool, cfg, rollout, trainer, llm, probe_prompts, T, c
     fp8_mode = "dequantized" if args.sync == "fp8" else False
     by_part = getattr(trainer, "hf_parts", None) is not None
     if by_part:  # the sharded trainer: gathered and loaded part by part (one layer at a time)
-        from compass_kernels.integration.weight_sync import sync_parts_to_vllm
+        from compass_kernels.integration.vllm.weight_sync import sync_parts_to_vllm
 
         report = sync_parts_to_vllm(llm, _cast_parts(trainer, engine_dtype), fp8=fp8_mode)
         row["sync_peak_part_bytes"] = trainer.last_sync["peak_part_bytes"]
@@ -625,7 +625,7 @@ def _step(step, args, rng, pool, cfg, rollout, trainer, llm, probe_prompts, T, c
     row["sync_bytes"] = report.bytes_sent
     if report.fp8_report is not None:
         row["fp8_swallowed_frac"] = report.fp8_report.swallowed_fraction
-    from compass_kernels.integration.fp8_sync import is_block_fp8_weight
+    from compass_kernels.integration.vllm.fp8_sync import is_block_fp8_weight
 
     skip = is_block_fp8_weight if args.sync == "fp8" else None
     if by_part:  # the same check, one part of the trainer's weights at a time

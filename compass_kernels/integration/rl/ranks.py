@@ -12,8 +12,8 @@ routing rows of its stage's layers for its context- and sequence-parallel
 tokens. :func:`share_bytes` counts them.
 
 Rank side (:class:`RankTrainer`, one per process): the rank's ``GPTModel``
-chunk (:mod:`compass_kernels.integration.megatron_parallel`), a
-:class:`~compass_kernels.integration.megatron_replay.TraceReplay` of its
+chunk (:mod:`compass_kernels.integration.megatron.parallel`), a
+:class:`~compass_kernels.integration.megatron.replay.TraceReplay` of its
 stage's MoE layers, and Megatron's ``get_forward_backward_func`` (1F1B over
 ``pp`` stages with several micro-batches in flight; the CPU shim makes it run
 on the CPU). The last stage's loss function is the vocab-parallel
@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from compass_kernels.integration.megatron_parallel import Layout, RankInfo
+from compass_kernels.integration.megatron.parallel import Layout, RankInfo
 
 __all__ = [
     "Layout",
@@ -328,8 +328,8 @@ class RankTrainer:
                  *, lr: float, replay: bool = True) -> None:  # fmt: skip
         from megatron.core import parallel_state as ps
 
-        from compass_kernels.integration.megatron_parallel import build_rank_model, rank_info
-        from compass_kernels.integration.megatron_replay import TraceReplay
+        from compass_kernels.integration.megatron.parallel import build_rank_model, rank_info
+        from compass_kernels.integration.megatron.replay import TraceReplay
 
         self.layout = layout
         self.hf_config = hf_config
@@ -377,7 +377,7 @@ class RankTrainer:
         return src >= 0, seq
 
     def _forward_step(self, use_replay: bool, loss_fn):
-        from compass_kernels.integration import megatron_cpu
+        from compass_kernels.integration.cpu import megatron as megatron_cpu
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
@@ -506,7 +506,7 @@ class RankTrainer:
               entropy_threshold: torch.Tensor | None, espo_kwargs: dict) -> dict:  # fmt: skip
         """One optimizer step over this rank's micro-batches (ESPO)."""
         import compass_kernels as ck
-        from compass_kernels.integration.megatron_parallel import clip_grads, finalize_grads
+        from compass_kernels.integration.megatron.parallel import clip_grads, finalize_grads
 
         nmb = len(shares)
         dp = self.layout.dp
@@ -564,7 +564,7 @@ class RankTrainer:
         self._routes: list[dict] = []
         if not on:
             return 0
-        from compass_kernels.integration.megatron_replay import find_moe_routers
+        from compass_kernels.integration.megatron.replay import find_moe_routers
 
         def hook(layer, module, args, output):
             if torch._C._current_graph_task_id() != -1:
@@ -588,7 +588,7 @@ class RankTrainer:
     def weights(self, part: str | int | None = None) -> dict[str, torch.Tensor]:
         """This rank's owned share of the full model (Megatron names, TP-gathered),
         or of one ``part`` of it ("embedding", a decoder layer number, "final")."""
-        from compass_kernels.integration.megatron_parallel import gathered_megatron_params
+        from compass_kernels.integration.megatron.parallel import gathered_megatron_params
 
         return gathered_megatron_params(self.model, part)
 
@@ -691,8 +691,8 @@ def _rank_main(rank: int, world: int, port: int, layout: Layout, model_dir: str,
     import torch.distributed as dist
     from transformers import AutoConfig
 
-    from compass_kernels.integration import megatron_cpu
-    from compass_kernels.integration.megatron_convert import load_hf_state_dict
+    from compass_kernels.integration.cpu import megatron as megatron_cpu
+    from compass_kernels.integration.megatron.convert import load_hf_state_dict
 
     torch.set_num_threads(1)
     torch.manual_seed(seed)
@@ -753,7 +753,7 @@ class RankedTrainer:
         import torch.multiprocessing as mp
         from transformers import AutoConfig
 
-        from compass_kernels.integration.megatron_cpu import find_free_port
+        from compass_kernels.integration.cpu.megatron import find_free_port
 
         self.model_dir = str(Path(model_dir))
         self.hf_config = AutoConfig.from_pretrained(self.model_dir)
@@ -1031,7 +1031,7 @@ class RankedTrainer:
         own it only when asked, so the driver holds one part at a time.
         :attr:`last_sync` then has ``parts``, ``peak_part_bytes`` (the largest part's
         HF bytes) and ``total_bytes``."""
-        from compass_kernels.integration.megatron_convert import (
+        from compass_kernels.integration.megatron.convert import (
             megatron_part_to_hf,
             megatron_parts,
         )
@@ -1054,7 +1054,7 @@ class RankedTrainer:
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The trained weights under HF names, gathered from the ranks."""
-        from compass_kernels.integration.megatron_convert import megatron_to_hf
+        from compass_kernels.integration.megatron.convert import megatron_to_hf
 
         parts = self._command("weights", [() for _ in self._procs])
         full: dict[str, torch.Tensor] = {}

@@ -1,8 +1,8 @@
 """Rollout in vLLM for the reference RL loop: length-aware submission order,
 routing capture, and rewards scored in a worker pool while generation goes on.
 
-One :class:`Rollout` wraps a live ``vllm.LLM`` (``compass_kernels.integration.vllm_engine``)
-with the routing capture on (``compass_kernels.integration.routing_capture``). A *round*
+One :class:`Rollout` wraps a live ``vllm.LLM`` (``compass_kernels.integration.cpu.vllm_engine``)
+with the routing capture on (``compass_kernels.integration.vllm.capture``). A *round*
 submits requests (one per sample, each with its own sampling seed) in the
 order the length-aware scheduler gives (``ck.packing.schedule``: predicted
 length from the prompt's history, longest first), steps the engine itself,
@@ -113,7 +113,7 @@ class Rollout:
         schedule: str = "longest-first",
         temperature: float = 1.0,
     ) -> None:
-        from compass_kernels.integration.routing_capture import enable_routing_capture
+        from compass_kernels.integration.vllm.capture import enable_routing_capture
 
         if schedule not in ("longest-first", "fifo"):
             raise ValueError(f"schedule: expected 'longest-first' or 'fifo', got {schedule!r}")

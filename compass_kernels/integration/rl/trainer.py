@@ -20,7 +20,7 @@ Data-parallel ranks run one after another in this process: the ESPO loss of
 every micro-batch uses the global sequence count G, so the summed gradients
 are the mini-batch gradient that DDP would all-reduce. Megatron's pipeline
 schedule allocates a CUDA tensor (``forward_backward_no_pipelining``), so the
-micro-batch loop is ours, calling ``compass_kernels.integration.megatron_espo``'s loss
+micro-batch loop is ours, calling ``compass_kernels.integration.megatron.espo``'s loss
 function with the scaling of a one-micro-batch schedule.
 
 Log-probs and entropy come from the last hidden states through
@@ -195,9 +195,9 @@ class Trainer:
         replay: bool = True,
         seed: int = 0,
     ) -> None:
-        from compass_kernels.integration import megatron_cpu
-        from compass_kernels.integration.megatron_convert import build_megatron_model
-        from compass_kernels.integration.megatron_replay import TraceReplay
+        from compass_kernels.integration.cpu import megatron as megatron_cpu
+        from compass_kernels.integration.megatron.convert import build_megatron_model
+        from compass_kernels.integration.megatron.replay import TraceReplay
 
         megatron_cpu.init_single_process_gloo(seed=seed)
         self.hf_config = hf_config
@@ -216,7 +216,7 @@ class Trainer:
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The trainer's weights under HF checkpoint names (float32 copies)."""
-        from compass_kernels.integration.megatron_convert import megatron_to_hf
+        from compass_kernels.integration.megatron.convert import megatron_to_hf
 
         sd = {
             k: v.detach().clone()
@@ -330,7 +330,7 @@ class Trainer:
 
     def train_step(self, pack: PackInfo, *, num_sequences: int, **espo_kwargs: Any) -> dict:
         """One optimizer step over every micro-batch of every rank (ESPO loss)."""
-        from compass_kernels.integration.megatron_espo import EspoBatch, make_loss_func
+        from compass_kernels.integration.megatron.espo import EspoBatch, make_loss_func
 
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)

@@ -1,6 +1,6 @@
 """The verl versions this adapter was written against, and the upstream
 functions it relies on, pinned by source fingerprint (as the Megatron patches
-pin megatron-core, ``compass_kernels/integration/_megatron_pin.py``).
+pin megatron-core, ``compass_kernels/integration/megatron/_pin.py``).
 
 A verl older than :data:`MIN_VERSION`, a version without an entry in
 :data:`UPSTREAM_SOURCE_SHA256`, or any pinned function whose source changed is
@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from compass_kernels.integration._megatron_pin import source_sha256
+from compass_kernels.integration.megatron._pin import source_sha256
 
 __all__ = [
     "MIN_VERSION",

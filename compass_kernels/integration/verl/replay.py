@@ -215,7 +215,7 @@ def patch_megatron_engine(*, num_experts: int | None = None, moe_layer_ids=None)
     _pin.check("replay")
     from verl.workers.engine.megatron import transformer_impl as ti
 
-    from compass_kernels.integration import megatron_replay
+    from compass_kernels.integration.megatron import replay as megatron_replay
 
     with _LOCK:
         if _ORIGINAL:

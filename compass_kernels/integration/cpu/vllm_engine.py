@@ -91,7 +91,7 @@ def start_vllm(
     ----------
     model : str or os.PathLike
         Local HF checkpoint folder (e.g. from
-        :func:`compass_kernels.integration.tiny_moe.cached_tiny_qwen3_moe`).
+        :func:`compass_kernels.integration.cpu.tiny_moe.cached_tiny_qwen3_moe`).
     max_model_len : int, default 256
         Longest prompt + generation, in tokens.
     block_size : int, default 32
@@ -245,7 +245,7 @@ def _main() -> None:
     """Smoke run: start the engine on the cached tiny model, greedy-generate, time it."""
     import time
 
-    from compass_kernels.integration.tiny_moe import cached_tiny_qwen3_moe
+    from compass_kernels.integration.cpu.tiny_moe import cached_tiny_qwen3_moe
 
     path = cached_tiny_qwen3_moe()
     t0 = time.perf_counter()

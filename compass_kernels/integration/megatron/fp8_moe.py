@@ -5,7 +5,7 @@ Megatron's experts modules (``SequentialMLP``, ``TEGroupedMLP``) are called as
 permuted_probs [P]) -> (output [P, H], bias)``, rows grouped by local expert
 (the token dispatcher permutes and combines). :func:`apply` patches one such
 module instance so that, **under no_grad**, that call runs the block-FP8 path
-the rollout engine runs (``compass_kernels/integration/vllm_fp8_moe.py``): the module's expert
+the rollout engine runs (``compass_kernels/integration/vllm/fp8_moe.py``): the module's expert
 weights quantized 128x128 into vLLM's layout (``w13`` [E, 2I, H] = each
 expert's ``linear_fc1`` rows, gate then up, as Megatron's GLU chunks them;
 ``w2`` [E, H, I] = ``linear_fc2``), 1x128 activations, token-packed grouped

@@ -72,8 +72,8 @@ from typing import Any
 
 import torch
 
-from . import _megatron_pin as _pin
-from ._megatron_pin import SUPPORTED_VERSION_PREFIX
+from ..megatron import _pin
+from ..megatron._pin import SUPPORTED_VERSION_PREFIX
 
 __all__ = [
     "PATCHES",
@@ -573,7 +573,7 @@ def check_version() -> str:
 #: apply() refuses a version without an entry here, or a function whose source
 #: hash differs. Patches of plain values (a stream attribute, a missing
 #: function) have no entry. To add a version after reviewing the patches
-#: against it: ``python -c "from compass_kernels.integration import megatron_cpu as m;
+#: against it: ``python -c "from compass_kernels.integration.cpu import megatron as m;
 #: print(m.upstream_source_hashes())"`` and paste the result.
 UPSTREAM_SOURCE_SHA256: dict[str, dict[str, str]] = {
     "0.16.1": {
@@ -663,7 +663,7 @@ def _check_hash(patch: _Patch, current: Any, where: str, version: str) -> None:
     pinned = UPSTREAM_SOURCE_SHA256.get(version)
     how = (
         "review the patch against the new upstream source, then pin the new hashes in "
-        "compass_kernels/integration/megatron_cpu.py UPSTREAM_SOURCE_SHA256 "
+        "compass_kernels/integration/cpu/megatron.py UPSTREAM_SOURCE_SHA256 "
         "(upstream_source_hashes() "
         "prints them)"
     )

@@ -60,8 +60,8 @@ from typing import Any
 
 import torch
 
-from . import _megatron_pin as _pin
-from ._megatron_pin import SUPPORTED_VERSION_PREFIX
+from . import _pin
+from ._pin import SUPPORTED_VERSION_PREFIX
 
 __all__ = [
     "SUPPORTED_VERSION_PREFIX",

@@ -3,7 +3,7 @@
 One call per rollout step::
 
     from compass_kernels.packing.schedule import LengthPredictor
-    from compass_kernels.integration.vllm_rollout import generate_length_aware
+    from compass_kernels.integration.vllm.rollout import generate_length_aware
 
     predictor = LengthPredictor()          # keep it across steps
     result = generate_length_aware(llm, prompts, params, prompt_keys=keys,

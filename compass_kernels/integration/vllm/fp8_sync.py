@@ -209,7 +209,7 @@ def from_megatron(
     mcore_state_dict: Mapping[str, torch.Tensor], hf_config: Any
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named bf16 weights of a megatron-core Qwen3-MoE state dict (for :meth:`stream`)."""
-    from compass_kernels.integration.megatron_convert import megatron_to_hf
+    from compass_kernels.integration.megatron.convert import megatron_to_hf
 
     yield from megatron_to_hf(mcore_state_dict, hf_config).items()
 

@@ -200,7 +200,7 @@ def build_megatron_model(
     """Build a megatron-core ``GPTModel`` for a Qwen3-MoE HF config.
 
     Megatron's parallel state must be initialized first (e.g. with
-    :func:`compass_kernels.integration.megatron_cpu.init_single_process_gloo`), and on a
+    :func:`compass_kernels.integration.cpu.megatron.init_single_process_gloo`), and on a
     machine without CUDA the CPU shim must be applied.
 
     Parameters

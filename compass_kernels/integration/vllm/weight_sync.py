@@ -1,7 +1,7 @@
 """Trainer -> live vLLM engine weight sync: :func:`sync_to_vllm`.
 
 Loads a trainer's HF-named state dict into a running, in-process ``vllm.LLM``
-(e.g. from :func:`compass_kernels.integration.vllm_engine.start_vllm`) so that the next
+(e.g. from :func:`compass_kernels.integration.cpu.vllm_engine.start_vllm`) so that the next
 rollout uses the new weights, with every derived copy the engine keeps
 rebuilt from them.
 
@@ -29,7 +29,7 @@ Streaming: the weights are handed to the engine one tensor at a time, ordered
 by decoder layer; vLLM buffers a layer's tensors until the layer is complete,
 then processes it and drops the buffer, so the extra memory held is one layer
 (plus, with ``fp8=True``, one tensor's FP8 copy; see
-:class:`compass_kernels.integration.fp8_sync.FP8WeightSync`).
+:class:`compass_kernels.integration.vllm.fp8_sync.FP8WeightSync`).
 
 The contract (also in docs/design.md, "Weight sync into a live engine"):
 
@@ -49,7 +49,7 @@ The contract (also in docs/design.md, "Weight sync into a live engine"):
   engine multiplies by, so FP8 rollouts' numerics (and the swallowed-update
   report) are available on engines that cannot run FP8 kernels.
 - The engine must run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
-  as :func:`compass_kernels.integration.vllm_engine.start_vllm` sets): the weights are
+  as :func:`compass_kernels.integration.cpu.vllm_engine.start_vllm` sets): the weights are
   streamed to the worker by reference, never pickled.
 """
 
@@ -66,7 +66,7 @@ from typing import Any
 import torch
 
 import compass_kernels as ck
-from compass_kernels.integration.fp8_sync import FP8WeightSync, SyncReport, is_block_fp8_weight
+from compass_kernels.integration.vllm.fp8_sync import FP8WeightSync, SyncReport, is_block_fp8_weight
 
 __all__ = [
     "WeightSyncReport",
@@ -94,7 +94,7 @@ class WeightSyncReport:
         the embedding / head group): what the engine buffers at once.
     seconds : wall time of the sync.
     fp8 : the ``fp8`` argument (False, True or "dequantized").
-    fp8_report : :class:`compass_kernels.integration.fp8_sync.SyncReport` of the quantization
+    fp8_report : :class:`compass_kernels.integration.vllm.fp8_sync.SyncReport` of the quantization
         (None without FP8); ``swallowed_fraction`` /
         ``swallowed_update_fraction`` are set from the second sync on.
     reset_moe_layers : MoE layers whose kernel was rebuilt (re-prepacked).
@@ -165,7 +165,7 @@ def _check_in_process(llm: Any) -> None:
         raise RuntimeError(
             "sync_to_vllm needs the engine core in this process "
             "(VLLM_ENABLE_V1_MULTIPROCESSING=0, as "
-            "compass_kernels.integration.vllm_engine.start_vllm "
+            "compass_kernels.integration.cpu.vllm_engine.start_vllm "
             f"sets); got engine core {type(core).__name__}"
         )
 
@@ -269,11 +269,11 @@ def sync_to_vllm(
     ----------
     llm : vllm.LLM
         A running engine whose core runs in this process (see
-        :func:`compass_kernels.integration.vllm_engine.start_vllm`).
+        :func:`compass_kernels.integration.cpu.vllm_engine.start_vllm`).
     state_dict : mapping of str to torch.Tensor
         Exactly the tensors of the engine's checkpoint, by HF name, with the
         checkpoint's shapes (e.g. the trainer's bf16 weights, or
-        :func:`compass_kernels.integration.fp8_sync.from_megatron` collected into a dict).
+        :func:`compass_kernels.integration.vllm.fp8_sync.from_megatron` collected into a dict).
     fp8 : bool or "dequantized", default False
         True: quantize the FP8 linear weights to vLLM's block-FP8 layout on
         the way (the engine must have been started from a block-FP8

@@ -12,7 +12,7 @@ tokenizer files.
 
 Examples
 --------
->>> from compass_kernels.integration.tiny_moe import cached_tiny_qwen3_moe
+>>> from compass_kernels.integration.cpu.tiny_moe import cached_tiny_qwen3_moe
 >>> path = cached_tiny_qwen3_moe()          # doctest: +SKIP
 """
 

@@ -324,7 +324,7 @@ def build_rank_model(
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from compass_kernels.integration.megatron_convert import (
+    from compass_kernels.integration.megatron.convert import (
         _dims,
         _rope_theta,
         hf_to_megatron,
