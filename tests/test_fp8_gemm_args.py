@@ -86,7 +86,8 @@ def test_builder_checks_arguments(backend):
         grouped_args_op.run((*args[:4], torch.tensor([0, 2, 4]), args[5]), backend, (shapes, ptrs))
 
 
-# Planted bugs (cmake/emu.cmake): each must fail test_builder_matches_addresses.
+# Planted bugs (tests/test_fp8_gemm_args.mutants.cmake): each must fail
+# test_builder_matches_addresses.
 MUTANTS = {
     "fp8_gemm_args_guard_off_by_one": (_emu.OutOfBoundsError, "'expert_offsets'"),
     "fp8_gemm_args_runs_to_end": (AssertionError, None),

@@ -398,7 +398,8 @@ def test_trace_encoded_on_the_device_path_decodes_bit_exact(backend):
         encode_trace(t_bad, codec="set", backend=backend)
 
 
-# Planted bugs in csrc/routing/codec.cu (cmake/emu.cmake): each must fail a test above.
+# Planted bugs in csrc/routing/codec.cu (tests/test_routing_codec.mutants.cmake): each must
+# fail a test above.
 CODEC_MUTANTS = {
     "codec_vals_no_barrier": "format",
     "codec_table_scan_inclusive": "format",
