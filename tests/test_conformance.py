@@ -1,8 +1,7 @@
 """Conformance tests, one per bug class the peers shipped (../shared/ANCHORS.md,
 "Bug classes peers shipped"), each named after its class, plus the NaN / Inf and
-empty-input policies of issue 21 item 5. Routing classes here; the packing and
-advantages classes are listed in docs/design_notes/contracts.md with the test
-that covers each."""
+empty-input policies of issue 21 item 5 (docs/design.md, "Validation and
+non-finite values" and "Verification levels")."""
 
 from __future__ import annotations
 
