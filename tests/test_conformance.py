@@ -1,8 +1,7 @@
 """Conformance tests, one per bug class the peers shipped (../shared/ANCHORS.md,
 "Bug classes peers shipped"), each named after its class, plus the NaN / Inf and
-empty-input policies of issue 21 item 5. Routing classes here; the packing and
-advantages classes are listed in docs/design_notes/contracts.md with the test
-that covers each."""
+empty-input policies of issue 21 item 5 (docs/design.md, "Validation and
+non-finite values" and "Verification levels")."""
 
 from __future__ import annotations
 
@@ -261,7 +260,7 @@ def test_dynamic_sampling_mask_per_group():
 
 
 # ------------------------------------------------ NaN / Inf policy, every public op
-# (the table: docs/design_notes/contracts.md). On CPU tensors every float input
+# (the table: docs/design.md, "Validation and non-finite values"). On CPU tensors every float input
 # that the policy says must be finite is checked by default and the error names
 # the argument; where the policy leaves values unchecked, the output is what it
 # says.

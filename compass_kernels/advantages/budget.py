@@ -6,8 +6,8 @@ give a group that is *informative* (at least one success and one failure) with
 probability g_i(n) = 1 - E[p^n] - E[(1-p)^n]. :func:`allocate_rollouts` picks
 n_i in {0} U [min_n, max_n] maximising sum_i g_i(n_i) under a sample or token
 budget; :class:`RolloutAllocator` keeps the history, decides success for graded
-rewards, and re-explores prompts skipped for too long. docs/design_notes/budget.md
-has the algorithm and its guarantee; ``reference.allocate_rollouts_reference`` is
+rewards, and re-explores prompts skipped for too long. docs/design.md, "Rollout
+budgets", has the algorithm and its guarantee; ``reference.allocate_rollouts_reference`` is
 the spec, the C++ entry point (csrc/advantages/budget_cpu.cpp) the fast path.
 """
 
@@ -129,7 +129,7 @@ def allocate_rollouts(
     successes_i, beta + attempts_i - successes_i), is a knapsack with one
     non-concave step per prompt (0 -> min_n); the greedy with an exchange
     repair solves it within ``upper_bound - expected`` (< one group), exactly
-    for unit costs without skipping (docs/design_notes/budget.md).
+    for unit costs without skipping (docs/design.md, "Rollout budgets").
     """
     check_tensor("successes", successes, ndim=1, dtypes=_COUNT_DTYPES,
                  device=torch.device("cpu"))  # fmt: skip

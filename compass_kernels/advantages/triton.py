@@ -1,6 +1,6 @@
 """Triton kernels of ck.advantages: group advantages and RL-ZVP token advantages.
 
-Same contract as the C++ / CUDA kernels in csrc/advantages (the spec is
+Same contract as the torch backend (the spec and the torch kernels are in
 ``reference.py``); outputs are allocated by the caller and written here. The
 kernels run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1``
 (tests), and compile ahead of time for sm_90a (tests/test_aot.py).

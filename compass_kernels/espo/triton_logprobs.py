@@ -13,7 +13,7 @@ token count on axis 0 (up to 2^31 - 1 programs: no 65,535 limit of axes 1/2),
 with int64 row offsets (T * V passes 2^31 at 65,536 x 32,768). Each row is
 read as a masked head up to the next 16-byte boundary, an unmasked aligned
 body (128-bit loads / stores: 8 bf16 or 4 fp32 per access, for any V and row
-stride) and a masked tail (docs/design_notes/gpuready.md).
+stride) and a masked tail (docs/design.md, "ESPO log-probs and entropy").
 """
 
 from __future__ import annotations

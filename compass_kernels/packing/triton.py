@@ -1,7 +1,7 @@
 """Triton kernels of ck.packing: THD pack, unpack and position ids.
 
-Same contract as the C++ / CUDA entry points in csrc/packing (layout in
-csrc/include/compass/packing.h, spec in ``reference.py``): rows are opaque
+Same contract as the torch backend (spec and torch kernels in ``reference.py``;
+design: docs/design.md, "THD pack / unpack"): rows are opaque
 bytes (uint8 [T, W]); the wrappers view them as the widest integer unit that
 divides the row and both base addresses, so one kernel serves every dtype.
 Each program moves a tile of BLOCK units: ROWS rows x COLS units (a wide row

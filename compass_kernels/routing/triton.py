@@ -1,7 +1,7 @@
 """Triton kernels of ck.routing: replay_topk forward and backward.
 
-Same contract as the C++ / CUDA kernels in csrc/routing (spec: ``reference.py``,
-math: csrc/include/compass/routing.h); outputs are allocated by the caller and
+Same contract as the torch backend (spec and torch kernels: ``reference.py``;
+design: docs/design.md, "Replay"); outputs are allocated by the caller and
 written here (tokens_per_expert and counts are cleared here, then accumulated
 with integer atomics: exact, so deterministic). The kernels run on CUDA
 tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (tests), and compile

@@ -9,7 +9,7 @@ everywhere)::
     ck_verl.register()   # losses + advantage estimator (registries only, no patch)
     ck_verl.register(old_entropy=True, balancing=True)   # + the two reversible patches
 
-Pieces (docs/design_notes/verl.md; examples/verl/ for the config overrides):
+Pieces (docs/design.md, "verl"; examples/verl/ for the config overrides):
 
 - :mod:`.losses`: ``compass_grpo`` / ``compass_gspo`` / ``compass_espo`` in
   verl's ``POLICY_LOSS_REGISTRY`` (verl's signature, padded [B, L] tensors,
