@@ -7,6 +7,7 @@ import torch
 
 from compass_kernels.fp8.reference import quantize_reference
 from compass_kernels.fp8.reference_gemm import grouped_gemm_abs_reference, grouped_gemm_reference
+from tests.triton_interpreter import _imprecise_fp8_dot
 
 # Tokens per expert that break tile logic: empty experts (first, middle, last),
 # one token, a tile minus / exactly / plus one (BLOCK_M 64 and 128).
@@ -75,11 +76,9 @@ def hopper_accumulation_model(args, *, mantissa_bits=13, k_per_instruction=32, b
     m, k = a_q.shape
     e, n, _ = b_q.shape
     kb = -(-k // 128)
-    keep = ~((1 << (23 - mantissa_bits)) - 1)
-
-    def trunc(x):
-        return (x.to(torch.float32).contiguous().view(torch.int32) & keep).view(torch.float32)
-
+    # One K block's partial sum, instruction by instruction: the interpreter's model of
+    # wgmma accumulating into its own register (no promotion inside the block).
+    cfg = {"mantissa_bits": mantissa_bits, "k_per_instruction": k_per_instruction}
     a = a_q.to(torch.float64)
     b = b_q.to(torch.float64)
     sa = a_s.to(torch.float32).clone()
@@ -95,11 +94,9 @@ def hopper_accumulation_model(args, *, mantissa_bits=13, k_per_instruction=32, b
         for blk in range(kb):
             if bug == "drop_block" and blk == kb - 1:
                 continue
-            partial = torch.zeros(r1 - r0, n, dtype=torch.float32)
-            for k0 in range(blk * 128, min(k, blk * 128 + 128), k_per_instruction):
-                k1 = min(k0 + k_per_instruction, k, blk * 128 + 128)
-                chunk = a[r0:r1, k0:k1] @ b[g, :, k0:k1].T
-                partial = trunc(partial.to(torch.float64) + chunk)
+            k0, k1 = blk * 128, min(k, blk * 128 + 128)
+            zero = torch.zeros(r1 - r0, n, dtype=torch.float32)
+            partial = _imprecise_fp8_dot(a[r0:r1, k0:k1], b[g, :, k0:k1].T, zero, 2**30, cfg)
             scale = sa[r0:r1, blk, None] * b_s[g, col_block, blk].to(torch.float32)[None, :]
             acc = acc + partial * scale
         out[r0:r1] = acc
