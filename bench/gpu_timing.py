@@ -15,7 +15,7 @@ lent H100 was ~3.0 TB/s). Rows:
 - the fused linear ESPO loss (forward + backward) against its floor, the three
   bf16 GEMMs of logits, d_hidden and d_weight timed with torch.mm.
 
-Usage: python scripts/gpu_timing.py [--out timing.json] [--small --device cpu]
+Usage: python -m bench.gpu_timing [--out timing.json] [--small --device cpu]
 (--small --device cpu runs every row at toy sizes on the CPU: a check of the
 script itself, whose times mean nothing). Failures are recorded per row, printed,
 and make the exit status 1; the other rows still run.
@@ -33,6 +33,7 @@ import traceback
 import torch
 
 import compass_kernels as ck
+from bench.harness import _interleaved_samples
 from compass_kernels.espo.logprobs import token_logprobs_entropy_op
 from compass_kernels.fp8 import permute_op
 from compass_kernels.fp8.grouped_gemm import grouped_gemm_op
@@ -44,29 +45,19 @@ FP8_FLOPS = 1979e12
 
 
 class Timer:
+    """Median seconds per call: the benches' interleaved sampler (bench/harness.py:
+    CUDA events with L2 flushed on a GPU, perf_counter with GC paused on the CPU),
+    after one warm-up call (compilation, caches)."""
+
     def __init__(self, device: str, reps: int) -> None:
         self.cuda = device == "cuda"
         self.reps = reps
-        self.flush = torch.empty(256 << 20, dtype=torch.uint8, device=device) if self.cuda else None
 
     def __call__(self, fn) -> float:
-        """Median seconds of fn() over reps samples (one warm-up)."""
         fn()
-        times = []
-        for _ in range(self.reps):
-            if self.cuda:
-                self.flush.zero_()
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b) / 1e3)
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        samples = _interleaved_samples({"fn": fn}, {"fn": 1}, self.reps, self.cuda,
+                                       {"fn": "gpu_timing"})["fn"]  # fmt: skip
+        return statistics.median(samples)
 
 
 def _gpu_backends(op, dev):

@@ -4,7 +4,7 @@
 #   2. `info`,
 #   3. the gpu and triton test tiers (not CUTLASS), then the CUTLASS tests in their
 #      own process with CUDA_LAUNCH_BLOCKING=1,
-#   4. a short timing script with CUDA events (scripts/gpu_timing.py),
+#   4. a short timing script with CUDA events (bench/gpu_timing.py),
 #   5. a report (report.md + report.json) to REPORT_DIR.
 # Sized for one 10-minute call on a bare 16-core H100 host (docs/gpu_runs/README.md).
 # Usage: scripts/gpu_check.sh [REPORT_DIR]   (default docs/gpu_runs/<date>-<gpu>)
@@ -75,7 +75,7 @@ step tests "${PYTEST[@]}" -m "(gpu or triton) and not cutlass and not sm90 and n
 CUDA_LAUNCH_BLOCKING=1 step tests_cutlass "${PYTEST[@]}" -m cutlass \
   --junitxml="$DIR/junit_cutlass.xml"
 case ${GPU_CHECK_BENCH:-timing} in
-  timing) step timing "$PY" scripts/gpu_timing.py --out "$DIR/timing.json" ;;
+  timing) step timing "$PY" -m bench.gpu_timing --out "$DIR/timing.json" ;;
   full) step bench "$PY" -m bench --no-progress --no-plot --out "$DIR/bench" ;;
   off) ;;
 esac

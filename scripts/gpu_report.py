@@ -1,7 +1,7 @@
 """Write report.md and report.json for a GPU run (scripts/gpu_check.sh).
 
 Reads, from the run's folder: steps.txt (step, rc, seconds), junit.xml and
-junit_cutlass.xml (each test's outcome), timing.json (scripts/gpu_timing.py),
+junit_cutlass.xml (each test's outcome), timing.json (bench/gpu_timing.py),
 bench/results.csv (each bench row, when the full bench ran) and the device facts
 queried here (torch, CUDA, driver, GPU). The report is the only source of GPU
 numbers the project states (docs/gpu_runs/).
@@ -121,7 +121,7 @@ def main(folder: str) -> int:
             key=lambda k: (_FIRST.index(k) if k in _FIRST else len(_FIRST), k),
         )
         md += ["", "## Timing (measured on this GPU, CUDA events, L2 flushed; "
-               "scripts/gpu_timing.py)", "", "| " + " | ".join(cols) + " |",
+               "bench/gpu_timing.py)", "", "| " + " | ".join(cols) + " |",
                "|" + "---|" * len(cols)]  # fmt: skip
         md += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in timing]
     (d / "report.md").write_text("\n".join(md) + "\n")
