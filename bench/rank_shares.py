@@ -15,7 +15,7 @@ import argparse
 import numpy as np
 import torch
 
-from compass_kernels.integration.megatron.parallel import Layout, RankInfo
+from compass_kernels.integration.megatron.parallel import Layout, layout_rank_infos
 
 LAYOUTS = {
     "dp8": Layout(dp=8),
@@ -23,17 +23,6 @@ LAYOUTS = {
     "pp4 x dp2": Layout(pp=4, dp=2),
     "tp2 x pp4 x cp2 x dp2 (ep8)": Layout(tp=2, pp=4, cp=2, dp=2, ep=8),
 }
-
-
-def _infos(layout: Layout) -> list[RankInfo]:
-    out = []
-    for r in range(layout.world_size):
-        tp = r % layout.tp
-        cp = (r // layout.tp) % layout.cp
-        dp = (r // (layout.tp * layout.cp)) % layout.dp
-        pp = r // (layout.tp * layout.cp * layout.dp)
-        out.append(RankInfo(r, tp, pp, cp, dp, 0, 0, pp == 0, pp == layout.pp - 1))
-    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -71,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     for name, lay in LAYOUTS.items():
         plan = ck.packing.plan(lengths, dp_size=lay.dp, max_tokens=4 * s)
         data = StepData(batch, plan, torch.zeros(T), torch.zeros(T), torch.zeros(T))
-        infos = _infos(lay)
+        infos = layout_rank_infos(lay)
         per = 61 // lay.pp + 1
         stage = [[x for x in moe if i.pp * per <= x < (i.pp + 1) * per] for i in infos]
         if lay.pp * per < 61:

@@ -29,7 +29,7 @@ import torch
 pytest.importorskip("megatron.core")
 pytest.importorskip("transformers")
 
-from compass_kernels.integration.megatron.parallel import Layout, RankInfo  # noqa: E402
+from compass_kernels.integration.megatron.parallel import Layout, layout_rank_infos  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -98,18 +98,6 @@ def test_layout_step_equals_one_process(setup, name):
     assert got.sync["peak_part_bytes"] < got.sync["total_bytes"] / 3, got.sync
 
 
-def _infos(layout: Layout) -> list[RankInfo]:
-    """Megatron's default rank order (tp fastest, then cp, dp, pp)."""
-    out = []
-    for r in range(layout.world_size):
-        tp = r % layout.tp
-        cp = (r // layout.tp) % layout.cp
-        dp = (r // (layout.tp * layout.cp)) % layout.dp
-        pp = r // (layout.tp * layout.cp * layout.dp)
-        out.append(RankInfo(r, tp, pp, cp, dp, 0, 0, pp == 0, pp == layout.pp - 1))
-    return out
-
-
 @pytest.mark.parametrize("name", ["dp2", "cp2", "pp2xdp2", "tp2xdp2"])
 def test_each_rank_receives_its_share_only(name):
     from transformers import AutoConfig
@@ -130,7 +118,7 @@ def test_each_rank_receives_its_share_only(name):
     batch, adv = synthetic_batch(cfg, num_sequences=8, seed=4)
     plan = ck.packing.plan(batch.lengths, dp_size=layout.dp, max_tokens=64)
     data = StepData(batch, plan, torch.randn(batch.num_tokens), torch.rand(batch.num_tokens), adv)
-    infos = _infos(layout)
+    infos = layout_rank_infos(layout)
     per_stage = 4 // layout.pp
     layers = [list(range(i.pp * per_stage, (i.pp + 1) * per_stage)) for i in infos]
     shares = make_shares(data, layout, infos, layers, what="train")
@@ -303,7 +291,7 @@ def test_padding_micro_batch_share():
     assert got == [0, 1, 2]  # every sequence once
     layout = Layout(cp=2, tp=2, dp=2)
     data = StepData(batch, plan, torch.randn(batch.num_tokens), torch.rand(batch.num_tokens), adv)
-    infos = _infos(layout)
+    infos = layout_rank_infos(layout)
     shares = make_shares(data, layout, infos, [[0, 1, 2, 3]] * len(infos), what="train")
     empty = [(info, mbs[j]) for info, mbs in zip(infos, shares, strict=True)
              for j in range(2) if plan.micro_batch(info.dp, j).numel() == 0]  # fmt: skip

@@ -147,6 +147,20 @@ class RankInfo:
     last_stage: bool
 
 
+def layout_rank_infos(layout: Layout) -> list[RankInfo]:
+    """Every rank's coordinates in Megatron's default rank order (tp fastest, then cp,
+    dp, pp), computed from the layout alone (no process group; ep / edp left 0): what
+    the driver needs to cut each rank's share of a batch."""
+    out = []
+    for r in range(layout.world_size):
+        tp = r % layout.tp
+        cp = (r // layout.tp) % layout.cp
+        dp = (r // (layout.tp * layout.cp)) % layout.dp
+        pp = r // (layout.tp * layout.cp * layout.dp)
+        out.append(RankInfo(r, tp, pp, cp, dp, 0, 0, pp == 0, pp == layout.pp - 1))
+    return out
+
+
 def rank_info() -> RankInfo:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
