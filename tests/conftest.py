@@ -34,6 +34,7 @@ from tests.tiers import (  # noqa: E402
     NO_CUDA_DEVICE,
     OUTCOMES,
     TIERS,
+    device_for,
     skip_allowed,
     skip_reason,
     tier_of,
@@ -45,6 +46,12 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 REQUIRE_ALL_TIERS = os.environ.get("COMPASS_REQUIRE_ALL_TIERS") == "1"
 
 pytest_plugins = ["tests.fixtures.engines"]
+
+
+@pytest.fixture
+def backend_device(backend) -> str:
+    """The device the parametrized ``backend`` runs on here (tests.tiers.device_for)."""
+    return device_for(backend)
 
 
 def pytest_collection_modifyitems(config, items):

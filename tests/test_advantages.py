@@ -78,13 +78,6 @@ def cpu_backends():
     return ["torch", TRITON]
 
 
-@pytest.fixture
-def backend_device(backend) -> str:
-    """The device ``backend`` runs on here: Triton on CUDA tensors when a GPU is
-    present (the interpreter, and so Triton on CPU tensors, is off there)."""
-    return "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
-
-
 # -------------------------------------------------------- group advantages
 
 

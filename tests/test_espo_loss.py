@@ -31,11 +31,6 @@ from compass_kernels.testing import assert_verbose_allclose, empty_poisoned, mak
 BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.triton)]
 
 
-@pytest.fixture
-def backend_device(backend) -> str:
-    return "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
-
-
 def make_batch(n: int, seed: int, *, max_len: int = 40, pad: int = 3, masked: float = 0.0,
                spread: float = 0.15, per_token_adv: bool = False, device="cpu"):  # fmt: skip
     """A packed batch: sequence lengths 0..max_len (empty sequences included),

@@ -26,12 +26,6 @@ LAYOUTS = list(ck.fp8.SCALE_LAYOUTS)
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
-@pytest.fixture
-def backend_device(backend) -> str:
-    """Triton runs on CUDA tensors where a GPU is (no interpreter there)."""
-    return "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
-
-
 def bits(t: torch.Tensor) -> torch.Tensor:
     return t.cpu().view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t.cpu()
 

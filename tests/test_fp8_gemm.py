@@ -22,24 +22,19 @@ from tests.fp8_gemm_cases import (
     make_problem,
     offsets_of,
 )
+from tests.tiers import device_for
 
 BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.triton)]
 
 
-def _device(backend):
-    """Where a backend's tensors live: Triton on the GPU where there is one (else the
-    interpreter on CPU tensors)."""
-    return "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
-
-
 def _rel(backend):
     """Tolerance: exact fp32 sums on the CPU, Hopper's FP8 accumulation on a GPU."""
-    return GPU_REL_ERR if _device(backend) == "cuda" else 1e-5
+    return GPU_REL_ERR if device_for(backend) == "cuda" else 1e-5
 
 
 def _run(args, backend, out_dtype=torch.bfloat16):
     m, n = args[0].shape[0], args[2].shape[1]
-    dev = _device(backend)
+    dev = device_for(backend)
     out = empty_poisoned((m, n), out_dtype, dev)
     grouped_gemm_op.run((*(a.to(dev) for a in args), OUT_DTYPES[out_dtype]), backend, (out,))
     return out.cpu()
@@ -66,7 +61,7 @@ def test_mn_major_activation_scales(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_public_api(backend):
     args = make_problem((1, 9), 40, 200, seed=5)
-    dev = _device(backend)
+    dev = device_for(backend)
     on = [a.to(dev) for a in args]
     out = ck.fp8.grouped_gemm(*on, backend=backend)
     assert out.dtype == torch.bfloat16 and out.shape == (10, 40)
@@ -156,7 +151,7 @@ def test_consumes_permute_quantize_output(backend, scale_layout):
     p = ck.fp8.permute_quantize(x, topk, experts, scale_layout=scale_layout)
     b_q, b_s = ck.fp8.quantize_blockwise(torch.randn(experts, n, k, generator=g))
     args = (p.q, p.scales, b_q, b_s, p.expert_offsets)
-    out = ck.fp8.grouped_gemm(*(a.to(_device(backend)) for a in args), backend=backend)
+    out = ck.fp8.grouped_gemm(*(a.to(device_for(backend)) for a in args), backend=backend)
     check_close(out.cpu(), args, rel_err=_rel(backend))
 
 

@@ -16,6 +16,7 @@ import torch
 import compass_kernels as ck
 from compass_kernels.fp8.reference_moe import moe_mlp_reference
 from compass_kernels.testing import empty_poisoned, make_generator
+from tests.tiers import device_for
 
 BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.triton)]
 COUNTS = (0, 1, 127, 129, 0, 3)
@@ -90,17 +91,12 @@ def check_moe(actual: torch.Tensor, args, *, flips: float = 0.0) -> None:
     assert mean_err <= 2.0**-8 * mean_ref, f"mean error {mean_err:.3g} vs mean |ref| {mean_ref:.3g}"
 
 
-def _device(backend):
-    """Triton on the GPU where there is one (else the interpreter on CPU tensors)."""
-    return "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
-
-
 def _flips(backend):
-    return GPU_FLIP_FRACTION if _device(backend) == "cuda" else 0.0
+    return GPU_FLIP_FRACTION if device_for(backend) == "cuda" else 0.0
 
 
 def run(args, backend, **kw):
-    dev = _device(backend)
+    dev = device_for(backend)
     out = empty_poisoned(tuple(args[0].shape), args[0].dtype, dev)
     res = ck.fp8.moe_mlp(*(a.to(dev) for a in args), backend=backend, out=out, **kw)
     assert res is out
@@ -259,7 +255,7 @@ def test_grouped_mlp_matches_reference(backend):
     rows = torch.randn(sum(counts), 200, generator=g).to(torch.bfloat16)
     off = torch.zeros(len(counts) + 1, dtype=torch.int64)
     off[1:] = torch.tensor(counts).cumsum(0)
-    dev = _device(backend)
+    dev = device_for(backend)
     got = ck.fp8.grouped_mlp(*(t.to(dev) for t in (rows, off, w13, s13, w2, s2)),
                              backend=backend).cpu()  # fmt: skip
     assert got.dtype == torch.bfloat16 and got.shape == rows.shape

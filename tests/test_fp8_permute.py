@@ -16,11 +16,6 @@ TRITON = pytest.param("triton", marks=pytest.mark.triton)
 BACKENDS = ["torch", TRITON]
 
 
-@pytest.fixture
-def backend_device(backend) -> str:
-    return "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
-
-
 def dense(t: torch.Tensor) -> torch.Tensor:
     """A row-major CPU copy (strides of size-1 dims included)."""
     return torch.empty(t.shape, dtype=t.dtype).copy_(t.cpu())

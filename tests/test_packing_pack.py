@@ -17,11 +17,6 @@ from compass_kernels.testing import empty_poisoned
 BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.triton)]
 
 
-@pytest.fixture
-def backend_device(backend) -> str:
-    return "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
-
-
 def make_batch(n: int, seed: int, device: str = "cpu", max_len: int = 40):
     """A jagged batch of n sequences (lengths 1..max_len) with the per-token
     tensors an RL step packs: ids, log-probs, advantages, masks, routing trace

@@ -32,8 +32,8 @@ BACKENDS = ["torch", TRITON]
 
 
 @pytest.fixture
-def dev(backend) -> str:
-    return "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+def dev(backend_device) -> str:
+    return backend_device
 
 
 def make_case(t, e, k, seed, *, dtype=torch.float64, valid_frac=0.8, native_frac=0.3,

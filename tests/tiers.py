@@ -38,6 +38,13 @@ TIERS = ("gpu", "triton", "emulated", "sm90", "integration", "slow")
 OUTCOMES = ("passed", "skipped", "failed")
 
 
+def device_for(backend: str | None) -> str:
+    """The device a backend's tensors go to in the tests: Triton runs on CUDA tensors
+    where a GPU is (the interpreter, and so Triton on CPU tensors, is off there);
+    everything else here on CPU tensors."""
+    return "cuda" if backend == "triton" and HAS_GPU else "cpu"
+
+
 def skip_allowed(reason: str) -> bool:
     """Whether a skip with this reason is legitimate here under COMPASS_REQUIRE_ALL_TIERS=1."""
     reason = reason.removeprefix("Skipped: ").strip()
