@@ -7,8 +7,9 @@ every MoE layer, padded [B, S, num_moe_layers, top_k] beside ``input_ids``
 
 - :func:`routed_experts_to_trace`: -> a validated ``ck.routing.RoutingTrace``
   (narrowest dtype, global MoE layer numbers, ids range-checked before the
-  cast). A sequence's last token was never a rollout input: its row is marked
-  missing (``NO_ROW``), never replayed from verl's zero placeholder; rows whose
+  cast). A sequence's last token was never a rollout input: its row is dropped
+  (the trace keeps tokens - 1 rows and the token counts; that token routes
+  natively), never replayed from verl's zero placeholder; rows whose
   ids repeat within the row (verl's zero fill for routes the engine did not
   return, e.g. prefix-cache hits) are marked missing (``NOT_CAPTURED``) and
   counted, or refused with ``placeholders="error"``.
