@@ -121,29 +121,29 @@ def _as_map(ids):
 
 
 def test_patch_is_idempotent_reversible_and_version_checked(megatron_cpu, monkeypatch):
+    import megatron.core
     from megatron.core.transformer.moe.router import TopKRouter
 
+    version = megatron.core.__version__  # each supported release has its own pins
     was = mr.applied()
     try:
         mr.revert()
         original = TopKRouter.__dict__["routing"]
-        assert mr.upstream_source_sha256() == mr.UPSTREAM_SOURCE_SHA256["0.16.1"]
+        assert mr.upstream_source_sha256() == mr.UPSTREAM_SOURCE_SHA256[version]
         assert mr.apply() is True and mr.apply() is False
         assert TopKRouter.__dict__["routing"] is not original
-        assert mr.upstream_source_sha256() == mr.UPSTREAM_SOURCE_SHA256["0.16.1"]  # upstream's
+        assert mr.upstream_source_sha256() == mr.UPSTREAM_SOURCE_SHA256[version]  # upstream's
         assert mr.revert() is True and mr.revert() is False
         assert TopKRouter.__dict__["routing"] is original
 
-        pinned = dict(mr.UPSTREAM_SOURCE_SHA256["0.16.1"])
+        pinned = dict(mr.UPSTREAM_SOURCE_SHA256[version])
         monkeypatch.setitem(
-            mr.UPSTREAM_SOURCE_SHA256, "0.16.1", dict(pinned, **{"MoELayer.route": "0" * 64})
+            mr.UPSTREAM_SOURCE_SHA256, version, dict(pinned, **{"MoELayer.route": "0" * 64})
         )
         with pytest.raises(mr.ReplayError, match=r"\['MoELayer.route'\] are not the functions"):
             mr.apply()
         assert not mr.applied() and TopKRouter.__dict__["routing"] is original
         monkeypatch.undo()
-
-        import megatron.core
 
         monkeypatch.setattr(megatron.core, "__version__", "0.16.9")
         with pytest.raises(mr.ReplayError, match=r"no upstream source hashes pinned.*0\.16\.9"):
@@ -493,8 +493,15 @@ def test_mtp_layers_are_not_replayed_from_decoder_rows(megatron_cpu, hf_parts):
         position_embedding_type="rope",
         mtp_block_spec=get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False),
     ).eval()
-    mtp_router = model.mtp.layers[0].transformer_layer.mlp.router
-    assert mtp_router.layer_number == 4  # right after the decoder: an i+offset map would hit it
+    import megatron.core
+
+    v016 = megatron.core.__version__.startswith("0.16.")
+    # the MTP layer's decoder layer: transformer_layer (0.16), mtp_model_layer (0.19)
+    mtp_layer = model.mtp.layers[0]
+    mtp_router = (mtp_layer.transformer_layer if v016 else mtp_layer.mtp_model_layer).mlp.router
+    # 0.16 numbers it right after the decoder (an i+offset map would hit it), 0.19 from 1
+    # within the MTP block (the number of decoder layer 0): keyed by number, either collides
+    assert mtp_router.layer_number == (4 if v016 else 1)
     replay = mr.TraceReplay(model)
     try:
         assert replay.layers == [0, 1, 2]
@@ -643,6 +650,18 @@ def test_group_limited_routing_refuses_native_fallback(model, replay):
         config.moe_router_num_groups, config.moe_router_group_topk = old
 
 
+def _megatron_cp_split(batch: dict) -> dict:
+    """Megatron's own zigzag split of a [1, seq] batch over the CP group. 0.19 adds the
+    per-document split (TE's, when ``cu_seqlens`` is given) and a hybrid-CP switch:
+    ``cu_seqlens=None`` selects the whole-sequence zigzag that 0.16 always does."""
+    import megatron.core
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    if megatron.core.__version__.startswith("0.16."):
+        return get_batch_on_this_cp_rank(batch)
+    return get_batch_on_this_cp_rank(dict(batch, cu_seqlens=None), is_hybrid_cp=False)
+
+
 def _cp_rank(rank, world_size, path):
     """One rank of a cp=2 group (spawned gloo process): Megatron's own zigzag
     split of the batch (get_batch_on_this_cp_rank) and the trace's zigzag slice
@@ -652,7 +671,6 @@ def _cp_rank(rank, world_size, path):
     slicing pins memory); replay only touches the per-token MoE routers."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.common.embeddings import rotary_pos_embedding as rope
-    from megatron.core.utils import get_batch_on_this_cp_rank
     from transformers import AutoConfig
 
     def pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
@@ -670,7 +688,7 @@ def _cp_rank(rank, world_size, path):
     trace = RoutingTrace(full[: seq - 1].to(torch.uint8), torch.tensor([0, seq - 1]), _E,
                          layer_ids=_LAYERS)  # fmt: skip
     ids, pos = _tokens(seq, seed=32)
-    batch = get_batch_on_this_cp_rank({"tokens": ids.clone(), "position_ids": pos.clone()})
+    batch = _megatron_cp_split({"tokens": ids.clone(), "position_ids": pos.clone()})
     mine = batch["position_ids"][0]  # the global token positions Megatron gave this rank
     cut = dict(token_lens=[seq], pad_multiple=4, cp_size=2, cp_rank=cp_rank)
     local = trace.slice(**cut, cp_layout="zigzag")

@@ -10,21 +10,24 @@ import inspect
 import textwrap
 from typing import Any
 
-#: megatron-core versions the patches were written against.
-SUPPORTED_VERSION_PREFIX = "0.16."
+#: megatron-core release lines the patches were reviewed against: 0.16.x (the last
+#: line for Python 3.10 / 3.11) and 0.19.x (the newest; Python >= 3.12). Within a
+#: line, each exact release still needs its source hashes pinned by the patch.
+SUPPORTED_VERSION_PREFIXES = ("0.16.", "0.19.")
 
 
 def check_version(owner: str, error: type[Exception], what: str) -> str:
     """The installed megatron-core version; raises ``error`` naming ``owner``
     (a module) and ``what`` it must review when the version is outside
-    :data:`SUPPORTED_VERSION_PREFIX`."""
+    :data:`SUPPORTED_VERSION_PREFIXES`."""
     import megatron.core
 
     version = getattr(megatron.core, "__version__", "unknown")
-    if not version.startswith(SUPPORTED_VERSION_PREFIX):
+    if not version.startswith(SUPPORTED_VERSION_PREFIXES):
+        lines = " and ".join(f"{p}x" for p in SUPPORTED_VERSION_PREFIXES)
         raise error(
-            f"{owner} supports megatron-core {SUPPORTED_VERSION_PREFIX}x, "
-            f"found {version}; review the {what} before widening the range"
+            f"{owner} supports megatron-core {lines}, found {version}; review the {what} "
+            "before widening the range"
         )
     return version
 

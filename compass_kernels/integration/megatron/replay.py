@@ -21,7 +21,7 @@ How it works, and why:
   gradient; missing rows routed natively and counted; native-vs-replayed
   agreement counted on the device) and returns Megatron's ``(probs,
   routing_map)``. Routers not bound to a replay run upstream's code unchanged.
-  The patch is version-checked (megatron-core 0.16.x, the upstream source's
+  The patch is version-checked (megatron-core 0.16.x or 0.19.x, each release's
   sha256 pinned in :data:`UPSTREAM_SOURCE_SHA256`), idempotent and reversible
   (:func:`revert`). It replaces the whole routing function, so Megatron's
   ``moe_router_fusion`` path (which skips Megatron's own RouterReplay) cannot
@@ -61,10 +61,10 @@ from typing import Any
 import torch
 
 from . import _pin
-from ._pin import SUPPORTED_VERSION_PREFIX
+from ._pin import SUPPORTED_VERSION_PREFIXES
 
 __all__ = [
-    "SUPPORTED_VERSION_PREFIX",
+    "SUPPORTED_VERSION_PREFIXES",
     "UPSTREAM_SOURCE_SHA256",
     "ReplayError",
     "TraceReplay",
@@ -90,6 +90,18 @@ UPSTREAM_SOURCE_SHA256: dict[str, dict[str, str]] = {
         "MoELayer.route": "0acc4fc15e82d07a571c5dda67ad7d3ef6abd1ad98094eab010744e27d968545",
         "topk_routing_with_score_function": (
             "ba35df9ce083b3af09f00df2fc67dcb8f0ca38a06a25ed72ed2fde5bbcd9da41"
+        ),
+    },  # Reviewed against 0.16.1: routing gains "quantile_balancing" and forward gains
+    # moe_router_force_biased (both refused by check_config); the score function gains
+    # "sqrtsoftplus" (refused per router), precomputed indices and a dense output (not
+    # used by MoELayer.route), and computes in fp32 to the end (replay_topk takes fp32 /
+    # fp64 logits and computes in their dtype: the same).
+    "0.19.2": {
+        "TopKRouter.routing": "94354306044a97901073b947c4a7e6a19f7994a42acd915aafc1df23a78da88d",
+        "TopKRouter.forward": "a2766e05bc5d1371e8b55630fe92ac48e5f386f3bb23c9463b1440d501e43bac",
+        "MoELayer.route": "0acc4fc15e82d07a571c5dda67ad7d3ef6abd1ad98094eab010744e27d968545",
+        "topk_routing_with_score_function": (
+            "d38accd1acb31d1c78fefefc6156dd73f247552626edb2c37b0451a8b1c90565"
         ),
     },
 }
@@ -270,8 +282,17 @@ def check_config(config: Any, where: str = "model") -> None:
             "moe_router_load_balancing_type='sinkhorn' (a different routing function)",
         ),
         (
+            getattr(config, "moe_router_load_balancing_type", None) == "quantile_balancing",
+            "moe_router_load_balancing_type='quantile_balancing' (routes by per-expert "
+            "quantile thresholds, not the top-k the replay forces)",
+        ),
+        (
             bool(getattr(config, "moe_router_force_load_balancing", False)),
             "moe_router_force_load_balancing (random logits)",
+        ),
+        (
+            getattr(config, "moe_router_force_biased", None) is not None,
+            "moe_router_force_biased (random bias added to the logits)",
         ),
         (
             bool(getattr(config, "moe_router_padding_for_quantization", False))
