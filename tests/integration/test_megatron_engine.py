@@ -13,6 +13,7 @@ pytest.importorskip("megatron.core")
 pytest.importorskip("transformers")
 
 from compass_kernels.integration.cpu import megatron as shim  # noqa: E402
+from compass_kernels.integration.megatron._pin import installed_version  # noqa: E402
 from compass_kernels.integration.megatron.convert import (  # noqa: E402
     build_megatron_model,
     hf_to_megatron,
@@ -79,7 +80,7 @@ def test_shim_apply_and_revert_are_idempotent(monkeypatch):
         # upstream now defines the fallback itself); CUDA calls in place.
         import megatron.core
 
-        te_shipped = "<missing>" if megatron.core.__version__.startswith("0.16.") else None
+        te_shipped = "<missing>" if installed_version().startswith("0.16.") else None
         assert originals["te_general_gemm"] == te_shipped
         assert "torch.cuda.current_device()" in __import__("inspect").getsource(
             originals["router_gating"]
@@ -115,11 +116,17 @@ def test_shim_apply_and_revert_are_idempotent(monkeypatch):
         assert _current(*targets["router_gating"]) is originals["router_gating"]
         monkeypatch.undo()
 
-        import megatron.core
-
         monkeypatch.setattr(megatron.core, "__version__", "0.17.0")
         with pytest.raises(shim.ShimError, match="0.17.0"):
             shim.apply()
+        monkeypatch.undo()
+        # 0.19 appends the short hash of the git repository enclosing its install (a
+        # venv inside a checkout): a local label, the release's pins still apply
+        release = installed_version()
+        monkeypatch.setattr(megatron.core, "__version__", f"{release}+f506257")
+        assert shim.check_version() == release
+        assert shim.apply() == names
+        shim.revert()
         monkeypatch.undo()
     finally:
         shim.revert()
@@ -136,7 +143,7 @@ def test_shim_refuses_an_upstream_source_it_was_not_pinned_against(monkeypatch):
     was_applied = shim.applied()
     try:
         shim.revert()
-        version = megatron.core.__version__
+        version = installed_version()
         pinned = shim.UPSTREAM_SOURCE_SHA256[version]
         assert shim.upstream_source_hashes() == pinned  # the installed version is pinned
         shim.apply()

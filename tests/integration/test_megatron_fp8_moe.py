@@ -7,6 +7,8 @@ would disagree), the FP8 weights follow optimizer updates, the training forward
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -40,7 +42,11 @@ def experts():
     )  # fmt: skip
     spec = get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False)
     pgs = ProcessGroupCollection.use_mpu_process_groups()
-    module = build_module(spec.submodules.mlp.submodules.experts, E, cfg, pg_collection=pgs)
+    mlp = spec.submodules.mlp  # a ModuleSpec (0.16) or a functools.partial (0.19) of MoELayer
+    if isinstance(mlp, functools.partial):
+        module = mlp.keywords["submodules"].experts(E, cfg, pg_collection=pgs)
+    else:
+        module = build_module(mlp.submodules.experts, E, cfg, pg_collection=pgs)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for m in module.local_experts:

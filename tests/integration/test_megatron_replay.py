@@ -16,6 +16,7 @@ pytest.importorskip("megatron.core")
 pytest.importorskip("transformers")
 
 from compass_kernels.integration.megatron import replay as mr  # noqa: E402
+from compass_kernels.integration.megatron._pin import installed_version  # noqa: E402
 from compass_kernels.integration.megatron.convert import build_megatron_model, load_hf_state_dict  # noqa: E402
 from compass_kernels.routing import MissingReason, RoutingTrace  # noqa: E402
 
@@ -124,7 +125,7 @@ def test_patch_is_idempotent_reversible_and_version_checked(megatron_cpu, monkey
     import megatron.core
     from megatron.core.transformer.moe.router import TopKRouter
 
-    version = megatron.core.__version__  # each supported release has its own pins
+    version = installed_version()  # each supported release has its own pins
     was = mr.applied()
     try:
         mr.revert()
@@ -493,9 +494,8 @@ def test_mtp_layers_are_not_replayed_from_decoder_rows(megatron_cpu, hf_parts):
         position_embedding_type="rope",
         mtp_block_spec=get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False),
     ).eval()
-    import megatron.core
 
-    v016 = megatron.core.__version__.startswith("0.16.")
+    v016 = installed_version().startswith("0.16.")
     # the MTP layer's decoder layer: transformer_layer (0.16), mtp_model_layer (0.19)
     mtp_layer = model.mtp.layers[0]
     mtp_router = (mtp_layer.transformer_layer if v016 else mtp_layer.mtp_model_layer).mlp.router
@@ -654,10 +654,9 @@ def _megatron_cp_split(batch: dict) -> dict:
     """Megatron's own zigzag split of a [1, seq] batch over the CP group. 0.19 adds the
     per-document split (TE's, when ``cu_seqlens`` is given) and a hybrid-CP switch:
     ``cu_seqlens=None`` selects the whole-sequence zigzag that 0.16 always does."""
-    import megatron.core
     from megatron.core.utils import get_batch_on_this_cp_rank
 
-    if megatron.core.__version__.startswith("0.16."):
+    if installed_version().startswith("0.16."):
         return get_batch_on_this_cp_rank(batch)
     return get_batch_on_this_cp_rank(dict(batch, cu_seqlens=None), is_hybrid_cp=False)
 

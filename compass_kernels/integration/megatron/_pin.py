@@ -16,13 +16,20 @@ from typing import Any
 SUPPORTED_VERSION_PREFIXES = ("0.16.", "0.19.")
 
 
+def installed_version() -> str:
+    """megatron-core's release, e.g. "0.19.2". 0.19 appends ``+<short hash>`` of whatever
+    git repository encloses its install (a venv inside a checkout: that checkout's HEAD)
+    to ``__version__``; that local label says nothing about megatron and is dropped."""
+    import megatron.core
+
+    return str(getattr(megatron.core, "__version__", "unknown")).split("+", 1)[0]
+
+
 def check_version(owner: str, error: type[Exception], what: str) -> str:
     """The installed megatron-core version; raises ``error`` naming ``owner``
     (a module) and ``what`` it must review when the version is outside
     :data:`SUPPORTED_VERSION_PREFIXES`."""
-    import megatron.core
-
-    version = getattr(megatron.core, "__version__", "unknown")
+    version = installed_version()
     if not version.startswith(SUPPORTED_VERSION_PREFIXES):
         lines = " and ".join(f"{p}x" for p in SUPPORTED_VERSION_PREFIXES)
         raise error(
