@@ -28,6 +28,7 @@ from compass_kernels.integration.vllm.fp8_sync import is_block_fp8_weight  # noq
 from compass_kernels.integration.vllm.weight_sync import (  # noqa: E402
     checkpoint_shapes,
     engine_derived_state,
+    sync_parts_to_vllm,
     sync_to_vllm,
 )
 
@@ -189,6 +190,72 @@ def test_refuses_a_state_dict_that_is_not_the_checkpoint(engine, trained, tiny_m
     with pytest.raises(TypeError, match="state_dict must be a mapping"):
         sync_to_vllm(llm, list(layout.items()))
     assert set(checkpoint_shapes(tiny_moe_path)) == set(layout)
+
+
+def _parts(layout: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """The checkpoint split as the sharded trainer sends it: embedding, each decoder
+    layer, the rest (final norm, head)."""
+
+    def key(name: str) -> str:
+        return name.split(".")[2] if name.startswith("model.layers.") else name.split(".")[-2]
+
+    groups: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in layout.items():
+        groups.setdefault(key(name), {})[name] = t
+    return list(groups.values())
+
+
+def test_parts_sync_checks_each_part_before_it_loads(engine, trained, tiny_moe_path, probe):
+    """sync_parts_to_vllm: a bad part (unknown name, a name sent twice, a wrong shape, not a
+    mapping) is refused before any of its tensors load, the parts before it stay loaded;
+    a stream that ends early says which tensors it never sent; a whole stream of parts
+    gives what sync_to_vllm of the whole dict gives, bit for bit."""
+    llm, fresh = engine
+    layout = dict(trained[1])
+    parts = _parts(layout)
+    layer1 = next(i for i, p in enumerate(parts) if any(".layers.1." in k for k in p))
+    name = next(k for k in parts[layer1] if k.endswith("experts.5.up_proj.weight"))
+
+    def moved(prefix: str) -> bool:
+        state = engine_derived_state(llm)
+        keys = [k for k in state if prefix in k and not k.startswith("buffer:")]
+        assert keys, prefix
+        return any(_changed(state[k], fresh[k]) for k in keys)
+
+    def with_bad(bad: object) -> list:
+        return parts[:layer1] + [bad] + parts[layer1 + 1 :]
+
+    sync_to_vllm(llm, load_hf_state_dict(tiny_moe_path))  # the fresh weights
+    cases = [
+        (with_bad({**parts[layer1], "extra.weight": layout[name]}), ValueError,
+         r"'extra.weight' is not a tensor of the engine's checkpoint"),
+        (with_bad({**parts[layer1], **{k: v for k, v in parts[0].items()}}), ValueError,
+         r"sent twice"),
+        (with_bad({**parts[layer1], name: layout[name][:, :-1]}), ValueError,
+         rf"\['{name}'\] has shape \(64, 127\)"),
+        (with_bad(list(parts[layer1].items())), TypeError, r"parts must yield mappings, got list"),
+    ]  # fmt: skip
+    for stream, error, match in cases:
+        with pytest.raises(error, match=match):
+            sync_parts_to_vllm(llm, iter(stream))
+        assert moved("layers.0."), match  # the parts before the bad one loaded
+        assert not moved("layers.1."), match  # the bad part did not
+        assert torch.isfinite(_vllm_logprobs(llm, probe)).all()  # and the engine runs
+        sync_to_vllm(llm, load_hf_state_dict(tiny_moe_path))
+
+    with pytest.raises(RuntimeError, match=r"ended without \d+ checkpoint tensors \['"):
+        sync_parts_to_vllm(llm, iter(parts[:-1]))
+    assert moved("layers.2.") and torch.isfinite(_vllm_logprobs(llm, probe)).all()  # it runs
+    with pytest.raises(ValueError, match='fp8 must be False, True or "dequantized"'):
+        sync_parts_to_vllm(llm, iter(parts), fp8="e4m3")
+
+    report = sync_parts_to_vllm(llm, iter(parts))
+    assert report.tensors == len(layout)
+    by_parts = engine_derived_state(llm)
+    sync_to_vllm(llm, layout)
+    whole = engine_derived_state(llm)
+    assert [k for k in whole if _changed(whole[k], by_parts[k])] == []
+    sync_to_vllm(llm, load_hf_state_dict(tiny_moe_path))
 
 
 def _fp8_values(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -241,15 +241,21 @@ def _reload_on_worker(worker: Any, weights: Iterator[tuple[str, torch.Tensor]]) 
     """Runs on the worker (in this process): vLLM's layerwise in-place reload,
     with each MoE method's kernel cleared so its experts are re-prepacked."""
     model = worker.model_runner.get_model()
-    reset = 0
+    cleared = []
     for module in model.modules():
         qm = getattr(module, "quant_method", None)
         if qm is not None and getattr(qm, "moe_kernel", None) is not None:
             # _setup_kernel then runs as on the first load: new kernel, and the
             # experts' process_weights_after_loading (CPU prepack) runs again.
+            cleared.append((qm, qm.moe_kernel))
             qm.moe_kernel = None
-            reset += 1
     worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+    reset = 0
+    for qm, kernel in cleared:
+        if qm.moe_kernel is None:  # a layer the stream did not reach (sync_parts_to_vllm
+            qm.moe_kernel = kernel  # ended early): vLLM put its old weights back; its kernel too
+        else:
+            reset += 1
     for name, p in model.named_parameters():
         if p.is_meta:
             raise RuntimeError(f"after the reload, parameter {name} is still on the meta device")
@@ -352,11 +358,14 @@ def sync_parts_to_vllm(
     Raises
     ------
     TypeError, ValueError
-        As :func:`sync_to_vllm`, for a part, before that part loads.
+        As :func:`sync_to_vllm`, for a part, before that part loads; any exception
+        ``parts`` raises is re-raised the same way.
     RuntimeError
-        If the stream ended with checkpoint tensors not sent: the engine then
-        holds the new weights for the parts sent and the old ones elsewhere
-        (sync again).
+        If the stream ended with checkpoint tensors not sent.
+
+    After any of these the engine runs, with the new weights of the parts before
+    the failure and its old weights elsewhere (sync again); a part that splits one
+    of vLLM's modules (half a layer's experts) must not end a stream early.
     """
     t0 = time.perf_counter()
     _check_engine(llm, fp8)
@@ -364,8 +373,9 @@ def sync_parts_to_vllm(
     if fp8 is True:
         expected = {k: v for k, v in expected.items() if not k.endswith(".weight_scale_inv")}
     seen: set[str] = set()
+    failed: list[Exception] = []
 
-    def source() -> Iterator[tuple[str, torch.Tensor]]:
+    def checked() -> Iterator[tuple[str, torch.Tensor]]:
         for part in parts:
             if not isinstance(part, Mapping):
                 raise TypeError(f"parts must yield mappings, got {type(part).__name__}")
@@ -385,7 +395,20 @@ def sync_parts_to_vllm(
                 "engine holds new weights for the parts sent only; sync again"
             )
 
-    return _load_stream(llm, source(), fp8, track_changes, t0)
+    def source() -> Iterator[tuple[str, torch.Tensor]]:
+        # A bad part (or a failing `parts`) ends the stream instead of raising inside
+        # vLLM's load: its layerwise reload moves every layer to the meta device first
+        # and puts the old weights back on the layers that received nothing only when
+        # the load returns; an exception there leaves them on meta (a broken engine).
+        try:
+            yield from checked()
+        except Exception as exc:  # re-raised below, after the reload finished
+            failed.append(exc)
+
+    report = _load_stream(llm, source(), fp8, track_changes, t0)
+    if failed:
+        raise failed[0]
+    return report
 
 
 def _load_stream(llm: Any, stream: Iterator[tuple[str, torch.Tensor]], fp8: bool | str,
