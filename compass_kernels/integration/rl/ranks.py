@@ -173,9 +173,10 @@ def make_shares(
                 # fewer sequences than dp x micro-batches: a zero-token micro-batch
                 # (one sequence of length 0, padded to the layout's minimum) keeps
                 # the schedule's collectives in step and adds 0 to loss and grads
-                has_old = data.old_logprobs is not None
+                has_old, has_adv = data.old_logprobs is not None, data.advantages is not None
                 mbs.append(_padding_micro_batch(batch, layout, info, layers, what=what,
-                                                replay=replay, data_has_old=has_old))  # fmt: skip
+                                                replay=replay, data_has_old=has_old,
+                                                data_has_adv=has_adv))  # fmt: skip
                 continue
             lens = batch.lengths[idx]
             src, _, _ = local_tokens(lens, m, layout.cp, info.cp)
@@ -217,6 +218,7 @@ def _padding_micro_batch(
     what: str,
     replay: bool,
     data_has_old: bool = True,
+    data_has_adv: bool = True,
 ) -> RankMicroBatch:
     """A micro-batch of no real token: ``lengths == [0]``, i.e. one sequence of
     ``layout.pad_multiple`` padding tokens (each CP rank its zigzag pair, each SP
@@ -232,7 +234,8 @@ def _padding_micro_batch(
         mb.targets = torch.zeros(n, dtype=batch.targets.dtype)
         mb.mask = torch.zeros(n, dtype=torch.bool)
         if what == "train":
-            mb.advantages = torch.zeros(n)
+            if data_has_adv:  # else the rank's kept advantages (zeros here)
+                mb.advantages = torch.zeros(n)
             if data_has_old:
                 mb.old_logprobs = torch.zeros(n)
                 mb.old_entropy = torch.zeros(n)
@@ -341,6 +344,7 @@ class RankTrainer:
             self.model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.0
         )
         self.kept: dict[str, Any] = {}  # forward results kept on the rank, by name
+        self.kept_advantages: dict[str, Any] = {}  # token advantages from them, by name
         self._kept_shares: dict[str, Any] = {}
         self._kept_real: dict[str, Any] = {}
         self.tp_group = ps.get_tensor_model_parallel_group() if layout.tp > 1 else None
@@ -472,6 +476,7 @@ class RankTrainer:
         # the results stay here (the train step reads them); the driver gets sums
         self._kept_shares[keep] = shares
         self._kept_real[keep] = [self._real_seq(mb)[0] for mb in shares]
+        self.kept_advantages.pop(keep, None)
         self.kept[keep] = [(d["logprobs"], d["entropy"]) for d in out] if last else None
         if not (last and self.info.tp == 0):
             return {"per_mb": None, "replay": counts}
@@ -502,6 +507,45 @@ class RankTrainer:
             out[i] = torch.bincount(sel, minlength=1 << bits)
         return out
 
+    def token_advantages(self, keep: str, per_mb: list[dict] | None, alpha: float) -> dict:
+        """RL-ZVP token advantages of the response tokens this rank kept (``keep``),
+        from the kept entropy and, per micro-batch, its sequences' ``rewards``,
+        ``zero_var``, ``advantages`` and ``entropy_max`` ([n_mb] each: the whole
+        sequence's max, reduced over the CP ranks by the driver), by
+        :func:`~compass_kernels.integration.rl.trainer.zvp_token_advantages`. Kept
+        for :meth:`train` (``use_kept=keep``). Returns {"nonzero": per micro-batch
+        [n_mb] bool (a token here has a nonzero advantage), tp rank 0 of a last
+        stage only, else None}."""
+        from compass_kernels.integration.rl.trainer import zvp_token_advantages
+
+        kept = self.kept.get(keep)
+        if not self.info.last_stage:
+            return {"nonzero": None}
+        if kept is None or per_mb is None or len(per_mb) != len(kept):
+            raise RuntimeError(f"token_advantages: no kept forward {keep!r} of "
+                               f"{0 if per_mb is None else len(per_mb)} micro-batches")  # fmt: skip
+        advs, flags = [], []
+        for (_, ent), mb, sc in zip(kept, self._kept_shares[keep], per_mb, strict=True):
+            real, seq = self._real_seq(mb)
+            adv, nz = zvp_token_advantages(
+                ent, seq, mb.mask & real, sc["rewards"], sc["zero_var"], sc["advantages"],
+                alpha=alpha, entropy_max=sc["entropy_max"],
+            )  # fmt: skip
+            advs.append(adv)
+            flags.append(nz)
+        self.kept_advantages[keep] = advs
+        return {"nonzero": flags if self.info.tp == 0 else None}
+
+    def kept_values(self, keep: str) -> dict:
+        """The per-token tensors kept under ``keep`` (checks only: the driver never
+        needs them): {"per_mb": [(log-probs, entropy, token advantages or None)]}
+        from tp rank 0 of a last stage, else None."""
+        kept = self.kept.get(keep)
+        if kept is None or self.info.tp != 0:
+            return {"per_mb": None}
+        adv = self.kept_advantages.get(keep) or [None] * len(kept)
+        return {"per_mb": [(lp, ent, a) for (lp, ent), a in zip(kept, adv, strict=True)]}
+
     def train(self, shares: list[RankMicroBatch], num_sequences: int,
               entropy_threshold: torch.Tensor | None, espo_kwargs: dict) -> dict:  # fmt: skip
         """One optimizer step over this rank's micro-batches (ESPO)."""
@@ -516,10 +560,16 @@ class RankTrainer:
             kept = self.kept.get(use)
             if kept is None or len(kept) != nmb:
                 raise RuntimeError(f"train: no kept forward {use!r} of {nmb} micro-batches")
-            for mb, (lp, ent), kmb in zip(shares, kept, self._kept_shares[use], strict=True):
+            advs = self.kept_advantages.get(use) or [None] * nmb
+            for mb, (lp, ent), kmb, adv in zip(shares, kept, self._kept_shares[use], advs,
+                                               strict=True):  # fmt: skip
                 if not torch.equal(mb.lengths, kmb.lengths):
                     raise RuntimeError(f"train: kept forward {use!r} is of another batch")
                 mb.old_logprobs, mb.old_entropy = lp, ent
+                if mb.advantages is None:
+                    if adv is None:
+                        raise RuntimeError(f"train: no advantages sent or kept under {use!r}")
+                    mb.advantages = adv
         if entropy_threshold is not None:
             kwargs["entropy_threshold"] = entropy_threshold
 
@@ -651,26 +701,23 @@ def distributed_quantiles(histogram: Any, n: int, levels: tuple[float, ...]) -> 
 
 def _forward_stats(mb: RankMicroBatch, lp: torch.Tensor, ent: torch.Tensor,
                    real: torch.Tensor, seq: torch.Tensor) -> dict:  # fmt: skip
-    """What the driver needs of one micro-batch's forward on this rank: sums of
-    the gap d = lp - infer over its response tokens (count, sum |d|, sum
-    expm1(d) - d, count |d| > ln 2, max |d|) and, per sequence of the
-    micro-batch, the max / min response-token entropy of this rank's tokens
-    (+inf / -inf where it holds none)."""
+    """What the driver needs of one micro-batch's forward on this rank: the gap
+    sums (:class:`~compass_kernels.integration.rl.trainer.GapSums`) of d = lp -
+    infer over its response tokens and, per sequence of the micro-batch, the
+    max / min response-token entropy of this rank's tokens (-inf / +inf where it
+    holds none)."""
     import math
 
+    from compass_kernels.integration.rl.trainer import GapSums
+
     m = mb.mask & real
-    d = lp[m].double() - mb.infer_logprobs[m].double()
     n = mb.lengths.numel()
     e = ent.double()
     emax = torch.full((n,), -math.inf, dtype=torch.float64)
     emin = torch.full((n,), math.inf, dtype=torch.float64)
     emax.scatter_reduce_(0, seq[m], e[m], "amax")
     emin.scatter_reduce_(0, seq[m], e[m], "amin")
-    return {"n": int(d.numel()), "abs": float(d.abs().sum()),
-            "k3": float((torch.expm1(d) - d).sum()),
-            "gt_ln2": int((d.abs() > math.log(2)).sum()),
-            "max": float(d.abs().max()) if d.numel() else 0.0,
-            "ent_max": emax, "ent_min": emin}  # fmt: skip
+    return {"gap": GapSums.of(lp[m], mb.infer_logprobs[m]), "ent_max": emax, "ent_min": emin}
 
 
 class _null:
@@ -793,6 +840,8 @@ class RankedTrainer:
         self.stage_layers: list[list[int]] = [v[1] for v in ready.values]
         self.last_bytes: dict[str, Any] = {}
         self._kept: dict[str, Any] = {}  # name -> the plan of the forward kept under it
+        self._kept_seq_max: dict[str, torch.Tensor] = {}  # name -> [n] response entropy max
+        self._kept_adv: set[str] = set()  # names the ranks hold token advantages under
 
     # -- plumbing ------------------------------------------------------------------
 
@@ -909,32 +958,101 @@ class RankedTrainer:
         shares = self._scatter(data, "forward_stats", replay)
         results = self._command("forward", [(s, replay, keep) for s in shares])
         self._kept[keep] = data.plan
-        return {**self._reduce_stats(data, results), "replay": self._replay_dicts(results)}
+        self._kept_adv.discard(keep)  # the ranks dropped advantages kept under this name
+        out = self._reduce_stats(data, results)
+        self._kept_seq_max[keep] = out["seq_entropy_max"]
+        return {**out, "replay": self._replay_dicts(results)}
 
     def _reduce_stats(self, data: StepData, results: list[dict]) -> dict:
         import math
 
+        from compass_kernels.integration.rl.trainer import GapSums
+
         n_seq = data.batch.num_sequences
         emax = torch.full((n_seq,), -math.inf, dtype=torch.float64)
         emin = torch.full((n_seq,), math.inf, dtype=torch.float64)
-        n = gt = 0
-        s_abs = s_k3 = mx = 0.0
+        total = GapSums()
         for info, res in zip(self.infos, results, strict=True):
             for j, st in enumerate(res.get("stats") or []):
                 idx = data.plan.micro_batch(info.dp, j)
-                n += st["n"]
-                gt += st["gt_ln2"]
-                s_abs += st["abs"]
-                s_k3 += st["k3"]
-                mx = max(mx, st["max"])
+                total = total + st["gap"]
                 if idx.numel():
                     emax[idx] = torch.maximum(emax[idx], st["ent_max"])
                     emin[idx] = torch.minimum(emin[idx], st["ent_min"])
-        nan = float("nan")
-        gap = {"mean_abs": s_abs / n if n else nan, "k3": s_k3 / n if n else nan,
-               "frac_gt_ln2": gt / n if n else nan, "max_abs": mx if n else nan,
-               "tokens": n}  # fmt: skip
-        return {"gap": gap, "seq_entropy_max": emax, "seq_entropy_min": emin}
+        return {"gap": dataclasses.asdict(total.stats()), "seq_entropy_max": emax,
+                "seq_entropy_min": emin}  # fmt: skip
+
+    def token_advantages(self, data: StepData, keep: str, rewards: torch.Tensor,
+                         zero_var: torch.Tensor, advantages: torch.Tensor, *,
+                         alpha: float) -> torch.Tensor:  # fmt: skip
+        """RL-ZVP token advantages computed on the last-stage ranks from the entropy
+        of ``forward(data, keep=keep)`` and kept there for ``train(use_kept=keep)``
+        (the driver builds no per-token advantages).
+
+        rewards, advantages : [n] float (sample order; the float dtype rl_zvp gets).
+        zero_var : [n] bool, the sequence's group has zero reward variance.
+        alpha : rl_zvp's scale.
+
+        Each rank receives, per micro-batch, its sequences' rewards, zero_var,
+        advantages and response-entropy max ([n_mb] each; the max is the one
+        per-sequence statistic of rl_zvp, reduced over the ranks by that forward:
+        exact, a max is order-free). Returns [n] bool: the sequence has a token
+        with a nonzero advantage (OR over its CP ranks)."""
+        plan = data.plan
+        if self._kept.get(keep) is not plan:
+            raise ValueError(f"token_advantages: keep={keep!r} names no forward of this plan")
+        n = data.batch.num_sequences
+        for name, t in (("rewards", rewards), ("zero_var", zero_var),
+                        ("advantages", advantages)):  # fmt: skip
+            if t.shape != (n,):
+                raise ValueError(f"{name}: expected [{n}] (one per sequence), got "
+                                 f"{tuple(t.shape)}")  # fmt: skip
+        emax = self._kept_seq_max[keep]
+        args, sent = [], []
+        for info in self.infos:
+            per_mb = None
+            if info.last_stage:
+                per_mb = []
+                for j in range(plan.num_micro_batches):
+                    idx = plan.micro_batch(info.dp, j)
+                    if idx.numel() == 0:  # a padding micro-batch: one empty sequence
+                        per_mb.append({"rewards": rewards.new_zeros(1),
+                                       "zero_var": torch.zeros(1, dtype=torch.bool),
+                                       "advantages": advantages.new_zeros(1),
+                                       "entropy_max": emax.new_zeros(1)})  # fmt: skip
+                        continue
+                    per_mb.append({"rewards": rewards[idx], "zero_var": zero_var[idx],
+                                   "advantages": advantages[idx],
+                                   "entropy_max": emax[idx]})  # fmt: skip
+            args.append((keep, per_mb, float(alpha)))
+            sent.append(sum(t.numel() * t.element_size() for d in per_mb or [] for t in d.values()))
+        self.last_bytes["token_advantages"] = {"per_rank": sent}
+        results = self._command("token_advantages", args)
+        nonzero = torch.zeros(n, dtype=torch.bool)
+        for info, res in zip(self.infos, results, strict=True):
+            for j, nz in enumerate(res["nonzero"] or []):
+                idx = plan.micro_batch(info.dp, j)
+                if idx.numel():
+                    nonzero[idx] |= nz
+        self._kept_adv.add(keep)
+        return nonzero
+
+    def kept_values(self, data: StepData, keep: str) -> dict:
+        """Checks only (it gathers what the step keeps on the ranks): the log-probs,
+        entropy and token advantages kept under ``keep``, sample order [T] each
+        (advantages None before :meth:`token_advantages`)."""
+        if self._kept.get(keep) is not data.plan:
+            raise ValueError(f"kept_values: keep={keep!r} names no forward of this plan")
+        results = self._command("kept_values", [(keep,) for _ in self._procs])
+
+        def pick(r: dict, a: int, b: int) -> dict:
+            return {"per_mb": None if r["per_mb"] is None else [(t[a], t[b]) for t in r["per_mb"]]}
+
+        lp, ent = self._assemble(data, [pick(r, 0, 1) for r in results])
+        out = {"logprobs": lp, "entropy": ent, "advantages": None}
+        if keep in self._kept_adv:
+            out["advantages"] = self._assemble(data, [pick(r, 2, 2) for r in results])[0]
+        return out
 
     def _histogram(self, keep: str, prefixes: torch.Tensor, shift: int, bits: int):
         parts = self._command("entropy_histogram",
@@ -978,6 +1096,9 @@ class RankedTrainer:
                              "of a forward(keep=<name>) of this batch")  # fmt: skip
         if use is not None and self._kept.get(use) is not data.plan:
             raise ValueError(f"train: use_kept={use!r} names no forward of this step's plan")
+        if data.advantages is None and use not in self._kept_adv:
+            raise ValueError("train: give data.advantages, or use_kept=<name> after "
+                             "token_advantages(data, <name>, ...)")  # fmt: skip
         if thr is None and cfg.num_groups > 1 and not cfg.per_sequence and not cfg.token_groups:
             m = data.batch.mask
             if data.old_entropy is None:  # kept on the ranks: an exact distributed select
@@ -1071,22 +1192,20 @@ class RankedTrainer:
 # ---------------------------------------------------------------------------
 
 
-def _token_index(lengths: np.ndarray, idx: np.ndarray) -> torch.Tensor:
-    """Sample-order token indices of sequences ``idx`` concatenated (a packed micro-batch)."""
-    offsets = np.concatenate([[0], np.cumsum(lengths)])
-    if len(idx) == 0:
-        return torch.zeros(0, dtype=torch.int64)
-    return torch.from_numpy(np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in idx]))
-
-
 class LoopTrainer:
     """What ``compass-rl`` calls a trainer (``pack``, ``old_policy_pass``,
-    ``train_step``, ``probe_logprobs``, ``hf_state_dict``), run by
-    :class:`RankedTrainer` on ``layout.world_size`` processes.
+    ``token_advantages``, ``train_step``, ``probe_logprobs``, ``hf_state_dict``),
+    run by :class:`RankedTrainer` on ``layout.world_size`` processes; the same
+    calls as the one-process :class:`~compass_kernels.integration.rl.trainer.Trainer`.
 
-    ``pack`` plans the ``dp`` ranks x micro-batches and keeps the driver's
-    packed view (the loop reads log-probs, entropy and advantages through it);
-    the ranks receive only their shares of it (:func:`make_shares`)."""
+    ``pack`` plans the ``dp`` ranks x micro-batches (the driver's packed view is
+    for the loop's packing checks); the ranks receive only their shares of it
+    (:func:`make_shares`). The step's per-token results stay on the ranks: the
+    old-policy passes keep their log-probs and entropy there and return gap sums
+    and per-sequence entropy maxima, the RL-ZVP token advantages are computed
+    there from per-sequence inputs, and the train step reads both. The driver
+    receives scalars and [sequences] tensors only; :attr:`rx_bytes` counts what
+    it received (pickled replies) per command since ``pack``."""
 
     def __init__(self, model_dir: str | os.PathLike, layout: Layout, *, lr: float,
                  replay: bool = True, seed: int = 0) -> None:  # fmt: skip
@@ -1095,9 +1214,14 @@ class LoopTrainer:
         self.use_replay = replay
         self.hf_config = self.ranked.hf_config
         self._data: StepData | None = None
+        self._old = "replay" if replay else "native"  # the kept forward the loss reads
+        self.rx_bytes: dict[str, int] = {}
 
     def close(self) -> None:
         self.ranked.close()
+
+    def _received(self, cmd: str) -> None:
+        self.rx_bytes[cmd] = self.rx_bytes.get(cmd, 0) + sum(self.ranked.last_reply_bytes[cmd])
 
     def pack(self, batch: Any, *, dp_size: int, max_tokens: int):
         from compass_kernels.integration.rl.trainer import Trainer
@@ -1106,40 +1230,43 @@ class LoopTrainer:
             raise ValueError(f"dp_size {dp_size} != the layout's dp {self.layout.dp}")
         pack = Trainer.pack(self, batch, dp_size=dp_size, max_tokens=max_tokens)
         self._data = StepData(batch=batch, plan=pack.plan)
+        self.rx_bytes = {}
         return pack
 
-    def _to_packed(self, pack: Any, name: str, values: torch.Tensor) -> None:
-        batch = self._data.batch
-        for mb in pack.micro_batches:
-            setattr(mb, name, values[_token_index(batch.lengths, mb.packed.indices)])
+    def old_policy_pass(self, pack: Any) -> dict:
+        """Both no-grad passes (replayed and native routing), each kept on the
+        ranks. Returns {"replay": replay stats per MoE layer, "gap_replay" /
+        "gap_native": GapStats against the engine's log-probs, reduced from the
+        ranks' sums}."""
+        from compass_kernels.integration.rl.trainer import GapStats
 
-    def _to_samples(self, pack: Any, name: str) -> torch.Tensor:
-        batch = self._data.batch
-        out = torch.zeros(batch.num_tokens, dtype=torch.float32)
-        for mb in pack.micro_batches:
-            out[_token_index(batch.lengths, mb.packed.indices)] = getattr(mb, name).float()
+        rep = self.ranked.forward(self._data, replay=True, keep="replay")
+        self._received("forward")
+        nat = self.ranked.forward(self._data, replay=False, keep="native")
+        self._received("forward")
+        self.bytes_forward = self.ranked.last_bytes["forward_stats"]
+        return {"replay": rep["replay"], "gap_replay": GapStats(**rep["gap"]),
+                "gap_native": GapStats(**nat["gap"])}  # fmt: skip
+
+    def token_advantages(self, pack: Any, rewards: torch.Tensor, zero_var: torch.Tensor,
+                         advantages: torch.Tensor, *, alpha: float) -> torch.Tensor:  # fmt: skip
+        """RL-ZVP token advantages on the ranks from the old policy's kept entropy
+        (:meth:`RankedTrainer.token_advantages`); returns [n] bool per sequence."""
+        out = self.ranked.token_advantages(self._data, self._old, rewards, zero_var, advantages,
+                                           alpha=alpha)  # fmt: skip
+        self._received("token_advantages")
         return out
 
-    def old_policy_pass(self, pack: Any) -> dict[int, dict]:
-        rep = self.ranked.forward(self._data, replay=True)
-        nat = self.ranked.forward(self._data, replay=False)
-        self._to_packed(pack, "replay_logprobs", rep["logprobs"])
-        self._to_packed(pack, "native_logprobs", nat["logprobs"])
-        old = rep if self.use_replay else nat
-        self._to_packed(pack, "old_logprobs", old["logprobs"])
-        self._to_packed(pack, "old_entropy", old["entropy"])
-        self.bytes_forward = self.ranked.last_bytes["forward"]
-        return rep["replay"]
-
     def train_step(self, pack: Any, *, num_sequences: int, **espo_kwargs: Any) -> dict:
-        data = self._data
-        data.old_logprobs = self._to_samples(pack, "old_logprobs")
-        data.old_entropy = self._to_samples(pack, "old_entropy")
-        data.advantages = self._to_samples(pack, "advantages")
-        out = self.ranked.train(data, num_sequences=num_sequences, **espo_kwargs)
+        """One optimizer step on the old policy's kept log-probs, entropy and token
+        advantages (nothing per-token is sent)."""
+        out = self.ranked.train(self._data, num_sequences=num_sequences, use_kept=self._old,
+                                **espo_kwargs)  # fmt: skip
+        self._received("train")
         sent = self.ranked.last_bytes["train"]
         out["bytes_rank_max"] = max(sent["per_rank"])
         out["bytes_full"] = sent["full"]
+        out["bytes_driver_rx"] = sum(self.rx_bytes.values())
         return out
 
     def probe_logprobs(self, batch: Any) -> torch.Tensor:
