@@ -485,12 +485,21 @@ class RankTrainer:
                           for mb, d in zip(shares, out, strict=True)]}  # fmt: skip
 
     def entropy_histogram(self, keep: str, prefixes: torch.Tensor, shift: int,
-                          bits: int) -> torch.Tensor:  # fmt: skip
+                          bits: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """Radix-select round over the response-token entropies this rank kept
         (``keep``): for each prefix p, counts [2**bits] of the keys k
         (:func:`float_keys`) with k >> (shift + bits) == p, by (k >> shift) &
         (2**bits - 1). Ranks other than tp rank 0 of a last
-        stage return zeros (each token counted once)."""
+        stage count nothing (each token counted once). Returned sparse, as
+        (flat indices [k] int32 into the [len(prefixes), 2**bits] counts, their
+        counts [k] int64) of the nonzero bins: at most min(values, 2**bits) per
+        prefix, where the dense counts are 2**bits int64 whatever the values."""
+        out = self._dense_histogram(keep, prefixes, shift, bits).reshape(-1)
+        at = out.nonzero().reshape(-1)
+        return at.to(torch.int32), out[at]
+
+    def _dense_histogram(self, keep: str, prefixes: torch.Tensor, shift: int,
+                         bits: int) -> torch.Tensor:  # fmt: skip
         out = torch.zeros(prefixes.numel(), 1 << bits, dtype=torch.int64)
         kept = self.kept.get(keep)
         if kept is None or self.info.tp != 0:
@@ -809,6 +818,7 @@ class RankedTrainer:
         self.timeout = timeout
         self.vocab_size = int(self.hf_config.vocab_size)
         self.last_reply_bytes: dict[str, list[int]] = {}
+        self.reply_bytes_total: dict[str, int] = {}  # per command, since the start
         ctx = mp.get_context("spawn")
         world = layout.world_size
         self._res = ctx.Queue()
@@ -872,6 +882,8 @@ class RankedTrainer:
         # what each rank sent back (pickled, as the queue carries it)
         self.last_reply_bytes[cmd] = [len(pickle.dumps(v[0])) if cmd != "ready" else 0
                                       for v in values]  # fmt: skip
+        self.reply_bytes_total[cmd] = (self.reply_bytes_total.get(cmd, 0)
+                                       + sum(self.last_reply_bytes[cmd]))  # fmt: skip
         return _Replies(values, time.perf_counter() - t0)
 
     def _command(self, cmd: str, per_rank_args: list[tuple]) -> list[Any]:
@@ -1057,7 +1069,10 @@ class RankedTrainer:
     def _histogram(self, keep: str, prefixes: torch.Tensor, shift: int, bits: int):
         parts = self._command("entropy_histogram",
                               [(keep, prefixes, shift, bits) for _ in self._procs])  # fmt: skip
-        return torch.stack(parts).sum(0)
+        out = torch.zeros(prefixes.numel() << bits, dtype=torch.int64)
+        for at, counts in parts:  # each rank's nonzero bins
+            out.index_add_(0, at.to(torch.int64), counts)
+        return out.reshape(prefixes.numel(), 1 << bits)
 
     def kept_entropy_quantiles(self, keep: str, levels: tuple[float, ...],
                                num_tokens: int) -> torch.Tensor:  # fmt: skip
@@ -1215,13 +1230,17 @@ class LoopTrainer:
         self.hf_config = self.ranked.hf_config
         self._data: StepData | None = None
         self._old = "replay" if replay else "native"  # the kept forward the loss reads
-        self.rx_bytes: dict[str, int] = {}
+        self._rx_start: dict[str, int] = {}
 
     def close(self) -> None:
         self.ranked.close()
 
-    def _received(self, cmd: str) -> None:
-        self.rx_bytes[cmd] = self.rx_bytes.get(cmd, 0) + sum(self.ranked.last_reply_bytes[cmd])
+    @property
+    def rx_bytes(self) -> dict[str, int]:
+        """Bytes the driver received from the ranks since ``pack``, per command."""
+        now = self.ranked.reply_bytes_total
+        return {k: v - self._rx_start.get(k, 0) for k, v in now.items()
+                if v > self._rx_start.get(k, 0)}  # fmt: skip
 
     def pack(self, batch: Any, *, dp_size: int, max_tokens: int):
         from compass_kernels.integration.rl.trainer import Trainer
@@ -1230,7 +1249,7 @@ class LoopTrainer:
             raise ValueError(f"dp_size {dp_size} != the layout's dp {self.layout.dp}")
         pack = Trainer.pack(self, batch, dp_size=dp_size, max_tokens=max_tokens)
         self._data = StepData(batch=batch, plan=pack.plan)
-        self.rx_bytes = {}
+        self._rx_start = dict(self.ranked.reply_bytes_total)
         return pack
 
     def old_policy_pass(self, pack: Any) -> dict:
@@ -1241,9 +1260,7 @@ class LoopTrainer:
         from compass_kernels.integration.rl.trainer import GapStats
 
         rep = self.ranked.forward(self._data, replay=True, keep="replay")
-        self._received("forward")
         nat = self.ranked.forward(self._data, replay=False, keep="native")
-        self._received("forward")
         self.bytes_forward = self.ranked.last_bytes["forward_stats"]
         return {"replay": rep["replay"], "gap_replay": GapStats(**rep["gap"]),
                 "gap_native": GapStats(**nat["gap"])}  # fmt: skip
@@ -1254,7 +1271,6 @@ class LoopTrainer:
         (:meth:`RankedTrainer.token_advantages`); returns [n] bool per sequence."""
         out = self.ranked.token_advantages(self._data, self._old, rewards, zero_var, advantages,
                                            alpha=alpha)  # fmt: skip
-        self._received("token_advantages")
         return out
 
     def train_step(self, pack: Any, *, num_sequences: int, **espo_kwargs: Any) -> dict:
@@ -1262,7 +1278,6 @@ class LoopTrainer:
         advantages (nothing per-token is sent)."""
         out = self.ranked.train(self._data, num_sequences=num_sequences, use_kept=self._old,
                                 **espo_kwargs)  # fmt: skip
-        self._received("train")
         sent = self.ranked.last_bytes["train"]
         out["bytes_rank_max"] = max(sent["per_rank"])
         out["bytes_full"] = sent["full"]
