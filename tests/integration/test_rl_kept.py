@@ -190,16 +190,12 @@ def test_step_stays_on_the_ranks(name):
         trainer.close()
 
     # (b) the driver received scalars and [sequences]-sized tensors only
-    cmds = [c for c, _ in replies if c != "entropy_histogram"]
+    cmds = [c for c, _ in replies]
     assert cmds == ["forward", "forward", "token_advantages", "train"], cmds
-    sizes = [t.numel() for c, out in replies if c != "entropy_histogram" for t in _tensors(out)]
+    sizes = [t.numel() for _, out in replies for t in _tensors(out)]
     assert sizes and max(sizes) <= n, sizes
-    # the entropy-group boundaries' radix select: the nonzero bins of histograms
-    # of 2**11 bins for at most 4 prefixes (3 levels), not values
-    hist = [t.numel() for c, out in replies if c == "entropy_histogram" for t in _tensors(out)]
-    assert hist and max(hist) <= 4 * 2**11, hist
     assert m_kept["bytes_driver_rx"] == sum(rx.values())
-    assert set(rx) == {"forward", "token_advantages", "entropy_histogram", "train"}, rx
+    assert set(rx) == {"forward", "token_advantages", "train"}, rx
     # the gather the loop used to do holds per-token tensors: the size check would see them
     assert max(t.numel() for t in _tensors(gathered_reply)) > 2 * n
     assert torch.equal(gathered["logprobs"], kept["replay"]["logprobs"])  # a kept pass
@@ -244,6 +240,15 @@ def test_step_stays_on_the_ranks(name):
         at = _token_index(batch.lengths, mb.packed.indices)
         assert torch.equal(mb.advantages, got_tok[at])
 
+    # the entropy-group boundaries the ranks selected among themselves: exactly the
+    # gathered entropy's quantiles
+    from compass_kernels.espo import loss_config
+    from compass_kernels.espo.loss import entropy_thresholds
+
+    levels = loss_config.resolve(vocab_size=cfg.vocab_size).levels
+    resp_ent = ent[mask]
+    want_thr = entropy_thresholds(resp_ent, torch.tensor([0, resp_ent.numel()]), levels=levels)
+    assert len(levels) >= 1 and torch.equal(m_kept["entropy_threshold"], want_thr.reshape(-1))
     # the step on the kept advantages is the step on the sent ones
     assert m_kept["loss"] != 0.0
     assert m_kept["loss"] == pytest.approx(m_sent["loss"], rel=1e-12, abs=0)

@@ -485,24 +485,15 @@ class RankTrainer:
                           for mb, d in zip(shares, out, strict=True)]}  # fmt: skip
 
     def entropy_histogram(self, keep: str, prefixes: torch.Tensor, shift: int,
-                          bits: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                          bits: int) -> torch.Tensor:  # fmt: skip
         """Radix-select round over the response-token entropies this rank kept
-        (``keep``): for each prefix p, counts [2**bits] of the keys k
+        (``keep``): for each prefix p, counts [2**bits] int64 of the keys k
         (:func:`float_keys`) with k >> (shift + bits) == p, by (k >> shift) &
-        (2**bits - 1). Ranks other than tp rank 0 of a last
-        stage count nothing (each token counted once). Returned sparse, as
-        (flat indices [k] int32 into the [len(prefixes), 2**bits] counts, their
-        counts [k] int64) of the nonzero bins: at most min(values, 2**bits) per
-        prefix, where the dense counts are 2**bits int64 whatever the values."""
-        out = self._dense_histogram(keep, prefixes, shift, bits).reshape(-1)
-        at = out.nonzero().reshape(-1)
-        return at.to(torch.int32), out[at]
-
-    def _dense_histogram(self, keep: str, prefixes: torch.Tensor, shift: int,
-                         bits: int) -> torch.Tensor:  # fmt: skip
+        (2**bits - 1). Every rank of a last stage counts its copy (tensor-parallel
+        ranks hold the same values); other stages count nothing."""
         out = torch.zeros(prefixes.numel(), 1 << bits, dtype=torch.int64)
         kept = self.kept.get(keep)
-        if kept is None or self.info.tp != 0:
+        if kept is None:
             return out
         parts = zip(kept, self._kept_shares[keep], self._kept_real[keep], strict=True)
         vals = torch.cat([ent[mb.mask & real].float() for (_, ent), mb, real in parts])
@@ -515,6 +506,28 @@ class RankTrainer:
             sel = low[high == p]
             out[i] = torch.bincount(sel, minlength=1 << bits)
         return out
+
+    def kept_entropy_quantiles(self, keep: str, levels: tuple[float, ...],
+                               num_tokens: int) -> torch.Tensor:  # fmt: skip
+        """Exact quantiles (torch.quantile's linear rule, as
+        ``espo.loss.entropy_thresholds``) at ``levels`` of the ``num_tokens``
+        response-token entropies the last stage kept under ``keep``, by a radix
+        select (:func:`distributed_quantiles`) whose histograms are all-reduced
+        over this rank's data x context-parallel group: the ranks of the last
+        stage at this tensor-parallel rank, which together hold every response
+        token once. Collective over that group: every last-stage rank calls it."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_data_parallel_group(with_context_parallel=True)
+
+        def histogram(prefixes: torch.Tensor, shift: int, bits: int) -> torch.Tensor:
+            h = self.entropy_histogram(keep, prefixes, shift, bits)
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(h, group=group)
+            return h
+
+        return distributed_quantiles(histogram, num_tokens, tuple(levels))
 
     def token_advantages(self, keep: str, per_mb: list[dict] | None, alpha: float) -> dict:
         """RL-ZVP token advantages of the response tokens this rank kept (``keep``),
@@ -556,8 +569,12 @@ class RankTrainer:
         return {"per_mb": [(lp, ent, a) for (lp, ent), a in zip(kept, adv, strict=True)]}
 
     def train(self, shares: list[RankMicroBatch], num_sequences: int,
-              entropy_threshold: torch.Tensor | None, espo_kwargs: dict) -> dict:  # fmt: skip
-        """One optimizer step over this rank's micro-batches (ESPO)."""
+              entropy_threshold: torch.Tensor | None, espo_kwargs: dict,
+              kept_quantiles: tuple | None = None) -> dict:  # fmt: skip
+        """One optimizer step over this rank's micro-batches (ESPO). With
+        ``kept_quantiles`` = (levels, response tokens of the batch), the last
+        stage's ranks first compute the entropy-group boundaries from the
+        entropy kept under ``use_kept`` (:meth:`kept_entropy_quantiles`)."""
         import compass_kernels as ck
         from compass_kernels.integration.megatron.parallel import clip_grads, finalize_grads
 
@@ -579,6 +596,8 @@ class RankTrainer:
                     if adv is None:
                         raise RuntimeError(f"train: no advantages sent or kept under {use!r}")
                     mb.advantages = adv
+        if kept_quantiles is not None and self.info.last_stage:
+            entropy_threshold = self.kept_entropy_quantiles(use, *kept_quantiles)
         if entropy_threshold is not None:
             kwargs["entropy_threshold"] = entropy_threshold
 
@@ -608,6 +627,7 @@ class RankTrainer:
             "per_mb": [{k: float(v) for k, v in d.items()} for d in out] if keep else None,
             "grad_norm": norm,
             "replay": self._replay_counts(shares, self.use_replay) if self.use_replay else {},
+            "entropy_threshold": entropy_threshold if keep else None,
         }
 
     # -- route recording (tests: the ids each MoE layer used, per forward) ----------
@@ -1066,22 +1086,6 @@ class RankedTrainer:
             out["advantages"] = self._assemble(data, [pick(r, 2, 2) for r in results])[0]
         return out
 
-    def _histogram(self, keep: str, prefixes: torch.Tensor, shift: int, bits: int):
-        parts = self._command("entropy_histogram",
-                              [(keep, prefixes, shift, bits) for _ in self._procs])  # fmt: skip
-        out = torch.zeros(prefixes.numel() << bits, dtype=torch.int64)
-        for at, counts in parts:  # each rank's nonzero bins
-            out.index_add_(0, at.to(torch.int64), counts)
-        return out.reshape(prefixes.numel(), 1 << bits)
-
-    def kept_entropy_quantiles(self, keep: str, levels: tuple[float, ...],
-                               num_tokens: int) -> torch.Tensor:  # fmt: skip
-        """Exact quantiles (torch.quantile's linear rule) at ``levels`` of the
-        ``num_tokens`` response-token entropies the ranks kept under ``keep``, by
-        a distributed radix select (3 rounds of histograms, never the values)."""
-        return distributed_quantiles(functools.partial(self._histogram, keep), num_tokens,
-                                     tuple(levels))  # fmt: skip
-
     def _replay_dicts(self, results: list[dict]) -> dict[int, dict]:
         from compass_kernels.routing import ReplayStats
 
@@ -1114,16 +1118,18 @@ class RankedTrainer:
         if data.advantages is None and use not in self._kept_adv:
             raise ValueError("train: give data.advantages, or use_kept=<name> after "
                              "token_advantages(data, <name>, ...)")  # fmt: skip
+        kept_q = None
         if thr is None and cfg.num_groups > 1 and not cfg.per_sequence and not cfg.token_groups:
             m = data.batch.mask
-            if data.old_entropy is None:  # kept on the ranks: an exact distributed select
-                thr = self.kept_entropy_quantiles(use, cfg.levels, int(m.sum()))
+            if data.old_entropy is None:  # kept on the ranks: they select it among themselves
+                kept_q = (tuple(cfg.levels), int(m.sum()))
             else:
                 ent = data.old_entropy[m]
                 cu = torch.tensor([0, ent.numel()], dtype=torch.int64)
                 thr = entropy_thresholds(ent, cu, levels=cfg.levels).reshape(-1)
         shares = self._scatter(data, "train", self.use_replay)
-        results = self._command("train", [(s, num_sequences, thr, espo_kwargs) for s in shares])
+        results = self._command("train", [(s, num_sequences, thr, espo_kwargs, kept_q)
+                                          for s in shares])  # fmt: skip
         return self._reduce_train(data, results)
 
     def _reduce_train(self, data: StepData, results: list[dict]) -> dict:
@@ -1146,6 +1152,9 @@ class RankedTrainer:
         out = {k: v / max(tokens, 1) for k, v in sums.items()}
         out["loss"] = loss
         out["grad_norm"] = results[0]["grad_norm"]
+        # the entropy-group boundaries the loss used ([Q]; None: one group)
+        out["entropy_threshold"] = next((r["entropy_threshold"] for r in results
+                                         if r["entropy_threshold"] is not None), None)  # fmt: skip
         out["replay"] = self._replay_dicts(results)
         return out
 
