@@ -480,9 +480,15 @@ class RankTrainer:
         self.kept[keep] = [(d["logprobs"], d["entropy"]) for d in out] if last else None
         if not (last and self.info.tp == 0):
             return {"per_mb": None, "replay": counts}
-        return {"per_mb": None, "replay": counts,
-                "stats": [_forward_stats(mb, d["logprobs"], d["entropy"], *self._real_seq(mb))
-                          for mb, d in zip(shares, out, strict=True)]}  # fmt: skip
+        from compass_kernels.integration.rl.trainer import GapSums
+
+        stats = [_forward_stats(mb, d["logprobs"], d["entropy"], *self._real_seq(mb))
+                 for mb, d in zip(shares, out, strict=True)]  # fmt: skip
+        # one reply for all micro-batches: the summed gap, the per-sequence values
+        # concatenated in micro-batch order (numpy: a smaller pickle than tensors)
+        per_seq = {k: torch.cat([st[k] for st in stats]).numpy() for k in ("ent_max", "ent_min")}
+        gap = sum((st["gap"] for st in stats), GapSums())
+        return {"per_mb": None, "replay": counts, "stats": {"gap": gap, **per_seq}}
 
     def entropy_histogram(self, keep: str, prefixes: torch.Tensor, shift: int,
                           bits: int) -> torch.Tensor:  # fmt: skip
@@ -535,9 +541,9 @@ class RankTrainer:
         ``zero_var``, ``advantages`` and ``entropy_max`` ([n_mb] each: the whole
         sequence's max, reduced over the CP ranks by the driver), by
         :func:`~compass_kernels.integration.rl.trainer.zvp_token_advantages`. Kept
-        for :meth:`train` (``use_kept=keep``). Returns {"nonzero": per micro-batch
-        [n_mb] bool (a token here has a nonzero advantage), tp rank 0 of a last
-        stage only, else None}."""
+        for :meth:`train` (``use_kept=keep``). Returns {"nonzero": [sum of n_mb]
+        bool, the micro-batches' sequences in order (a token here has a nonzero
+        advantage), tp rank 0 of a last stage only, else None}."""
         from compass_kernels.integration.rl.trainer import zvp_token_advantages
 
         kept = self.kept.get(keep)
@@ -556,7 +562,7 @@ class RankTrainer:
             advs.append(adv)
             flags.append(nz)
         self.kept_advantages[keep] = advs
-        return {"nonzero": flags if self.info.tp == 0 else None}
+        return {"nonzero": torch.cat(flags).numpy() if self.info.tp == 0 else None}
 
     def kept_values(self, keep: str) -> dict:
         """The per-token tensors kept under ``keep`` (checks only: the driver never
@@ -627,7 +633,10 @@ class RankTrainer:
             "per_mb": [{k: float(v) for k, v in d.items()} for d in out] if keep else None,
             "grad_norm": norm,
             "replay": self._replay_counts(shares, self.use_replay) if self.use_replay else {},
-            "entropy_threshold": entropy_threshold if keep else None,
+            # a list: a smaller pickle than a tensor
+            "entropy_threshold": (
+                entropy_threshold.tolist() if keep and entropy_threshold is not None else None
+            ),  # fmt: skip
         }
 
     # -- route recording (tests: the ids each MoE layer used, per forward) ----------
@@ -991,11 +1000,12 @@ class RankedTrainer:
         results = self._command("forward", [(s, replay, keep) for s in shares])
         self._kept[keep] = data.plan
         self._kept_adv.discard(keep)  # the ranks dropped advantages kept under this name
-        out = self._reduce_stats(data, results)
+        out = self._reduce_stats(data, shares, results)
         self._kept_seq_max[keep] = out["seq_entropy_max"]
         return {**out, "replay": self._replay_dicts(results)}
 
-    def _reduce_stats(self, data: StepData, results: list[dict]) -> dict:
+    def _reduce_stats(self, data: StepData, shares: list[list[RankMicroBatch]],
+                      results: list[dict]) -> dict:  # fmt: skip
         import math
 
         from compass_kernels.integration.rl.trainer import GapSums
@@ -1004,13 +1014,19 @@ class RankedTrainer:
         emax = torch.full((n_seq,), -math.inf, dtype=torch.float64)
         emin = torch.full((n_seq,), math.inf, dtype=torch.float64)
         total = GapSums()
-        for info, res in zip(self.infos, results, strict=True):
-            for j, st in enumerate(res.get("stats") or []):
+        for info, mbs, res in zip(self.infos, shares, results, strict=True):
+            st = res.get("stats")
+            if st is None:
+                continue
+            total = total + st["gap"]
+            cut = np.cumsum([mb.lengths.numel() for mb in mbs])[:-1]
+            pieces = zip(np.split(st["ent_max"], cut), np.split(st["ent_min"], cut),
+                         strict=True)  # fmt: skip
+            for j, (hi, lo) in enumerate(pieces):
                 idx = data.plan.micro_batch(info.dp, j)
-                total = total + st["gap"]
-                if idx.numel():
-                    emax[idx] = torch.maximum(emax[idx], st["ent_max"])
-                    emin[idx] = torch.minimum(emin[idx], st["ent_min"])
+                if idx.numel():  # else a padding micro-batch
+                    emax[idx] = torch.maximum(emax[idx], torch.from_numpy(hi))
+                    emin[idx] = torch.minimum(emin[idx], torch.from_numpy(lo))
         return {"gap": dataclasses.asdict(total.stats()), "seq_entropy_max": emax,
                 "seq_entropy_min": emin}  # fmt: skip
 
@@ -1061,11 +1077,14 @@ class RankedTrainer:
         self.last_bytes["token_advantages"] = {"per_rank": sent}
         results = self._command("token_advantages", args)
         nonzero = torch.zeros(n, dtype=torch.bool)
-        for info, res in zip(self.infos, results, strict=True):
-            for j, nz in enumerate(res["nonzero"] or []):
+        for info, (_, per_mb, _), res in zip(self.infos, args, results, strict=True):
+            if res["nonzero"] is None:
+                continue
+            cut = np.cumsum([d["rewards"].numel() for d in per_mb])[:-1]
+            for j, nz in enumerate(np.split(res["nonzero"], cut)):
                 idx = plan.micro_batch(info.dp, j)
-                if idx.numel():
-                    nonzero[idx] |= nz
+                if idx.numel():  # else a padding micro-batch
+                    nonzero[idx] |= torch.from_numpy(nz)
         self._kept_adv.add(keep)
         return nonzero
 
@@ -1153,8 +1172,9 @@ class RankedTrainer:
         out["loss"] = loss
         out["grad_norm"] = results[0]["grad_norm"]
         # the entropy-group boundaries the loss used ([Q]; None: one group)
-        out["entropy_threshold"] = next((r["entropy_threshold"] for r in results
-                                         if r["entropy_threshold"] is not None), None)  # fmt: skip
+        thr = next((r["entropy_threshold"] for r in results
+                    if r["entropy_threshold"] is not None), None)  # fmt: skip
+        out["entropy_threshold"] = None if thr is None else torch.tensor(thr, dtype=torch.float64)
         out["replay"] = self._replay_dicts(results)
         return out
 
