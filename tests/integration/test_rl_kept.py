@@ -6,7 +6,7 @@ values (``LoopTrainer``: ``old_policy_pass``, ``token_advantages``, ``train_step
 - the shared math (``GapSums``, ``zvp_token_advantages``) over any split of the
   tokens (as ranks hold them) equals the whole-batch computation: gap sums to
   float64 rounding, token advantages bitwise (no processes);
-- on dp2 and cp2 ranks: the rank-side gap statistics and token advantages equal
+- on dp2, cp2 and pp2 ranks: the rank-side gap statistics and token advantages equal
   the driver-side ones computed from the gathered log-probs / entropy (the
   one-process ``Trainer``'s functions and the gathered ``gap_stats`` /
   ``ck.advantages.rl_zvp``), the train step on the kept advantages equals the one
@@ -138,7 +138,7 @@ def _token_index(lengths: np.ndarray, idx: np.ndarray) -> torch.Tensor:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["dp2", "cp2"])
+@pytest.mark.parametrize("name", ["dp2", "cp2", "pp2"])
 def test_step_stays_on_the_ranks(name):
     pytest.importorskip("megatron.core")
     from transformers import AutoConfig
@@ -148,7 +148,7 @@ def test_step_stays_on_the_ranks(name):
     from compass_kernels.integration.rl.layout_check import synthetic_batch
     from compass_kernels.integration.rl.ranks import LoopTrainer
 
-    layout = {"dp2": Layout(dp=2), "cp2": Layout(cp=2)}[name]
+    layout = {"dp2": Layout(dp=2), "cp2": Layout(cp=2), "pp2": Layout(pp=2)}[name]
     path = cached_tiny_qwen3_moe(num_hidden_layers=4)
     cfg = AutoConfig.from_pretrained(path)
     batch, _ = synthetic_batch(cfg, num_sequences=8, seed=3)
