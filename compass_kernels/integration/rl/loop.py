@@ -11,9 +11,11 @@ Per step (docs/design.md, "The reference RL loop"):
    within a budget; overlong and repetition penalties; RL-ZVP for groups still
    at zero variance (rate after each stage);
 4. packing with the planner (dp ranks x micro-batches under a token cap), the
-   routing traces, log-probs and advantages re-laid out with the tokens;
+   routing traces and engine log-probs re-laid out with the tokens;
 5. megatron-core training step on CPU with router replay and ESPO (old-policy
-   log-probs and entropy from a no-grad pass, through the fused linear path);
+   log-probs and entropy from a no-grad pass, through the fused linear path; they
+   stay on the trainer ranks, which return the gap statistics as sums and compute
+   RL-ZVP's token advantages from per-sequence inputs);
 6. weight sync into vLLM (``compass_kernels.integration.vllm.weight_sync.sync_to_vllm``), verified
    on a probe batch.
 

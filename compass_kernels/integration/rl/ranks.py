@@ -21,6 +21,15 @@ on the CPU). The last stage's loss function is the vocab-parallel
 boundaries, scaled as Megatron's schedule and DDP expect (x num_microbatches
 x dp: the schedule divides by num_microbatches and multiplies by cp, DDP
 averages over dp x cp), so the step does not depend on the layout.
+
+Per-token results stay where they are made: a forward with ``keep=name`` leaves
+the log-probs and entropy on the last stage and returns gap sums and
+per-sequence entropy maxima; :meth:`RankedTrainer.token_advantages` sends
+per-sequence RL-ZVP inputs and the ranks compute and keep the token
+advantages; ``train(use_kept=name)`` reads both and selects the entropy-group
+boundaries among the last stage's ranks (histograms all-reduced). The driver
+then receives scalars and [sequences]-sized values only
+(:class:`LoopTrainer`, what ``compass-rl`` runs).
 """
 
 from __future__ import annotations
@@ -102,7 +111,8 @@ class RankMicroBatch:
     tokens : [T_local] int64 token ids (first pipeline stage).
     targets, mask : [T_local] next-token ids and loss mask (last stage).
     old_logprobs, old_entropy, advantages : [T_local] float32 (last stage, training;
-        old log-probs / entropy None when the rank uses those its forward kept).
+        None when the rank uses those it kept: the old log-probs / entropy of its
+        forward, the advantages of its ``token_advantages``).
     infer_logprobs : [T_local] float32 engine log-probs (last stage, a forward whose
         results stay on the ranks: the rank returns gap sums, not log-probs).
     trace : the routing rows of this stage's MoE layers for this rank's tokens
@@ -1117,8 +1127,14 @@ class RankedTrainer:
         return {layer: ReplayStats(c, top_k).as_dict() for layer, c in sorted(total.items())}
 
     def train(self, data: StepData, *, num_sequences: int, **espo_kwargs: Any) -> dict:
-        """One optimizer step; ``data`` holds old log-probs, entropy and advantages
-        (sample order). The entropy-group boundaries are the global batch's."""
+        """One optimizer step. ``data`` holds the old log-probs, entropy and
+        advantages (sample order), or ``use_kept=name`` names a ``forward(keep=name)``
+        of this plan whose log-probs / entropy the ranks read (and, with
+        ``data.advantages`` None, the token advantages of ``token_advantages(data,
+        name, ...)``). The entropy-group boundaries are the global batch's: from
+        the driver's entropy, or, kept, selected among the last-stage ranks
+        (:meth:`RankTrainer.kept_entropy_quantiles`). The result's
+        ``entropy_threshold`` is the boundaries the loss used ([Q] float64 or None)."""
         from compass_kernels.espo import loss_config
         from compass_kernels.espo.loss import entropy_thresholds
 
