@@ -253,3 +253,43 @@ def test_step_stays_on_the_ranks(name):
     assert m_kept["loss"] != 0.0
     assert m_kept["loss"] == pytest.approx(m_sent["loss"], rel=1e-12, abs=0)
     assert m_kept["grad_norm"] == pytest.approx(m_sent["grad_norm"], rel=1e-12)
+
+
+@pytest.mark.slow
+def test_kept_advantages_with_a_padding_micro_batch():
+    """3 sequences on dp2 (``plan_or_pad``: one rank runs a zero-token micro-batch):
+    the RL-ZVP inputs, flags and kept advantages line up around it, and the step
+    trains on them."""
+    pytest.importorskip("megatron.core")
+    from transformers import AutoConfig
+
+    from compass_kernels.integration.cpu.tiny_moe import cached_tiny_qwen3_moe
+    from compass_kernels.integration.megatron.parallel import Layout
+    from compass_kernels.integration.rl.layout_check import synthetic_batch
+    from compass_kernels.integration.rl.ranks import RankedTrainer
+
+    path = cached_tiny_qwen3_moe(num_hidden_layers=4)
+    batch, _ = synthetic_batch(AutoConfig.from_pretrained(path), num_sequences=3, seed=5,
+                               min_len=20, max_len=24)  # fmt: skip
+    rewards = torch.tensor([-1.0, 0.5, 0.25])
+    zero_var = torch.tensor([True, True, False])
+    adv = torch.tensor([0.0, 0.0, 0.7])
+    trainer = RankedTrainer(path, Layout(dp=2), timeout=300)
+    try:
+        data = trainer.plan(batch, 30)
+        assert data.plan.empty_micro_batches == 1
+        trainer.forward(data, keep="old")
+        nonzero = trainer.token_advantages(data, "old", rewards, zero_var, adv, alpha=0.1)
+        kept = trainer.kept_values(data, "old")
+        m = trainer.train(data, num_sequences=3, use_kept="old")
+    finally:
+        trainer.close()
+    mask = batch.mask
+    lens = torch.bincount(batch.seq_index[mask], minlength=3)
+    cu = torch.zeros(4, dtype=torch.int64)
+    cu[1:] = torch.cumsum(lens, 0)
+    want = ck.advantages.rl_zvp(kept["entropy"][mask], cu, rewards, zero_var, alpha=0.1,
+                                advantages=adv)  # fmt: skip
+    assert torch.equal(kept["advantages"][mask], want)
+    assert nonzero.tolist() == [True, True, True]
+    assert math.isfinite(m["loss"]) and m["loss"] != 0.0 and m["grad_norm"] > 0
