@@ -7,6 +7,9 @@ responses, a routing trace of random expert sets, advantages); :func:`run_step`
 runs a forward pass and one optimizer step on a layout and returns what the
 comparison needs: the forward log-probs, loss, grad norm, the updated weights
 under HF names, the replay statistics and the bytes each rank received.
+:func:`driver_bytes` (``python -m compass_kernels.integration.rl.layout_check``)
+counts what the driver receives from the ranks in ``compass-rl``'s step, with the
+per-token results kept on the ranks against gathering them.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 
 from compass_kernels.integration.megatron.parallel import Layout
 
-__all__ = ["StepResult", "compare", "run_step", "synthetic_batch"]
+__all__ = ["StepResult", "compare", "driver_bytes", "run_step", "synthetic_batch"]
 
 
 def synthetic_batch(hf_config: Any, *, num_sequences: int = 8, seed: int = 0,
@@ -127,3 +130,71 @@ def compare(a: StepResult, b: StepResult) -> dict[str, float]:
         "logprobs_max_abs": float((b.logprobs - a.logprobs).abs().max()),
         "weights_rel": w,
     }
+
+
+def driver_bytes(model_dir: Any, layout: Layout, batch: Any, *, max_tokens: int = 512,
+                 seed: int = 0) -> dict:  # fmt: skip
+    """Bytes the driver receives from the ranks (pickled replies) in one step of
+    ``compass-rl`` on ``batch``: "kept" (``LoopTrainer``: the old-policy passes
+    kept on the ranks, RL-ZVP there, train on the kept values) and "gathered"
+    (both passes' per-token log-probs and entropy gathered, the train step on
+    driver-sent tensors: what the loop did before), per command and in total.
+    Rewards, groups of 4 and zero-variance flags are synthetic (``seed``)."""
+    from compass_kernels.integration.rl.ranks import LoopTrainer
+
+    g = torch.Generator().manual_seed(seed)
+    n = batch.num_sequences
+    batch.infer_logprobs = torch.where(batch.mask, -torch.rand(batch.num_tokens, generator=g), 0.0)
+    rewards = torch.randn(n, generator=g)
+    zero_var = (torch.arange(n) // 4) % 2 == 0
+    adv = torch.where(zero_var, 0.0, torch.randn(n, generator=g))
+    trainer = LoopTrainer(model_dir, layout, lr=1e-3, seed=seed)
+    try:
+        pack = trainer.pack(batch, dp_size=layout.dp, max_tokens=max_tokens)
+        trainer.old_policy_pass(pack)
+        trainer.token_advantages(pack, rewards, zero_var, adv, alpha=0.1)
+        trainer.train_step(pack, num_sequences=n)
+        kept = dict(trainer.rx_bytes)
+        r, data = trainer.ranked, trainer._data  # reply sizes do not depend on the weights
+        start = dict(r.reply_bytes_total)
+        rep = r.forward(data, replay=True)
+        r.forward(data, replay=False)
+        data.old_logprobs, data.old_entropy = rep["logprobs"], rep["entropy"]
+        data.advantages = torch.where(batch.mask, adv[batch.seq_index], 0.0)
+        r.train(data, num_sequences=n)
+        gathered = {k: v - start.get(k, 0) for k, v in r.reply_bytes_total.items()
+                    if v > start.get(k, 0)}  # fmt: skip
+    finally:
+        trainer.close()
+    return {"layout": layout.as_dict(), "sequences": n, "tokens": batch.num_tokens,
+            "response_tokens": int(batch.mask.sum()),
+            "micro_batches": pack.stats["micro_batches"], "kept": kept,
+            "kept_total": sum(kept.values()), "gathered": gathered,
+            "gathered_total": sum(gathered.values())}  # fmt: skip
+
+
+def _main(argv: list[str] | None = None) -> None:
+    import argparse
+    import json
+
+    from transformers import AutoConfig
+
+    from compass_kernels.integration.cpu.tiny_moe import cached_tiny_qwen3_moe
+
+    p = argparse.ArgumentParser(description="Bytes the driver receives per compass-rl step "
+                                "(the tiny default model, a synthetic batch).")  # fmt: skip
+    p.add_argument("--seqs", type=int, default=48, help="sequences")
+    p.add_argument("--len", type=int, nargs=2, default=(15, 44), help="min / max tokens")
+    p.add_argument("--max-tokens", type=int, default=512, help="token cap of a micro-batch")
+    for name in ("tp", "pp", "ep", "cp", "dp"):
+        p.add_argument(f"--{name}", type=int, default=1)
+    args = p.parse_args(argv)
+    path = cached_tiny_qwen3_moe()
+    batch, _ = synthetic_batch(AutoConfig.from_pretrained(path), num_sequences=args.seqs,
+                               min_len=args.len[0], max_len=args.len[1])  # fmt: skip
+    layout = Layout(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp, dp=args.dp)
+    print(json.dumps(driver_bytes(path, layout, batch, max_tokens=args.max_tokens)))
+
+
+if __name__ == "__main__":
+    _main()

@@ -11,9 +11,11 @@ Per step (docs/design.md, "The reference RL loop"):
    within a budget; overlong and repetition penalties; RL-ZVP for groups still
    at zero variance (rate after each stage);
 4. packing with the planner (dp ranks x micro-batches under a token cap), the
-   routing traces, log-probs and advantages re-laid out with the tokens;
+   routing traces and engine log-probs re-laid out with the tokens;
 5. megatron-core training step on CPU with router replay and ESPO (old-policy
-   log-probs and entropy from a no-grad pass, through the fused linear path);
+   log-probs and entropy from a no-grad pass, through the fused linear path; they
+   stay on the trainer ranks, which return the gap statistics as sums and compute
+   RL-ZVP's token advantages from per-sequence inputs);
 6. weight sync into vLLM (``compass_kernels.integration.vllm.weight_sync.sync_to_vllm``), verified
    on a probe batch.
 
@@ -94,6 +96,9 @@ COLUMNS = (
 #: step's largest per-rank share against a full broadcast of the batch.
 COLUMNS = COLUMNS + ("world_size", "tp", "pp", "ep", "cp", "dp", "bytes_rank_max", "bytes_full")
 COLUMNS = COLUMNS + ("sync_peak_part_bytes",)
+#: what the driver received from the ranks in the step's old-policy passes, RL-ZVP
+#: and train step (pickled replies: scalars and per-sequence tensors only).
+COLUMNS = COLUMNS + ("bytes_driver_rx",)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -247,10 +252,6 @@ def _zero_var_groups(values: torch.Tensor, gids: torch.Tensor) -> tuple[torch.Te
 
     _, _, stats = ck.advantages.group_advantages(values.to(torch.float64), gids)
     return stats.group_ids, stats.group_zero_var
-
-
-def _gather_masked(pack: Any, name: str) -> torch.Tensor:
-    return torch.cat([getattr(mb, name)[mb.get("mask")] for mb in pack.micro_batches])
 
 
 def _probe(rollout: Any, trainer: Any, probe_prompts: list[Any]) -> dict[str, float]:
@@ -557,7 +558,8 @@ def _step(step, args, rng, pool, cfg, rollout, trainer, llm, probe_prompts, T, c
                pack_mismatch=pack.token_mismatch, t_pack=pack.seconds)  # fmt: skip
     # 5a. old policy: no-grad passes (replayed and native routing)
     t0 = time.perf_counter()
-    replay_stats = trainer.old_policy_pass(pack)
+    old = trainer.old_policy_pass(pack)
+    replay_stats = old["replay"]
     row["t_old"] = time.perf_counter() - t0
     rows_total = sum(s["rows"] for s in replay_stats.values())
     cand = sum(s["rows"] - s["fallback_rows"] for s in replay_stats.values())
@@ -568,31 +570,19 @@ def _step(step, args, rng, pool, cfg, rollout, trainer, llm, probe_prompts, T, c
     row["fallback_rows"] = int(rows_total - cand)
     row["replay_layers"] = len(replay_stats)
     row["replay_old"] = {str(k): v for k, v in replay_stats.items()}
-    infer = _gather_masked_infer_lp(pack)
-    g_rep = gap_stats(_gather_masked(pack, "replay_logprobs"), infer)
-    g_nat = gap_stats(_gather_masked(pack, "native_logprobs"), infer)
+    # the gap of each pass against the engine's log-probs (the ranks' sums, reduced)
+    g_rep, g_nat = old["gap_replay"], old["gap_native"]
     row.update(gap_replay=g_rep.mean_abs, gap_native=g_nat.mean_abs, k3_replay=g_rep.k3,
                k3_native=g_nat.k3, ln2_replay=g_rep.frac_gt_ln2, ln2_native=g_nat.frac_gt_ln2,
                maxgap_replay=g_rep.max_abs, maxgap_native=g_nat.max_abs,
                train_replay=int(trainer.use_replay))  # fmt: skip
-    # 3c. stage 3: RL-ZVP token advantages for groups still at zero variance
-    ent = _response_entropy(pack, batch)
-    cu = torch.zeros(len(samples) + 1, dtype=torch.int64)
-    cu[1:] = torch.cumsum(resp_len, 0)
-    tok_adv = ck.advantages.rl_zvp(ent, cu, rewards.float(), zero_var, alpha=0.1,
-                                   advantages=adv.float())  # fmt: skip
-    signal = torch.zeros(len(samples), dtype=torch.bool)
-    seq_of_tok = torch.repeat_interleave(torch.arange(len(samples)), resp_len)
-    signal.index_put_((seq_of_tok,), tok_adv != 0, accumulate=True)
+    # 3c. stage 3: RL-ZVP token advantages for groups still at zero variance, from the
+    # old policy's entropy where it is (the ranks); per-sequence flags come back
+    signal = trainer.token_advantages(pack, rewards.float(), zero_var, adv.float(), alpha=0.1)
     _, inv = torch.unique(gid, return_inverse=True)
     group_signal = torch.zeros(int(inv.max()) + 1, dtype=torch.bool)
     group_signal.index_put_((inv,), signal, accumulate=True)
     row["zv_rlzvp"] = float((~group_signal).double().mean())
-    adv_full = torch.zeros(batch.num_tokens, dtype=torch.float32)
-    adv_full[batch.mask] = tok_adv
-    for mb in pack.micro_batches:
-        mb.advantages = ck.packing.pack({"adv": adv_full}, batch.lengths,
-                                        mb.packed.indices).tensors["adv"]  # fmt: skip
     # 5b. training step
     t0 = time.perf_counter()
     m = trainer.train_step(pack, num_sequences=batch.num_sequences)
@@ -600,7 +590,8 @@ def _step(step, args, rng, pool, cfg, rollout, trainer, llm, probe_prompts, T, c
     row["replay_train"] = {str(k): v for k, v in m["replay"].items()}
     row.update({k: v for k, v in trainer.layout.as_dict().items()},
                world_size=trainer.layout.world_size, bytes_rank_max=m.get("bytes_rank_max"),
-               bytes_full=m.get("bytes_full"))  # fmt: skip
+               bytes_full=m.get("bytes_full"),
+               bytes_driver_rx=m.get("bytes_driver_rx"))  # fmt: skip
     row.update(loss=m["loss"], grad_norm=m["grad_norm"], clip_frac=m.get("clip_frac", 0.0),
                ratio_mean=m.get("ratio_mean", 1.0),
                entropy_mean=m.get("entropy_mean", 0.0))  # fmt: skip
@@ -638,26 +629,6 @@ def _step(step, args, rng, pool, cfg, rollout, trainer, llm, probe_prompts, T, c
     row["t_probe"] = time.perf_counter() - t0
     row["t_step"] = time.perf_counter() - t_step
     return row
-
-
-def _gather_masked_infer_lp(pack: Any) -> torch.Tensor:
-    return torch.cat([mb.get("infer_logprobs")[mb.get("mask")] for mb in pack.micro_batches])
-
-
-def _response_entropy(pack: Any, batch: Any) -> torch.Tensor:
-    """Old-policy entropy of every response token, sample order: [sum of response lengths]."""
-    import compass_kernels as ck
-
-    per_seq: dict[int, torch.Tensor] = {}
-    for mb in pack.micro_batches:
-        ent = ck.packing.unpack(mb.old_entropy, mb.packed)
-        for i, e in zip(mb.packed.indices.tolist(), mb.packed.split(ent), strict=True):
-            per_seq[int(i)] = e
-    parts = []
-    for i, (n, p) in enumerate(zip(batch.lengths.tolist(), batch.prompt_lens.tolist(),
-                                   strict=True)):  # fmt: skip
-        parts.append(per_seq[i][p - 1 : n - 1])
-    return torch.cat(parts)
 
 
 def _table_header() -> str:

@@ -21,6 +21,15 @@ on the CPU). The last stage's loss function is the vocab-parallel
 boundaries, scaled as Megatron's schedule and DDP expect (x num_microbatches
 x dp: the schedule divides by num_microbatches and multiplies by cp, DDP
 averages over dp x cp), so the step does not depend on the layout.
+
+Per-token results stay where they are made: a forward with ``keep=name`` leaves
+the log-probs and entropy on the last stage and returns gap sums and
+per-sequence entropy maxima; :meth:`RankedTrainer.token_advantages` sends
+per-sequence RL-ZVP inputs and the ranks compute and keep the token
+advantages; ``train(use_kept=name)`` reads both and selects the entropy-group
+boundaries among the last stage's ranks (histograms all-reduced). The driver
+then receives scalars and [sequences]-sized values only
+(:class:`LoopTrainer`, what ``compass-rl`` runs).
 """
 
 from __future__ import annotations
@@ -102,7 +111,8 @@ class RankMicroBatch:
     tokens : [T_local] int64 token ids (first pipeline stage).
     targets, mask : [T_local] next-token ids and loss mask (last stage).
     old_logprobs, old_entropy, advantages : [T_local] float32 (last stage, training;
-        old log-probs / entropy None when the rank uses those its forward kept).
+        None when the rank uses those it kept: the old log-probs / entropy of its
+        forward, the advantages of its ``token_advantages``).
     infer_logprobs : [T_local] float32 engine log-probs (last stage, a forward whose
         results stay on the ranks: the rank returns gap sums, not log-probs).
     trace : the routing rows of this stage's MoE layers for this rank's tokens
@@ -173,9 +183,10 @@ def make_shares(
                 # fewer sequences than dp x micro-batches: a zero-token micro-batch
                 # (one sequence of length 0, padded to the layout's minimum) keeps
                 # the schedule's collectives in step and adds 0 to loss and grads
-                has_old = data.old_logprobs is not None
+                has_old, has_adv = data.old_logprobs is not None, data.advantages is not None
                 mbs.append(_padding_micro_batch(batch, layout, info, layers, what=what,
-                                                replay=replay, data_has_old=has_old))  # fmt: skip
+                                                replay=replay, data_has_old=has_old,
+                                                data_has_adv=has_adv))  # fmt: skip
                 continue
             lens = batch.lengths[idx]
             src, _, _ = local_tokens(lens, m, layout.cp, info.cp)
@@ -217,6 +228,7 @@ def _padding_micro_batch(
     what: str,
     replay: bool,
     data_has_old: bool = True,
+    data_has_adv: bool = True,
 ) -> RankMicroBatch:
     """A micro-batch of no real token: ``lengths == [0]``, i.e. one sequence of
     ``layout.pad_multiple`` padding tokens (each CP rank its zigzag pair, each SP
@@ -232,7 +244,8 @@ def _padding_micro_batch(
         mb.targets = torch.zeros(n, dtype=batch.targets.dtype)
         mb.mask = torch.zeros(n, dtype=torch.bool)
         if what == "train":
-            mb.advantages = torch.zeros(n)
+            if data_has_adv:  # else the rank's kept advantages (zeros here)
+                mb.advantages = torch.zeros(n)
             if data_has_old:
                 mb.old_logprobs = torch.zeros(n)
                 mb.old_entropy = torch.zeros(n)
@@ -341,6 +354,7 @@ class RankTrainer:
             self.model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.0
         )
         self.kept: dict[str, Any] = {}  # forward results kept on the rank, by name
+        self.kept_advantages: dict[str, Any] = {}  # token advantages from them, by name
         self._kept_shares: dict[str, Any] = {}
         self._kept_real: dict[str, Any] = {}
         self.tp_group = ps.get_tensor_model_parallel_group() if layout.tp > 1 else None
@@ -472,23 +486,30 @@ class RankTrainer:
         # the results stay here (the train step reads them); the driver gets sums
         self._kept_shares[keep] = shares
         self._kept_real[keep] = [self._real_seq(mb)[0] for mb in shares]
+        self.kept_advantages.pop(keep, None)
         self.kept[keep] = [(d["logprobs"], d["entropy"]) for d in out] if last else None
         if not (last and self.info.tp == 0):
             return {"per_mb": None, "replay": counts}
-        return {"per_mb": None, "replay": counts,
-                "stats": [_forward_stats(mb, d["logprobs"], d["entropy"], *self._real_seq(mb))
-                          for mb, d in zip(shares, out, strict=True)]}  # fmt: skip
+        from compass_kernels.integration.rl.trainer import GapSums
+
+        stats = [_forward_stats(mb, d["logprobs"], d["entropy"], *self._real_seq(mb))
+                 for mb, d in zip(shares, out, strict=True)]  # fmt: skip
+        # one reply for all micro-batches: the summed gap, the per-sequence values
+        # concatenated in micro-batch order (numpy: a smaller pickle than tensors)
+        per_seq = {k: torch.cat([st[k] for st in stats]).numpy() for k in ("ent_max", "ent_min")}
+        gap = sum((st["gap"] for st in stats), GapSums())
+        return {"per_mb": None, "replay": counts, "stats": {"gap": gap, **per_seq}}
 
     def entropy_histogram(self, keep: str, prefixes: torch.Tensor, shift: int,
                           bits: int) -> torch.Tensor:  # fmt: skip
         """Radix-select round over the response-token entropies this rank kept
-        (``keep``): for each prefix p, counts [2**bits] of the keys k
+        (``keep``): for each prefix p, counts [2**bits] int64 of the keys k
         (:func:`float_keys`) with k >> (shift + bits) == p, by (k >> shift) &
-        (2**bits - 1). Ranks other than tp rank 0 of a last
-        stage return zeros (each token counted once)."""
+        (2**bits - 1). Every rank of a last stage counts its copy (tensor-parallel
+        ranks hold the same values); other stages count nothing."""
         out = torch.zeros(prefixes.numel(), 1 << bits, dtype=torch.int64)
         kept = self.kept.get(keep)
-        if kept is None or self.info.tp != 0:
+        if kept is None:
             return out
         parts = zip(kept, self._kept_shares[keep], self._kept_real[keep], strict=True)
         vals = torch.cat([ent[mb.mask & real].float() for (_, ent), mb, real in parts])
@@ -502,9 +523,74 @@ class RankTrainer:
             out[i] = torch.bincount(sel, minlength=1 << bits)
         return out
 
+    def kept_entropy_quantiles(self, keep: str, levels: tuple[float, ...],
+                               num_tokens: int) -> torch.Tensor:  # fmt: skip
+        """Exact quantiles (torch.quantile's linear rule, as
+        ``espo.loss.entropy_thresholds``) at ``levels`` of the ``num_tokens``
+        response-token entropies the last stage kept under ``keep``, by a radix
+        select (:func:`distributed_quantiles`) whose histograms are all-reduced
+        over this rank's data x context-parallel group: the ranks of the last
+        stage at this tensor-parallel rank, which together hold every response
+        token once. Collective over that group: every last-stage rank calls it."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_data_parallel_group(with_context_parallel=True)
+
+        def histogram(prefixes: torch.Tensor, shift: int, bits: int) -> torch.Tensor:
+            h = self.entropy_histogram(keep, prefixes, shift, bits)
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(h, group=group)
+            return h
+
+        return distributed_quantiles(histogram, num_tokens, tuple(levels))
+
+    def token_advantages(self, keep: str, per_mb: list[dict] | None, alpha: float) -> dict:
+        """RL-ZVP token advantages of the response tokens this rank kept (``keep``),
+        from the kept entropy and, per micro-batch, its sequences' ``rewards``,
+        ``zero_var``, ``advantages`` and ``entropy_max`` ([n_mb] each: the whole
+        sequence's max, reduced over the CP ranks by the driver), by
+        :func:`~compass_kernels.integration.rl.trainer.zvp_token_advantages`. Kept
+        for :meth:`train` (``use_kept=keep``). Returns {"nonzero": [sum of n_mb]
+        bool, the micro-batches' sequences in order (a token here has a nonzero
+        advantage), tp rank 0 of a last stage only, else None}."""
+        from compass_kernels.integration.rl.trainer import zvp_token_advantages
+
+        kept = self.kept.get(keep)
+        if not self.info.last_stage:
+            return {"nonzero": None}
+        if kept is None or per_mb is None or len(per_mb) != len(kept):
+            raise RuntimeError(f"token_advantages: no kept forward {keep!r} of "
+                               f"{0 if per_mb is None else len(per_mb)} micro-batches")  # fmt: skip
+        advs, flags = [], []
+        for (_, ent), mb, sc in zip(kept, self._kept_shares[keep], per_mb, strict=True):
+            real, seq = self._real_seq(mb)
+            adv, nz = zvp_token_advantages(
+                ent, seq, mb.mask & real, sc["rewards"], sc["zero_var"], sc["advantages"],
+                alpha=alpha, entropy_max=sc["entropy_max"],
+            )  # fmt: skip
+            advs.append(adv)
+            flags.append(nz)
+        self.kept_advantages[keep] = advs
+        return {"nonzero": torch.cat(flags).numpy() if self.info.tp == 0 else None}
+
+    def kept_values(self, keep: str) -> dict:
+        """The per-token tensors kept under ``keep`` (checks only: the driver never
+        needs them): {"per_mb": [(log-probs, entropy, token advantages or None)]}
+        from tp rank 0 of a last stage, else None."""
+        kept = self.kept.get(keep)
+        if kept is None or self.info.tp != 0:
+            return {"per_mb": None}
+        adv = self.kept_advantages.get(keep) or [None] * len(kept)
+        return {"per_mb": [(lp, ent, a) for (lp, ent), a in zip(kept, adv, strict=True)]}
+
     def train(self, shares: list[RankMicroBatch], num_sequences: int,
-              entropy_threshold: torch.Tensor | None, espo_kwargs: dict) -> dict:  # fmt: skip
-        """One optimizer step over this rank's micro-batches (ESPO)."""
+              entropy_threshold: torch.Tensor | None, espo_kwargs: dict,
+              kept_quantiles: tuple | None = None) -> dict:  # fmt: skip
+        """One optimizer step over this rank's micro-batches (ESPO). With
+        ``kept_quantiles`` = (levels, response tokens of the batch), the last
+        stage's ranks first compute the entropy-group boundaries from the
+        entropy kept under ``use_kept`` (:meth:`kept_entropy_quantiles`)."""
         import compass_kernels as ck
         from compass_kernels.integration.megatron.parallel import clip_grads, finalize_grads
 
@@ -516,10 +602,18 @@ class RankTrainer:
             kept = self.kept.get(use)
             if kept is None or len(kept) != nmb:
                 raise RuntimeError(f"train: no kept forward {use!r} of {nmb} micro-batches")
-            for mb, (lp, ent), kmb in zip(shares, kept, self._kept_shares[use], strict=True):
+            advs = self.kept_advantages.get(use) or [None] * nmb
+            for mb, (lp, ent), kmb, adv in zip(shares, kept, self._kept_shares[use], advs,
+                                               strict=True):  # fmt: skip
                 if not torch.equal(mb.lengths, kmb.lengths):
                     raise RuntimeError(f"train: kept forward {use!r} is of another batch")
                 mb.old_logprobs, mb.old_entropy = lp, ent
+                if mb.advantages is None:
+                    if adv is None:
+                        raise RuntimeError(f"train: no advantages sent or kept under {use!r}")
+                    mb.advantages = adv
+        if kept_quantiles is not None and self.info.last_stage:
+            entropy_threshold = self.kept_entropy_quantiles(use, *kept_quantiles)
         if entropy_threshold is not None:
             kwargs["entropy_threshold"] = entropy_threshold
 
@@ -549,6 +643,10 @@ class RankTrainer:
             "per_mb": [{k: float(v) for k, v in d.items()} for d in out] if keep else None,
             "grad_norm": norm,
             "replay": self._replay_counts(shares, self.use_replay) if self.use_replay else {},
+            # a list: a smaller pickle than a tensor
+            "entropy_threshold": (
+                entropy_threshold.tolist() if keep and entropy_threshold is not None else None
+            ),  # fmt: skip
         }
 
     # -- route recording (tests: the ids each MoE layer used, per forward) ----------
@@ -651,26 +749,23 @@ def distributed_quantiles(histogram: Any, n: int, levels: tuple[float, ...]) -> 
 
 def _forward_stats(mb: RankMicroBatch, lp: torch.Tensor, ent: torch.Tensor,
                    real: torch.Tensor, seq: torch.Tensor) -> dict:  # fmt: skip
-    """What the driver needs of one micro-batch's forward on this rank: sums of
-    the gap d = lp - infer over its response tokens (count, sum |d|, sum
-    expm1(d) - d, count |d| > ln 2, max |d|) and, per sequence of the
-    micro-batch, the max / min response-token entropy of this rank's tokens
-    (+inf / -inf where it holds none)."""
+    """What the driver needs of one micro-batch's forward on this rank: the gap
+    sums (:class:`~compass_kernels.integration.rl.trainer.GapSums`) of d = lp -
+    infer over its response tokens and, per sequence of the micro-batch, the
+    max / min response-token entropy of this rank's tokens (-inf / +inf where it
+    holds none)."""
     import math
 
+    from compass_kernels.integration.rl.trainer import GapSums
+
     m = mb.mask & real
-    d = lp[m].double() - mb.infer_logprobs[m].double()
     n = mb.lengths.numel()
     e = ent.double()
     emax = torch.full((n,), -math.inf, dtype=torch.float64)
     emin = torch.full((n,), math.inf, dtype=torch.float64)
     emax.scatter_reduce_(0, seq[m], e[m], "amax")
     emin.scatter_reduce_(0, seq[m], e[m], "amin")
-    return {"n": int(d.numel()), "abs": float(d.abs().sum()),
-            "k3": float((torch.expm1(d) - d).sum()),
-            "gt_ln2": int((d.abs() > math.log(2)).sum()),
-            "max": float(d.abs().max()) if d.numel() else 0.0,
-            "ent_max": emax, "ent_min": emin}  # fmt: skip
+    return {"gap": GapSums.of(lp[m], mb.infer_logprobs[m]), "ent_max": emax, "ent_min": emin}
 
 
 class _null:
@@ -762,6 +857,7 @@ class RankedTrainer:
         self.timeout = timeout
         self.vocab_size = int(self.hf_config.vocab_size)
         self.last_reply_bytes: dict[str, list[int]] = {}
+        self.reply_bytes_total: dict[str, int] = {}  # per command, since the start
         ctx = mp.get_context("spawn")
         world = layout.world_size
         self._res = ctx.Queue()
@@ -793,6 +889,8 @@ class RankedTrainer:
         self.stage_layers: list[list[int]] = [v[1] for v in ready.values]
         self.last_bytes: dict[str, Any] = {}
         self._kept: dict[str, Any] = {}  # name -> the plan of the forward kept under it
+        self._kept_seq_max: dict[str, torch.Tensor] = {}  # name -> [n] response entropy max
+        self._kept_adv: set[str] = set()  # names the ranks hold token advantages under
 
     # -- plumbing ------------------------------------------------------------------
 
@@ -823,6 +921,8 @@ class RankedTrainer:
         # what each rank sent back (pickled, as the queue carries it)
         self.last_reply_bytes[cmd] = [len(pickle.dumps(v[0])) if cmd != "ready" else 0
                                       for v in values]  # fmt: skip
+        self.reply_bytes_total[cmd] = (self.reply_bytes_total.get(cmd, 0)
+                                       + sum(self.last_reply_bytes[cmd]))  # fmt: skip
         return _Replies(values, time.perf_counter() - t0)
 
     def _command(self, cmd: str, per_rank_args: list[tuple]) -> list[Any]:
@@ -909,45 +1009,111 @@ class RankedTrainer:
         shares = self._scatter(data, "forward_stats", replay)
         results = self._command("forward", [(s, replay, keep) for s in shares])
         self._kept[keep] = data.plan
-        return {**self._reduce_stats(data, results), "replay": self._replay_dicts(results)}
+        self._kept_adv.discard(keep)  # the ranks dropped advantages kept under this name
+        out = self._reduce_stats(data, shares, results)
+        self._kept_seq_max[keep] = out["seq_entropy_max"]
+        return {**out, "replay": self._replay_dicts(results)}
 
-    def _reduce_stats(self, data: StepData, results: list[dict]) -> dict:
+    def _reduce_stats(self, data: StepData, shares: list[list[RankMicroBatch]],
+                      results: list[dict]) -> dict:  # fmt: skip
         import math
+
+        from compass_kernels.integration.rl.trainer import GapSums
 
         n_seq = data.batch.num_sequences
         emax = torch.full((n_seq,), -math.inf, dtype=torch.float64)
         emin = torch.full((n_seq,), math.inf, dtype=torch.float64)
-        n = gt = 0
-        s_abs = s_k3 = mx = 0.0
-        for info, res in zip(self.infos, results, strict=True):
-            for j, st in enumerate(res.get("stats") or []):
+        total = GapSums()
+        for info, mbs, res in zip(self.infos, shares, results, strict=True):
+            st = res.get("stats")
+            if st is None:
+                continue
+            total = total + st["gap"]
+            cut = np.cumsum([mb.lengths.numel() for mb in mbs])[:-1]
+            pieces = zip(np.split(st["ent_max"], cut), np.split(st["ent_min"], cut),
+                         strict=True)  # fmt: skip
+            for j, (hi, lo) in enumerate(pieces):
                 idx = data.plan.micro_batch(info.dp, j)
-                n += st["n"]
-                gt += st["gt_ln2"]
-                s_abs += st["abs"]
-                s_k3 += st["k3"]
-                mx = max(mx, st["max"])
-                if idx.numel():
-                    emax[idx] = torch.maximum(emax[idx], st["ent_max"])
-                    emin[idx] = torch.minimum(emin[idx], st["ent_min"])
-        nan = float("nan")
-        gap = {"mean_abs": s_abs / n if n else nan, "k3": s_k3 / n if n else nan,
-               "frac_gt_ln2": gt / n if n else nan, "max_abs": mx if n else nan,
-               "tokens": n}  # fmt: skip
-        return {"gap": gap, "seq_entropy_max": emax, "seq_entropy_min": emin}
+                if idx.numel():  # else a padding micro-batch
+                    emax[idx] = torch.maximum(emax[idx], torch.from_numpy(hi))
+                    emin[idx] = torch.minimum(emin[idx], torch.from_numpy(lo))
+        return {"gap": dataclasses.asdict(total.stats()), "seq_entropy_max": emax,
+                "seq_entropy_min": emin}  # fmt: skip
 
-    def _histogram(self, keep: str, prefixes: torch.Tensor, shift: int, bits: int):
-        parts = self._command("entropy_histogram",
-                              [(keep, prefixes, shift, bits) for _ in self._procs])  # fmt: skip
-        return torch.stack(parts).sum(0)
+    def token_advantages(self, data: StepData, keep: str, rewards: torch.Tensor,
+                         zero_var: torch.Tensor, advantages: torch.Tensor, *,
+                         alpha: float) -> torch.Tensor:  # fmt: skip
+        """RL-ZVP token advantages computed on the last-stage ranks from the entropy
+        of ``forward(data, keep=keep)`` and kept there for ``train(use_kept=keep)``
+        (the driver builds no per-token advantages).
 
-    def kept_entropy_quantiles(self, keep: str, levels: tuple[float, ...],
-                               num_tokens: int) -> torch.Tensor:  # fmt: skip
-        """Exact quantiles (torch.quantile's linear rule) at ``levels`` of the
-        ``num_tokens`` response-token entropies the ranks kept under ``keep``, by
-        a distributed radix select (3 rounds of histograms, never the values)."""
-        return distributed_quantiles(functools.partial(self._histogram, keep), num_tokens,
-                                     tuple(levels))  # fmt: skip
+        rewards, advantages : [n] float (sample order; the float dtype rl_zvp gets).
+        zero_var : [n] bool, the sequence's group has zero reward variance.
+        alpha : rl_zvp's scale.
+
+        Each rank receives, per micro-batch, its sequences' rewards, zero_var,
+        advantages and response-entropy max ([n_mb] each; the max is the one
+        per-sequence statistic of rl_zvp, reduced over the ranks by that forward:
+        exact, a max is order-free). Returns [n] bool: the sequence has a token
+        with a nonzero advantage (OR over its CP ranks)."""
+        plan = data.plan
+        if self._kept.get(keep) is not plan:
+            raise ValueError(f"token_advantages: keep={keep!r} names no forward of this plan")
+        n = data.batch.num_sequences
+        for name, t in (("rewards", rewards), ("zero_var", zero_var),
+                        ("advantages", advantages)):  # fmt: skip
+            if t.shape != (n,):
+                raise ValueError(f"{name}: expected [{n}] (one per sequence), got "
+                                 f"{tuple(t.shape)}")  # fmt: skip
+        emax = self._kept_seq_max[keep]
+        args, sent = [], []
+        for info in self.infos:
+            per_mb = None
+            if info.last_stage:
+                per_mb = []
+                for j in range(plan.num_micro_batches):
+                    idx = plan.micro_batch(info.dp, j)
+                    if idx.numel() == 0:  # a padding micro-batch: one empty sequence
+                        per_mb.append({"rewards": rewards.new_zeros(1),
+                                       "zero_var": torch.zeros(1, dtype=torch.bool),
+                                       "advantages": advantages.new_zeros(1),
+                                       "entropy_max": emax.new_zeros(1)})  # fmt: skip
+                        continue
+                    per_mb.append({"rewards": rewards[idx], "zero_var": zero_var[idx],
+                                   "advantages": advantages[idx],
+                                   "entropy_max": emax[idx]})  # fmt: skip
+            args.append((keep, per_mb, float(alpha)))
+            sent.append(sum(t.numel() * t.element_size() for d in per_mb or [] for t in d.values()))
+        self.last_bytes["token_advantages"] = {"per_rank": sent}
+        results = self._command("token_advantages", args)
+        nonzero = torch.zeros(n, dtype=torch.bool)
+        for info, (_, per_mb, _), res in zip(self.infos, args, results, strict=True):
+            if res["nonzero"] is None:
+                continue
+            cut = np.cumsum([d["rewards"].numel() for d in per_mb])[:-1]
+            for j, nz in enumerate(np.split(res["nonzero"], cut)):
+                idx = plan.micro_batch(info.dp, j)
+                if idx.numel():  # else a padding micro-batch
+                    nonzero[idx] |= torch.from_numpy(nz)
+        self._kept_adv.add(keep)
+        return nonzero
+
+    def kept_values(self, data: StepData, keep: str) -> dict:
+        """Checks only (it gathers what the step keeps on the ranks): the log-probs,
+        entropy and token advantages kept under ``keep``, sample order [T] each
+        (advantages None before :meth:`token_advantages`)."""
+        if self._kept.get(keep) is not data.plan:
+            raise ValueError(f"kept_values: keep={keep!r} names no forward of this plan")
+        results = self._command("kept_values", [(keep,) for _ in self._procs])
+
+        def pick(r: dict, a: int, b: int) -> dict:
+            return {"per_mb": None if r["per_mb"] is None else [(t[a], t[b]) for t in r["per_mb"]]}
+
+        lp, ent = self._assemble(data, [pick(r, 0, 1) for r in results])
+        out = {"logprobs": lp, "entropy": ent, "advantages": None}
+        if keep in self._kept_adv:
+            out["advantages"] = self._assemble(data, [pick(r, 2, 2) for r in results])[0]
+        return out
 
     def _replay_dicts(self, results: list[dict]) -> dict[int, dict]:
         from compass_kernels.routing import ReplayStats
@@ -961,8 +1127,14 @@ class RankedTrainer:
         return {layer: ReplayStats(c, top_k).as_dict() for layer, c in sorted(total.items())}
 
     def train(self, data: StepData, *, num_sequences: int, **espo_kwargs: Any) -> dict:
-        """One optimizer step; ``data`` holds old log-probs, entropy and advantages
-        (sample order). The entropy-group boundaries are the global batch's."""
+        """One optimizer step. ``data`` holds the old log-probs, entropy and
+        advantages (sample order), or ``use_kept=name`` names a ``forward(keep=name)``
+        of this plan whose log-probs / entropy the ranks read (and, with
+        ``data.advantages`` None, the token advantages of ``token_advantages(data,
+        name, ...)``). The entropy-group boundaries are the global batch's: from
+        the driver's entropy, or, kept, selected among the last-stage ranks
+        (:meth:`RankTrainer.kept_entropy_quantiles`). The result's
+        ``entropy_threshold`` is the boundaries the loss used ([Q] float64 or None)."""
         from compass_kernels.espo import loss_config
         from compass_kernels.espo.loss import entropy_thresholds
 
@@ -978,16 +1150,21 @@ class RankedTrainer:
                              "of a forward(keep=<name>) of this batch")  # fmt: skip
         if use is not None and self._kept.get(use) is not data.plan:
             raise ValueError(f"train: use_kept={use!r} names no forward of this step's plan")
+        if data.advantages is None and use not in self._kept_adv:
+            raise ValueError("train: give data.advantages, or use_kept=<name> after "
+                             "token_advantages(data, <name>, ...)")  # fmt: skip
+        kept_q = None
         if thr is None and cfg.num_groups > 1 and not cfg.per_sequence and not cfg.token_groups:
             m = data.batch.mask
-            if data.old_entropy is None:  # kept on the ranks: an exact distributed select
-                thr = self.kept_entropy_quantiles(use, cfg.levels, int(m.sum()))
+            if data.old_entropy is None:  # kept on the ranks: they select it among themselves
+                kept_q = (tuple(cfg.levels), int(m.sum()))
             else:
                 ent = data.old_entropy[m]
                 cu = torch.tensor([0, ent.numel()], dtype=torch.int64)
                 thr = entropy_thresholds(ent, cu, levels=cfg.levels).reshape(-1)
         shares = self._scatter(data, "train", self.use_replay)
-        results = self._command("train", [(s, num_sequences, thr, espo_kwargs) for s in shares])
+        results = self._command("train", [(s, num_sequences, thr, espo_kwargs, kept_q)
+                                          for s in shares])  # fmt: skip
         return self._reduce_train(data, results)
 
     def _reduce_train(self, data: StepData, results: list[dict]) -> dict:
@@ -1010,6 +1187,10 @@ class RankedTrainer:
         out = {k: v / max(tokens, 1) for k, v in sums.items()}
         out["loss"] = loss
         out["grad_norm"] = results[0]["grad_norm"]
+        # the entropy-group boundaries the loss used ([Q]; None: one group)
+        thr = next((r["entropy_threshold"] for r in results
+                    if r["entropy_threshold"] is not None), None)  # fmt: skip
+        out["entropy_threshold"] = None if thr is None else torch.tensor(thr, dtype=torch.float64)
         out["replay"] = self._replay_dicts(results)
         return out
 
@@ -1071,22 +1252,20 @@ class RankedTrainer:
 # ---------------------------------------------------------------------------
 
 
-def _token_index(lengths: np.ndarray, idx: np.ndarray) -> torch.Tensor:
-    """Sample-order token indices of sequences ``idx`` concatenated (a packed micro-batch)."""
-    offsets = np.concatenate([[0], np.cumsum(lengths)])
-    if len(idx) == 0:
-        return torch.zeros(0, dtype=torch.int64)
-    return torch.from_numpy(np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in idx]))
-
-
 class LoopTrainer:
     """What ``compass-rl`` calls a trainer (``pack``, ``old_policy_pass``,
-    ``train_step``, ``probe_logprobs``, ``hf_state_dict``), run by
-    :class:`RankedTrainer` on ``layout.world_size`` processes.
+    ``token_advantages``, ``train_step``, ``probe_logprobs``, ``hf_state_dict``),
+    run by :class:`RankedTrainer` on ``layout.world_size`` processes; the same
+    calls as the one-process :class:`~compass_kernels.integration.rl.trainer.Trainer`.
 
-    ``pack`` plans the ``dp`` ranks x micro-batches and keeps the driver's
-    packed view (the loop reads log-probs, entropy and advantages through it);
-    the ranks receive only their shares of it (:func:`make_shares`)."""
+    ``pack`` plans the ``dp`` ranks x micro-batches (the driver's packed view is
+    for the loop's packing checks); the ranks receive only their shares of it
+    (:func:`make_shares`). The step's per-token results stay on the ranks: the
+    old-policy passes keep their log-probs and entropy there and return gap sums
+    and per-sequence entropy maxima, the RL-ZVP token advantages are computed
+    there from per-sequence inputs, and the train step reads both. The driver
+    receives scalars and [sequences] tensors only; :attr:`rx_bytes` counts what
+    it received (pickled replies) per command since ``pack``."""
 
     def __init__(self, model_dir: str | os.PathLike, layout: Layout, *, lr: float,
                  replay: bool = True, seed: int = 0) -> None:  # fmt: skip
@@ -1095,9 +1274,18 @@ class LoopTrainer:
         self.use_replay = replay
         self.hf_config = self.ranked.hf_config
         self._data: StepData | None = None
+        self._old = "replay" if replay else "native"  # the kept forward the loss reads
+        self._rx_start: dict[str, int] = {}
 
     def close(self) -> None:
         self.ranked.close()
+
+    @property
+    def rx_bytes(self) -> dict[str, int]:
+        """Bytes the driver received from the ranks since ``pack``, per command."""
+        now = self.ranked.reply_bytes_total
+        return {k: v - self._rx_start.get(k, 0) for k, v in now.items()
+                if v > self._rx_start.get(k, 0)}  # fmt: skip
 
     def pack(self, batch: Any, *, dp_size: int, max_tokens: int):
         from compass_kernels.integration.rl.trainer import Trainer
@@ -1106,40 +1294,39 @@ class LoopTrainer:
             raise ValueError(f"dp_size {dp_size} != the layout's dp {self.layout.dp}")
         pack = Trainer.pack(self, batch, dp_size=dp_size, max_tokens=max_tokens)
         self._data = StepData(batch=batch, plan=pack.plan)
+        self._rx_start = dict(self.ranked.reply_bytes_total)
         return pack
 
-    def _to_packed(self, pack: Any, name: str, values: torch.Tensor) -> None:
-        batch = self._data.batch
-        for mb in pack.micro_batches:
-            setattr(mb, name, values[_token_index(batch.lengths, mb.packed.indices)])
+    def old_policy_pass(self, pack: Any) -> dict:
+        """Both no-grad passes (replayed and native routing), each kept on the
+        ranks. Returns {"replay": replay stats per MoE layer, "gap_replay" /
+        "gap_native": GapStats against the engine's log-probs, reduced from the
+        ranks' sums}."""
+        from compass_kernels.integration.rl.trainer import GapStats
 
-    def _to_samples(self, pack: Any, name: str) -> torch.Tensor:
-        batch = self._data.batch
-        out = torch.zeros(batch.num_tokens, dtype=torch.float32)
-        for mb in pack.micro_batches:
-            out[_token_index(batch.lengths, mb.packed.indices)] = getattr(mb, name).float()
+        rep = self.ranked.forward(self._data, replay=True, keep="replay")
+        nat = self.ranked.forward(self._data, replay=False, keep="native")
+        self.bytes_forward = self.ranked.last_bytes["forward_stats"]
+        return {"replay": rep["replay"], "gap_replay": GapStats(**rep["gap"]),
+                "gap_native": GapStats(**nat["gap"])}  # fmt: skip
+
+    def token_advantages(self, pack: Any, rewards: torch.Tensor, zero_var: torch.Tensor,
+                         advantages: torch.Tensor, *, alpha: float) -> torch.Tensor:  # fmt: skip
+        """RL-ZVP token advantages on the ranks from the old policy's kept entropy
+        (:meth:`RankedTrainer.token_advantages`); returns [n] bool per sequence."""
+        out = self.ranked.token_advantages(self._data, self._old, rewards, zero_var, advantages,
+                                           alpha=alpha)  # fmt: skip
         return out
 
-    def old_policy_pass(self, pack: Any) -> dict[int, dict]:
-        rep = self.ranked.forward(self._data, replay=True)
-        nat = self.ranked.forward(self._data, replay=False)
-        self._to_packed(pack, "replay_logprobs", rep["logprobs"])
-        self._to_packed(pack, "native_logprobs", nat["logprobs"])
-        old = rep if self.use_replay else nat
-        self._to_packed(pack, "old_logprobs", old["logprobs"])
-        self._to_packed(pack, "old_entropy", old["entropy"])
-        self.bytes_forward = self.ranked.last_bytes["forward"]
-        return rep["replay"]
-
     def train_step(self, pack: Any, *, num_sequences: int, **espo_kwargs: Any) -> dict:
-        data = self._data
-        data.old_logprobs = self._to_samples(pack, "old_logprobs")
-        data.old_entropy = self._to_samples(pack, "old_entropy")
-        data.advantages = self._to_samples(pack, "advantages")
-        out = self.ranked.train(data, num_sequences=num_sequences, **espo_kwargs)
+        """One optimizer step on the old policy's kept log-probs, entropy and token
+        advantages (nothing per-token is sent)."""
+        out = self.ranked.train(self._data, num_sequences=num_sequences, use_kept=self._old,
+                                **espo_kwargs)  # fmt: skip
         sent = self.ranked.last_bytes["train"]
         out["bytes_rank_max"] = max(sent["per_rank"])
         out["bytes_full"] = sent["full"]
+        out["bytes_driver_rx"] = sum(self.rx_bytes.values())
         return out
 
     def probe_logprobs(self, batch: Any) -> torch.Tensor:

@@ -43,7 +43,17 @@ import torch
 import compass_kernels as ck
 from compass_kernels.routing import RoutingTrace
 
-__all__ = ["Batch", "GapStats", "MicroBatch", "Trainer", "gap_stats"]
+__all__ = [
+    "Batch",
+    "GapStats",
+    "GapSums",
+    "MicroBatch",
+    "Trainer",
+    "gap_stats",
+    "pack_gap_sums",
+    "pack_token_advantages",
+    "zvp_token_advantages",
+]
 
 
 @dataclass
@@ -139,17 +149,124 @@ class GapStats:
     tokens: int
 
 
+@dataclass
+class GapSums:
+    """Additive partial sums of the gap d = l_train - l_infer over some tokens (one
+    rank's, one micro-batch's): ``a + b`` is the sums over both token sets, and
+    :meth:`stats` the :class:`GapStats` of all of them. Sums in float64."""
+
+    tokens: int = 0
+    abs_sum: float = 0.0  # sum |d|
+    k3_sum: float = 0.0  # sum expm1(d) - d
+    gt_ln2: int = 0  # count |d| > ln 2
+    max_abs: float = 0.0  # max |d| (0 over no token)
+
+    @staticmethod
+    def of(train_lp: torch.Tensor, infer_lp: torch.Tensor) -> GapSums:
+        """Sums over the tokens of ``train_lp`` / ``infer_lp`` ([N] float each)."""
+        if train_lp.shape != infer_lp.shape or train_lp.dim() != 1:
+            raise ValueError(
+                f"train_lp / infer_lp: expected two [N] tensors, got {tuple(train_lp.shape)} "
+                f"and {tuple(infer_lp.shape)}"
+            )
+        d = train_lp.double() - infer_lp.double()
+        a = d.abs()
+        return GapSums(
+            tokens=int(d.numel()),
+            abs_sum=float(a.sum()),
+            k3_sum=float((torch.expm1(d) - d).sum()),
+            gt_ln2=int((a > math.log(2)).sum()),
+            max_abs=float(a.max()) if d.numel() else 0.0,
+        )
+
+    def __add__(self, other: GapSums) -> GapSums:
+        return GapSums(
+            self.tokens + other.tokens,
+            self.abs_sum + other.abs_sum,
+            self.k3_sum + other.k3_sum,
+            self.gt_ln2 + other.gt_ln2,
+            max(self.max_abs, other.max_abs),
+        )
+
+    def stats(self) -> GapStats:
+        """Means over the tokens summed (NaN, 0 tokens where there were none)."""
+        n = self.tokens
+        if n == 0:
+            return GapStats(float("nan"), float("nan"), float("nan"), float("nan"), 0)
+        return GapStats(self.abs_sum / n, self.k3_sum / n, self.gt_ln2 / n, self.max_abs, n)
+
+
 def gap_stats(train_lp: torch.Tensor, infer_lp: torch.Tensor) -> GapStats:
-    d = train_lp.double() - infer_lp.double()
-    if d.numel() == 0:
-        return GapStats(float("nan"), float("nan"), float("nan"), float("nan"), 0)
-    return GapStats(
-        mean_abs=float(d.abs().mean()),
-        k3=float((torch.expm1(d) - d).mean()),
-        frac_gt_ln2=float((d.abs() > math.log(2)).double().mean()),
-        max_abs=float(d.abs().max()),
-        tokens=int(d.numel()),
-    )
+    """:class:`GapStats` of d = train_lp - infer_lp ([N] float each), in float64."""
+    return GapSums.of(train_lp, infer_lp).stats()
+
+
+def zvp_token_advantages(
+    entropy: torch.Tensor,
+    seq: torch.Tensor,
+    mask: torch.Tensor,
+    rewards: torch.Tensor,
+    zero_var: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    alpha: float,
+    entropy_max: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RL-ZVP token advantages (``ck.advantages.rl_zvp``) of the response tokens of
+    some tokens: a whole batch on the driver, or one rank's share of a micro-batch.
+
+    entropy : [T] float old-policy entropy (read as float32, as rl_zvp does).
+    seq : [T] int64 sequence of each token, in 0..n-1 (any order).
+    mask : [T] bool response tokens (the others get 0).
+    rewards, advantages : [n] float; zero_var : [n] bool (rl_zvp's per-sequence inputs).
+    entropy_max : [n] float, each sequence's largest response-token entropy over
+        all of its tokens, for callers that hold only some of a sequence's tokens
+        (a context-parallel rank); None: the tokens here are whole sequences.
+
+    rl_zvp's one per-sequence statistic is that max (the negative branch
+    -alpha * (max_k H_k - H_t)). Given ``entropy_max``, each sequence's segment
+    gets one extra token holding it, so rl_zvp's own max is the global one
+    (>= every local value, and exact: a max is order-free), and the extra
+    tokens are dropped: the result equals rl_zvp over the whole sequences
+    bitwise.
+
+    Returns (token advantages [T] float32, 0 off the mask; nonzero [n] bool:
+    the sequence has a token here with a nonzero advantage)."""
+    import compass_kernels as ck
+
+    n = int(rewards.numel())
+    pos = mask.nonzero().reshape(-1)
+    s = seq[pos]
+    order = torch.argsort(s, stable=True)
+    pos, s = pos[order], s[order]
+    h = entropy[pos].float()
+    counts = torch.bincount(s, minlength=n)
+    if counts.numel() != n:
+        raise ValueError(
+            f"seq: expected values in 0..{n - 1} (n = len(rewards)), got {int(s.max())}"
+        )
+    extra = None
+    if entropy_max is not None:
+        if entropy_max.shape != (n,):
+            raise ValueError(f"entropy_max: expected [{n}], got {tuple(entropy_max.shape)}")
+        at = torch.cumsum(counts, 0) + torch.arange(n)  # each segment's extra slot
+        extra = torch.zeros(h.numel() + n, dtype=torch.bool)
+        extra[at] = True
+        aug = torch.empty(h.numel() + n, dtype=torch.float32)
+        # a sequence with no token here: its extra token is the whole segment, unread
+        aug[extra] = torch.where(counts > 0, entropy_max.float(), 0.0)
+        aug[~extra] = h
+        h, counts = aug, counts + 1
+    cu = torch.zeros(n + 1, dtype=torch.int64)
+    cu[1:] = torch.cumsum(counts, 0)
+    tok = ck.advantages.rl_zvp(h, cu, rewards, zero_var, alpha=alpha, advantages=advantages)
+    if extra is not None:
+        tok = tok[~extra]
+    out = torch.zeros(entropy.shape[0], dtype=torch.float32)
+    out[pos] = tok
+    nonzero = torch.zeros(n, dtype=torch.bool)
+    nonzero.index_put_((s,), tok != 0, accumulate=True)
+    return out, nonzero
 
 
 def _block_causal_mask(cu: torch.Tensor, total: int) -> torch.Tensor:
@@ -172,6 +289,37 @@ class PackInfo:
     duplicated: int  # sequences in more than one place
     token_mismatch: int  # packed tokens that differ from the batch's after unpack
     stats: dict = field(default_factory=dict)
+
+
+def pack_gap_sums(pack: PackInfo, name: str) -> GapSums:
+    """:class:`GapSums` of the micro-batches' ``name`` log-probs (e.g.
+    "replay_logprobs") against the engine's, over their response tokens."""
+    total = GapSums()
+    for mb in pack.micro_batches:
+        m = mb.get("mask")
+        total = total + GapSums.of(getattr(mb, name)[m], mb.get("infer_logprobs")[m])
+    return total
+
+
+def pack_token_advantages(pack: PackInfo, rewards: torch.Tensor, zero_var: torch.Tensor,
+                          advantages: torch.Tensor, *, alpha: float) -> torch.Tensor:  # fmt: skip
+    """RL-ZVP token advantages (:func:`zvp_token_advantages`) of every micro-batch
+    from its ``old_entropy``, set as its ``advantages``. ``rewards``, ``zero_var``,
+    ``advantages``: [n] per sequence of the batch. Returns [n] bool: the sequence
+    has a token with a nonzero advantage."""
+    n = int(rewards.numel())
+    nonzero = torch.zeros(n, dtype=torch.bool)
+    for mb in pack.micro_batches:
+        idx = torch.as_tensor(mb.packed.indices, dtype=torch.int64)
+        local = torch.full((n,), -1, dtype=torch.int64)
+        local[idx] = torch.arange(idx.numel())
+        adv, nz = zvp_token_advantages(
+            mb.old_entropy, local[mb.get("seq_index")], mb.get("mask"), rewards[idx],
+            zero_var[idx], advantages[idx], alpha=alpha,
+        )  # fmt: skip
+        mb.advantages = adv
+        nonzero[idx] |= nz
+    return nonzero
 
 
 class Trainer:
@@ -311,11 +459,13 @@ class Trainer:
             hidden, weight, mb.get("targets"), with_entropy=with_entropy
         )
 
-    def old_policy_pass(self, pack: PackInfo) -> dict[int, dict]:
+    def old_policy_pass(self, pack: PackInfo) -> dict:
         """No-grad passes before the update, per micro-batch: log-probs and entropy
         with router replay and with native routing (the side-by-side gap); the
         old policy of the loss is the one training routes with (replay unless
-        ``--no-replay``). Returns the replay stats per MoE layer."""
+        ``--no-replay``). Returns {"replay": the replay stats per MoE layer,
+        "gap_replay" / "gap_native": :class:`GapStats` of each pass against the
+        engine's log-probs} (as ``LoopTrainer.old_policy_pass``)."""
         self.model.eval()
         self.replay.reset_stats()
         with torch.no_grad():
@@ -324,7 +474,17 @@ class Trainer:
                 nat = self._logprobs(mb, replay=False, with_entropy=True)
                 mb.replay_logprobs, mb.native_logprobs = rep[0], nat[0]
                 mb.old_logprobs, mb.old_entropy = rep if self.use_replay else nat
-        return {layer: st.as_dict() for layer, st in self.replay.stats().items()}
+        return {
+            "replay": {layer: st.as_dict() for layer, st in self.replay.stats().items()},
+            "gap_replay": pack_gap_sums(pack, "replay_logprobs").stats(),
+            "gap_native": pack_gap_sums(pack, "native_logprobs").stats(),
+        }
+
+    def token_advantages(self, pack: PackInfo, rewards: torch.Tensor, zero_var: torch.Tensor,
+                         advantages: torch.Tensor, *, alpha: float) -> torch.Tensor:  # fmt: skip
+        """RL-ZVP token advantages into every micro-batch (see
+        :func:`pack_token_advantages`); returns the per-sequence nonzero flags."""
+        return pack_token_advantages(pack, rewards, zero_var, advantages, alpha=alpha)
 
     # -- update ------------------------------------------------------------------
 
