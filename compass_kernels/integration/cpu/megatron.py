@@ -568,6 +568,55 @@ def check_version() -> str:
     return _pin.check_version(__name__, ShimError, "patches")
 
 
+#: The pins of 0.16.1 (the table below; 0.19.2 shares most of them).
+_PINS_0_16_1: dict[str, str] = {
+    "router_gating": "53ab132db44923b06bc2c78ac14f1adc44d28ec72517965100951e2d7d361995",
+    "rope_get_emb": "871b601dcf4014e1dde066ae58fa27729599da4235263277ab817124512a13ae",
+    "rng_get_state": "7ed314c65930ea397cc34038dbb483c8d828c06e32188919bb5ea9ed5ffa428c",
+    "rng_set_state": "f2ef98c2a7f87a72c99f6c5384ba730930a4f761cbb6778e60bf211f3e49f9e0",
+    "rng_tracker_add": "40d5ea395b6f20e1b3c5705e9acef3ce0235045cf7d77464227e7527e97a65bf",
+    "memory_buffer": "09c1d73f7818f422b75f5591e53feb98554ff7f3fbd451b5819d891fd3ad9174",
+    "causal_mask": "510d896df7d6deca0ddfb6c2868ec4b4c857f86c5fbc048a47f79d0effb83cb8",
+    "alltoall_dtoh": "43ba412fd6e14b091545b67e0e3501fb9946f30763dea3b42200113f5096e07e",
+    "schedules_torch:forward_backward_no_pipelining": (
+        "09e5065480e0809138566f12f34b4c8c2452bd4a56860078f3a33341d995f26d"
+    ),
+    "schedules_torch:forward_backward_pipelining_without_interleaving": (
+        "c116bc96a60eff6bc54c893c734599aabd444a206b2675a8d703758320f2eaf9"
+    ),
+    "schedules_torch:forward_step": (
+        "679f915a477e3c0c923bc6e2ea1b44a7a93314603b3a822234170d739a692caf"
+    ),
+    "schedules_torch:backward_step": (
+        "f5e9f9aacc11b62db3dc430e9ac2d8299288bc97e19d5ac223131af9d5ad3aa0"
+    ),
+    "p2p_torch:P2PCommunicator._communicate_shapes": (
+        "f2d510984e4cc6f80d7e84510396e7882ab8f173a2926bbaee9b70fef41fafdb"
+    ),
+    "p2p_torch:P2PCommunicator._communicate": (
+        "fa37a87e9c688c7d8c6098a6c74d44a0d37ee11188f0e69246047cecf1bfe43b"
+    ),
+    "mappings_torch:_gather_along_last_dim": (
+        "605c2ec305a4f9b24c3b9b90d834e7148893784c2e10cb7c719345578a3e7f3f"
+    ),
+    "mappings_torch:_gather_along_first_dim": (
+        "7d7a6b5ee66d778c2b0ae8e3ce5c3f1398b3088a653d9b774bc981ea6465726e"
+    ),
+    "mappings_torch:_reduce_scatter_along_first_dim": (
+        "9f477d99abfc7be9f46fe416954a96fdead47e7e0b92b98a8d435326b498ae9c"
+    ),
+    "mappings_torch:_AllToAll.forward": (
+        "350ac9ac33560f9f944568e03b764e250a67cdde5faaad982ae4e4558f204143"
+    ),
+    "layers_torch:LinearWithGradAccumulationAndAsyncCommunication.forward": (
+        "1982cdb2c18ee6eb56550be75425a7e7585c63350f9e687423178644dd60abe0"
+    ),
+    "layers_torch:LinearWithGradAccumulationAndAsyncCommunication.backward": (
+        "c2aef746c773366c9da87e33fac2c9a272629a2ca5c4197b790473f8dd5e5604"
+    ),
+    "rope_cp_rank": "adf65ad9e9521e6da0482eceaa7d0a142ec95dba7df2551c1cfa967e8fb52364",
+}
+
 #: megatron-core version -> {patch name: sha256 of the normalized upstream source
 #: (:func:`_megatron_pin.source_sha256`) of the function that patch replaces}. The shim
 #: re-implements those functions, so any upstream change must be reviewed:
@@ -577,92 +626,21 @@ def check_version() -> str:
 #: against it: ``python -c "from compass_kernels.integration.cpu import megatron as m;
 #: print(m.upstream_source_hashes())"`` and paste the result.
 UPSTREAM_SOURCE_SHA256: dict[str, dict[str, str]] = {
-    "0.16.1": {
-        "router_gating": "53ab132db44923b06bc2c78ac14f1adc44d28ec72517965100951e2d7d361995",
-        "rope_get_emb": "871b601dcf4014e1dde066ae58fa27729599da4235263277ab817124512a13ae",
-        "rng_get_state": "7ed314c65930ea397cc34038dbb483c8d828c06e32188919bb5ea9ed5ffa428c",
-        "rng_set_state": "f2ef98c2a7f87a72c99f6c5384ba730930a4f761cbb6778e60bf211f3e49f9e0",
-        "rng_tracker_add": "40d5ea395b6f20e1b3c5705e9acef3ce0235045cf7d77464227e7527e97a65bf",
-        "memory_buffer": "09c1d73f7818f422b75f5591e53feb98554ff7f3fbd451b5819d891fd3ad9174",
-        "causal_mask": "510d896df7d6deca0ddfb6c2868ec4b4c857f86c5fbc048a47f79d0effb83cb8",
-        "alltoall_dtoh": "43ba412fd6e14b091545b67e0e3501fb9946f30763dea3b42200113f5096e07e",
-        "schedules_torch:forward_backward_no_pipelining": (
-            "09e5065480e0809138566f12f34b4c8c2452bd4a56860078f3a33341d995f26d"
-        ),
-        "schedules_torch:forward_backward_pipelining_without_interleaving": (
-            "c116bc96a60eff6bc54c893c734599aabd444a206b2675a8d703758320f2eaf9"
-        ),
-        "schedules_torch:forward_step": (
-            "679f915a477e3c0c923bc6e2ea1b44a7a93314603b3a822234170d739a692caf"
-        ),
-        "schedules_torch:backward_step": (
-            "f5e9f9aacc11b62db3dc430e9ac2d8299288bc97e19d5ac223131af9d5ad3aa0"
-        ),
-        "p2p_torch:P2PCommunicator._communicate_shapes": (
-            "f2d510984e4cc6f80d7e84510396e7882ab8f173a2926bbaee9b70fef41fafdb"
-        ),
-        "p2p_torch:P2PCommunicator._communicate": (
-            "fa37a87e9c688c7d8c6098a6c74d44a0d37ee11188f0e69246047cecf1bfe43b"
-        ),
-        "mappings_torch:_gather_along_last_dim": (
-            "605c2ec305a4f9b24c3b9b90d834e7148893784c2e10cb7c719345578a3e7f3f"
-        ),
-        "mappings_torch:_gather_along_first_dim": (
-            "7d7a6b5ee66d778c2b0ae8e3ce5c3f1398b3088a653d9b774bc981ea6465726e"
-        ),
-        "mappings_torch:_reduce_scatter_along_first_dim": (
-            "9f477d99abfc7be9f46fe416954a96fdead47e7e0b92b98a8d435326b498ae9c"
-        ),
-        "mappings_torch:_AllToAll.forward": (
-            "350ac9ac33560f9f944568e03b764e250a67cdde5faaad982ae4e4558f204143"
-        ),
-        "layers_torch:LinearWithGradAccumulationAndAsyncCommunication.forward": (
-            "1982cdb2c18ee6eb56550be75425a7e7585c63350f9e687423178644dd60abe0"
-        ),
-        "layers_torch:LinearWithGradAccumulationAndAsyncCommunication.backward": (
-            "c2aef746c773366c9da87e33fac2c9a272629a2ca5c4197b790473f8dd5e5604"
-        ),
-        "rope_cp_rank": "adf65ad9e9521e6da0482eceaa7d0a142ec95dba7df2551c1cfa967e8fb52364",
-    },
+    "0.16.1": _PINS_0_16_1,
     # Reviewed against 0.16.1: the re-implemented functions are unchanged; of the
     # readers of the torch stand-ins, the schedules drop backward_step's model_type and
     # read the stage from the p2p communicator, _AllToAll gains an async NCCL-stream
     # option, the linear gains GTP weight re-gathering: no new CUDA device use.
     "0.19.2": {
-        "router_gating": "53ab132db44923b06bc2c78ac14f1adc44d28ec72517965100951e2d7d361995",
-        "rope_get_emb": "871b601dcf4014e1dde066ae58fa27729599da4235263277ab817124512a13ae",
-        "rng_get_state": "7ed314c65930ea397cc34038dbb483c8d828c06e32188919bb5ea9ed5ffa428c",
-        "rng_set_state": "f2ef98c2a7f87a72c99f6c5384ba730930a4f761cbb6778e60bf211f3e49f9e0",
-        "rng_tracker_add": "40d5ea395b6f20e1b3c5705e9acef3ce0235045cf7d77464227e7527e97a65bf",
-        "memory_buffer": "09c1d73f7818f422b75f5591e53feb98554ff7f3fbd451b5819d891fd3ad9174",
-        "causal_mask": "510d896df7d6deca0ddfb6c2868ec4b4c857f86c5fbc048a47f79d0effb83cb8",
-        "alltoall_dtoh": "43ba412fd6e14b091545b67e0e3501fb9946f30763dea3b42200113f5096e07e",
+        **_PINS_0_16_1,
         "schedules_torch:forward_backward_no_pipelining": (
             "e160fbd4671fa92f547a1cafef6795c2a4fba4b9e50b839b4418c026055ca306"
         ),
         "schedules_torch:forward_backward_pipelining_without_interleaving": (
             "5adf72a1efbb27180dff90c0803e9dcd34b7c747f1affbadd2edf045352a6d78"
         ),
-        "schedules_torch:forward_step": (
-            "679f915a477e3c0c923bc6e2ea1b44a7a93314603b3a822234170d739a692caf"
-        ),
         "schedules_torch:backward_step": (
             "2c918bbaf2371ffb9678562cfcae6fc76f47d6a876db5af76a9767b2ef180cb4"
-        ),
-        "p2p_torch:P2PCommunicator._communicate_shapes": (
-            "f2d510984e4cc6f80d7e84510396e7882ab8f173a2926bbaee9b70fef41fafdb"
-        ),
-        "p2p_torch:P2PCommunicator._communicate": (
-            "fa37a87e9c688c7d8c6098a6c74d44a0d37ee11188f0e69246047cecf1bfe43b"
-        ),
-        "mappings_torch:_gather_along_last_dim": (
-            "605c2ec305a4f9b24c3b9b90d834e7148893784c2e10cb7c719345578a3e7f3f"
-        ),
-        "mappings_torch:_gather_along_first_dim": (
-            "7d7a6b5ee66d778c2b0ae8e3ce5c3f1398b3088a653d9b774bc981ea6465726e"
-        ),
-        "mappings_torch:_reduce_scatter_along_first_dim": (
-            "9f477d99abfc7be9f46fe416954a96fdead47e7e0b92b98a8d435326b498ae9c"
         ),
         "mappings_torch:_AllToAll.forward": (
             "701cede2651a55aa72c0b73fcf8e66185fe0abb0eb85c61a804b0ed2e85f556e"
@@ -673,7 +651,6 @@ UPSTREAM_SOURCE_SHA256: dict[str, dict[str, str]] = {
         "layers_torch:LinearWithGradAccumulationAndAsyncCommunication.backward": (
             "637f3aba1be7d0dd21ea1945a2256598794242e06118d8266653cc318dbd1aa0"
         ),
-        "rope_cp_rank": "adf65ad9e9521e6da0482eceaa7d0a142ec95dba7df2551c1cfa967e8fb52364",
     },
 }
 
