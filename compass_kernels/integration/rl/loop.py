@@ -16,8 +16,9 @@ Per step (docs/design.md, "The reference RL loop"):
    log-probs and entropy from a no-grad pass, through the fused linear path; they
    stay on the trainer ranks, which return the gap statistics as sums and compute
    RL-ZVP's token advantages from per-sequence inputs);
-6. weight sync into vLLM (``compass_kernels.integration.vllm.weight_sync.sync_to_vllm``), verified
-   on a probe batch.
+6. weight sync into vLLM, layer by layer
+   (``compass_kernels.integration.vllm.weight_sync.sync_parts_to_vllm``), verified on a
+   probe batch.
 
 Writes ``steps.csv`` and ``steps.png`` to ``--out``; prints a per-step table.
 """
@@ -291,26 +292,19 @@ def _probe(rollout: Any, trainer: Any, probe_prompts: list[Any]) -> dict[str, fl
             "probe_max": g.max_abs}  # fmt: skip
 
 
-def engine_weight_check(
-    llm: Any, hf_sd: dict[str, torch.Tensor], *, skip: Any = None
-) -> dict[str, float]:
-    """Compare the engine's parameters that keep checkpoint layout (embeddings, norms,
-    fused QKV where present, ...) with the trainer's weights cast to the engine dtype
-    (HF names for which ``skip(name)`` is true are left out: FP8-synced weights).
-
-    Returns {"checked": tensors compared, "max_diff": largest |difference|}."""
-    return engine_weight_check_parts(llm, [hf_sd], skip=skip)
-
-
 def _cast_parts(trainer: Any, dtype: torch.dtype):
     """The trainer's HF weights part by part (``trainer.hf_parts()``), cast to ``dtype``."""
     for _, part in trainer.hf_parts():
         yield {k: v.to(dtype) for k, v in part.items()}
 
 
-def engine_weight_check_parts(llm: Any, parts: Any, *, skip: Any = None) -> dict[str, float]:
-    """:func:`engine_weight_check` against the trainer's weights given part by part
-    (each part's HF tensors: one layer at a time on the trainer side)."""
+def engine_weight_check(llm: Any, parts: Any, *, skip: Any = None) -> dict[str, float]:
+    """Compare the engine's parameters that keep checkpoint layout (embeddings, norms,
+    fused QKV where present, ...) with the trainer's weights, given part by part (each
+    part's HF tensors, cast to the engine dtype: one layer at a time on the trainer
+    side); HF names for which ``skip(name)`` is true are left out (FP8-synced weights).
+
+    Returns {"checked": tensors compared, "max_diff": largest |difference|}."""
 
     def fetch(worker: Any) -> dict[str, torch.Tensor]:
         model = worker.model_runner.get_model()
@@ -327,7 +321,7 @@ def engine_weight_check_parts(llm: Any, parts: Any, *, skip: Any = None) -> dict
 
 def _compare_params(params: dict[str, torch.Tensor], hf_sd: dict[str, torch.Tensor],
                     skip: Any) -> dict[str, float]:  # fmt: skip
-    """The comparison of :func:`engine_weight_check` for the engine params ``hf_sd`` covers."""
+    """:func:`engine_weight_check` for the engine params that ``hf_sd`` (one part) covers."""
     checked, max_diff = 0, 0.0
     for name, value in params.items():
         want = hf_sd.get(name)
@@ -365,7 +359,7 @@ def run(args: argparse.Namespace, terminal: Any = None) -> list[dict[str, Any]]:
     from compass_kernels.integration.rl.ranks import Layout, LoopTrainer
     from compass_kernels.integration.rl.rollout import Rollout
     from compass_kernels.integration.rl.trainer import Batch, gap_stats
-    from compass_kernels.integration.vllm.weight_sync import sync_to_vllm
+    from compass_kernels.integration.vllm.weight_sync import sync_parts_to_vllm as sync
 
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
@@ -419,7 +413,7 @@ def run(args: argparse.Namespace, terminal: Any = None) -> list[dict[str, Any]]:
         header_printed = False
         for step in bar:
             row = _step(step, args, rng, pool, cfg, rollout, trainer, llm, probe_prompts,
-                        T, ck, Batch, gap_stats, sync_to_vllm, allocator=allocator)  # fmt: skip
+                        T, ck, Batch, gap_stats, sync, allocator=allocator)  # fmt: skip
             rows.append(row)
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", gap=f"{row['gap_replay']:.1e}")
             if not args.quiet:
@@ -484,7 +478,7 @@ def _informative(samples, row, allocator) -> None:
 
 
 def _step(step, args, rng, pool, cfg, rollout, trainer, llm, probe_prompts, T, ck, Batch,
-          gap_stats, sync_to_vllm, allocator=None) -> dict[str, Any]:  # fmt: skip
+          gap_stats, sync, allocator=None) -> dict[str, Any]:  # fmt: skip
     row: dict[str, Any] = {"step": step}
     t_step = time.perf_counter()
     # 1-2. rollout with capture, rewards scored as requests finish
@@ -603,15 +597,9 @@ def _step(step, args, rng, pool, cfg, rollout, trainer, llm, probe_prompts, T, c
     if args.sync == "fp8":
         engine_dtype = torch.bfloat16  # FP8 is quantized from the bf16 weights, never fp32
     fp8_mode = "dequantized" if args.sync == "fp8" else False
-    by_part = getattr(trainer, "hf_parts", None) is not None
-    if by_part:  # the sharded trainer: gathered and loaded part by part (one layer at a time)
-        from compass_kernels.integration.vllm.weight_sync import sync_parts_to_vllm
-
-        report = sync_parts_to_vllm(llm, _cast_parts(trainer, engine_dtype), fp8=fp8_mode)
-        row["sync_peak_part_bytes"] = trainer.last_sync["peak_part_bytes"]
-    else:
-        hf_sd = {k: v.to(engine_dtype) for k, v in trainer.hf_state_dict().items()}
-        report = sync_to_vllm(llm, hf_sd, fp8=fp8_mode)
+    # gathered from the sharded trainer and loaded part by part (one layer at a time)
+    report = sync(llm, _cast_parts(trainer, engine_dtype), fp8=fp8_mode)
+    row["sync_peak_part_bytes"] = trainer.last_sync["peak_part_bytes"]
     row["t_sync"] = time.perf_counter() - t0
     row["sync_bytes"] = report.bytes_sent
     if report.fp8_report is not None:
@@ -619,10 +607,7 @@ def _step(step, args, rng, pool, cfg, rollout, trainer, llm, probe_prompts, T, c
     from compass_kernels.integration.vllm.fp8_sync import is_block_fp8_weight
 
     skip = is_block_fp8_weight if args.sync == "fp8" else None
-    if by_part:  # the same check, one part of the trainer's weights at a time
-        wc = engine_weight_check_parts(llm, _cast_parts(trainer, engine_dtype), skip=skip)
-    else:
-        wc = engine_weight_check(llm, hf_sd, skip=skip)
+    wc = engine_weight_check(llm, _cast_parts(trainer, engine_dtype), skip=skip)
     row["weights_checked"], row["weights_max_diff"] = wc["checked"], wc["max_diff"]
     t0 = time.perf_counter()
     row.update(_probe(rollout, trainer, probe_prompts))

@@ -839,7 +839,9 @@ class RankedTrainer:
     ----------
     model_dir : HF checkpoint folder every rank loads (its own slices).
     layout : the parallel sizes.
-    lr, replay, seed : as :class:`~compass_kernels.integration.rl.trainer.Trainer`.
+    lr : AdamW learning rate.
+    replay : train with router replay (False: the ``--no-replay`` ablation).
+    seed : Megatron's RNG seed.
     timeout : seconds to wait for any one command on all ranks.
     """
 
@@ -1255,8 +1257,7 @@ class RankedTrainer:
 class LoopTrainer:
     """What ``compass-rl`` calls a trainer (``pack``, ``old_policy_pass``,
     ``token_advantages``, ``train_step``, ``probe_logprobs``, ``hf_state_dict``),
-    run by :class:`RankedTrainer` on ``layout.world_size`` processes; the same
-    calls as the one-process :class:`~compass_kernels.integration.rl.trainer.Trainer`.
+    run by :class:`RankedTrainer` on ``layout.world_size`` processes.
 
     ``pack`` plans the ``dp`` ranks x micro-batches (the driver's packed view is
     for the loop's packing checks); the ranks receive only their shares of it
@@ -1288,11 +1289,11 @@ class LoopTrainer:
                 if v > self._rx_start.get(k, 0)}  # fmt: skip
 
     def pack(self, batch: Any, *, dp_size: int, max_tokens: int):
-        from compass_kernels.integration.rl.trainer import Trainer
+        from compass_kernels.integration.rl.trainer import pack_batch
 
         if dp_size != self.layout.dp:
             raise ValueError(f"dp_size {dp_size} != the layout's dp {self.layout.dp}")
-        pack = Trainer.pack(self, batch, dp_size=dp_size, max_tokens=max_tokens)
+        pack = pack_batch(batch, dp_size=dp_size, max_tokens=max_tokens)
         self._data = StepData(batch=batch, plan=pack.plan)
         self._rx_start = dict(self.ranked.reply_bytes_total)
         return pack
