@@ -216,9 +216,12 @@ class Plan:
         order = self._order
         off = self._offsets
         k, M = self.dp_size, self.num_micro_batches
-        starts = off[:-1]
-        c = np.add.reduceat(self._cost[order], starts).reshape(k, M)
-        t = np.add.reduceat(self._tokens[order], starts).reshape(k, M)
+        # per-micro-batch sums by segment id (np.add.reduceat is wrong for the empty
+        # micro-batches of a padded plan: it returns the next element, or overruns)
+        seg = np.repeat(np.arange(k * M), np.diff(off))
+        c = np.bincount(seg, weights=self._cost[order], minlength=k * M).reshape(k, M)
+        t = np.bincount(seg, weights=self._tokens[order], minlength=k * M)
+        t = t.astype(self._tokens.dtype).reshape(k, M)
         rc, rt = c.sum(1), t.sum(1)
         mean = rc.mean()
         total_tokens = int(t.sum())

@@ -289,6 +289,11 @@ def test_padding_micro_batch_share():
     assert plan.num_micro_batches == 2 and plan.empty_micro_batches == 1
     got = sorted(int(i) for r in range(2) for j in range(2) for i in plan.micro_batch(r, j))
     assert got == [0, 1, 2]  # every sequence once
+    # its statistics count the empty micro-batch as 0 (np.add.reduceat gave the next one's)
+    tokens = [[plan.micro_batch(r, j).numel() and int(batch.lengths[plan.micro_batch(r, j)].sum())
+               for j in range(2)] for r in range(2)]  # fmt: skip
+    assert plan.stats["mb_tokens"].tolist() == tokens and 0 in sum(tokens, [])
+    assert plan.stats["rank_tokens"].sum() == batch.lengths.sum()
     layout = Layout(cp=2, tp=2, dp=2)
     data = StepData(batch, plan, torch.randn(batch.num_tokens), torch.rand(batch.num_tokens), adv)
     infos = layout_rank_infos(layout)

@@ -239,16 +239,17 @@ def test_step_stays_on_the_ranks(name):
 
 @pytest.mark.slow
 def test_kept_advantages_with_a_padding_micro_batch():
-    """3 sequences on dp2 (``plan_or_pad``: one rank runs a zero-token micro-batch):
-    the RL-ZVP inputs, flags and kept advantages line up around it, and the step
-    trains on them."""
+    """3 sequences on dp2 through the loop's trainer (``LoopTrainer.pack`` plans with
+    ``plan_or_pad``: one rank runs a zero-token micro-batch): the packing checks pass,
+    the RL-ZVP inputs, flags and kept advantages line up around it, and the step trains
+    on them."""
     pytest.importorskip("megatron.core")
     from transformers import AutoConfig
 
     from compass_kernels.integration.cpu.tiny_moe import cached_tiny_qwen3_moe
     from compass_kernels.integration.megatron.parallel import Layout
     from compass_kernels.integration.rl.layout_check import synthetic_batch
-    from compass_kernels.integration.rl.ranks import RankedTrainer
+    from compass_kernels.integration.rl.ranks import LoopTrainer
 
     path = cached_tiny_qwen3_moe(num_hidden_layers=4)
     batch, _ = synthetic_batch(AutoConfig.from_pretrained(path), num_sequences=3, seed=5,
@@ -256,14 +257,16 @@ def test_kept_advantages_with_a_padding_micro_batch():
     rewards = torch.tensor([-1.0, 0.5, 0.25])
     zero_var = torch.tensor([True, True, False])
     adv = torch.tensor([0.0, 0.0, 0.7])
-    trainer = RankedTrainer(path, Layout(dp=2), timeout=300)
+    trainer = LoopTrainer(path, Layout(dp=2), lr=1e-3)
     try:
-        data = trainer.plan(batch, 30)
-        assert data.plan.empty_micro_batches == 1
-        trainer.forward(data, keep="old")
-        nonzero = trainer.token_advantages(data, "old", rewards, zero_var, adv, alpha=0.1)
-        kept = trainer.kept_values(data, "old")
-        m = trainer.train(data, num_sequences=3, use_kept="old")
+        pack = trainer.pack(batch, dp_size=2, max_tokens=30)
+        assert pack.plan.empty_micro_batches == 1 and pack.stats["micro_batches"] == 2
+        assert (pack.lost, pack.duplicated, pack.token_mismatch) == (0, 0, 0)
+        assert len(pack.micro_batches) == 3  # the empty one is not packed on the driver
+        trainer.old_policy_pass(pack)
+        nonzero = trainer.token_advantages(pack, rewards, zero_var, adv, alpha=0.1)
+        kept = trainer.ranked.kept_values(trainer._data, "replay")
+        m = trainer.train_step(pack, num_sequences=3)
     finally:
         trainer.close()
     mask = batch.mask

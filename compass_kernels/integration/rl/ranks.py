@@ -1293,8 +1293,9 @@ class LoopTrainer:
 
         if dp_size != self.layout.dp:
             raise ValueError(f"dp_size {dp_size} != the layout's dp {self.layout.dp}")
-        pack = pack_batch(batch, dp_size=dp_size, max_tokens=max_tokens)
-        self._data = StepData(batch=batch, plan=pack.plan)
+        # too few sequences for dp x M non-empty micro-batches: padding ones (plan_or_pad)
+        self._data = self.ranked.plan(batch, max_tokens)
+        pack = pack_batch(batch, self._data.plan)
         self._rx_start = dict(self.ranked.reply_bytes_total)
         return pack
 

@@ -260,12 +260,12 @@ class PackInfo:
     stats: dict = field(default_factory=dict)
 
 
-def pack_batch(batch: Batch, *, dp_size: int, max_tokens: int) -> PackInfo:
-    """Plan ``dp_size`` ranks x micro-batches under the ``max_tokens`` cap and pack every
-    micro-batch with its routing rows; counts what the packing lost, duplicated or mixed
-    up (the loop's packing checks: each must be 0)."""
+def pack_batch(batch: Batch, plan: Any) -> PackInfo:
+    """Pack every micro-batch of ``plan`` (a ``ck.packing`` plan of ``batch``'s
+    sequences; an empty micro-batch of a padded plan is left out) with its routing rows;
+    counts what the packing lost, duplicated or mixed up (the loop's packing checks:
+    each must be 0)."""
     t0 = time.perf_counter()
-    plan = ck.packing.plan(batch.lengths, dp_size=dp_size, max_tokens=max_tokens)
     tensors = {
         "tokens": batch.tokens,
         "targets": batch.targets,
@@ -279,6 +279,8 @@ def pack_batch(batch: Batch, *, dp_size: int, max_tokens: int) -> PackInfo:
     for r in range(plan.dp_size):
         for j in range(plan.num_micro_batches):
             idx = plan.micro_batch(r, j).numpy()
+            if idx.size == 0:
+                continue
             seen[idx] += 1
             pb = ck.packing.pack(tensors, batch.lengths, idx)
             trace = batch.trace.slice(sequences=idx.tolist(), token_lens=batch.lengths[idx])
