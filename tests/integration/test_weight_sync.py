@@ -249,12 +249,17 @@ def test_parts_sync_checks_each_part_before_it_loads(engine, trained, tiny_moe_p
     with pytest.raises(ValueError, match='fp8 must be False, True or "dequantized"'):
         sync_parts_to_vllm(llm, iter(parts), fp8="e4m3")
 
-    report = sync_parts_to_vllm(llm, iter(parts))
-    assert report.tensors == len(layout)
-    by_parts = engine_derived_state(llm)
-    sync_to_vllm(llm, layout)
-    whole = engine_derived_state(llm)
-    assert [k for k in whole if _changed(whole[k], by_parts[k])] == []
+    # FP8 block-quantized part by part: the same (no change tracking: the engine's FP8
+    # history stays as the other tests expect it)
+    for fp8 in (False, "dequantized"):
+        report = sync_parts_to_vllm(llm, iter(parts), fp8=fp8, track_changes=False)
+        assert report.tensors == len(layout)
+        by_parts = engine_derived_state(llm)
+        sync_to_vllm(llm, load_hf_state_dict(tiny_moe_path))
+        sync_to_vllm(llm, layout, fp8=fp8, track_changes=False)
+        whole = engine_derived_state(llm)
+        assert [k for k in whole if _changed(whole[k], by_parts[k])] == [], fp8
+        assert fp8 is False or [k for k in whole if _changed(whole[k], fresh[k])]
     sync_to_vllm(llm, load_hf_state_dict(tiny_moe_path))
 
 
