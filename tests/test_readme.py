@@ -43,7 +43,9 @@ def _engines(code: str) -> list[str]:
 
 
 def _param(lineno: int, code: str):
-    marks = [pytest.mark.integration, pytest.mark.slow] if _engines(code) else []
+    engines = _engines(code)
+    marks = [pytest.mark.integration, pytest.mark.slow] if engines else []
+    marks += [pytest.mark.vllm] if "vllm" in engines else []
     return pytest.param(lineno, code, id=f"README.md:{lineno}", marks=marks)
 
 

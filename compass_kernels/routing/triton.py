@@ -24,10 +24,12 @@ __all__ = ["replay_topk_triton", "replay_topk_backward_triton", "LAUNCH"]
 #: Launch options of both kernels (tests/test_aot.py compiles with exactly these).
 LAUNCH = {"num_warps": 4}
 #: Logit elements per program tile (BLOCK_T * BLOCK_E). 4096 spilled the
-#: E = 256 forward under Triton 3.6 (ptxas 12.8: 168 registers, 16 B spilled)
-#: and took 181 registers at E = 128 under 3.9; 2048 compiles spill-free on both
-#: at <= 151 registers (tests/test_routing_aot.py, make test-triton36).
-TILE = 2048
+#: E = 256 forward under Triton 3.6 (ptxas 12.8: 168 registers, 16 B spilled);
+#: 2048 spilled it under 3.7.1 (torch 2.13's pin: 128 registers, 8 B spilled);
+#: 1024 compiles spill-free under 3.6, 3.7.1 and 3.9 at <= 128 registers
+#: (tests/test_routing_aot.py, make test-triton36, make test-py312). The kernel
+#: reads each logit once: a smaller tile only means more programs.
+TILE = 1024
 MAX_EXPERTS = 1024
 
 

@@ -23,7 +23,7 @@ from compass_kernels.integration.vllm.fp8_sync import (  # noqa: E402
     quantization_config,
 )
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
 
 @pytest.fixture(scope="module")

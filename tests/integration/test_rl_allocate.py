@@ -28,7 +28,7 @@ import compass_kernels as ck
 from compass_kernels.integration.rl import loop
 from compass_kernels.packing.schedule import LengthPredictor
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
 ROOT = Path(__file__).resolve().parents[2]
 

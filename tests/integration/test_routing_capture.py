@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 
 from compass_kernels.integration.vllm import capture as rc  # noqa: E402
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
 _BLOCK = 32
 _BUDGET = 64  # max_num_batched_tokens: prompts longer than this are chunked

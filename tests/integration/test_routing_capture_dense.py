@@ -11,7 +11,7 @@ pytest.importorskip("transformers")
 
 from compass_kernels.integration.vllm import capture as rc  # noqa: E402
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
 _DENSE = {"mlp_only_layers": [0]}
 

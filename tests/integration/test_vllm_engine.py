@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
 # Token-id prompts of different lengths (ids < 1024, no special tokens).
 _PROMPTS = [

@@ -12,7 +12,7 @@ import pytest
 
 from compass_kernels.packing.schedule import LengthPredictor, record_rollout
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
 _KEYS = [f"prompt{i}" for i in range(8)]
 # last step's lengths: the predicted order is 7 3 5 6 1 4 2 0

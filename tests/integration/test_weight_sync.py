@@ -32,7 +32,7 @@ from compass_kernels.integration.vllm.weight_sync import (  # noqa: E402
     sync_to_vllm,
 )
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
 # fp32 engine and fp32 transformers forward of the same (bf16-valued) weights:
 # measured max |dlogp| ~1.6e-6 on this batch; the bar leaves 6x room.
