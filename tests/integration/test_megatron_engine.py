@@ -17,20 +17,10 @@ from compass_kernels.integration.megatron._pin import installed_version  # noqa:
 from compass_kernels.integration.megatron.convert import (  # noqa: E402
     build_megatron_model,
     hf_to_megatron,
-    load_hf_state_dict,
     megatron_to_hf,
 )
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def hf_parts(tiny_moe_path):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.from_pretrained(tiny_moe_path)
-    model = AutoModelForCausalLM.from_pretrained(tiny_moe_path, dtype=torch.float32).eval()
-    return cfg, model, load_hf_state_dict(tiny_moe_path)
 
 
 @pytest.fixture(scope="module")

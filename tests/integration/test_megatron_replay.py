@@ -26,15 +26,6 @@ _E, _K, _LAYERS = 8, 2, [0, 1, 2]
 
 
 @pytest.fixture(scope="module")
-def hf_parts(tiny_moe_path):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.from_pretrained(tiny_moe_path)
-    model = AutoModelForCausalLM.from_pretrained(tiny_moe_path, dtype=torch.float32).eval()
-    return cfg, model, load_hf_state_dict(tiny_moe_path)
-
-
-@pytest.fixture(scope="module")
 def model(megatron_cpu, hf_parts):
     cfg, _, sd = hf_parts
     return build_megatron_model(cfg, sd)
