@@ -358,9 +358,9 @@ def test_old_policy_stays_on_the_ranks(setup):
     mask = batch.mask
     want = gap_stats(full["logprobs"][mask], batch.infer_logprobs[mask])
     gap = lean["gap"]
-    assert gap["tokens"] == want.tokens
+    assert gap.tokens == want.tokens
     for k in ("mean_abs", "k3", "frac_gt_ln2", "max_abs"):
-        assert gap[k] == pytest.approx(getattr(want, k), rel=1e-9, abs=1e-12), k
+        assert getattr(gap, k) == pytest.approx(getattr(want, k), rel=1e-9, abs=1e-12), k
     for i in range(batch.num_sequences):
         e = full["entropy"][(batch.seq_index == i) & mask].double()
         assert float(lean["seq_entropy_max"][i]) == float(e.max())

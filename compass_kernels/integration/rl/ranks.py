@@ -40,6 +40,7 @@ import os
 import pickle
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -998,8 +999,8 @@ class RankedTrainer:
 
         With ``keep`` (a name), the log-probs and entropy stay on the last-stage
         ranks under that name (``train(use_kept=name)`` reads them) and the
-        driver receives only: ``gap`` (mean |d|, k3, fraction |d| > ln 2, max |d|,
-        count of d = log-prob - engine log-prob over the response tokens; needs
+        driver receives only: ``gap`` (a :class:`~compass_kernels.integration.rl.trainer.GapStats`
+        of d = log-prob - engine log-prob over the response tokens; needs
         ``batch.infer_logprobs``) and, per sequence (sample order), ``seq_entropy_max``
         / ``seq_entropy_min`` [n] float64 of its response tokens (RL-ZVP's inputs)."""
         if keep is None:
@@ -1031,16 +1032,12 @@ class RankedTrainer:
             if st is None:
                 continue
             total = total + st["gap"]
-            cut = np.cumsum([mb.lengths.numel() for mb in mbs])[:-1]
-            pieces = zip(np.split(st["ent_max"], cut), np.split(st["ent_min"], cut),
-                         strict=True)  # fmt: skip
-            for j, (hi, lo) in enumerate(pieces):
-                idx = data.plan.micro_batch(info.dp, j)
-                if idx.numel():  # else a padding micro-batch
-                    emax[idx] = torch.maximum(emax[idx], torch.from_numpy(hi))
-                    emin[idx] = torch.minimum(emin[idx], torch.from_numpy(lo))
-        return {"gap": dataclasses.asdict(total.stats()), "seq_entropy_max": emax,
-                "seq_entropy_min": emin}  # fmt: skip
+            sizes = [mb.lengths.numel() for mb in mbs]
+            for idx, hi in _per_micro_batch(data.plan, info.dp, st["ent_max"], sizes):
+                emax[idx] = torch.maximum(emax[idx], hi)
+            for idx, lo in _per_micro_batch(data.plan, info.dp, st["ent_min"], sizes):
+                emin[idx] = torch.minimum(emin[idx], lo)
+        return {"gap": total.stats(), "seq_entropy_max": emax, "seq_entropy_min": emin}
 
     def token_advantages(self, data: StepData, keep: str, rewards: torch.Tensor,
                          zero_var: torch.Tensor, advantages: torch.Tensor, *,
@@ -1092,11 +1089,9 @@ class RankedTrainer:
         for info, (_, per_mb, _), res in zip(self.infos, args, results, strict=True):
             if res["nonzero"] is None:
                 continue
-            cut = np.cumsum([d["rewards"].numel() for d in per_mb])[:-1]
-            for j, nz in enumerate(np.split(res["nonzero"], cut)):
-                idx = plan.micro_batch(info.dp, j)
-                if idx.numel():  # else a padding micro-batch
-                    nonzero[idx] |= torch.from_numpy(nz)
+            sizes = [d["rewards"].numel() for d in per_mb]
+            for idx, nz in _per_micro_batch(plan, info.dp, res["nonzero"], sizes):
+                nonzero[idx] |= nz
         self._kept_adv.add(keep)
         return nonzero
 
@@ -1254,6 +1249,17 @@ class RankedTrainer:
 # ---------------------------------------------------------------------------
 
 
+def _per_micro_batch(plan: Any, dp_rank: int, values: np.ndarray,
+                     sizes: list[int]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
+    """(sequence indices, values) of each non-padding micro-batch of rank ``dp_rank``
+    from one rank reply's per-sequence ``values``, concatenated over its micro-batches
+    in order (``sizes``: each micro-batch's count there; a padding one has 1)."""
+    for j, piece in enumerate(np.split(values, np.cumsum(sizes)[:-1])):
+        idx = plan.micro_batch(dp_rank, j)
+        if idx.numel():  # else a padding micro-batch
+            yield idx, torch.from_numpy(piece)
+
+
 class LoopTrainer:
     """What ``compass-rl`` calls a trainer (``pack``, ``old_policy_pass``,
     ``token_advantages``, ``train_step``, ``probe_logprobs``, ``hf_state_dict``),
@@ -1304,21 +1310,17 @@ class LoopTrainer:
         ranks. Returns {"replay": replay stats per MoE layer, "gap_replay" /
         "gap_native": GapStats against the engine's log-probs, reduced from the
         ranks' sums}."""
-        from compass_kernels.integration.rl.trainer import GapStats
-
         rep = self.ranked.forward(self._data, replay=True, keep="replay")
         nat = self.ranked.forward(self._data, replay=False, keep="native")
         self.bytes_forward = self.ranked.last_bytes["forward_stats"]
-        return {"replay": rep["replay"], "gap_replay": GapStats(**rep["gap"]),
-                "gap_native": GapStats(**nat["gap"])}  # fmt: skip
+        return {"replay": rep["replay"], "gap_replay": rep["gap"], "gap_native": nat["gap"]}
 
     def token_advantages(self, pack: Any, rewards: torch.Tensor, zero_var: torch.Tensor,
                          advantages: torch.Tensor, *, alpha: float) -> torch.Tensor:  # fmt: skip
         """RL-ZVP token advantages on the ranks from the old policy's kept entropy
         (:meth:`RankedTrainer.token_advantages`); returns [n] bool per sequence."""
-        out = self.ranked.token_advantages(self._data, self._old, rewards, zero_var, advantages,
-                                           alpha=alpha)  # fmt: skip
-        return out
+        return self.ranked.token_advantages(self._data, self._old, rewards, zero_var,
+                                            advantages, alpha=alpha)  # fmt: skip
 
     def train_step(self, pack: Any, *, num_sequences: int, **espo_kwargs: Any) -> dict:
         """One optimizer step on the old policy's kept log-probs, entropy and token

@@ -193,7 +193,7 @@ def zvp_token_advantages(
     entropy_max: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RL-ZVP token advantages (``ck.advantages.rl_zvp``) of the response tokens of
-    some tokens: a whole batch on the driver, or one rank's share of a micro-batch.
+    some tokens: one rank's share of a micro-batch, or a whole gathered batch.
 
     entropy : [T] float old-policy entropy (read as float32, as rl_zvp does).
     seq : [T] int64 sequence of each token, in 0..n-1 (any order).
