@@ -53,6 +53,7 @@ def check_finite(name: str, t: torch.Tensor) -> None:
     propagate; float32/half values cannot overflow a float64 sum), one
     reduction instead of isfinite + any. Only a bad tensor pays for the search.
     """
+    t = t.detach()  # a float of a requires-grad tensor warns; the check needs no graph
     if math.isfinite(float(t.sum(dtype=torch.float64))):
         return
     bad = ~torch.isfinite(t)

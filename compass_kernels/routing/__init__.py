@@ -212,6 +212,7 @@ def _check_replay_args(router_logits, expert_ids, score_function, expert_bias, v
 def _check_finite_rows(name: str, t: torch.Tensor) -> None:
     """Raise naming the first row of ``t`` [T, E] holding NaN / Inf (one reduction
     when all are finite)."""
+    t = t.detach()  # a float of a requires-grad tensor warns; the check needs no graph
     if t.numel() == 0 or math.isfinite(float(t.sum(dtype=torch.float64))):
         return
     bad = ~torch.isfinite(t)
