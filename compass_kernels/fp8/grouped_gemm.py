@@ -153,6 +153,18 @@ def _check_shapes(a_q, a_scales, b_q, b_scales, expert_offsets) -> None:
     dev = a_q.device
     check_tensor("b_q", b_q, ndim=3, dtypes=_FP8, device=dev)
     e, n, kb_ = b_q.shape
+    # The offsets come from the permutation (the routing's expert count): when the two
+    # disagree, the weights are the ones for another model or layer.
+    check_tensor("expert_offsets", expert_offsets, ndim=1, dtypes=(torch.int64,), device=dev)
+    if expert_offsets.shape[0] < 2:
+        raise ValueError(
+            f"expert_offsets: expected E + 1 >= 2 elements, got {describe(expert_offsets)}"
+        )
+    if e != expert_offsets.shape[0] - 1:
+        raise ValueError(
+            f"b_q: expected weights for {expert_offsets.shape[0] - 1} experts in dim 0 "
+            f"(expert_offsets has {expert_offsets.shape[0]} = E + 1 entries), got {describe(b_q)}"
+        )
     if kb_ != k:
         raise ValueError(f"b_q: expected K = {k} (a_q.shape[1]) in dim 2, got {describe(b_q)}")
     if k == 0 or e == 0:
@@ -170,8 +182,6 @@ def _check_shapes(a_q, a_scales, b_q, b_scales, expert_offsets) -> None:
     if tuple(b_scales.shape) != (e, nb, kb):
         raise ValueError(f"b_scales: expected shape [{e}, {nb}, {kb}] = [E, ceil(N/128), "
                          f"ceil(K/128)], got {describe(b_scales)}")  # fmt: skip
-    check_tensor("expert_offsets", expert_offsets, ndim=1, dtypes=(torch.int64,), size=e + 1,
-                 size_what="E + 1", device=dev)  # fmt: skip
 
 
 def grouped_gemm(
