@@ -1,7 +1,7 @@
 """Executable spec of ck.advantages: plain torch, float64, written for clarity.
 
 Never imported by a fast path; tests and benches compare every backend to it.
-Math: ../shared/DESIGN.md, "Group advantages and zero-variance elimination".
+Math: docs/design.md, "Group advantages and zero-variance elimination".
 """
 
 from __future__ import annotations

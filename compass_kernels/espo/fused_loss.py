@@ -5,7 +5,7 @@ Two strategies, the same loss and gradients (tests/test_espo_fused_loss.py):
 
 - ``"grad_in_forward"`` (3 GEMMs per token chunk: logits, d_hidden, d_weight).
   Each chunk's logits [rows, V] are computed once, in float32, and overwritten
-  in place: statistics (log-sum-exp, target logit, entropy; C++ one read pass),
+  in place: statistics (log-sum-exp, target logit, entropy; one read pass),
   then d loss / d logits (one read + write pass) once the per-token upstream
   coefficients are known, then the two gradient GEMMs. The coefficients are
   known in the forward when the loss separates over the chunk:

@@ -2,7 +2,7 @@
 
 Plain torch in float64, written for clarity; the ops' CPU backend (float32,
 vectorised, ``*_torch``) is at the end.
-DESIGN.md (ESPO): temperature T scales the logits first; l_t = log softmax(z_t
+docs/design.md (ESPO): temperature T scales the logits first; l_t = log softmax(z_t
 / T)[y_t]; e_t = -sum_v p_v log p_v over the full vocabulary, with 0 log 0 = 0
 (a -inf logit is a masked token with p = 0). Gradients come from autograd in
 float64.

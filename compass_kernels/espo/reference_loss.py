@@ -2,7 +2,7 @@
 sequence and per group, gradients by autograd through the formula.
 
 Never imported by a fast path; tests and benches compare every backend to it.
-Math: ../shared/DESIGN.md "ESPO" (arXiv 2512.00499, Eqs. 8-10); the options
+Math: docs/design.md, "ESPO segmented loss" (arXiv 2512.00499, Eqs. 8-10); the options
 and the modes' defaults are resolved by ``loss_config.resolve`` (shared with
 the kernels' wrapper, so both read the same numbers).
 
