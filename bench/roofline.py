@@ -235,8 +235,10 @@ def _compile(module: str, kernel: str, overrides: dict) -> tuple[dict, str]:
             src = f"launched variant (tests/aot.compile_launched), Triton {triton.__version__}"
         else:
             art = aot.compile_triton(fn, sig, const, **launch)
-            src = (f"aot_variants() entry, constexprs {const}, i64 strides unspecialized "
-                   f"(not yet the launched variant), Triton {triton.__version__}, sm_90a")  # fmt: skip
+            src = (
+                f"aot_variants() entry, constexprs {const}, i64 strides unspecialized "
+                f"(not yet the launched variant), Triton {triton.__version__}, sm_90a"
+            )
         return sass_profile(art.sass), src
     raise LookupError(f"{module}.aot_variants() has no {kernel} matching {overrides}")
 
@@ -312,7 +314,7 @@ SASS_SPECS: dict[str, tuple[str, str, dict]] = {
 
 
 def _permute_quantize():
-    M, k, K, E = 131_072, 8, 2048, 256
+    M, k, K = 131_072, 8, 2048  # E = 256
     slots = M * k
     moved = M * K * 2 + slots * K + slots * (K // 128) * 4 + slots * (4 + 4 + 4 + 8 + 8)
     scat, src = _warp_instructions("permute_scatter", slots, 4, 1)
@@ -418,8 +420,8 @@ def _lm_head():
     """Modelled as GEMMs at the floor's rate + the extra passes at HBM speed, serial
     (separate kernels on one stream): a Model over the passes; the GEMM time is
     added by ``floor``. FLOPs are the 3 GEMMs' (bf16)."""
-    return Model(bytes=_lm_extra_bytes(), flops=0.0, precision="bf16",
-                 kernels=_lm_chunks() * 9 + 12), "passes are memory-bound (no count needed)"  # fmt: skip
+    model = Model(bytes=_lm_extra_bytes(), precision="bf16", kernels=_lm_chunks() * 9 + 12)
+    return model, "passes are memory-bound (no count needed)"
 
 
 def _grouped_gemm(groups: int, m: int, n: int, k: int):
