@@ -320,6 +320,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
     p.add_argument("--out", default=None, help="write the rows as JSON here")
+    p.add_argument("--jsonl", default=None,
+                   help="append each row here as a JSON line when measured")  # fmt: skip
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--small", action="store_true", help="toy sizes (a check of the script)")
     p.add_argument("--reps", type=int, default=10, help="timed samples per row")
@@ -349,6 +351,9 @@ def main(argv=None) -> int:
             got = [{"op": name, "error": f"{type(e).__name__}: {e}"[:500]}]
         for r in got:
             print(json.dumps(r), flush=True)
+            if a.jsonl:
+                with open(a.jsonl, "a") as f:
+                    f.write(json.dumps(r) + "\n")
         rows += got
         print(f"# {name}: {time.perf_counter() - t0:.1f} s", flush=True)
         if a.device == "cuda":
