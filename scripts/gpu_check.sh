@@ -96,7 +96,10 @@ on_exit() {
     record "$CUR_PHASE" cut 143 "$(awk -v a="$CUR_START" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.2f", b - a }')" "$CUR_LIMIT"
     log "cut during $CUR_PHASE"
   fi
-  [ -n "$BUILD_PID" ] && kill -TERM "$BUILD_PID" 2>/dev/null
+  if [ -n "$BUILD_PID" ] && ! grep -q '"phase": "build"' "$RESULTS"; then  # still in the background
+    kill -TERM "$BUILD_PID" 2>/dev/null
+    record build cut 143 "$(awk -v a="$BUILD_START" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.2f", b - a }')" "$BUILD_LIMIT"
+  fi
   if [ "$FINISHED" != 1 ]; then
     local p
     for p in "${PHASES[@]}"; do
