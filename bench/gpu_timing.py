@@ -43,10 +43,13 @@ import torch
 import compass_kernels as ck
 from bench import roofline
 from bench.harness import _interleaved_samples
+from compass_kernels.advantages import group_advantages_op
 from compass_kernels.espo.logprobs import token_logprobs_entropy_op
-from compass_kernels.fp8 import permute_op, quantize_op
+from compass_kernels.espo.loss import espo_loss_forward_op
+from compass_kernels.fp8 import permute_op, quantize_op, unpermute_op
 from compass_kernels.fp8.grouped_gemm import grouped_gemm_op
 from compass_kernels.packing.thd import thd_pack_op
+from compass_kernels.routing import replay_topk_op
 
 #: The device's ceilings (bench/roofline.py), set by main(); None: not in the table.
 DEVICE: roofline.Device | None = None
@@ -145,6 +148,92 @@ def permute_rows(t: Timer, dev: str, small: bool):
         s = t(lambda b=backend: ck.fp8.permute_quantize(x, ids, E, backend=b))
         out.append(row("permute_quantize", backend or "default", s, bytes_=moved,
                        shape=f"{M}x{k} K={K} E={E}", model=not small))  # fmt: skip
+
+    def torch_permute():  # what a user writes otherwise: sort the slots, gather, quantize
+        order = ids.flatten().argsort(stable=True)
+        g = x[order // k].float().view(M * k, K // 128, 128)
+        sc = g.abs().amax(-1, keepdim=True).clamp(min=1e-4) / 448.0
+        return (g / sc).to(torch.float8_e4m3fn), sc, order
+
+    s = t(torch_permute)
+    out.append(row("permute_quantize", "torch sort + gather + quantize", s, bytes_=moved,
+                   shape=f"{M}x{k} K={K} E={E}", model=not small))  # fmt: skip
+    dst = ck.fp8.permute_quantize(x, ids, E).dst_index
+    y = torch.randn(M * k, K, device=dev).to(torch.bfloat16)
+    w = torch.rand(M, k, device=dev)
+    un_moved = M * k * K * 2 + M * K * 2 + M * k * 12
+    for backend in _gpu_backends(unpermute_op, dev):
+        s = t(lambda b=backend: ck.fp8.unpermute(y, dst, w, backend=b))
+        out.append(row("unpermute", backend or "default", s, bytes_=un_moved,
+                       shape=f"{M}x{k} K={K}", model=not small))  # fmt: skip
+    return out
+
+
+def routing_rows(t: Timer, dev: str, small: bool):
+    T, E, K = (256, 64, 4) if small else (65_536, 256, 8)
+    g = torch.Generator(device=dev).manual_seed(3)
+    logits = torch.randn(T, E, device=dev, generator=g)
+    ids = torch.rand(T, E, device=dev, generator=g).argsort(-1)[:, :K].contiguous()
+    bias = torch.randn(E, device=dev, generator=g) * 0.01
+    moved = T * E * 4 + T * K * 8 + T * K * 4 + T * K * 8 + T * E
+    out = []
+    for backend in _gpu_backends(replay_topk_op, dev):
+        s = t(lambda b=backend: ck.routing.replay_topk(logits, ids, score_function="sigmoid",
+                                                       expert_bias=bias, backend=b))  # fmt: skip
+        out.append(row("routing_replay_fwd", backend or "default", s, bytes_=moved,
+                       shape=f"T={T} E={E} K={K}", model=not small))  # fmt: skip
+
+    def torch_replay():  # Megatron's sigmoid router at fixed experts
+        sc = torch.sigmoid(logits)
+        wsel = sc.gather(1, ids)
+        wsel = wsel / wsel.sum(-1, keepdim=True)
+        rmap = torch.zeros(T, E, dtype=torch.bool, device=dev).scatter_(1, ids, True)
+        return wsel, rmap, rmap.sum(0)
+
+    s = t(torch_replay)
+    out.append(row("routing_replay_fwd", "torch", s, bytes_=moved, shape=f"T={T} E={E} K={K}",
+                   model=not small))  # fmt: skip
+    return out
+
+
+def advantages_rows(t: Timer, dev: str, small: bool):
+    G, S = (64, 16) if small else (8192, 16)
+    r = torch.rand(G * S, device=dev)
+    out = []
+    for backend in _gpu_backends(group_advantages_op, dev):
+        s = t(lambda b=backend: ck.advantages.group_advantages(r, group_size=S, backend=b))
+        out.append(row("group_advantages", backend or "default", s, bytes_=G * S * 8 + G * 16,
+                       shape=f"{G} groups x {S}", model=not small))  # fmt: skip
+
+    def torch_adv():
+        v = r.view(G, S).double()
+        m, sd = v.mean(1, keepdim=True), v.std(1, keepdim=True)
+        return ((v - m) / (sd + 1e-6)).float(), sd.squeeze(1) < 1e-6
+
+    s = t(torch_adv)
+    out.append(row("group_advantages", "torch", s, bytes_=G * S * 8 + G * 16,
+                   shape=f"{G} groups x {S}", model=not small))  # fmt: skip
+    return out
+
+
+def espo_loss_rows(t: Timer, dev: str, small: bool):
+    T, n = (512, 4) if small else (65_536, 8)
+    g = torch.Generator(device=dev).manual_seed(4)
+    cu = torch.arange(0, T + 1, T // n, device=dev, dtype=torch.int64)
+    old = -torch.rand(T, device=dev, generator=g) * 4
+    lp = (old + torch.randn(T, device=dev, generator=g) * 0.1).requires_grad_()
+    ent = torch.rand(T, device=dev, generator=g) * 4
+    adv = torch.randn(n, device=dev, generator=g)
+    out = []
+    for backend in _gpu_backends(espo_loss_forward_op, dev):
+
+        def step(b=backend):
+            loss, _ = ck.espo.espo_loss(lp, old, ent, adv, cu, vocab_size=151_936, backend=b)
+            loss.backward()
+
+        s = t(step)
+        out.append(row("espo_loss", backend or "default", s, bytes_=T * 4 * 10,
+                       shape=f"{T} tokens in {n} sequences", model=not small))  # fmt: skip
     return out
 
 
@@ -246,6 +335,19 @@ def _gemm_rows(t: Timer, dev: str, E: int, N: int, K: int, rows: int, *, model: 
             r["model_ms"] = round(mod * 1e3, 4)
             r["measured_over_model"] = round(s / mod, 2)
         out.append(r)
+    if layout:  # the baseline: one bf16 torch.mm per group on dequantized operands
+        a16 = x.to(torch.bfloat16)
+        w16 = w.to(torch.bfloat16)
+        offs = off.tolist()
+
+        def per_group():
+            for e in range(E):
+                torch.mm(a16[offs[e] : offs[e + 1]], w16[e].T)
+
+        s = t(per_group)
+        out.append(row("fp8_grouped_gemm", "torch bf16 mm per group", s, flops=flops,
+                       model=False, shape=f"E={E} rows={rows} N={N} K={K}",
+                       layout=layout))  # fmt: skip
     return out
 
 
@@ -310,6 +412,9 @@ SECTIONS = {
     "logprobs": logprobs_rows,
     "permute": permute_rows,
     "quantize": quantize_rows,
+    "routing": routing_rows,
+    "advantages": advantages_rows,
+    "espo_loss": espo_loss_rows,
     "pack": pack_rows,
     "grouped_gemm": gemm_rows,
     "espo": espo_rows,
