@@ -199,24 +199,38 @@ def sass_profile(sass: str) -> dict:
     return {"main": len(main), "loops": sorted(loops, key=lambda x: x[2]), "ops": ops}
 
 
-def launched_artifacts(kernel, signature, constexprs, launch):
-    """HOOK (issue 32 item 2): the compiled code of the specialization a real
-    launch gets (ints divisible by 16 marked, ints equal to 1 constant, i32 below
-    2^31), once tests/aot.py provides it as ``compile_launched(kernel,
-    signature, constexprs, **launch)``. Until then None, and :func:`_compile`
-    falls back to the ``aot_variants()`` entry (i64 strides unspecialized;
-    pointers 16-byte aligned where the module says so), which every count's
-    ``source`` states."""
+_LAUNCHED: dict[str, list] = {}
+
+
+def launched_artifacts(module: str, kernel: str, constexprs: dict):
+    """HOOK (issue 32 item 2): the compiled code of the specialization a real launch
+    gets (ints divisible by 16 marked, ints equal to 1 constant, i32 below 2^31),
+    from ``tests.aot.launched_variants(module)`` where tests/aot.py has it: the
+    variant of ``kernel`` whose launch passed these constexprs. Returns
+    (CompiledArtifacts or None, what it is or why there is none); with None,
+    :func:`_compile` compiles the ``aot_variants()`` entry instead (i64 strides
+    unspecialized), and each count's ``source`` says which it is."""
     from tests import aot
 
-    fn = getattr(aot, "compile_launched", None)
-    return None if fn is None else fn(kernel, signature, constexprs, **launch)
+    variants = getattr(aot, "launched_variants", None)
+    if variants is None:
+        return None, "tests/aot.py has no launched_variants yet"
+    if module not in _LAUNCHED:
+        try:
+            _LAUNCHED[module] = variants(module)
+        except KeyError:  # no launch plan for this module
+            _LAUNCHED[module] = []
+    for v in _LAUNCHED[module]:
+        kw = v.launch.kwargs
+        if v.launch.name == kernel and all(kw[k] == c for k, c in constexprs.items() if k in kw):
+            return v.artifacts, f"launched variant ({v.case}: {v.specialization})"
+    return None, f"no launched variant of {kernel} with constexprs {constexprs}"
 
 
 def _compile(module: str, kernel: str, overrides: dict) -> tuple[dict, str]:
-    """(sass_profile, source) of ``module``'s aot_variants() entry for ``kernel``
-    whose constexprs match ``overrides`` on their common keys, the overrides
-    applied (the modelled shape's constexprs)."""
+    """(sass_profile, source) of ``kernel`` at the modelled shape's constexprs: the
+    launched variant where the hook has it, else ``module``'s aot_variants() entry
+    whose constexprs match the ``=KEY`` selectors, the other overrides applied."""
     import importlib
 
     import triton
@@ -230,14 +244,14 @@ def _compile(module: str, kernel: str, overrides: dict) -> tuple[dict, str]:
         if any(const.get(k[1:]) != v for k, v in overrides.items() if k.startswith("=")):
             continue
         const = dict(const) | {k.lstrip("="): v for k, v in overrides.items()}
-        art = launched_artifacts(fn, sig, const, launch)
+        art, why = launched_artifacts(module, kernel, const)
         if art is not None:
-            src = f"launched variant (tests/aot.compile_launched), Triton {triton.__version__}"
+            src = f"{why}, Triton {triton.__version__}, sm_90a"
         else:
             art = aot.compile_triton(fn, sig, const, **launch)
             src = (
                 f"aot_variants() entry, constexprs {const}, i64 strides unspecialized "
-                f"(not yet the launched variant), Triton {triton.__version__}, sm_90a"
+                f"(not the launched variant: {why}), Triton {triton.__version__}, sm_90a"
             )
         return sass_profile(art.sass), src
     raise LookupError(f"{module}.aot_variants() has no {kernel} matching {overrides}")
