@@ -640,8 +640,11 @@ def _table(rows: list[dict]) -> str:
                      else f"{d['share']:.0%}")  # fmt: skip
             cells += [f"{d['model_us']:,.1f}", share, d["bound"]]
         lines.append("| " + " | ".join(cells) + " |")
-    srcs = sorted({r["instruction_source"] for r in rows if r["warp_instructions"]})
-    lines += ["", "instruction counts: " + ("; ".join(srcs) if srcs else "none")]
+    counted = [r for r in rows if r["warp_instructions"]]
+    launched = sum(r["instruction_source"].startswith("launched") for r in counted)
+    lines += ["", f"instruction counts (SASS, sm_90a; {SASS_COUNTS.name}): {launched} of "
+              f"{len(counted)} from launched variants, the rest from aot_variants() entries "
+              "(i64 strides unspecialized); each row's source: --json"]  # fmt: skip
     return "\n".join(lines)
 
 
