@@ -78,7 +78,7 @@ report() {  # the report from what is there now; then the bundle (never fails th
     for f in report.md report.json results.jsonl; do
       [ -f "$DIR/$f" ] && cp "$DIR/$f" "$BUNDLE/.$f.tmp" && mv "$BUNDLE/.$f.tmp" "$BUNDLE/$f"
     done
-    tar czf "$BUNDLE/.run.tgz.tmp" -C "$(dirname "$DIR")" "$(basename "$DIR")" 2>/dev/null &&
+    tar czf "$BUNDLE/.run.tgz.tmp" --exclude=build_lib -C "$(dirname "$DIR")" "$(basename "$DIR")" 2>/dev/null &&
       mv "$BUNDLE/.run.tgz.tmp" "$BUNDLE/run.tgz"
   fi
 }

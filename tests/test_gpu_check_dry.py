@@ -107,7 +107,7 @@ def test_a_hung_phase_times_out_at_the_time_left(tmp_path):
     rc, results, report, wall = _run(tmp_path, GPU_CHECK_STUB_HANG="triton",
                                      GPU_CHECK_BUDGET_S=4)  # fmt: skip
     st = _status(results)
-    assert rc != 0 and wall < 4 + 3
+    assert rc != 0 and wall < 4 + 6  # the budget + the final report, on a loaded host
     assert st["triton"] == "timeout" and results[1]["rc"] == 124
     assert all(st[p] == "skipped" for p in ("timing", "cutlass", "cuda", "full")), st
     assert report["failed"] is True
