@@ -195,11 +195,12 @@ print(s.submodule_search_locations[0] + '/source/include' if s else '')")
   if [ -n "$inc" ]; then export COMPASS_CUTLASS_INCLUDE="$inc"; fi
   COMPASS_EMU=${COMPASS_EMU:-ON} pip install -v --no-build-isolation --no-deps -e .
   # setup.py's own lines: what was built, and what was left out and how to get it
-  NOTE=$(grep -a '^\[compass_kernels\] built' "$LOG" | tail -n 1 | sed 's/^\[compass_kernels\] //')
+  # (pip -v indents the build's output)
+  NOTE=$(grep -a '^ *\[compass_kernels\] built' "$LOG" | tail -n 1 | sed 's/^ *\[compass_kernels\] //' || true)
 }
 phase build build
 # what the build left out and how to get it (setup.py's warnings), on the terminal too
-grep -a '^\[compass_kernels\] WARNING' "$LOG" | sed 's/^\[compass_kernels\]/setup_env:/' || true
+grep -a '^ *\[compass_kernels\] WARNING' "$LOG" | sed 's/^ *\[compass_kernels\]/setup_env:/' || true
 
 check() {
   if [ "$GPUS" -gt 0 ]; then
