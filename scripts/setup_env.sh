@@ -136,7 +136,7 @@ resolve() {
 import json, sys
 rows = json.load(open(sys.argv[1]))["install"]
 pins = [f"{r['metadata']['name']}=={r['metadata']['version']}" for r in rows]
-open(sys.argv[2], "w").write("\n".join(pins) + "\n")
+open(sys.argv[2], "w").write("".join(f"{p}\n" for p in pins))
 torch = [p for p in pins if p.lower().startswith("torch==")]
 print(f"{len(pins)} packages to install" + (f" ({torch[0]})" if torch else ""))
 PY
