@@ -98,8 +98,10 @@ BAD = [
     ({"expert_offsets": _GOOD[4].to(torch.int32)}, "expert_offsets: expected dtype int64"),
     # weights and offsets for different expert counts: the weights are blamed (the
     # offsets come from the routing), both counts named
-    ({"b_q": _GOOD[2][:1], "b_scales": _GOOD[3][:1]},
-     r"b_q: expected weights for 2 experts in dim 0 \(expert_offsets has 3 = E \+ 1"),
+    (
+        {"b_q": _GOOD[2][:1], "b_scales": _GOOD[3][:1]},
+        r"b_q: expected weights for 2 experts in dim 0 \(expert_offsets has 3 = E \+ 1",
+    ),
     ({"expert_offsets": _GOOD[4][:2]}, "b_q: expected weights for 1 experts in dim 0"),
     ({"expert_offsets": _GOOD[4][:1]}, "expert_offsets: expected E . 1 >= 2 elements"),
     ({"expert_offsets": _GOOD[4][None]}, "expert_offsets: expected a 1-d tensor"),
