@@ -41,9 +41,8 @@ The patches (see :data:`PATCHES`):
     (nothing else in the modules changes; the functions that use it are pinned).
 ``rope_cp_rank``
     ``get_pos_emb_on_this_cp_rank`` (as bound in ``rotary_pos_embedding``)
-    moves its index to CUDA. On CPU it keeps Megatron's zigzag selection, or,
-    inside :func:`cp_token_positions`, selects each local token's own position
-    (packed sequences split per sequence: each token keeps its RoPE angle).
+    moves its index to CUDA; on CPU the same selection with a CPU index (packed
+    THD sequences do not call it: their RoPE is Megatron's per-sequence THD path).
 
 Before patching, each upstream function is checked to exist and to still
 contain the source lines the patch was written against; if not,
@@ -87,7 +86,6 @@ __all__ = [
     "destroy_single_process_gloo",
     "find_free_port",
     "init_single_process_gloo",
-    "cp_token_positions",
     "patched",
     "revert",
     "run_distributed",
@@ -300,59 +298,12 @@ def _make_module_torch(original: Any) -> Any:
     return original
 
 
-# Per-token RoPE positions of the context-parallel rank's tokens (cp_token_positions).
-_CP_POSITIONS = threading.local()
-
-
-@contextlib.contextmanager
-def cp_token_positions(positions: torch.Tensor):
-    """Inside this context, Megatron's per-CP-rank RoPE selection (patch
-    ``rope_cp_rank``) gives local token t the angle of ``positions[t]`` (its
-    position in its own sequence) instead of the zigzag of one long sequence.
-
-    positions : [T_local] int64, the rank's tokens in the order the model sees them.
-    """
-    if positions.dtype != torch.int64 or positions.dim() != 1:
-        raise ValueError(f"positions: expected a 1-D int64 tensor, got {positions.dtype} "
-                         f"{tuple(positions.shape)}")  # fmt: skip
-    prev = getattr(_CP_POSITIONS, "value", None)
-    _CP_POSITIONS.value = positions
-    # RotaryEmbedding.forward is lru-cached by (max_seq_len, offset, ...): a cached
-    # result holds another micro-batch's per-token selection (two micro-batches of
-    # one length would share RoPE angles). Cleared on entry and exit.
-    _clear_rope_cache()
-    try:
-        yield
-    finally:
-        _CP_POSITIONS.value = prev
-        _clear_rope_cache()
-
-
-def _clear_rope_cache() -> None:
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-
-    clear = getattr(RotaryEmbedding.forward, "cache_clear", None)
-    if clear is None:
-        raise ShimError("RotaryEmbedding.forward is not lru-cached: review cp_token_positions")
-    clear()
-
-
 def _make_rope_cp_rank(original: Callable) -> Callable:
     def get_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
         if not (_cpu_only() and pos_emb.device.type == "cpu"):
             return original(pos_emb, seq_dim, cp_group)
         if cp_group is None:
             raise ValueError("cp_group must be provided to get positional embedding per CP rank")
-        positions = getattr(_CP_POSITIONS, "value", None)
-        if positions is not None:
-            if seq_dim != 0:
-                raise ShimError(f"cp_token_positions: seq_dim {seq_dim}, expected 0")
-            if positions.numel() and int(positions.max()) >= pos_emb.shape[0]:
-                raise ShimError(
-                    f"cp_token_positions: position {int(positions.max())} beyond the "
-                    f"{pos_emb.shape[0]} RoPE rows Megatron computed"
-                )
-            return pos_emb.index_select(0, positions.to(pos_emb.device))
         cp_size, cp_rank = cp_group.size(), cp_group.rank()
         cp_idx = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1])
         pos_emb = pos_emb.view(
@@ -858,20 +809,6 @@ def find_free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-def _init_megatron_parallel(seed: int, **parallel_sizes: int) -> bool:
-    """Initialize Megatron's parallel state and RNG tracker unless already done.
-
-    Returns True if this call initialized it.
-    """
-    from megatron.core import parallel_state, tensor_parallel
-
-    if parallel_state.model_parallel_is_initialized():
-        return False
-    parallel_state.initialize_model_parallel(**parallel_sizes)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
-    return True
-
-
 def init_single_process_gloo(*, seed: int = 0, apply_shim: bool = True) -> None:
     """Create a world-size-1 gloo process group and Megatron's parallel state (idempotent).
 
@@ -917,7 +854,9 @@ def init_single_process_gloo(*, seed: int = 0, apply_shim: bool = True) -> None:
         # vLLM engine that owned it shut down): they are stale, make them anew.
         parallel_state.destroy_model_parallel()
         _OWNED.pop("megatron_parallel", None)
-    if _init_megatron_parallel(seed):
+    from compass_kernels.integration.megatron.parallel import init_parallel_state
+
+    if init_parallel_state(seed):
         _OWNED["megatron_parallel"] = True
     _OWNED["megatron_world"] = world
 
@@ -962,7 +901,9 @@ def _distributed_worker(
             apply()
             sizes = dict(megatron)
             seed = int(sizes.pop("seed", 0))
-            _init_megatron_parallel(seed, **sizes)
+            from compass_kernels.integration.megatron.parallel import init_parallel_state
+
+            init_parallel_state(seed, **sizes)
         out = fn(rank, world_size, *args)
         results.put((rank, out))
     finally:
