@@ -346,7 +346,7 @@ def sync_parts_to_vllm(
 ) -> WeightSyncReport:
     """:func:`sync_to_vllm` part by part: ``parts`` yields the HF-named weights of
     one part of the model at a time (embedding, one decoder layer, final norm /
-    head; e.g. ``RankedTrainer.hf_parts()`` gathering each from the sharded
+    head; e.g. ``DistributedTrainer.hf_parts()`` gathering each from the sharded
     trainer when the engine asks for it), so the extra memory on the trainer side
     is one part, never the model. ``fp8`` quantizes each part's FP8 weights as it
     passes (block-wise per layer).
