@@ -69,7 +69,9 @@ def _attention_rank(rank, world_size, path, lengths, seed):
     ql, kl, vl = (pb.tensors[n].clone().requires_grad_(True) for n in "qkv")
     out = attn(ql, kl, vl, None, packed_seq_params=pb.packed_seq_params())
     out.reshape(out.shape[0], -1).backward(pb.tensors["d"])
-    return rank, out.detach().reshape(out.shape[0], -1), ql.grad, kl.grad, vl.grad
+    # numpy: pickled by value (a tensor would travel as shared memory of an exited process)
+    got = (out.detach().reshape(out.shape[0], -1), ql.grad, kl.grad, vl.grad)
+    return (rank, *(t.numpy() for t in got))
 
 
 @pytest.mark.parametrize("cp", [1, 2])
@@ -92,7 +94,7 @@ def test_thd_attention_equals_per_sequence_reference(tiny_moe_path, cp):
                          cp_size=cp, cp_rank=0)  # fmt: skip
 
     def gathered(i):  # every rank's local rows, back in sequence order
-        return ck.packing.unpack([r[i] for r in results], pb)
+        return ck.packing.unpack([torch.from_numpy(r[i]) for r in results], pb)
 
     for i, ref, name in ((1, want, "out"), (2, qd.grad, "dq"), (3, kd.grad, "dk"),
                          (4, vd.grad, "dv")):  # fmt: skip
