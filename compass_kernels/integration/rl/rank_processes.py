@@ -105,7 +105,7 @@ class RankProcesses:
                  seed: int, timeout: float, device: str = "cpu") -> None:  # fmt: skip
         import torch.multiprocessing as mp
 
-        from compass_kernels.integration.cpu.megatron import find_free_port
+        from compass_kernels.integration.cpu.process_groups import find_free_port
 
         if device not in DEVICES:
             raise ValueError(
