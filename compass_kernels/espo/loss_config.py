@@ -104,7 +104,16 @@ def normalize(rho, alpha, clip, vocab_size, num_groups, quantiles, drop_low, dua
         quantiles = as_float_tuple("quantiles", quantiles)
     if dual_clip is not None:
         dual_clip = as_float("dual_clip", dual_clip)
-    return rho, alpha, clip, vocab_size, num_groups, quantiles, as_bool("drop_low", drop_low), dual_clip
+    return (
+        rho,
+        alpha,
+        clip,
+        vocab_size,
+        num_groups,
+        quantiles,
+        as_bool("drop_low", drop_low),
+        dual_clip,
+    )
 
 
 def resolve(
