@@ -125,8 +125,11 @@ def as_int(name: str, v: object, *, lo: int | None = None, hi: int | None = None
             raise OptionTypeError(f"{name}: expected an int, got {v!r} ({type(v).__name__})")
         v = s
     if (lo is not None and v < lo) or (hi is not None and v > hi):
-        rng = f"[{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}]"
-        raise ValueError(f"{name}: expected an int in {rng}, got {v}")
+        if hi is None:
+            want = {0: "a non-negative int", 1: "a positive int"}.get(lo, f"an int >= {lo}")
+        else:
+            want = f"an int in [{'-inf' if lo is None else lo}, {hi}]"
+        raise ValueError(f"{name}: expected {want}, got {v}")
     return v
 
 
