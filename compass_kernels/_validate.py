@@ -135,13 +135,14 @@ def as_int(name: str, v: object, *, lo: int | None = None, hi: int | None = None
 
 def as_float(name: str, v: object, *, finite: bool = True) -> float:
     """A real option as a Python float: int, float, NumPy number, 0-d real array
-    or tensor; bool and complex refused; NaN always, +-Inf unless ``finite=False``."""
+    or tensor; bool and complex refused; NaN and +-Inf refused unless ``finite=False``
+    (the caller's range check then sees them)."""
     if type(v) is not float:
         s = _scalar(name, v, "a number")
         if isinstance(s, bool) or not isinstance(s, int | float):
             raise OptionTypeError(f"{name}: expected a number, got {v!r} ({type(v).__name__})")
         v = float(s)
-    if v != v or (finite and not math.isfinite(v)):
+    if finite and not math.isfinite(v):
         raise ValueError(f"{name}: expected a finite number, got {v}")
     return v
 
