@@ -289,9 +289,7 @@ def _scaled(L: np.ndarray, pad: int, max_tokens: int, cost_b: float):
     P = [-(-int(x) // pad) * pad for x in L.tolist()]  # Python ints: no wrap
     total = sum(P)
     if total > 2**63 - 1:
-        raise ValueError(
-            f"lengths: the total token count {total} (after padding) overflows int64"
-        )
+        raise ValueError(f"lengths: the total token count {total} (after padding) overflows int64")
     if total <= _TOTAL_LIMIT:
         return None
     for i, x in enumerate(P):
