@@ -166,9 +166,9 @@ def test_group_advantages_no_samples(backend, backend_device, mode):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_rl_zvp_no_sequences(backend, backend_device):
     dev = backend_device
-    out = ck.advantages.rl_zvp(torch.empty(0, device=dev), torch.zeros(1, dtype=torch.int64,
-                               device=dev), torch.empty(0, device=dev),
-                               torch.empty(0, dtype=torch.bool, device=dev), backend=backend)  # fmt: skip
+    cu = torch.zeros(1, dtype=torch.int64, device=dev)
+    e, zv = torch.empty(0, device=dev), torch.empty(0, dtype=torch.bool, device=dev)
+    out = ck.advantages.rl_zvp(e, cu, e, zv, backend=backend)
     _empty(out, (0,))
 
 

@@ -25,7 +25,6 @@ from compass_kernels._validate import (
     INT_DTYPES,
     OptionTypeError,
     _scalar,
-    as_float,
     as_float_tuple,
     as_int,
     check_tensor,

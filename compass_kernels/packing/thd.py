@@ -216,7 +216,8 @@ def pack(
     if n and (int(L.min()) < 0 or int(L.max()) >= 2**31):
         i = int(np.argmax((L < 0) | (L >= 2**31)))
         raise ValueError(
-            f"lengths: expected 0 <= length < 2^31 (int32 cu_seqlens), got lengths[{i}] = {int(L[i])}"
+            f"lengths: expected 0 <= length < 2^31 (int32 cu_seqlens), got lengths[{i}] = "
+            f"{int(L[i])}"
         )
     seqlens = L[idx]
     if (seqlens <= 0).any():
