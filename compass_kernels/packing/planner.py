@@ -360,13 +360,13 @@ def plan(
     """
     L = _as_int64("lengths", lengths)
     n = L.size
-    if type(dp_size) is not int or dp_size < 1:
+    if not (type(dp_size) is int and 1 <= dp_size < 2**63):
         dp_size = _positive_int("dp_size", dp_size)
-    if type(max_tokens) is not int or max_tokens < 1:
+    if not (type(max_tokens) is int and 1 <= max_tokens < 2**63):
         max_tokens = _positive_int("max_tokens", max_tokens)
-    if micro_batch_multiple != 1:
+    if type(micro_batch_multiple) is not int or micro_batch_multiple != 1:  # True == 1
         micro_batch_multiple = _positive_int("micro_batch_multiple", micro_batch_multiple)
-    if pad_multiple != 1:
+    if type(pad_multiple) is not int or pad_multiple != 1:
         pad_multiple = _positive_int("pad_multiple", pad_multiple)
     if n == 0:
         raise ValueError("lengths: expected at least one sequence, got none")
