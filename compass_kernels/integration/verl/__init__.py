@@ -186,6 +186,7 @@ def _checked_espo(espo: EspoOptions | dict) -> EspoOptions:
     if unknown:
         raise ValueError(f"espo: unknown option(s) {unknown} (expected some of {fields})")
     o = EspoOptions(**given)
+    extra = o.extra if isinstance(o.extra, dict) else {}
     try:
         rho, alpha, clip, vocab, ng, q, drop, dual = loss_config.normalize(
             o.rho, o.alpha, o.clip, o.vocab_size, o.num_groups, o.quantiles, o.drop_low,
@@ -195,7 +196,7 @@ def _checked_espo(espo: EspoOptions | dict) -> EspoOptions:
         loss_config.resolve(mode="espo", rho=rho, alpha=alpha, clip=clip,
                             vocab_size=2 if vocab is None else vocab, num_groups=ng,
                             quantiles=q, drop_low=drop, ratio_form=o.ratio_form,
-                            dual_clip=dual)  # fmt: skip
+                            dual_clip=dual, grouping=extra.get("grouping", "global"))  # fmt: skip
     except (ValueError, TypeError) as err:
         raise type(err)(f"espo.{err}") from None
     if not isinstance(o.extra, dict):
