@@ -258,7 +258,7 @@ def test_dynamic_sampling_mask_per_group():
 
 
 # ------------------------------------------------ NaN / Inf policy, every public op
-# (the table: docs/design.md, "Validation and non-finite values"). On CPU tensors every float input
+# (the table: docs/validation.md, "Metadata and data checks"). On CPU tensors every float input
 # that the policy says must be finite is checked by default and the error names
 # the argument; where the policy leaves values unchecked, the output is what it
 # says.
