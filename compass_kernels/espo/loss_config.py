@@ -94,8 +94,16 @@ def normalize(rho, alpha, clip, vocab_size, num_groups, quantiles, drop_low, dua
     rho = as_float("rho", rho)
     alpha = as_float("alpha", alpha)
     if clip is not None:
-        clip = (as_float("clip", clip) if is_scalar_like(clip)
-                else as_float_tuple("clip", clip, length=2))  # fmt: skip
+        if is_scalar_like(clip):
+            clip = as_float("clip", clip)
+        else:
+            try:
+                pair = as_float_tuple("clip", clip)
+            except TypeError:  # OptionTypeError: not a sequence at all
+                pair = ()
+            if len(pair) != 2:
+                raise ValueError(f"clip: expected a float or a (low, high) pair, got {clip!r}")
+            clip = pair
     if vocab_size is not None:
         vocab_size = as_int("vocab_size", vocab_size)
     if num_groups is not None:
