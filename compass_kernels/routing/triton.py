@@ -41,6 +41,11 @@ def _blocks(e: int, k: int) -> tuple[int, int, int]:
 
 
 @triton.jit
+def _min_nan(a, b):
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _scores(z, zmax, sumexp, SCORE: tl.constexpr):
     if SCORE == 0:
         s = tl.exp(z - zmax[:, None]) / sumexp[:, None]
@@ -100,13 +105,19 @@ def _replay_fwd_kernel(
     else:
         sel = s
     sel = tl.where(m2, sel, float("-inf"))
-    # Native top-k: K rounds of a row argmax, ties to the lower index.
+    # Native top-k: K rounds of a row argmax, ties to the lower index, NaN above
+    # everything (torch.sort's order, the torch backend's); only experts not yet
+    # taken compete, so a row of NaN or -inf scores still picks K distinct ids < E.
     nat = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int64)
+    avail = cmask[None, :] & (rows[:, None] >= 0)
     for r in range(0, K):
-        best = tl.max(sel, axis=1)
-        idx = tl.min(tl.where(sel == best[:, None], cols[None, :], BLOCK_E), axis=1)
+        isnan = (sel != sel) & avail
+        any_nan = tl.max(isnan.to(tl.int32), axis=1) > 0
+        best = tl.max(tl.where(avail & ~isnan, sel, float("-inf")), axis=1)
+        hit = tl.where(any_nan[:, None], isnan, avail & (sel == best[:, None]))
+        idx = tl.min(tl.where(hit, cols[None, :], BLOCK_E), axis=1)
         nat = tl.where(kk[None, :] == r, idx.to(tl.int64)[:, None], nat)
-        sel = tl.where(cols[None, :] == idx[:, None], float("-inf"), sel)
+        avail = avail & (cols[None, :] != idx[:, None])
     if HAS_VALID:
         cand = (tl.load(valid_ptr + rows, mask=rmask, other=0) != 0) & rmask
     else:
@@ -130,7 +141,8 @@ def _replay_fwd_kernel(
         zn = tl.load(zrow + nat, mask=mk, other=0.0)
         sr = tl.where(kmask[None, :], _scores(zr, zmax, sumexp, SCORE), inf)
         sn = tl.where(kmask[None, :], _scores(zn, zmax, sumexp, SCORE), inf)
-        accept = tl.min(sr, axis=1) >= ratio * tl.min(sn, axis=1)
+        # NaN-propagating minima: a NaN score rejects the replay, as in torch
+        accept = tl.reduce(sr, 1, _min_nan) >= ratio * tl.reduce(sn, 1, _min_nan)
         use = ok & accept
     else:
         use = ok
