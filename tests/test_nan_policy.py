@@ -192,9 +192,9 @@ def test_espo_loss_nan_and_inf(mode, case):
     def run(backend, device):
         x = lp.to(device).requires_grad_(True)
         loss, metrics = ck.espo.espo_loss(
-            x, old.to(device), ent.to(device), adv.to(device), cu.to(device), mode=mode, vocab_size=1000,
-            entropy_threshold=None if thr is None else thr.to(device), validate=False,
-            backend=backend,
+            x, old.to(device), ent.to(device), adv.to(device), cu.to(device), mode=mode,
+            vocab_size=1000, entropy_threshold=None if thr is None else thr.to(device),
+            validate=False, backend=backend,
         )  # fmt: skip
         loss.backward()
         return loss, dict(metrics), x.grad

@@ -527,8 +527,9 @@ def _make_generic_reduce(original: Callable, table: dict, handle_cls) -> Callabl
             out = out if isinstance(out, tuple) else (out,)
             shape = lhs[0].handle.data.shape
             data = [
-                np.broadcast_to(o.handle.data if isinstance(o, tl.core.tensor) else o, shape)
-                .astype(d.dtype)
+                np.broadcast_to(
+                    o.handle.data if isinstance(o, tl.core.tensor) else o, shape
+                ).astype(d.dtype)
                 for o, d in zip(out, data, strict=True)
             ]
         ret = []

@@ -159,7 +159,9 @@ def _rl_zvp_kernel(
             for base in range(start, end, BLOCK):
                 idx = base + lanes
                 h = tl.load(h_ptr + idx, mask=idx < end, other=float("-inf"))
-                hmax = tl.maximum(hmax, h, propagate_nan=tl.PropagateNan.ALL)  # a NaN entropy: NaN max, as torch
+                hmax = tl.maximum(
+                    hmax, h, propagate_nan=tl.PropagateNan.ALL
+                )  # a NaN entropy: NaN max, as torch
             top = tl.reduce(hmax, 0, _max_nan)
             positive = tl.load(r_ptr + pid) > 0
             for base in range(start, end, BLOCK):

@@ -200,8 +200,18 @@ def _forward_kernel(
         clamped = (log_s < log_lo) | (log_s > log_hi)
         # NaN-propagating clamps (tl.maximum's default drops NaN): a NaN log-ratio
         # gives a NaN ratio, loss and gradient, not exp(log_lo)
-        s = tl.exp(tl.minimum(tl.maximum(log_s, log_lo, propagate_nan=tl.PropagateNan.ALL), log_hi, propagate_nan=tl.PropagateNan.ALL))
-        c = tl.minimum(tl.maximum(s, 1.0 - el, propagate_nan=tl.PropagateNan.ALL), 1.0 + eh, propagate_nan=tl.PropagateNan.ALL)
+        s = tl.exp(
+            tl.minimum(
+                tl.maximum(log_s, log_lo, propagate_nan=tl.PropagateNan.ALL),
+                log_hi,
+                propagate_nan=tl.PropagateNan.ALL,
+            )
+        )
+        c = tl.minimum(
+            tl.maximum(s, 1.0 - el, propagate_nan=tl.PropagateNan.ALL),
+            1.0 + eh,
+            propagate_nan=tl.PropagateNan.ALL,
+        )
         o1 = s * a
         o2 = c * a
         clipped = o2 < o1
@@ -219,8 +229,12 @@ def _forward_kernel(
         acc_loss += tl.where(in_loss, -w * f, 0.0)
         acc_tok += tl.where(in_loss, 1.0, 0.0)
         acc_ratio += tl.where(in_loss, s, 0.0)
-        acc_min = tl.minimum(acc_min, tl.where(in_loss, s, float("inf")), propagate_nan=tl.PropagateNan.ALL)
-        acc_max = tl.maximum(acc_max, tl.where(in_loss, s, float("-inf")), propagate_nan=tl.PropagateNan.ALL)
+        acc_min = tl.minimum(
+            acc_min, tl.where(in_loss, s, float("inf")), propagate_nan=tl.PropagateNan.ALL
+        )
+        acc_max = tl.maximum(
+            acc_max, tl.where(in_loss, s, float("-inf")), propagate_nan=tl.PropagateNan.ALL
+        )
         hit = (b[:, None] == ks[None, :]) & in_loss[:, None]
         acc_low += tl.where(hit & (clipped & (a < 0.0))[:, None], 1.0, 0.0)
         acc_high += tl.where(hit & (clipped & (a > 0.0))[:, None], 1.0, 0.0)
@@ -261,8 +275,12 @@ def _reduce_kernel(
         m = (i < n)[:, None] & (cols < W)[None, :]
         x = tl.load(rows_ptr + i[:, None] * W + cols[None, :], mask=m, other=0.0)
         acc_sum += x
-        acc_min = tl.minimum(acc_min, tl.where(m, x, float("inf")), propagate_nan=tl.PropagateNan.ALL)
-        acc_max = tl.maximum(acc_max, tl.where(m, x, float("-inf")), propagate_nan=tl.PropagateNan.ALL)
+        acc_min = tl.minimum(
+            acc_min, tl.where(m, x, float("inf")), propagate_nan=tl.PropagateNan.ALL
+        )
+        acc_max = tl.maximum(
+            acc_max, tl.where(m, x, float("-inf")), propagate_nan=tl.PropagateNan.ALL
+        )
     total = tl.sum(acc_sum, axis=0)
     out = tl.where(cols == W - 2, tl.reduce(acc_min, 0, _min_nan),
                    tl.where(cols == W - 1, tl.reduce(acc_max, 0, _max_nan), total))  # fmt: skip
