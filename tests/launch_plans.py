@@ -86,7 +86,7 @@ def fp8_gemm() -> Plan:
     # decode-sized 64-row tile, and K past 16,384 (256 K-groups of 128)
     for m, e, n, k in ((65536, 256, 4096, 7168), (65536, 256, 7168, 2048),
                        (8192, 256, 4096, 7168), (16384, 32, 4096, 32768),
-                       (65536, 256, 4096, 32768)):  # fmt: skip
+                       (65536, 256, 4096, 32768), (16384, 32, 4096, 16448)):  # fmt: skip
         kb, nb = -(-k // 128), -(-n // 128)
         args = (
             torch.empty(m, k, dtype=f8, device=META), torch.empty(m, kb, device=META),

@@ -20,6 +20,16 @@ builders get them wrong (measured on triton 3.9, tests/test_triton_interpreter.p
   do not mind, but a later compile in the same process
   (``tests.aot``) then fails deep inside code generation.
 
+- NaN: the GPU's ``tl.maximum`` / ``tl.minimum`` / ``tl.clamp`` without
+  ``propagate_nan`` drop NaN (PTX ``max.f32``); Triton 3.6's interpreter keeps it
+  (``np.maximum``, ``np.clip``), so a kernel that hides a NaN on the GPU passed
+  here. ``create_maxnumf`` / ``create_minnumf`` / ``create_clampf`` get the GPU's
+  semantics (``np.fmax`` / ``np.fmin``; NaN kept with ``PropagateNan.ALL``), as
+  Triton 3.9's interpreter already has. And ``tl.reduce`` with a combine the
+  interpreter has no NumPy twin for (a NaN-propagating max) ran the combine once
+  per element in Python; ``ReduceOps.generic_reduce`` runs it as a tree on whole
+  halves (log2 n calls).
+
 :func:`apply` replaces ``InterpreterBuilder.create_dot``, ``cast_impl`` and
 ``create_fp_to_fp`` with wrappers that convert through torch, and wraps
 ``InterpretedFunction.__call__`` and ``_patch_lang`` so that each helper call

@@ -105,19 +105,17 @@ def _replay_fwd_kernel(
     else:
         sel = s
     sel = tl.where(m2, sel, float("-inf"))
-    # Native top-k: K rounds of a row argmax, ties to the lower index, NaN above
-    # everything (torch.sort's order, the torch backend's); only experts not yet
-    # taken compete, so a row of NaN or -inf scores still picks K distinct ids < E.
+    # Native top-k: K rounds of a row argmax, ties to the lower index. A NaN score
+    # ranks as +inf (torch.sort puts NaN first; only a +inf bias, unchecked, tells
+    # the two apart): without it tl.max drops the NaN, no column equals the max
+    # of an all-NaN row, and the row read expert BLOCK_E, past its end.
+    sel = tl.where(sel != sel, float("inf"), sel)
     nat = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int64)
-    avail = cmask[None, :] & (rows[:, None] >= 0)
     for r in range(0, K):
-        isnan = (sel != sel) & avail
-        any_nan = tl.max(isnan.to(tl.int32), axis=1) > 0
-        best = tl.max(tl.where(avail & ~isnan, sel, float("-inf")), axis=1)
-        hit = tl.where(any_nan[:, None], isnan, avail & (sel == best[:, None]))
-        idx = tl.min(tl.where(hit, cols[None, :], BLOCK_E), axis=1)
+        best = tl.max(sel, axis=1)
+        idx = tl.min(tl.where(sel == best[:, None], cols[None, :], BLOCK_E), axis=1)
         nat = tl.where(kk[None, :] == r, idx.to(tl.int64)[:, None], nat)
-        avail = avail & (cols[None, :] != idx[:, None])
+        sel = tl.where(cols[None, :] == idx[:, None], float("-inf"), sel)
     if HAS_VALID:
         cand = (tl.load(valid_ptr + rows, mask=rmask, other=0) != 0) & rmask
     else:
