@@ -96,8 +96,82 @@ def fp8_gemm() -> Plan:
         yield f"grouped GEMM M={m} E={e} N={n} K={k}", lambda a=args: _run(grouped_gemm_op, *a)
 
 
+def espo_loss() -> Plan:
+    from compass_kernels.espo import loss as lo
+    from compass_kernels.espo import triton_loss as tk
+
+    # 512 sequences x ~4k tokens (2M tokens), fp32 log-probs, a mask; the default
+    # ESPO (2 entropy groups, adaptive eps), GSPO-token and GRPO configurations
+    n, t = 512, 2_000_000
+    f32 = {"dtype": torch.float32, "device": META}
+    lp, old, ent = (torch.empty(t, **f32) for _ in range(3))
+    adv = torch.empty(n, **f32)
+    cu = torch.empty(n + 1, dtype=torch.int64, device=META)
+    mask = torch.empty(t, dtype=torch.bool, device=META)
+    for name, k, flags in (("espo", 2, tk._FLAG_ADAPTIVE), ("gspo", 1, tk._FLAG_GSPO),
+                           ("grpo", 1, tk._FLAG_GSPO | tk._FLAG_TOKEN)):  # fmt: skip
+        thr = torch.empty(k - 1, dtype=torch.float64, device=META)
+        sums = torch.empty(n * k * 3, dtype=torch.float64, device=META)
+        yield f"{name} group sums n={n} T={t}", lambda k=k, f=flags, thr=thr: _run(
+            lo.espo_group_sums_op, ent, lp, old, cu, mask, thr, k, f)  # fmt: skip
+        yield f"{name} forward n={n} T={t}", lambda k=k, f=flags, thr=thr, sums=sums: _run(
+            lo.espo_loss_forward_op, lp, old, ent, adv, cu, mask, thr, sums, k, f, 0.2, 0.28,
+            1.0, 0.0, -20.0, 20.0, 1.0 / n, 1)  # fmt: skip
+    g = torch.empty((), **f32)
+    yield f"backward T={t}", lambda: _run(lo.espo_loss_backward_op, g, lp)
+
+
+def advantages() -> Plan:
+    from compass_kernels.advantages import group_advantages_op, rl_zvp_op
+
+    # 512 prompts x 16 rollouts; RL-ZVP over their 8M response tokens
+    n, g, t = 8192, 512, 8_000_000
+    for dt in (torch.float32, torch.float64):
+        r = torch.empty(n, dtype=dt, device=META)
+        order = torch.empty(n, dtype=torch.int64, device=META)
+        offsets = torch.empty(g + 1, dtype=torch.int64, device=META)
+        for mode in (0, 1, 2):
+            yield f"group advantages mode={mode} {dt}", (
+                lambda r=r, o=order, f=offsets, m=mode: _run(
+                    group_advantages_op, r, o, f, m, 1e-6, 1e-6))  # fmt: skip
+        h = torch.empty(t, dtype=torch.float32, device=META)
+        cu = torch.empty(n + 1, dtype=torch.int64, device=META)
+        zv = torch.empty(n, dtype=torch.bool, device=META)
+        for adv in (r, None):
+            yield (
+                f"rl_zvp T={t} {dt} advantages={adv is not None}",
+                (lambda h=h, cu=cu, r=r, zv=zv, a=adv: _run(rl_zvp_op, h, cu, r, zv, a, 0.1)),
+            )
+
+
+def fp8_quant() -> Plan:
+    from compass_kernels.fp8 import permute_op, quantize_op, unpermute_op
+
+    bf16 = {"dtype": torch.bfloat16, "device": META}
+    # a DeepSeek-V3 expert weight (7168 x 2048 bf16, 128 x 128 blocks), 16k
+    # tokens of 7168-wide activations (1 x 128 groups), their top-8 permutation
+    # over 256 experts, and the unpermute of the 2048-wide expert outputs
+    w = torch.empty(7168, 2048, **bf16)
+    x = torch.empty(16384, 7168, **bf16)
+    for ue8m0 in (False, True):
+        yield f"quantize weight 7168x2048 ue8m0={ue8m0}", lambda u=ue8m0: _run(
+            quantize_op, w, 128, 128, 1e-4, u, False, 0)  # fmt: skip
+        yield f"quantize activations 16384x7168 ue8m0={ue8m0}", lambda u=ue8m0: _run(
+            quantize_op, x, 1, 128, 1e-10, u, True, 0)  # fmt: skip
+    ids = torch.empty(16384, 8, dtype=torch.int32, device=META)
+    yield "permute + quantize 16384 x top-8, E=256", lambda: _run(
+        permute_op, x, ids, 256, 1e-10, False, 0)  # fmt: skip
+    y = torch.empty(16384 * 8, 2048, **bf16)
+    dst = torch.empty(16384 * 8, dtype=torch.int64, device=META)
+    tw = torch.empty(16384, 8, dtype=torch.float32, device=META)
+    yield "unpermute 16384 x top-8 x 2048", lambda: _run(unpermute_op, y, dst, tw)
+
+
 PLANS: dict[str, Callable[[], Plan]] = {
     "espo.triton_logprobs": espo_logprobs,
     "routing.triton": routing,
     "fp8.triton_gemm": fp8_gemm,
+    "fp8.triton": fp8_quant,
+    "espo.triton_loss": espo_loss,
+    "advantages.triton": advantages,
 }

@@ -25,7 +25,8 @@ from tests.triton_tier import needs_cuobjdump
 pytestmark = [pytest.mark.sm90, needs_cuobjdump]
 
 #: register budget per module (4 warps: <= 128 keeps >= 4 programs per SM)
-BUDGET = {"espo.triton_logprobs": 96, "routing.triton": 128, "fp8.triton_gemm": 255}
+BUDGET = {"espo.triton_logprobs": 96, "routing.triton": 128, "fp8.triton_gemm": 255,
+          "fp8.triton": 160, "espo.triton_loss": 160, "advantages.triton": 96}  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=sorted(BUDGET))
@@ -83,6 +84,14 @@ def test_routing_covers_256_and_384_experts():
     assert {"replay E=256 K=8 T=8192", "replay E=384 K=8 T=8192"} <= cases
     e384 = next(v for v in vs if v.case == "replay E=384 K=8 T=8192")
     assert e384.launch.kwargs["BLOCK_E"] == 512
+
+
+def test_fp8_quantize_reads_and_writes_128_bit():
+    for v in aot.launched_variants("fp8.triton"):
+        if v.name in ("_quantize_block_kernel", "_quantize_groups_kernel"):
+            w = aot.global_access_widths(v.artifacts.ptx)
+            # bf16 in (8 per access), e4m3 bytes out (16 per access)
+            assert w["ld"].get(128, 0) >= 8 and w["st"].get(128, 0) >= 2, f"{v.case}: {w}"
 
 
 def test_grouped_gemm_uses_wgmma_and_wide_loads():
