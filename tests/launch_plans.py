@@ -167,6 +167,26 @@ def fp8_quant() -> Plan:
     yield "unpermute 16384 x top-8 x 2048", lambda: _run(unpermute_op, y, dst, tw)
 
 
+def packing() -> Plan:
+    from compass_kernels.packing.thd import thd_pack_op, thd_positions_op, thd_unpack_op
+
+    # a micro-batch of 256 sequences, 1M tokens: 7168-wide bf16 hidden states
+    # (14,336-byte rows), int64 token ids (8-byte rows), and a 24-byte odd row;
+    # context parallelism 1 and 2
+    m, t = 256, 1 << 20
+    i64 = {"dtype": torch.int64, "device": META}
+    ss, sl, cu = torch.empty(m, **i64), torch.empty(m, **i64), torch.empty(m + 1, **i64)
+    oo = torch.empty(m + 1, **i64)
+    for w in (14336, 8, 24):
+        src = torch.empty(t, w, dtype=torch.uint8, device=META)
+        for cp, rank in ((1, 0), (2, 1)):
+            yield f"pack {t} x {w} B cp={cp}", lambda src=src, cp=cp, r=rank: _run(
+                thd_pack_op, src, ss, sl, oo, cp, r, 0, t // cp)  # fmt: skip
+            yield f"unpack {t} x {w} B cp={cp}", lambda src=src, cp=cp: _run(
+                thd_unpack_op, src, sl, cu, oo, cp, t)  # fmt: skip
+    yield f"positions {t} cp=2", lambda: _run(thd_positions_op, oo, 2, 1, t // 2)
+
+
 PLANS: dict[str, Callable[[], Plan]] = {
     "espo.triton_logprobs": espo_logprobs,
     "routing.triton": routing,
@@ -174,4 +194,5 @@ PLANS: dict[str, Callable[[], Plan]] = {
     "fp8.triton": fp8_quant,
     "espo.triton_loss": espo_loss,
     "advantages.triton": advantages,
+    "packing.triton": packing,
 }
