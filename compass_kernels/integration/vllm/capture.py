@@ -87,6 +87,7 @@ __all__ = [
     "routed_experts_engine_kwargs",
     "routed_experts_max_bytes",
     "sequence_from_routed_experts",
+    "trace_from_routed_experts",
     "unregister_plugin",
 ]
 
@@ -884,6 +885,16 @@ def sequence_from_routed_experts(
     )
 
 
+def trace_from_routed_experts(routed: Any, **kwargs: Any) -> Any:
+    """:func:`sequence_from_routed_experts` (same arguments) as a validated one-sequence
+    ``compass_kernels.routing.RoutingTrace`` (e.g. from an OpenAI-style response)."""
+    seq = sequence_from_routed_experts(routed, **kwargs)
+    trace = seq.to_trace()
+    trace.validate(moe_layer_ids=seq.layers, top_k=seq.expert_ids.shape[2],
+                   num_experts=seq.num_experts)  # fmt: skip
+    return trace
+
+
 class RoutingCapture:
     """Handle of the routing capture of one ``vllm.LLM`` (see :func:`enable_routing_capture`)."""
 
@@ -935,7 +946,10 @@ class RoutingCapture:
         """One ``RoutingTrace`` per (request, completion) of ``outputs``, in the
         order of :meth:`collect_sequences` (``recomputed``: see
         :meth:`CapturedSequence.to_trace`)."""
-        return [s.to_trace(recomputed=recomputed) for s in self.collect_sequences(outputs)]
+        traces = [s.to_trace(recomputed=recomputed) for s in self.collect_sequences(outputs)]
+        for t in traces:
+            t.validate(moe_layer_ids=self.layers, top_k=self.top_k, num_experts=self.num_experts)
+        return traces
 
     def _from_hook(self, out: Any, comp: Any, rec: dict[str, Any], rid: str) -> CapturedSequence:
         num_prompt = len(out.prompt_token_ids)
