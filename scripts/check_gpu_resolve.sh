@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# What `pip install "compass_kernels[vllm,megatron,triton]"` resolves to on a GPU host of
+# the documented line (README, "GPU line"): Linux x86_64, CPython 3.12. A dry run with the
+# platform's tags (`pip install --dry-run --ignore-installed --report`): no GPU, nothing
+# installed, only metadata fetched. Fails unless it resolves to vLLM 0.34.x with the
+# torch 2.14.0 it pins, the Triton torch pins and megatron-core 0.19.2.
+#   PY312  a Python 3.12 with pip (default .venv312/bin/python)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY312=${PY312:-.venv312/bin/python}
+OUT=${COMPASS_RESOLVE_DIR:-build/gpu-resolve}
+mkdir -p "$OUT"
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+# pip does not widen --platform to older glibc tags by itself: list manylinux 2_17 .. 2_28
+PLATFORMS=()
+for g in $(seq 17 28); do PLATFORMS+=(--platform "manylinux_2_${g}_x86_64"); done
+PLATFORMS+=(--platform manylinux2014_x86_64 --platform linux_x86_64)
+# The project's own requirements for those extras (pyproject.toml, markers evaluated for
+# Python 3.12 on Linux): the package itself is a source tree, which a dry run for another
+# platform cannot build.
+mapfile -t REQS < <("$PY312" - <<'PY'
+import tomllib
+from packaging.requirements import Requirement
+p = tomllib.load(open("pyproject.toml", "rb"))["project"]
+env = {"python_version": "3.12", "python_full_version": "3.12.0", "sys_platform": "linux",
+       "platform_system": "Linux", "platform_machine": "x86_64", "extra": ""}
+reqs = list(p["dependencies"])
+for extra in ("vllm", "megatron", "triton"):
+    reqs += p["optional-dependencies"][extra]
+for r in map(Requirement, reqs):
+    if r.marker is None or r.marker.evaluate(env):
+        r.marker = None
+        print(r)
+PY
+)
+echo "check_gpu_resolve: ${REQS[*]}"
+"$PY312" -m pip install -q --dry-run --ignore-installed --only-binary=:all: \
+  "${PLATFORMS[@]}" --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none \
+  --target "$OUT/target" --report "$OUT/report.json" "${REQS[@]}"
+"$PY312" - "$OUT/report.json" <<'PY'
+import json, sys
+got = {i["metadata"]["name"].lower(): i["metadata"]["version"]
+       for i in json.load(open(sys.argv[1]))["install"]}
+want = {"vllm": "0.34.", "torch": "2.14.0", "megatron-core": "0.19.2", "triton": "3.8."}
+print("check_gpu_resolve:", len(got), "packages;", ", ".join(f"{k} {got.get(k)}" for k in want))
+bad = [k for k, v in want.items() if not str(got.get(k, "")).startswith(v)]
+sys.exit(f"check_gpu_resolve: expected {', '.join(f'{k} {want[k]}*' for k in bad)}" if bad else 0)
+PY
