@@ -11,9 +11,10 @@ PY312=${PY312:-.venv312/bin/python}
 OUT=${COMPASS_RESOLVE_DIR:-build/gpu-resolve}
 mkdir -p "$OUT"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-# pip does not widen --platform to older glibc tags by itself: list manylinux 2_17 .. 2_28
+# pip does not widen --platform to older glibc tags by itself: list manylinux 2_17 .. 2_35
+# (glibc 2.35: Ubuntu 22.04, the CUDA 13 images; vLLM 0.34 needs llguidance 1.7, built for 2_31)
 PLATFORMS=()
-for g in $(seq 17 28); do PLATFORMS+=(--platform "manylinux_2_${g}_x86_64"); done
+for g in $(seq 17 35); do PLATFORMS+=(--platform "manylinux_2_${g}_x86_64"); done
 PLATFORMS+=(--platform manylinux2014_x86_64 --platform linux_x86_64)
 # The project's own requirements for those extras (pyproject.toml, markers evaluated for
 # Python 3.12 on Linux): the package itself is a source tree, which a dry run for another

@@ -91,6 +91,7 @@ def _fake_install(monkeypatch, version, files):
     files["_version.py"] = f"__version__ = version = '{version}'\n"
     monkeypatch.setattr(_pin, "installed_sources", lambda: (version, _reader(files)))
     _pin._CHECKED.clear()
+    _pin._INSTALLED_HASHES.clear()
 
 
 def _sources_matching(feature):
@@ -152,5 +153,6 @@ def test_installed_vllm_matches_its_pins():
     assert version == "0.32.0"
     assert _pin.verify(version, read) == []
     _pin._CHECKED.clear()
+    _pin._INSTALLED_HASHES.clear()
     for feature in _pin.FEATURES:
         assert _pin.check(feature) == "0.32.0"

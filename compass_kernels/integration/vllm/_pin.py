@@ -593,14 +593,22 @@ def feature_hashes(version: str, read: Sources, labels: tuple[str, ...]) -> dict
 # ---------------------------------------------------------------------------
 
 
-def verify(version: str, read: Sources, features: tuple[str, ...] | None = None) -> list[str]:
-    """Differences between ``read``'s sources and the pins of ``version``, one line each
-    (empty: every internal of ``features`` (default all) is as reviewed)."""
+def verify(
+    version: str,
+    read: Sources,
+    features: tuple[str, ...] | None = None,
+    *,
+    actual: dict[str, str | None] | None = None,
+) -> list[str]:
+    """Differences between ``read``'s sources (or hashes ``actual`` computed from them)
+    and the pins of ``version``, one line each (empty: every internal of ``features``,
+    default all, is as reviewed)."""
     pinned = PINS.get(version)
     if pinned is None:
         return [f"vLLM {version}: no source pins (pinned: {sorted(PINS)})"]
     labels = tuple(INTERNALS) if features is None else _labels(features)
-    actual = feature_hashes(version, read, labels)
+    if actual is None:
+        actual = feature_hashes(version, read, labels)
     problems = []
     for label in labels:
         if label not in pinned:
@@ -624,6 +632,7 @@ def _labels(features: tuple[str, ...]) -> tuple[str, ...]:
 
 
 _CHECKED: dict[tuple[str, str], str] = {}
+_INSTALLED_HASHES: dict[str, dict[str, str | None]] = {}
 
 
 def check(feature: str, error: type[Exception] = PinError, *, who: str = "") -> str:
@@ -646,7 +655,10 @@ def check(feature: str, error: type[Exception] = PinError, *, who: str = "") -> 
             f"{version}: its internals ({', '.join(FEATURES[feature])}) have not been reviewed "
             f"for {version} (compass_kernels/integration/vllm/_pin.py)"
         )
-    problems = verify(version, read, (feature,))
+    if version not in _INSTALLED_HASHES:  # every internal at once: each file parsed once
+        _INSTALLED_HASHES[version] = feature_hashes(version, read, tuple(INTERNALS))
+    actual = _INSTALLED_HASHES[version]
+    problems = verify(version, lambda rel: None, (feature,), actual=actual)
     if problems:
         raise error(
             f"{who}: the installed vLLM {version} is not the source it was reviewed against: "
