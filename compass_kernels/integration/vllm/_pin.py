@@ -120,6 +120,15 @@ INTERNALS: dict[str, tuple[str, str | None]] = {
         "v1/worker/gpu_model_runner.py",
         "GPUModelRunner.reload_weights",
     ),
+    # Model Runner V2's (the GPU default from 0.33), and the in-place reload both call
+    "GPUModelRunnerV2.reload_weights": (
+        "v1/worker/gpu/model_runner.py",
+        "GPUModelRunner.reload_weights",
+    ),
+    "reload_weights (inplace)": (
+        "model_executor/model_loader/reload/inplace.py",
+        "reload_weights",
+    ),
     "reload/layerwise.py": ("model_executor/model_loader/reload/layerwise.py", None),
     # a second _setup_kernel skips the experts' prepack: weight_sync clears moe_kernel
     "UnquantizedFusedMoEMethod._setup_kernel": (
@@ -192,6 +201,8 @@ FEATURES: dict[str, tuple[str, ...]] = {
     "weight_sync": (
         "Worker.reload_weights",
         "GPUModelRunner.reload_weights",
+        "GPUModelRunnerV2.reload_weights",
+        "reload_weights (inplace)",
         "reload/layerwise.py",
         "UnquantizedFusedMoEMethod._setup_kernel",
     ),
@@ -235,14 +246,15 @@ FEATURES: dict[str, tuple[str, ...]] = {
 #: the hook does not wrap) and 0.34 deletes v1/worker/gpu_model_runner.py and
 #: cpu_model_runner.py: on 0.33 / 0.34 use vLLM's own capture (mode="vllm").
 #:
-#: weight_sync, 0.32 / 0.33: Worker.reload_weights, GPUModelRunner.reload_weights and
-#: reload/layerwise.py are unchanged in 0.33; UnquantizedFusedMoEMethod._setup_kernel
-#: drops prefer_copy (replace_parameter always re-registers) but still skips the kernel
-#: build and the experts' prepack when moe_kernel is set, which weight_sync clears first
-#: (the first-load path, as on 0.32). 0.34 is refused: the V1 runner's reload_weights is
-#: gone (Model Runner V2's is not reviewed), Worker.reload_weights lends KV-cache memory
-#: for the reload, and layerwise.py defers process_weights_after_loading to
-#: finalize_model_weights.
+#: weight_sync, 0.32 / 0.33: Worker.reload_weights, both runners' reload_weights (V1's
+#: and Model Runner V2's, the GPU default from 0.33: the same call of the in-place
+#: reload_weights), that function and reload/layerwise.py are unchanged in 0.33;
+#: UnquantizedFusedMoEMethod._setup_kernel drops prefer_copy (replace_parameter always
+#: re-registers) but still skips the kernel build and the experts' prepack when
+#: moe_kernel is set, which weight_sync clears first (the first-load path, as on 0.32).
+#: 0.34 is refused: the in-place reload moves to start_reload / finish_reload (new
+#: reload modules, not reviewed), Worker.reload_weights lends KV-cache memory for it,
+#: and layerwise.py defers process_weights_after_loading to finalize_model_weights.
 #:
 #: fp8_moe, 0.32 / 0.33 / 0.34: FusedMoEExpertsModular gains output_hidden_dim (0.33,
 #: default: the hidden size, right for our experts); FusedMoEKernel.apply gains optional
@@ -318,6 +330,12 @@ PINS: dict[str, dict[str, str | None]] = {
         "Worker.reload_weights": "91979171fcec0214fc144ec89a45ae1cda531af28e07dde168d15df40d588069",
         "GPUModelRunner.reload_weights": (
             "ef96b4dff8c473103d4b2f74895b44677e1d37598c25092d513b621455923494"
+        ),
+        "GPUModelRunnerV2.reload_weights": (
+            "474ef2843361a99eed375fbdee1008112f5adf67822ebf2087a0cfafd4e95eb6"
+        ),
+        "reload_weights (inplace)": (
+            "541a099e44890ba76a1788a518bea3209fa169e4ab5d9f0ae3221c44d841e6d8"
         ),
         "reload/layerwise.py": "6a1008c8a898b99e13ea3b5120da25de4102d699ce5921c086c09a665b5d5d7d",
         "UnquantizedFusedMoEMethod._setup_kernel": (
@@ -398,6 +416,12 @@ PINS: dict[str, dict[str, str | None]] = {
         "GPUModelRunner.reload_weights": (
             "ef96b4dff8c473103d4b2f74895b44677e1d37598c25092d513b621455923494"
         ),
+        "GPUModelRunnerV2.reload_weights": (
+            "474ef2843361a99eed375fbdee1008112f5adf67822ebf2087a0cfafd4e95eb6"
+        ),
+        "reload_weights (inplace)": (
+            "541a099e44890ba76a1788a518bea3209fa169e4ab5d9f0ae3221c44d841e6d8"
+        ),
         "reload/layerwise.py": "6a1008c8a898b99e13ea3b5120da25de4102d699ce5921c086c09a665b5d5d7d",
         "UnquantizedFusedMoEMethod._setup_kernel": (
             "baf9c6efc738e89977fb35a6a817aba480d1fa779bc120ff7b4f4f539b0fc5b0"
@@ -467,6 +491,12 @@ PINS: dict[str, dict[str, str | None]] = {
         ),
         "Worker.reload_weights": "a6d5fa99cf24315ea1c60e94c3ce23df1419d9976946b87fd040ef6ec8733001",
         "GPUModelRunner.reload_weights": None,
+        "GPUModelRunnerV2.reload_weights": (
+            "474ef2843361a99eed375fbdee1008112f5adf67822ebf2087a0cfafd4e95eb6"
+        ),
+        "reload_weights (inplace)": (
+            "ef6a094611e170232b9d7c3b14ce6ec2b1b868028c730586a6baf0a0e21a901a"
+        ),
         "reload/layerwise.py": "8950823a541d04fe1490db28837cc02db9527377fb8bcc854ae22b8864b0887a",
         "UnquantizedFusedMoEMethod._setup_kernel": (
             "baf9c6efc738e89977fb35a6a817aba480d1fa779bc120ff7b4f4f539b0fc5b0"
