@@ -249,3 +249,12 @@ def test_refused_connectors_are_vllms_list():
         "NixlConnector", "NixlPullConnector", "NixlPushConnector", "MoRIIOConnector",
         "MooncakeConnector",
     )  # fmt: skip
+
+
+def test_hook_path_on_vllm_034_is_refused_pointing_at_vllms_capture(monkeypatch):
+    files = {"_version.py": "__version__ = version = '0.34.0'\n"}
+    monkeypatch.setattr(_pin, "installed_sources", lambda: ("0.34.0", files.get))
+    monkeypatch.setattr(_pin, "_CHECKED", {})
+    monkeypatch.setattr(_pin, "_INSTALLED_HASHES", {})
+    with pytest.raises(rc.CaptureError, match=r"found vLLM 0\.34\.0.*mode='vllm'"):
+        rc._check_vllm_version()
