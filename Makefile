@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.compass-setup.stamp
 
 .PHONY: env build test test-fast test-ranks test-triton36 test-py312 bench rl wheel info lint gpu-check \
-	vllm-pins gpu-resolve
+	gpu-check-dry vllm-pins gpu-resolve
 
 $(STAMP): pyproject.toml scripts/setup_env.sh
 	COMPASS_VENV=$(VENV) bash scripts/setup_env.sh
@@ -105,3 +105,8 @@ gpu-resolve: $(VENV312)/.compass-setup.stamp
 # on a GPU host: build in place, gpu + triton tiers, benches, report (docs/gpu_runs/)
 gpu-check:
 	bash scripts/gpu_check.sh $(REPORT_DIR)
+
+# the runbook on this CPU: phases stubbed, a fake budget, cuts at every phase, after a
+# time (SIGTERM) and by SIGKILL; each leaves a report (tests/test_gpu_check_dry.py)
+gpu-check-dry: $(STAMP)
+	$(PY) -m pytest tests/test_gpu_check_dry.py -v -p no:cacheprovider
