@@ -321,6 +321,10 @@ def sync_to_vllm(
 
 
 def _check_engine(llm: Any, fp8: bool | str) -> None:
+    from compass_kernels.integration.vllm import _pin
+
+    # the layerwise reload and the MoE kernel reset, as reviewed (vllm/_pin.py)
+    _pin.check("weight_sync", RuntimeError, who="sync_to_vllm")
     _check_in_process(llm)
     if fp8 not in (False, True, "dequantized"):
         raise ValueError(f'fp8 must be False, True or "dequantized", got {fp8!r}')
