@@ -1,51 +1,300 @@
-"""One declaration per op: the torch.library op, its fake, its backend table and
-its dispatch, from a single spec.
+"""An op is one annotated Python function; everything else derives from it.
 
-    group_advantages_op = register_op(
-        "group_advantages",
-        "(Tensor rewards, Tensor order, Tensor offsets, int mode, float eps, "
-        "float zero_var_tol) -> (Tensor, Tensor, Tensor, Tensor)",
-        outputs=_alloc_outputs,                         # also the fake
-        kernels={"torch": "compass_kernels.advantages.reference:group_advantages_torch",
-                 "triton": "compass_kernels.advantages.triton:group_advantages_triton"},
-    )
-    adv, zv, mean, std = group_advantages_op(r, order, offsets, 0, 1e-6, 1e-6)
+    class GroupAdvantages(NamedTuple):      # named outputs
+        adv: torch.Tensor
+        zero_var: torch.Tensor
+        ...
 
-A kernel spec is "package.module:function" (Python: torch, Triton) or
-"submodule.function" in compass_kernels._C (C++ / CUDA: "cpp", "cuda").
-Kernel calling convention (every backend): ``kernel(*args, *outputs)`` writes the
-outputs in place; CUDA entry points take the raw stream handle last. ``outputs``
-allocates the outputs from the op's arguments with tensor factory methods, so
-the same function is the fake (meta / FakeTensor) implementation.
+    @op(kernels={"torch": "compass_kernels.advantages.reference:group_advantages_torch",
+                 "triton": "compass_kernels.advantages.triton:group_advantages_triton"})
+    def group_advantages_op(rewards: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor,
+                            mode: int, eps: float, zero_var_tol: float) -> GroupAdvantages:
+        '''Shapes and dtypes of every argument and output.'''
+        return GroupAdvantages(adv=torch.empty_like(rewards), ...)   # the outputs; also the fake
+
+    res = group_advantages_op(rewards=r, order=o, offsets=off, mode=0, eps=1e-6,
+                              zero_var_tol=1e-6)
+    res.adv, res.zero_var
+
+From the function come: the op's name (``torch.ops.compass.group_advantages``:
+the function's name without ``_op``), its schema (``torch.library.infer_schema``
+over the annotations and defaults, plus ``str? backend=None`` so an explicit
+backend is traceable), its fake (the function's body allocates the outputs from
+the arguments with tensor factory methods, so it runs on FakeTensors and meta
+tensors as well), the output names (a NamedTuple return annotation; a plain
+``torch.Tensor`` return is one output named ``out``), and the call into every
+backend:
+
+- Python kernels (torch, Triton wrappers: "package.module:function") are called
+  with every argument and output **by name**: ``kernel(rewards=..., ...,
+  adv=..., zero_var=..., ...)``, writing the outputs in place;
+- compiled entry points in compass_kernels._C ("submodule.function", backends
+  "cpp" / "cuda") take positional arguments: the op passes them in the
+  function's parameter order, then the outputs in the return's order, then (CUDA)
+  the raw stream handle. The order comes from the one signature, nowhere else.
+
+Calls are by name only (a positional call raises TypeError naming the op), so
+adding, removing or reordering a parameter cannot silently shift the others.
 
 Calling the op:
-- eagerly, ``op(*args, backend=None, out=None)`` resolves the backend (cached),
-  allocates the outputs (or writes into ``out``, e.g. poisoned ones in tests)
-  and calls the kernel: no trip through the torch dispatcher (~10 us saved);
-- under torch.compile / export, the same call goes through
-  ``torch.ops.compass.<name>`` (``backend`` is a schema argument, so an explicit
-  backend is traceable too), whose implementation is the same function.
+- eagerly, ``op(name=value, ..., backend=None, out=None)`` resolves the backend
+  (cached), allocates the outputs (or writes into ``out``, e.g. poisoned ones
+  in tests) and calls the kernel: no trip through the torch dispatcher;
+- under torch.compile, FakeTensor, meta or a dispatch mode, the same call goes
+  through ``torch.ops.compass.<name>``, whose implementation is the same path.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
+import typing
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from compass_kernels import _dispatch
 from compass_kernels._ext import BackendUnavailableError, cuda_stream, load
+from compass_kernels._validate import has_no_data, is_symbolic  # noqa: F401  (re-exported)
 
 NAMESPACE = "compass"
 _lib = torch.library.Library(NAMESPACE, "FRAGMENT")
-OPS: dict[str, Op] = {}
+OPS: dict[str, Op | PositionalOp] = {}
+_RESERVED = ("backend", "out")  # keywords of every eager call
 
 
 class Op:
-    """A registered op: callable eagerly, traceable through ``torch.ops.compass.<name>``."""
+    """A registered op: callable eagerly by name, traceable through
+    ``torch.ops.compass.<name>``.
+
+    Attributes: ``name``, ``qualname``, ``params`` (argument names in order),
+    ``returns`` (output names), ``defaults``, ``backends``, ``schema``.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        kernels: dict[str, str | Callable[..., Any]],
+        name: str | None = None,
+    ) -> None:
+        self.name = name or fn.__name__.removesuffix("_op")
+        self.qualname = f"{NAMESPACE}::{self.name}"
+        self.__doc__ = fn.__doc__
+        self.__wrapped__ = fn
+        self.outputs = fn  # the allocator: also the fake
+        sig = inspect.signature(fn)
+        hints = typing.get_type_hints(fn)
+        params = []
+        for p in sig.parameters.values():
+            if p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+                raise TypeError(f"{self.qualname}: parameter {p.name}: no *args / **kwargs")
+            if p.name in _RESERVED:
+                raise TypeError(f"{self.qualname}: parameter {p.name!r} is reserved ({_RESERVED})")
+            if p.name not in hints:
+                raise TypeError(f"{self.qualname}: parameter {p.name} needs a type annotation")
+            params.append(p.replace(annotation=hints[p.name], kind=p.POSITIONAL_OR_KEYWORD))
+        self.params: tuple[str, ...] = tuple(p.name for p in params)
+        self.defaults = {p.name: p.default for p in params if p.default is not p.empty}
+        self._names = frozenset(self.params)
+        self._tensor_params = tuple(p.name for p in params if p.annotation is torch.Tensor)
+        if not self._tensor_params:
+            raise TypeError(f"{self.qualname}: needs at least one torch.Tensor parameter")
+        ret = hints.get("return")
+        if ret is torch.Tensor:
+            self.returns: tuple[str, ...] = ("out",)
+            self._result = None  # one output: the tensor itself
+            ret_type: Any = torch.Tensor
+        elif isinstance(ret, type) and issubclass(ret, tuple) and hasattr(ret, "_fields"):
+            self.returns = tuple(ret._fields)
+            self._result = ret
+            ret_type = tuple[(torch.Tensor,) * len(self.returns)]
+        else:
+            raise TypeError(
+                f"{self.qualname}: return annotation must be torch.Tensor or a "
+                f"NamedTuple of tensors, got {ret!r}"
+            )
+        backend = inspect.Parameter(
+            "backend", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None, annotation=str | None
+        )
+
+        def proto(*args, **kwargs):  # a prototype carrying the signature for infer_schema
+            raise NotImplementedError
+
+        proto.__signature__ = sig.replace(parameters=[*params, backend], return_annotation=ret_type)
+        self.schema = torch.library.infer_schema(proto, mutates_args=())
+        self._schema_names = (*self.params, "backend")
+        _lib.define(self.name + self.schema)
+        _lib.impl(self.name, self._impl, "CPU")
+        _lib.impl(self.name, self._impl, "CUDA")
+        torch.library.register_fake(self.qualname)(self._fake)
+        self._specs = dict(kernels)
+        self._kernels: dict[str, Callable[..., Any]] = {}
+        self._chosen: dict[tuple, str] = {}  # (device, backend) -> resolved backend
+        _dispatch.register_cache(self._chosen)
+        self.backends = tuple(self._specs)
+
+    def __repr__(self) -> str:
+        return f"<op {self.qualname}{self.schema}>"
+
+    # ------------------------------------------------------------ backends
+    def add_backend(self, backend: str, kernel: str | Callable[..., Any]) -> None:
+        """Register one more backend (e.g. the test-only "cuda-emulated")."""
+        self._specs[backend] = kernel
+        self._kernels.pop(backend, None)
+        self._chosen.clear()
+        self.backends = tuple(self._specs)
+
+    def kernel(self, backend: str) -> Callable[..., Any]:
+        """The kernel of ``backend`` as the op calls it: ``kernel(**arguments, **outputs)``
+        (a compiled entry point wrapped to take its arguments by name)."""
+        k = self._kernels.get(backend)
+        if k is None:
+            k = self._kernels[backend] = self._load(backend)
+        return k
+
+    def _load(self, backend: str) -> Callable[..., Any]:
+        spec = self._specs.get(backend)
+        if spec is None:
+            raise BackendUnavailableError(
+                f"{self.qualname} has no {backend!r} backend (it has {', '.join(self._specs)})"
+            )
+        if callable(spec):
+            return spec
+        if ":" in spec:  # "package.module:function": Python, called by name
+            module, _, attr = spec.partition(":")
+            return getattr(importlib.import_module(module), attr)
+        obj: Any = load()  # "submodule.function" in compass_kernels._C: positional
+        for part in spec.split("."):
+            if not hasattr(obj, part):
+                raise BackendUnavailableError(
+                    f"{self.qualname}: compass_kernels._C has no {spec} (backend {backend!r}); "
+                    "rebuild the extension (pip install -e .)"
+                )
+            obj = getattr(obj, part)
+        return self._positional(obj, stream=backend == "cuda")
+
+    def _positional(self, entry: Callable[..., Any], *, stream: bool) -> Callable[..., Any]:
+        """A compiled entry point called by name: arguments in the signature's order,
+        outputs in the return's order, then the stream for CUDA."""
+        order = (*self.params, *self.returns)
+        first = self._tensor_params[0]
+
+        def call(**kw):
+            args = [kw[n] for n in order]
+            if stream:
+                args.append(cuda_stream(kw[first]))
+            return entry(*args)
+
+        call.__wrapped__ = entry
+        return call
+
+    # ---------------------------------------------------------------- calls
+    def bind(self, values: tuple | list) -> dict[str, Any]:
+        """Positional values in schema order (a dispatcher call's ``inputs``, as
+        ``register_autograd``'s setup_context gets them) -> name -> value."""
+        return dict(zip(self._schema_names, values, strict=False))
+
+    def input_grads(self, **grads: torch.Tensor | None) -> tuple:
+        """The backward's return for the schema's inputs: the named gradients, None elsewhere."""
+        unknown = grads.keys() - self._names
+        if unknown:
+            raise TypeError(f"{self.qualname}: no parameter {', '.join(sorted(unknown))}")
+        return tuple(grads.get(n) for n in self._schema_names)
+
+    def _complete(self, kw: dict[str, Any]) -> dict[str, Any]:
+        """Defaults filled in; an unknown or missing name raises TypeError."""
+        unknown = kw.keys() - self._names
+        if unknown:
+            raise TypeError(
+                f"{self.qualname}() got unexpected argument(s) "
+                f"{', '.join(sorted(unknown))}; it takes {', '.join(self.params)}"
+            )
+        full = {**self.defaults, **kw}
+        missing = [n for n in self.params if n not in full]
+        if missing:
+            raise TypeError(f"{self.qualname}() missing argument(s) {', '.join(missing)}")
+        return full
+
+    def run(self, *args, backend: str | None = None, out=None, **kw):
+        """The eager path (no dispatcher): resolve, allocate (unless ``out``), launch;
+        returns the outputs (a tensor, or the NamedTuple)."""
+        if args:
+            raise TypeError(f"{self.qualname}: pass arguments by name ({', '.join(self.params)})")
+        if kw.keys() != self._names:
+            kw = self._complete(kw)
+        return self._run(kw, backend, out)
+
+    def _run(self, kw: dict[str, Any], backend: str | None, out):
+        dev = kw[self._tensor_params[0]].device
+        chosen = self._chosen.get((dev, backend))
+        if chosen is None:
+            chosen = _dispatch.resolve(dev, backend, op=self.qualname, available=self.backends)
+            self._chosen[(dev, backend)] = chosen
+        if out is None:
+            out = self.outputs(**kw)
+        kernel = self._kernels.get(chosen) or self.kernel(chosen)
+        if self._result is None:
+            kernel(**kw, out=out)
+            return out
+        kernel(**kw, **dict(zip(self.returns, out, strict=True)))
+        return out if type(out) is self._result else self._result._make(out)
+
+    def __call__(self, *args, backend: str | None = None, out=None, **kw):
+        if args:
+            raise TypeError(f"{self.qualname}: pass arguments by name ({', '.join(self.params)})")
+        if kw.keys() != self._names:
+            kw = self._complete(kw)
+        if torch.compiler.is_compiling() or is_symbolic(kw.values()):
+            # FakeTensor / meta / a dispatch mode: the dispatcher runs the fake (the
+            # outputs' shapes); no data pointer ever reaches a kernel.
+            res = getattr(torch.ops.compass, self.name)(**kw, backend=backend)
+            if self._result is None:
+                return res if out is None else out.copy_(res)
+            if out is None:
+                return self._result._make(res)
+            for o, r in zip(out, res, strict=True):
+                o.copy_(r)  # traced / fake: the op is functional, ``out`` gets its values
+            return self._result._make(out)
+        return self._run(kw, backend, out)
+
+    def _impl(self, *args, **kwargs):
+        kw = self.bind(args)
+        kw.update(kwargs)
+        backend = kw.pop("backend", None)
+        res = self._run(self._complete(kw), backend, None)
+        return res if self._result is None else tuple(res)
+
+    def _fake(self, *args, **kwargs):
+        kw = self.bind(args)
+        kw.update(kwargs)
+        kw.pop("backend", None)
+        res = self.outputs(**self._complete(kw))
+        return res if self._result is None else tuple(res)
+
+
+def op(
+    *, kernels: dict[str, str | Callable[..., Any]], name: str | None = None
+) -> Callable[[Callable[..., Any]], Op]:
+    """Declare an op from its annotated function (see the module docstring):
+    defines ``torch.ops.compass.<name>`` with its fake, backend table and dispatch."""
+
+    def declare(fn: Callable[..., Any]) -> Op:
+        key = name or fn.__name__.removesuffix("_op")
+        if key in OPS:
+            raise ValueError(f"op {NAMESPACE}::{key} is already registered")
+        o = OPS[key] = Op(fn, kernels, key)
+        return o
+
+    return declare
+
+
+# ------------------------------------------------- the older declaration
+
+
+class PositionalOp:
+    """The older declaration (a schema string, arguments by position), kept for the ops
+    not yet declared as annotated functions (``op``); new ops use ``op``."""
 
     def __init__(
         self,
@@ -127,7 +376,7 @@ class Op:
         return outs[0] if self._single else tuple(outs)
 
     def __call__(self, *args, backend: str | None = None, out=None):
-        if torch.compiler.is_compiling() or _symbolic(args):
+        if torch.compiler.is_compiling() or is_symbolic(args):
             # FakeTensor / meta / a dispatch mode: the dispatcher runs the fake (the
             # outputs' shapes); no data pointer ever reaches a kernel.
             res = getattr(torch.ops.compass, self.name)(*args, backend)
@@ -148,24 +397,6 @@ class Op:
         return outs[0] if self._single else tuple(outs)
 
 
-def has_no_data(*tensors) -> bool:
-    """True while tracing (torch.compile) or when a tensor is fake / meta: data
-    checks (a host read) are skipped there, the kernels never run."""
-    return torch.compiler.is_compiling() or _symbolic(tensors)
-
-
-def _symbolic(args: tuple) -> bool:
-    """Whether the call must go through the dispatcher: a tensor argument that is
-    not a plain tensor with data (FakeTensor, meta, another subclass), or an
-    active TorchDispatchMode (FakeTensorMode, make_fx)."""
-    if is_in_torch_dispatch_mode():
-        return True
-    for a in args:
-        if isinstance(a, torch.Tensor) and (type(a) is not torch.Tensor or a.is_meta):
-            return True
-    return False
-
-
 def _first_tensor(args: tuple) -> torch.Tensor:
     for a in args:
         if isinstance(a, torch.Tensor):
@@ -179,9 +410,9 @@ def register_op(
     *,
     outputs: Callable[..., tuple[torch.Tensor, ...]],
     kernels: dict[str, str | Callable[..., Any]],
-) -> Op:
+) -> PositionalOp:
     """Define ``torch.ops.compass.<name>`` with its fake, backend table and dispatch."""
     if name in OPS:
         raise ValueError(f"op {NAMESPACE}::{name} is already registered")
-    op = OPS[name] = Op(name, schema, outputs, kernels)
+    op = OPS[name] = PositionalOp(name, schema, outputs, kernels)
     return op

@@ -71,16 +71,34 @@ def test_thd_pack_unpack_positions_on_device(device, cp):
         packed = []
         for r in range(cp):
             out = empty_poisoned((total, w), torch.uint8, device)
-            kp.thd_pack_triton(src, t(src_cu[idx]), t(seqlens), t(off), cp, r, 0x5A, total, out)
+            kp.thd_pack_triton(
+                src=src,
+                seq_start=t(src_cu[idx]),
+                seqlens=t(seqlens),
+                out_offsets=t(off),
+                cp_size=cp,
+                cp_rank=r,
+                fill=0x5A,
+                total=total,
+                out=out,
+            )
             want = pref.pack_reference(src.cpu(), lengths, idx, pad_multiple=pad, cp_size=cp,
                                        cp_rank=r, pad_value=0x5A)  # fmt: skip
             assert torch.equal(out.cpu(), want["packed"]), (w, r)
             packed.append(out)
             pos = empty_poisoned(total, torch.int64, device)
-            kp.thd_positions_triton(t(off), cp, r, total, pos)
+            kp.thd_positions_triton(out_offsets=t(off), cp_size=cp, cp_rank=r, total=total, out=pos)
             assert torch.equal(pos.cpu(), want["position_ids"]), (w, r)
         out = empty_poisoned((int(cu[-1]), w), torch.uint8, device)
-        kp.thd_unpack_triton(torch.cat(packed), t(seqlens), t(cu), t(off), cp, int(cu[-1]), out)
+        kp.thd_unpack_triton(
+            packed=torch.cat(packed),
+            seqlens=t(seqlens),
+            cu_seqlens=t(cu),
+            out_offsets=t(off),
+            cp_size=cp,
+            total=int(cu[-1]),
+            out=out,
+        )
         want = torch.cat([src[src_cu[i] : src_cu[i + 1]] for i in idx]).cpu()
         assert torch.equal(out.cpu(), want), w
 

@@ -79,8 +79,15 @@ def test_outputs_never_require_grad():
     """Rewards that require grad are read (detached); advantages carry no graph."""
     r = torch.tensor([1.0, 0.0, 1.0, 1.0], requires_grad=True)
     adv, _, _ = ck.advantages.group_advantages(r, group_size=2)
-    raw = group_advantages_op.run((r, torch.arange(4), torch.tensor([0, 2, 4]), 0, 1e-6, 1e-6))
-    assert not adv.requires_grad and torch.equal(adv, raw[0])
+    raw = group_advantages_op(
+        rewards=r,
+        order=torch.arange(4),
+        offsets=torch.tensor([0, 2, 4]),
+        mode=0,
+        eps=1e-6,
+        zero_var_tol=1e-6,
+    )
+    assert not adv.requires_grad and torch.equal(adv, raw.adv)
 
 
 # ---------------------------------------------------------- group plan

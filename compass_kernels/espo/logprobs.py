@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from compass_kernels._op import has_no_data, register_op
-from compass_kernels._validate import INT_DTYPES, check_tensor, describe
+from compass_kernels._op import register_op
+from compass_kernels._validate import INT_DTYPES, check_tensor, describe, should_check
 from compass_kernels.espo.reference_logprobs import IGNORE_INDEX
 
 __all__ = [
@@ -118,16 +118,6 @@ torch.library.register_autograd(
 # ------------------------------------------------------------- public API
 
 
-def _python_checks(validate: bool | None, device: torch.device, backend: str | None) -> bool:
-    """Whether to check the data (targets in range, logits finite) in Python: CPU
-    tensors unless validate=False or tracing; CUDA needs a host sync (opt-in)."""
-    if device.type == "meta":
-        return False  # no data to check
-    if validate is not None:
-        return bool(validate)
-    return device.type == "cpu" and not has_no_data()
-
-
 def _check_targets(targets: torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
     check_tensor("targets", targets, ndim=1, dtypes=INT_DTYPES, size=rows,
                  size_what="one per token", device=device)  # fmt: skip
@@ -178,8 +168,9 @@ def token_logprobs_entropy(
     temperature : float > 0; the distribution is softmax(logits / temperature).
     with_entropy : compute the entropy (skipping it saves ~a third of the forward).
     validate : check targets' range and that logits hold no NaN / +inf and no
-        all -inf row. On CPU by default (validate=False opts out); on CUDA
-        the checks need a host sync: off by default, on with validate=True.
+        all -inf row (``_validate.should_check``): None (default) on CPU
+        tensors, not on CUDA (a host sync); True everywhere; False never; never
+        on fake / meta tensors or while tracing.
         NaN / Inf policy: logits finite or -inf (a masked token), not all -inf
         in a row (ValueError naming [row, column] where checked); unchecked, a
         NaN / +inf logit or an all -inf row gives NaN log-prob and entropy for
@@ -208,7 +199,7 @@ def token_logprobs_entropy(
     dev = logits.device
     y = _check_targets(targets, logits.shape[0], dev)
     temp = _check_temperature(temperature)
-    if _python_checks(validate, dev, backend):
+    if should_check(validate, logits, y):
         _check_targets_range(y, logits.shape[1])
         _check_logits_values(logits)
     args = (logits, y, temp, bool(with_entropy))
@@ -568,7 +559,7 @@ def check_linear_inputs(hidden, weight, targets, temperature, tp_group, validate
     y = _check_targets(targets, hidden.shape[0], dev)
     temp = _check_temperature(temperature)
     _, world = _tp_info(tp_group)
-    if (validate if validate is not None else dev.type == "cpu") and not has_no_data(y, hidden):
+    if should_check(validate, hidden, weight, y):
         _check_targets_range(y, weight.shape[0] * world)
         for name, t in (("hidden", hidden), ("weight", weight)):
             if not bool(torch.isfinite(t.detach()).all()):

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from compass_kernels._op import has_no_data, register_op
-from compass_kernels._validate import check_finite, check_tensor, describe
+from compass_kernels._op import register_op
+from compass_kernels._validate import check_finite, check_tensor, describe, should_check
 from compass_kernels.fp8.grouped_gemm import grouped_gemm  # noqa: F401  (ck.fp8.grouped_gemm)
 
 __all__ = [
@@ -150,15 +150,6 @@ def _check_eps(eps: float) -> float:
     return float(eps)
 
 
-def _data_checks(validate: bool | None, device: torch.device, backend: str | None) -> bool:
-    """Whether to check the input values in Python: CPU tensors unless
-    validate=False (host memory: no sync) or while tracing (no data); CUDA
-    only with validate=True (a host sync)."""
-    if validate is not None:
-        return bool(validate)
-    return device.type == "cpu" and not has_no_data()
-
-
 def _input(name: str, x: torch.Tensor, ndim: tuple[int, ...]) -> torch.Tensor:
     check_tensor(name, x, dtypes=_INPUT_DTYPES)
     if x.dim() not in ndim:
@@ -196,9 +187,10 @@ def quantize_blockwise(
     eps : floor of a block's amax (1e-4: per_block_cast_to_fp8 / DeepGEMM).
     ue8m0 : round each scale up to a power of two (DeepGEMM's UE8M0 scales).
     scale_layout : "k_major" (vLLM's weight_scale_inv), "mn_major", "mn_major_tma".
-    validate : check that w is finite (an error names the first inf/NaN). On
-        CPU by default (validate=False opts out); on CUDA it is a host sync,
-        off by default; unchecked inf/NaN give an unspecified block.
+    validate : check that w is finite (an error names the first inf/NaN), as
+        ``_validate.should_check`` says: None (default) on CPU tensors, not on
+        CUDA (a host sync); True everywhere; False never; never on fake / meta
+        tensors or while tracing. Unchecked inf/NaN give an unspecified block.
         NaN / Inf policy: w must be finite (ValueError naming w and the
         element where checked); unchecked, only the blocks holding a
         non-finite value are unspecified, every other block is exact.
@@ -213,7 +205,7 @@ def quantize_blockwise(
     br, bc = _block(block)
     layout = _layout(scale_layout)
     eps = _check_eps(eps)
-    if _data_checks(validate, w.device, backend):
+    if should_check(validate, w):
         check_finite("w", w)
     try:
         if w.dim() == 3:
@@ -278,7 +270,7 @@ def quantize_token_groups(
         raise ValueError(f"group_size: expected a positive int, got {group_size!r}")
     layout = _layout(scale_layout)
     eps = _check_eps(eps)
-    if _data_checks(validate, x.device, backend):
+    if should_check(validate, x):
         check_finite("x", x)
     return quantize_op(x, 1, group_size, eps, bool(ue8m0), True, layout, backend=backend)
 
@@ -348,8 +340,8 @@ def permute_quantize(
     topk_ids : [M, k] int32 | int64 expert ids in [0, num_experts).
     num_experts : E (the CUDA path takes up to 1024).
     eps, ue8m0, scale_layout : as in :func:`quantize_token_groups` (same bits).
-    validate : check ids in range and x finite. On CPU by default; on
-        CUDA it is a host sync, off by default: unchecked out-of-range ids
+    validate : check ids in range and x finite (``should_check``: CPU by
+        default, CUDA with validate=True, a host sync): unchecked out-of-range ids
         are dropped (dst_index -1, no row; offsets[E] counts the rest, rows
         past it are unwritten). NaN / Inf policy: x must be finite (ValueError
         naming x where checked); unchecked, the rows of a token holding one
@@ -368,7 +360,7 @@ def permute_quantize(
     layout = _layout(scale_layout)
     eps = _check_eps(eps)
     ids = topk_ids.contiguous()
-    if _data_checks(validate, x.device, backend):
+    if should_check(validate, x, ids):
         check_finite("x", x)
         if ids.numel():
             lo, hi = torch.aminmax(ids)
@@ -397,8 +389,9 @@ def unpermute(
     topk_weights : [M, k] float (computed in float32).
     Returns [M, N] in y's dtype (float32 accumulation in j order, unfused
     multiply-add: the same bits on every backend). Deterministic: a gather per
-    token, no atomics. validate: check dst_index in [-1, P) (CPU: by default;
-    CUDA: host sync, opt-in; unchecked out-of-range indices there are undefined).
+    token, no atomics. validate: check dst_index in [-1, P)
+    (``should_check``: CPU by default; CUDA with validate=True, a host sync;
+    unchecked out-of-range indices there are undefined).
     NaN / Inf policy: y and topk_weights are not checked (a weighted gather,
     like torch's): a non-finite value reaches exactly the tokens that gather it.
     """
@@ -416,7 +409,7 @@ def unpermute(
         y = y.contiguous()
     w = topk_weights.detach().to(torch.float32).contiguous()
     dst = dst_index.contiguous()
-    if _data_checks(validate, y.device, backend) and dst.numel():
+    if should_check(validate, y, dst) and dst.numel():
         lo, hi = torch.aminmax(dst)
         if int(lo) < -1 or int(hi) >= y.shape[0]:
             raise ValueError(f"dst_index: expected values in [-1, {y.shape[0]}) (rows of y), "

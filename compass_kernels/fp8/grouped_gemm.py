@@ -16,8 +16,14 @@ import functools
 import torch
 
 from compass_kernels._ext import BackendUnavailableError, load
-from compass_kernels._op import has_no_data, register_op
-from compass_kernels._validate import check_finite, check_offsets, check_tensor, describe
+from compass_kernels._op import register_op
+from compass_kernels._validate import (
+    check_finite,
+    check_offsets,
+    check_tensor,
+    describe,
+    should_check,
+)
 
 __all__ = ["grouped_gemm", "grouped_gemm_op", "grouped_args_op", "OUT_DTYPES", "PTR_ROWS"]
 
@@ -198,13 +204,13 @@ def grouped_gemm(
     expert_offsets : [E+1] int64, 0 = o[0] <= o[1] <= ... <= o[E] = M. Experts
         with no rows cost nothing.
     out_dtype : torch.bfloat16 (default) or torch.float32.
-    validate : check the offsets' contents. On CPU tensors by default
-        (validate=False opts out); on CUDA the check needs a host sync: off by
-        default (bad offsets are undefined behaviour, as in every varlen
-        kernel), on with validate=True.
-    NaN / Inf policy: ``a_scales`` and ``b_scales`` must be finite; checked on
-        CPU tensors unless validate=False (one float64 sum of the small scale
-        tensors, no sync), on CUDA with validate=True (a host sync); unchecked, a non-finite
+    validate : check the offsets' contents and the scales, as
+        ``_validate.should_check`` says: None (default) on CPU tensors, not on
+        CUDA (a host sync; bad offsets are then undefined behaviour, as in every
+        varlen kernel); True everywhere; False never; never on fake / meta
+        tensors or while tracing.
+    NaN / Inf policy: ``a_scales`` and ``b_scales`` must be finite; checked as
+        ``validate`` says (one float64 sum of the small scale tensors); unchecked, a non-finite
         scale makes the output rows / columns of its block NaN / Inf. NaN
         encodings in ``a_q`` / ``b_q`` (e4m3fn 0x7f / 0xff) are never checked
         (a pass over the operands): they give NaN in the rows / columns they touch.
@@ -225,13 +231,8 @@ def grouped_gemm(
     if code is None:
         raise ValueError(f"out_dtype: expected torch.bfloat16 or torch.float32, got {out_dtype}")
     dev = a_q.device
-    if (validate if validate is not None else dev.type == "cpu") and not has_no_data(
-        a_q, expert_offsets
-    ):
+    if should_check(validate, a_q, expert_offsets, a_scales, b_scales):
         check_offsets("expert_offsets", expert_offsets, a_q.shape[0], exact=True)
-    if (dev.type == "cpu" if validate is None else validate) and not has_no_data(
-        a_scales, b_scales
-    ):
         check_finite("a_scales", a_scales.reshape(-1))
         check_finite("b_scales", b_scales.reshape(-1))
     if out is not None:

@@ -36,7 +36,8 @@ from typing import NamedTuple
 
 import torch
 
-from compass_kernels._op import has_no_data, register_op
+from compass_kernels._op import register_op
+from compass_kernels._validate import should_check
 from compass_kernels.routing import _setcode  # noqa: F401  (registers the encode op)
 from compass_kernels.routing.trace import MissingReason, RoutingTrace, TraceError, _desc, ids_dtype
 
@@ -75,7 +76,7 @@ class ReplayStats:
     replace_rate : rejected_rows / candidates (0 without ``min_score_ratio``).
     replayed_rows : rows that used the trace's ids.
     bad_rows : valid rows with an id out of [0, E) or twice (routed natively;
-        the CPU path and ``validate=True`` raise instead).
+        checked calls (``replay_topk(validate=)``, CPU by default) raise instead).
     """
 
     __slots__ = ("counts", "top_k")
@@ -233,7 +234,7 @@ def replay_topk(
     scaling: float = 1.0,
     valid: torch.Tensor | None = None,
     min_score_ratio: float | None = None,
-    validate: bool = False,
+    validate: bool | None = None,
     backend: str | None = None,
 ) -> ReplayResult:
     """Gate the router's logits at the replayed experts, in one pass, for one MoE layer.
@@ -246,7 +247,7 @@ def replay_topk(
     expert_ids : [T, K] uint8 | int16 | int32 | int64: the trace's LOGICAL ids
         for this layer (e.g. ``trace.expert_ids[:, col]``), distinct within a
         row, in [0, E) (validate the trace first: rows with valid True are read
-        unchecked on GPU unless validate=True; CPU always checks).
+        unchecked on GPU unless validate=True; checked on CPU by default).
     score_function : "softmax" | "sigmoid" (Megatron's moe_router_score_function).
     normalize : softmax: True = softmax over the K selected logits (top-k then
         softmax, Qwen3 norm_topk_prob), False = softmax over all E then take K;
@@ -262,16 +263,17 @@ def replay_topk(
         replayed experts is >= ratio * the smallest score of the native top-k
         (scores without bias); other rows are routed natively and counted in
         ``stats.rejected_rows`` / ``stats.replace_rate``.
-    validate : on CUDA, raise on a malformed valid row (an id out of range or
-        twice) at the cost of one host sync. Without it such rows are routed
-        natively and counted in ``stats.bad_rows`` (never read out of bounds).
-        On CPU the check is always made (no sync to pay).
+    validate : raise on a malformed valid row (an id out of range or twice)
+        and on non-finite logits, as ``_validate.should_check`` says: None
+        (default) on CPU tensors (no sync to pay), not on CUDA (one host sync);
+        True everywhere; False never; never on fake / meta tensors or while
+        tracing. Unchecked, malformed rows are routed natively and counted in
+        ``stats.bad_rows`` (never read out of bounds).
 
-    NaN / Inf policy: ``router_logits`` must be finite. On CPU this is always
-    checked (one reduction, no sync): :class:`ValueError` naming the first bad
-    row. On CUDA it is checked with ``validate=True`` (one host sync); without
-    it a row with a NaN / Inf logit gives NaN weights for that row (unchecked,
-    as any torch router would), other rows are unaffected. ``expert_bias``
+    NaN / Inf policy: ``router_logits`` must be finite: where checked, a
+    :class:`ValueError` naming the first bad row; unchecked, a row with a NaN /
+    Inf logit gives NaN weights for that row (as any torch router would), other
+    rows are unaffected. ``expert_bias``
     follows the same policy.
     backend : None (default dispatch: "torch" on CPU, "triton" on GPU), "torch"
         or "triton".
@@ -317,14 +319,11 @@ def replay_topk(
     else:
         w, rmap, tpe, counts, used = replay_topk_op(*args, backend=backend)
     k = ids.shape[1]
-    if (z.device.type == "cpu" or validate) and not has_no_data(z):
+    if should_check(validate, z, ids):
         _check_finite_rows("router_logits", z)
         if bias is not None:
             _check_finite_rows("expert_bias", bias.reshape(1, -1))
-    # Bad rows are read from the counter: always on CPU (free), on the GPU with
-    # validate=True (a sync).
-    check = (validate or z.device.type == "cpu") and not has_no_data(z)
-    if check and not torch.compiler.is_compiling():
+        # Bad rows are read from the counter (free on CPU, a sync on a GPU).
         _raise_bad_rows(counts, ids, valid, z.shape[1])
     if w.dtype != router_logits.dtype:
         w = w.to(router_logits.dtype)
