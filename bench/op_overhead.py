@@ -107,7 +107,9 @@ def _noop_op(x: torch.Tensor):
 
     from compass_kernels import _op
 
-    kernel = lambda **kw: None  # noqa: E731
+    def kernel(*, x, y, a, b, u, v):  # writes nothing
+        return None
+
     name = "bench_noop"
     if name in _op.OPS:
         op = _op.OPS[name]

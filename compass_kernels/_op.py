@@ -61,7 +61,7 @@ from compass_kernels._validate import has_no_data, is_symbolic  # noqa: F401  (r
 NAMESPACE = "compass"
 _lib = torch.library.Library(NAMESPACE, "FRAGMENT")
 OPS: dict[str, Op | PositionalOp] = {}
-_RESERVED = ("backend", "out")  # keywords of every eager call
+_RESERVED = ("backend", "out", "self")  # keywords of every eager call
 
 
 class Op:
@@ -89,7 +89,7 @@ class Op:
         for p in sig.parameters.values():
             if p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
                 raise TypeError(f"{self.qualname}: parameter {p.name}: no *args / **kwargs")
-            if p.name in _RESERVED:
+            if p.name in _RESERVED or p.name.startswith("_"):
                 raise TypeError(f"{self.qualname}: parameter {p.name!r} is reserved ({_RESERVED})")
             if p.name not in hints:
                 raise TypeError(f"{self.qualname}: parameter {p.name} needs a type annotation")
@@ -97,9 +97,13 @@ class Op:
         self.params: tuple[str, ...] = tuple(p.name for p in params)
         self.defaults = {p.name: p.default for p in params if p.default is not p.empty}
         self._names = frozenset(self.params)
-        self._tensor_params = tuple(p.name for p in params if p.annotation is torch.Tensor)
-        if not self._tensor_params:
+        tensors = [p.name for p in params if p.annotation is torch.Tensor]
+        if not tensors:
             raise TypeError(f"{self.qualname}: needs at least one torch.Tensor parameter")
+        self._first = tensors[0]  # its device picks the backend
+        self._tensor_like = tuple(
+            p.name for p in params if p.annotation in (torch.Tensor, torch.Tensor | None)
+        )
         ret = hints.get("return")
         if ret is torch.Tensor:
             self.returns: tuple[str, ...] = ("out",)
@@ -133,6 +137,7 @@ class Op:
         self._chosen: dict[tuple, str] = {}  # (device, backend) -> resolved backend
         _dispatch.register_cache(self._chosen)
         self.backends = tuple(self._specs)
+        self._compile_call()
 
     def __repr__(self) -> str:
         return f"<op {self.qualname}{self.schema}>"
@@ -178,7 +183,7 @@ class Op:
         """A compiled entry point called by name: arguments in the signature's order,
         outputs in the return's order, then the stream for CUDA."""
         order = (*self.params, *self.returns)
-        first = self._tensor_params[0]
+        first = self._first
 
         def call(**kw):
             args = [kw[n] for n in order]
@@ -216,53 +221,86 @@ class Op:
             raise TypeError(f"{self.qualname}() missing argument(s) {', '.join(missing)}")
         return full
 
-    def run(self, *args, backend: str | None = None, out=None, **kw):
-        """The eager path (no dispatcher): resolve, allocate (unless ``out``), launch;
-        returns the outputs (a tensor, or the NamedTuple)."""
-        if args:
-            raise TypeError(f"{self.qualname}: pass arguments by name ({', '.join(self.params)})")
-        if kw.keys() != self._names:
-            kw = self._complete(kw)
-        return self._run(kw, backend, out)
+    # ---------------------------------------------------------------- calls
+    # ``op(name=value, ...)`` runs a function generated from the signature (as
+    # dataclasses generate __init__): Python binds the names, fills the defaults
+    # and rejects unknown or missing ones at C speed, and the kernel call lists
+    # every argument and output by keyword. No dict is built on the eager path.
+
+    def _compile_call(self) -> None:
+        ps, rets = self.params, self.returns
+        sig = ", ".join(f"{n}=_D[{n!r}]" if n in self.defaults else n for n in ps)
+        by_name = ", ".join(f"{n}={n}" for n in ps)
+        tensors = "".join(f"{n}, " for n in self._tensor_like)
+        if self._result is None:
+            outs, ret, count = "out=out", "return out", ""
+        else:
+            outs = ", ".join(f"{r}=out[{i}]" for i, r in enumerate(rets))
+            ret = "return out if type(out) is _R else _R._make(out)"
+            count = f"    elif len(out) != {len(rets)}:\n        _op._bad_out(out)\n"
+        body = (
+            f"    _dev = {self._first}.device\n"
+            f"    _b = _op._chosen.get((_dev, backend))\n"
+            f"    if _b is None:\n"
+            f"        _b = _op._resolve(_dev, backend)\n"
+            f"    if out is None:\n"
+            f"        out = _alloc({by_name})\n"
+            f"{count}"
+            f"    (_op._kernels.get(_b) or _op.kernel(_b))({by_name}, {outs})\n"
+            f"    {ret}\n"
+        )
+        src = (
+            f"def __call__(_op, *, {sig}, backend=None, out=None):\n"
+            f"    if _symbolic(({tensors})) or _compiling():\n"
+            f"        return _op._traced(dict({by_name}), backend, out)\n"
+            + body
+            + f"\n\ndef run(_op, *, {sig}, backend=None, out=None):\n"
+            + body
+        )
+        env = {
+            "_D": self.defaults,
+            "_R": self._result,
+            "_symbolic": is_symbolic,
+            "_compiling": torch.compiler.is_compiling,
+            "_alloc": self.outputs,
+        }
+        exec(compile(src, f"<op {self.qualname}>", "exec"), env)  # noqa: S102 - our own source
+        call, run = env["__call__"], env["run"]
+        call.__qualname__, run.__qualname__ = f"{self.name}_op", f"{self.name}_op.run"
+        self.source = src
+        # a class per op: Python looks __call__ up on the type. ``run`` is the eager
+        # path alone (the dispatcher's implementation; tests with poisoned ``out``).
+        self.__class__ = type(f"Op_{self.name}", (Op,), {"__call__": call, "run": run})
+
+    def _resolve(self, dev: torch.device, backend: str | None) -> str:
+        chosen = _dispatch.resolve(dev, backend, op=self.qualname, available=self.backends)
+        self._chosen[(dev, backend)] = chosen
+        return chosen
+
+    def _bad_out(self, out) -> None:
+        raise TypeError(f"out: expected {len(self.returns)} tensors {self.returns}, got {len(out)}")
+
+    def _traced(self, kw: dict[str, Any], backend: str | None, out):
+        """FakeTensor / meta / a dispatch mode / torch.compile: through the dispatcher,
+        which runs the fake (the outputs' shapes); no data pointer reaches a kernel."""
+        res = getattr(torch.ops.compass, self.name)(**kw, backend=backend)
+        if self._result is None:
+            return res if out is None else out.copy_(res)
+        if out is None:
+            return self._result._make(res)
+        for o, r in zip(out, res, strict=True):
+            o.copy_(r)  # traced / fake: the op is functional, ``out`` gets its values
+        return self._result._make(out)
 
     def _run(self, kw: dict[str, Any], backend: str | None, out):
-        dev = kw[self._tensor_params[0]].device
-        chosen = self._chosen.get((dev, backend))
-        if chosen is None:
-            chosen = _dispatch.resolve(dev, backend, op=self.qualname, available=self.backends)
-            self._chosen[(dev, backend)] = chosen
-        if out is None:
-            out = self.outputs(**kw)
-        kernel = self._kernels.get(chosen) or self.kernel(chosen)
-        if self._result is None:
-            kernel(**kw, out=out)
-            return out
-        kernel(**kw, **dict(zip(self.returns, out, strict=True)))
-        return out if type(out) is self._result else self._result._make(out)
-
-    def __call__(self, *args, backend: str | None = None, out=None, **kw):
-        if args:
-            raise TypeError(f"{self.qualname}: pass arguments by name ({', '.join(self.params)})")
-        if kw.keys() != self._names:
-            kw = self._complete(kw)
-        if torch.compiler.is_compiling() or is_symbolic(kw.values()):
-            # FakeTensor / meta / a dispatch mode: the dispatcher runs the fake (the
-            # outputs' shapes); no data pointer ever reaches a kernel.
-            res = getattr(torch.ops.compass, self.name)(**kw, backend=backend)
-            if self._result is None:
-                return res if out is None else out.copy_(res)
-            if out is None:
-                return self._result._make(res)
-            for o, r in zip(out, res, strict=True):
-                o.copy_(r)  # traced / fake: the op is functional, ``out`` gets its values
-            return self._result._make(out)
-        return self._run(kw, backend, out)
+        """The eager call from a dict of arguments (the dispatcher's implementation)."""
+        return type(self).run(self, **kw, backend=backend, out=out)
 
     def _impl(self, *args, **kwargs):
         kw = self.bind(args)
         kw.update(kwargs)
         backend = kw.pop("backend", None)
-        res = self._run(self._complete(kw), backend, None)
+        res = self._run(kw, backend, None)
         return res if self._result is None else tuple(res)
 
     def _fake(self, *args, **kwargs):
