@@ -77,6 +77,7 @@ class Op:
         fn: Callable[..., Any],
         kernels: dict[str, str | Callable[..., Any]],
         name: str | None = None,
+        output: str = "out",
     ) -> None:
         self.name = name or fn.__name__.removesuffix("_op")
         self.qualname = f"{NAMESPACE}::{self.name}"
@@ -106,7 +107,7 @@ class Op:
         )
         ret = hints.get("return")
         if ret is torch.Tensor:
-            self.returns: tuple[str, ...] = ("out",)
+            self.returns: tuple[str, ...] = (output,)
             self._result = None  # one output: the tensor itself
             ret_type: Any = torch.Tensor
         elif isinstance(ret, type) and issubclass(ret, tuple) and hasattr(ret, "_fields"):
@@ -233,7 +234,7 @@ class Op:
         by_name = ", ".join(f"{n}={n}" for n in ps)
         tensors = "".join(f"{n}, " for n in self._tensor_like)
         if self._result is None:
-            outs, ret, count = "out=out", "return out", ""
+            outs, ret, count = f"{rets[0]}=out", "return out", ""
         else:
             outs = ", ".join(f"{r}=out[{i}]" for i, r in enumerate(rets))
             ret = "return out if type(out) is _R else _R._make(out)"
@@ -312,16 +313,18 @@ class Op:
 
 
 def op(
-    *, kernels: dict[str, str | Callable[..., Any]], name: str | None = None
+    *, kernels: dict[str, str | Callable[..., Any]], name: str | None = None, output: str = "out"
 ) -> Callable[[Callable[..., Any]], Op]:
     """Declare an op from its annotated function (see the module docstring):
-    defines ``torch.ops.compass.<name>`` with its fake, backend table and dispatch."""
+    defines ``torch.ops.compass.<name>`` with its fake, backend table and dispatch.
+    ``output``: the keyword a single output (a ``torch.Tensor`` return) reaches
+    the kernels by."""
 
     def declare(fn: Callable[..., Any]) -> Op:
         key = name or fn.__name__.removesuffix("_op")
         if key in OPS:
             raise ValueError(f"op {NAMESPACE}::{key} is already registered")
-        o = OPS[key] = Op(fn, kernels, key)
+        o = OPS[key] = Op(fn, kernels, key, output)
         return o
 
     return declare

@@ -437,8 +437,9 @@ def _grad_in_forward(h, w, y, temp, old_lp, old_ent, adv, cu, mask, cfg, G, ent_
         st = state[: 4 * r].view(4, r)
         st[0].fill_(float("-inf"))
         st[1:].zero_()
-        logprobs_tile_stats_op(tile, y[a:b], shard, temp, True, st, backend=common["backend"],
-                               out=(st,))  # fmt: skip
+        logprobs_tile_stats_op(logits=tile, targets=y[a:b], vocab_start=shard, temperature=temp,
+                               with_entropy=True, state_in=st, backend=common["backend"],
+                               out=st)  # fmt: skip
         m, log_s, lp_c, ent_c = _finalize(st, 1.0 / temp, True, tp_group, y[a:b], full_vocab)
         logp[a:b] = lp_c
         ent[a:b] = ent_c
@@ -446,8 +447,10 @@ def _grad_in_forward(h, w, y, temp, old_lp, old_ent, adv, cu, mask, cfg, G, ent_
             continue
         gl = _chunk_coef(lp_c, old_lp, old_ent, adv_tok, cu, mask, thr, a, b, G, opts)
         gh = None if gh_all is None else gh_all[a:b].contiguous()
-        token_logprobs_entropy_bwd_op(tile, y[a:b], m, log_s, ent_c, gl, gh, temp, shard,
-                                      backend=common["backend"], out=(tile,))  # fmt: skip
+        token_logprobs_entropy_bwd_op(logits=tile, targets=y[a:b], row_max=m, log_norm=log_s,
+                                      entropy=ent_c, grad_logprob=gl, grad_entropy=gh,
+                                      temperature=temp, vocab_start=shard,
+                                      backend=common["backend"], out=tile)  # fmt: skip
         if half:  # the float32 d logits' single store: rounded once to gd
             g = gbuf[: r * vocab].view(r, vocab).copy_(tile)
             if want_h:
