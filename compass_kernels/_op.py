@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import sys
 import typing
 from collections.abc import Callable
 from typing import Any
@@ -60,7 +61,7 @@ from compass_kernels._validate import has_no_data, is_symbolic  # noqa: F401  (r
 
 NAMESPACE = "compass"
 _lib = torch.library.Library(NAMESPACE, "FRAGMENT")
-OPS: dict[str, Op | PositionalOp] = {}
+OPS: dict[str, Op] = {}
 _RESERVED = ("backend", "out", "self")  # keywords of every eager call
 
 
@@ -78,6 +79,7 @@ class Op:
         kernels: dict[str, str | Callable[..., Any]],
         name: str | None = None,
         output: str = "out",
+        localns: dict[str, Any] | None = None,
     ) -> None:
         self.name = name or fn.__name__.removesuffix("_op")
         self.qualname = f"{NAMESPACE}::{self.name}"
@@ -85,7 +87,7 @@ class Op:
         self.__wrapped__ = fn
         self.outputs = fn  # the allocator: also the fake
         sig = inspect.signature(fn)
-        hints = typing.get_type_hints(fn)
+        hints = typing.get_type_hints(fn, localns=localns)  # localns: a function-local op
         params = []
         for p in sig.parameters.values():
             if p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
@@ -144,8 +146,14 @@ class Op:
         return f"<op {self.qualname}{self.schema}>"
 
     # ------------------------------------------------------------ backends
-    def add_backend(self, backend: str, kernel: str | Callable[..., Any]) -> None:
-        """Register one more backend (e.g. the test-only "cuda-emulated")."""
+    def add_backend(
+        self, backend: str, kernel: str | Callable[..., Any], *, positional: bool = False
+    ) -> None:
+        """Register one more backend (e.g. the test-only "cuda-emulated"); a
+        ``positional`` kernel takes the arguments, then the outputs, in order (as
+        the compiled entry points do)."""
+        if positional and callable(kernel):
+            kernel = self._positional(kernel, stream=False)
         self._specs[backend] = kernel
         self._kernels.pop(backend, None)
         self._chosen.clear()
@@ -169,7 +177,15 @@ class Op:
             return spec
         if ":" in spec:  # "package.module:function": Python, called by name
             module, _, attr = spec.partition(":")
-            return getattr(importlib.import_module(module), attr)
+            fn = getattr(importlib.import_module(module), attr)
+            if backend != "cuda":
+                return fn
+            first = self._first
+
+            def with_stream(**kw):  # a Python "cuda" backend gets the stream by name
+                return fn(**kw, stream=cuda_stream(kw[first]))
+
+            return with_stream
         obj: Any = load()  # "submodule.function" in compass_kernels._C: positional
         for part in spec.split("."):
             if not hasattr(obj, part):
@@ -324,136 +340,8 @@ def op(
         key = name or fn.__name__.removesuffix("_op")
         if key in OPS:
             raise ValueError(f"op {NAMESPACE}::{key} is already registered")
-        o = OPS[key] = Op(fn, kernels, key, output)
+        caller = sys._getframe(1).f_locals  # where the op is declared (names in annotations)
+        o = OPS[key] = Op(fn, kernels, key, output, caller)
         return o
 
     return declare
-
-
-# ------------------------------------------------- the older declaration
-
-
-class PositionalOp:
-    """The older declaration (a schema string, arguments by position), kept for the ops
-    not yet declared as annotated functions (``op``); new ops use ``op``."""
-
-    def __init__(
-        self,
-        name: str,
-        schema: str,
-        outputs: Callable[..., tuple[torch.Tensor, ...]],
-        kernels: dict[str, str | Callable[..., Any]],
-    ) -> None:
-        if not schema.startswith("(") or ") ->" not in schema:
-            raise ValueError(f"{name}: schema must look like '(args) -> outputs', got {schema!r}")
-        self.name = name
-        self.qualname = f"{NAMESPACE}::{name}"
-        self.outputs = outputs
-        self._specs = dict(kernels)
-        self._kernels: dict[str, Callable[..., Any]] = {}
-        self._chosen: dict[tuple, str] = {}  # (device, backend) -> resolved backend
-        _dispatch.register_cache(self._chosen)
-        args, _, rets = schema.partition(") ->")
-        sep = ", " if args.strip() != "(" else ""
-        _lib.define(f"{name}{args}{sep}str? backend=None) ->{rets}")
-        self._single = not rets.strip().startswith("(")
-        self._nargs = args.count(",") + (1 if sep else 0)  # schema args before backend
-        _lib.impl(name, self._impl, "CPU")
-        _lib.impl(name, self._impl, "CUDA")
-        torch.library.register_fake(self.qualname)(self._fake)
-        self.backends = tuple(self._specs)
-
-    # ------------------------------------------------------------ backends
-    def add_backend(self, backend: str, kernel: str | Callable[..., Any]) -> None:
-        """Register one more backend (e.g. the test-only "cuda-emulated")."""
-        self._specs[backend] = kernel
-        self._kernels.pop(backend, None)
-        self._chosen.clear()
-        self.backends = tuple(self._specs)
-
-    def kernel(self, backend: str) -> Callable[..., Any]:
-        """The raw kernel of ``backend`` (``kernel(*args, *outputs[, stream])``)."""
-        k = self._kernels.get(backend)
-        if k is None:
-            k = self._kernels[backend] = self._load(backend)
-        return k
-
-    def _load(self, backend: str) -> Callable[..., Any]:
-        spec = self._specs.get(backend)
-        if spec is None:
-            raise BackendUnavailableError(
-                f"{self.qualname} has no {backend!r} backend (it has {', '.join(self._specs)})"
-            )
-        if callable(spec):
-            return spec
-        if ":" in spec:  # "package.module:function" (Triton wrappers, emulation)
-            module, _, attr = spec.partition(":")
-            return getattr(importlib.import_module(module), attr)
-        obj: Any = load()  # "submodule.function" in compass_kernels._C
-        for part in spec.split("."):
-            if not hasattr(obj, part):
-                raise BackendUnavailableError(
-                    f"{self.qualname}: compass_kernels._C has no {spec} (backend {backend!r}); "
-                    "rebuild the extension (pip install -e .)"
-                )
-            obj = getattr(obj, part)
-        return obj
-
-    # ---------------------------------------------------------------- calls
-    def run(self, args: tuple, backend: str | None = None, out=None):
-        """Resolve, allocate (unless ``out``), launch; returns the outputs."""
-        first = args[0] if type(args[0]) is torch.Tensor else _first_tensor(args)
-        dev = first.device
-        chosen = self._chosen.get((dev, backend))
-        if chosen is None:
-            chosen = _dispatch.resolve(dev, backend, op=self.qualname, available=self.backends)
-            self._chosen[(dev, backend)] = chosen
-        outs = self.outputs(*args) if out is None else out
-        kernel = self.kernel(chosen)
-        if chosen == "cuda":
-            kernel(*args, *outs, cuda_stream(first))
-        else:
-            kernel(*args, *outs)
-        return outs[0] if self._single else tuple(outs)
-
-    def __call__(self, *args, backend: str | None = None, out=None):
-        if torch.compiler.is_compiling() or is_symbolic(args):
-            # FakeTensor / meta / a dispatch mode: the dispatcher runs the fake (the
-            # outputs' shapes); no data pointer ever reaches a kernel.
-            res = getattr(torch.ops.compass, self.name)(*args, backend)
-            if out is None:
-                return res
-            for o, r in zip(out, (res,) if self._single else res, strict=True):
-                o.copy_(r)  # traced / fake: the op is functional, ``out`` gets its values
-            return out[0] if self._single else tuple(out)
-        return self.run(args, backend, out)
-
-    def _impl(self, *args, backend=None):
-        if len(args) > self._nargs:
-            args, backend = args[: self._nargs], args[self._nargs]
-        return self.run(args, backend)
-
-    def _fake(self, *args, backend=None):
-        outs = self.outputs(*args[: self._nargs])
-        return outs[0] if self._single else tuple(outs)
-
-
-def _first_tensor(args: tuple) -> torch.Tensor:
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            return a
-    raise TypeError("an op needs at least one tensor argument")
-
-
-def register_op(
-    name: str,
-    schema: str,
-    *,
-    outputs: Callable[..., tuple[torch.Tensor, ...]],
-    kernels: dict[str, str | Callable[..., Any]],
-) -> PositionalOp:
-    """Define ``torch.ops.compass.<name>`` with its fake, backend table and dispatch."""
-    if name in OPS:
-        raise ValueError(f"op {NAMESPACE}::{name} is already registered")
-    op = OPS[name] = PositionalOp(name, schema, outputs, kernels)
-    return op

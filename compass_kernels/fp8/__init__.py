@@ -20,10 +20,11 @@ Conventions and layouts: docs/design.md, section "FP8".
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from compass_kernels._op import register_op
+from compass_kernels._op import op
 from compass_kernels._validate import check_finite, check_tensor, describe, should_check
 from compass_kernels.fp8.grouped_gemm import grouped_gemm  # noqa: F401  (ck.fp8.grouped_gemm)
 
@@ -65,25 +66,36 @@ def _alloc_scales(rows: int, cols: int, layout: int, device) -> torch.Tensor:
     return torch.empty(rows, cols, dtype=torch.float32, device=device)
 
 
-def _quantize_outputs(x, block_rows, block_cols, eps, ue8m0, use_div, scale_layout):
-    rows, cols = x.shape
-    nb, kb = -(-rows // block_rows), -(-cols // block_cols)
-    return (
-        torch.empty_like(x, dtype=torch.float8_e4m3fn, memory_format=torch.contiguous_format),
-        _alloc_scales(nb, kb, scale_layout, x.device),
-    )
+class Quantized(NamedTuple):
+    """Outputs of :data:`quantize_op` (unpacks as ``q, scales``)."""
+
+    q: torch.Tensor  # x's shape, float8_e4m3fn
+    scales: torch.Tensor  # [ceil(R / br), ceil(C / bc)] float32, scale_layout's strides
 
 
-quantize_op = register_op(
-    "fp8_quantize",
-    "(Tensor x, int block_rows, int block_cols, float eps, bool ue8m0, bool use_div,"
-    " int scale_layout) -> (Tensor, Tensor)",
-    outputs=_quantize_outputs,
+@op(
     kernels={
         "torch": "compass_kernels.fp8.reference:quantize_torch",
         "triton": "compass_kernels.fp8.triton:quantize_triton",
     },
+    name="fp8_quantize",
 )
+def quantize_op(
+    x: torch.Tensor,
+    block_rows: int,
+    block_cols: int,
+    eps: float,
+    ue8m0: bool,
+    use_div: bool,
+    scale_layout: int,
+) -> Quantized:
+    """Blockwise FP8 quantization of x [R, C] float32 | bfloat16 | float16."""
+    rows, cols = x.shape
+    nb, kb = -(-rows // block_rows), -(-cols // block_cols)
+    return Quantized(
+        q=torch.empty_like(x, dtype=torch.float8_e4m3fn, memory_format=torch.contiguous_format),
+        scales=_alloc_scales(nb, kb, scale_layout, x.device),
+    )
 
 
 def workspace_size(slots: int, num_experts: int) -> int:
@@ -92,41 +104,58 @@ def workspace_size(slots: int, num_experts: int) -> int:
     return slots + 2 * chunks * num_experts
 
 
-def _permute_outputs(x, topk_ids, num_experts, eps, ue8m0, scale_layout):
-    slots = topk_ids.shape[0] * topk_ids.shape[1]
-    cols, dev = x.shape[1], x.device
-    return (
-        torch.empty(slots, cols, dtype=torch.float8_e4m3fn, device=dev),
-        _alloc_scales(slots, -(-cols // TILE), scale_layout, dev),
-        torch.empty(num_experts + 1, dtype=torch.int64, device=dev),
-        torch.empty(slots, dtype=torch.int64, device=dev),
-        torch.empty(slots, dtype=torch.int64, device=dev),
-        torch.empty(workspace_size(slots, num_experts), dtype=torch.int32, device=dev),
-    )
+class Permuted(NamedTuple):
+    """Outputs of :data:`permute_op`."""
+
+    q: torch.Tensor  # [M*k, C] float8_e4m3fn, rows in expert order
+    scales: torch.Tensor  # [M*k, ceil(C / 128)] float32
+    expert_offsets: torch.Tensor  # [E+1] int64
+    src_index: torch.Tensor  # [M*k] int64
+    dst_index: torch.Tensor  # [M*k] int64
+    workspace: torch.Tensor  # int32 [workspace_size(M*k, E)]
 
 
-permute_op = register_op(
-    "fp8_permute_quantize",
-    "(Tensor x, Tensor topk_ids, int num_experts, float eps, bool ue8m0, int scale_layout)"
-    " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
-    outputs=_permute_outputs,
+@op(
     kernels={
         "torch": "compass_kernels.fp8.reference:permute_quantize_torch",
         "triton": "compass_kernels.fp8.triton:permute_quantize_triton",
     },
+    name="fp8_permute_quantize",
 )
+def permute_op(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    eps: float,
+    ue8m0: bool,
+    scale_layout: int,
+) -> Permuted:
+    """The top-k slots of x [M, C] sorted by expert (stably), quantized 1x128."""
+    slots = topk_ids.shape[0] * topk_ids.shape[1]
+    cols, dev = x.shape[1], x.device
+    i64 = torch.int64
+    return Permuted(
+        q=torch.empty(slots, cols, dtype=torch.float8_e4m3fn, device=dev),
+        scales=_alloc_scales(slots, -(-cols // TILE), scale_layout, dev),
+        expert_offsets=torch.empty(num_experts + 1, dtype=i64, device=dev),
+        src_index=torch.empty(slots, dtype=i64, device=dev),
+        dst_index=torch.empty(slots, dtype=i64, device=dev),
+        workspace=torch.empty(workspace_size(slots, num_experts), dtype=torch.int32, device=dev),
+    )
 
-unpermute_op = register_op(
-    "fp8_unpermute",
-    "(Tensor y, Tensor dst_index, Tensor topk_weights) -> Tensor",
-    outputs=lambda y, dst, w: (
-        torch.empty(w.shape[0], y.shape[1], dtype=y.dtype, device=y.device),
-    ),
+
+@op(
     kernels={
         "torch": "compass_kernels.fp8.reference:unpermute_torch",
         "triton": "compass_kernels.fp8.triton:unpermute_triton",
     },
+    name="fp8_unpermute",
 )
+def unpermute_op(
+    y: torch.Tensor, dst_index: torch.Tensor, topk_weights: torch.Tensor
+) -> torch.Tensor:
+    """out [M, C] (y's dtype) = sum_j w[t, j] * y[dst_index[t*k + j]]."""
+    return torch.empty(topk_weights.shape[0], y.shape[1], dtype=y.dtype, device=y.device)
 
 
 # ------------------------------------------------------------- public API
@@ -208,11 +237,12 @@ def quantize_blockwise(
     if should_check(validate, w):
         check_finite("w", w)
     try:
+        opts = dict(block_rows=br, block_cols=bc, eps=eps, ue8m0=bool(ue8m0), use_div=False,
+                    scale_layout=layout, backend=backend)  # fmt: skip
         if w.dim() == 3:
-            outs = [quantize_op(e, br, bc, eps, bool(ue8m0), False, layout, backend=backend)
-                    for e in w]  # fmt: skip
-            return torch.stack([o[0] for o in outs]), torch.stack([o[1] for o in outs])
-        return quantize_op(w, br, bc, eps, bool(ue8m0), False, layout, backend=backend)
+            outs = [quantize_op(x=e, **opts) for e in w]
+            return torch.stack([o.q for o in outs]), torch.stack([o.scales for o in outs])
+        return tuple(quantize_op(x=w, **opts))
     except ValueError as err:  # the kernel names its argument x; this function's is w
         msg = str(err)
         if msg.startswith("x: "):
@@ -272,7 +302,9 @@ def quantize_token_groups(
     eps = _check_eps(eps)
     if should_check(validate, x):
         check_finite("x", x)
-    return quantize_op(x, 1, group_size, eps, bool(ue8m0), True, layout, backend=backend)
+    res = quantize_op(x=x, block_rows=1, block_cols=group_size, eps=eps, ue8m0=bool(ue8m0),
+                      use_div=True, scale_layout=layout, backend=backend)  # fmt: skip
+    return tuple(res)
 
 
 def dequantize(
@@ -369,9 +401,9 @@ def permute_quantize(
                     f"topk_ids: expected expert ids in [0, {num_experts}), got values in "
                     f"[{int(lo)}, {int(hi)}]"
                 )
-    q, s, off, src, dst, _ = permute_op(x, ids, num_experts, eps, bool(ue8m0), layout,
-                                        backend=backend)  # fmt: skip
-    return PermutedTokens(q, s, off, src, dst)
+    p = permute_op(x=x, topk_ids=ids, num_experts=num_experts, eps=eps, ue8m0=bool(ue8m0),
+                   scale_layout=layout, backend=backend)  # fmt: skip
+    return PermutedTokens(p.q, p.scales, p.expert_offsets, p.src_index, p.dst_index)
 
 
 def unpermute(
@@ -414,7 +446,7 @@ def unpermute(
         if int(lo) < -1 or int(hi) >= y.shape[0]:
             raise ValueError(f"dst_index: expected values in [-1, {y.shape[0]}) (rows of y), "
                              f"got values in [{int(lo)}, {int(hi)}]")  # fmt: skip
-    return unpermute_op(y, dst, w, backend=backend)
+    return unpermute_op(y=y, dst_index=dst, topk_weights=w, backend=backend)
 
 
 # The MoE layer composes the ops above (imported last: it uses this module).

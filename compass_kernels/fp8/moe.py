@@ -180,8 +180,8 @@ def moe_mlp(
     y = y if hidden.dtype == torch.bfloat16 else y.float()
     w = topk_weights.detach().to(torch.float32).contiguous()
     direct = out is not None and out.dtype == y.dtype
-    res = _fp8.unpermute_op(y, p.dst_index, w, backend=_stage(backend),
-                            out=(out,) if direct else None)  # fmt: skip
+    res = _fp8.unpermute_op(y=y, dst_index=p.dst_index, topk_weights=w, backend=_stage(backend),
+                            out=out if direct else None)  # fmt: skip
     if direct:
         return out
     if out is not None:
