@@ -144,11 +144,6 @@ def _backward(ctx, grad_logprob, grad_entropy, _grad_max, _grad_log_norm):
     return token_logprobs_entropy_op.input_grads(logits=grad)
 
 
-torch.library.register_autograd(
-    "compass::token_logprobs_entropy", _backward, setup_context=_setup_context
-)
-
-
 def _grad_vector(g: torch.Tensor | None) -> torch.Tensor | None:
     if g is None:
         return None
