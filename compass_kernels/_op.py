@@ -22,24 +22,29 @@ over the annotations and defaults, plus ``str? backend=None`` so an explicit
 backend is traceable), its fake (the function's body allocates the outputs from
 the arguments with tensor factory methods, so it runs on FakeTensors and meta
 tensors as well), the output names (a NamedTuple return annotation; a plain
-``torch.Tensor`` return is one output named ``out``), and the call into every
-backend:
+``torch.Tensor`` return is one output, named ``out`` unless ``op(output=)``
+says otherwise), and the call into every backend:
 
 - Python kernels (torch, Triton wrappers: "package.module:function") are called
   with every argument and output **by name**: ``kernel(rewards=..., ...,
   adv=..., zero_var=..., ...)``, writing the outputs in place;
+  a Python "cuda" backend also gets ``stream=`` (the raw CUDA stream handle);
 - compiled entry points in compass_kernels._C ("submodule.function", backends
   "cpp" / "cuda") take positional arguments: the op passes them in the
   function's parameter order, then the outputs in the return's order, then (CUDA)
   the raw stream handle. The order comes from the one signature, nowhere else.
 
-Calls are by name only (a positional call raises TypeError naming the op), so
-adding, removing or reordering a parameter cannot silently shift the others.
+Calls are by name only (a positional, unknown or missing argument raises
+TypeError naming the op), so adding, removing or reordering a parameter cannot
+silently shift the others. Parameter names may not be ``backend``, ``out``,
+``self`` or start with ``_`` (the eager call's own names).
 
 Calling the op:
 - eagerly, ``op(name=value, ..., backend=None, out=None)`` resolves the backend
   (cached), allocates the outputs (or writes into ``out``, e.g. poisoned ones
-  in tests) and calls the kernel: no trip through the torch dispatcher;
+  in tests) and calls the kernel: no trip through the torch dispatcher (the
+  call is a function generated from the signature; ``op.run`` is the same
+  without the tracing check: the dispatcher's implementation);
 - under torch.compile, FakeTensor, meta or a dispatch mode, the same call goes
   through ``torch.ops.compass.<name>``, whose implementation is the same path.
 """
