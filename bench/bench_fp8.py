@@ -159,7 +159,7 @@ def unpermute_case(m: int, hidden: int, experts: int, top_k: int, device: str) -
     w = torch.rand(m, top_k, generator=g).to(device)
     return Case(
         name="unpermute", shape={"M": m, "N": hidden, "k": top_k},
-        providers={"torch": lambda: unpermute_torch(y=y, dst_index=dst, topk_weights=w),
+        providers={"torch": lambda: unpermute_torch(y, dst, w),
                    "compass": lambda: ck.fp8.unpermute(y, dst, w)},
         baseline="torch", device=device,
         model=Model(bytes=m * top_k * (hidden * 2 + 12) + m * hidden * 2),
