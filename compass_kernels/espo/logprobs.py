@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 
 from compass_kernels._op import op
-from compass_kernels._validate import INT_DTYPES, check_tensor, describe, should_check
+from compass_kernels._validate import INT_DTYPES, as_float, check_tensor, describe, should_check
 from compass_kernels.espo.reference_logprobs import IGNORE_INDEX
 
 __all__ = [
@@ -181,7 +181,7 @@ def _check_targets_range(targets: torch.Tensor, vocab: int) -> None:
 
 
 def _check_temperature(temperature: float) -> float:
-    t = float(temperature)
+    t = as_float("temperature", temperature, finite=False)  # bool / str refused
     if not (0.0 < t < float("inf")):
         raise ValueError(f"temperature: expected a finite value > 0, got {temperature!r}")
     return t

@@ -32,6 +32,7 @@ import torch
 from compass_kernels._op import op
 from compass_kernels._validate import (
     FLOAT_DTYPES,
+    as_int,
     check_finite,
     check_offsets,
     check_tensor,
@@ -362,10 +363,6 @@ class EspoMetrics(Mapping):
 _config = functools.lru_cache(maxsize=64)(loss_config.resolve)
 
 
-def _hashable(x):
-    return tuple(x) if isinstance(x, list | tuple) else x
-
-
 _EMPTY: dict[torch.device, torch.Tensor] = {}
 
 
@@ -458,19 +455,12 @@ def espo_loss(
     loss : 0-d tensor (float32, float64 for float64 logprobs).
     metrics : :class:`EspoMetrics` (device tensors, no host sync).
     """
-    cfg = _config(
-        mode=mode,
-        rho=rho,
-        alpha=alpha,
-        clip=_hashable(clip),
-        vocab_size=vocab_size,
-        grouping=grouping,
-        num_groups=num_groups,
-        quantiles=_hashable(quantiles),
-        drop_low=drop_low,
-        ratio_form=ratio_form,
-        dual_clip=dual_clip,
-    )
+    rho, alpha, clip, vocab_size, num_groups, quantiles, drop_low, dual_clip = (
+        loss_config.normalize(rho, alpha, clip, vocab_size, num_groups, quantiles, drop_low,
+                              dual_clip))  # fmt: skip
+    cfg = _config(mode=mode, rho=rho, alpha=alpha, clip=clip, vocab_size=vocab_size,
+                  grouping=grouping, num_groups=num_groups, quantiles=quantiles,
+                  drop_low=drop_low, ratio_form=ratio_form, dual_clip=dual_clip)  # fmt: skip
     check_tensor("logprobs", logprobs, ndim=1, dtypes=FLOAT_DTYPES)
     total, dev = logprobs.shape[0], logprobs.device
     per_tok = "one per token = len(logprobs)"
@@ -487,9 +477,7 @@ def espo_loss(
         check_tensor("mask", mask, ndim=1, dtypes=(torch.bool,), size=total, size_what=per_tok,
                      device=dev)  # fmt: skip
         mask = mask if mask.is_contiguous() else mask.contiguous()
-    G = n if num_sequences is None else num_sequences
-    if not (isinstance(G, int) and G >= 1) and not (num_sequences is None and n == 0):
-        raise ValueError(f"num_sequences: expected a positive int, got {num_sequences!r}")
+    G = n if num_sequences is None else as_int("num_sequences", num_sequences, lo=1)
     R = F64 if logprobs.dtype == F64 else torch.float32
     lp = logprobs if logprobs.dtype == R else logprobs.to(R)
     lp = lp if lp.is_contiguous() else lp.contiguous()

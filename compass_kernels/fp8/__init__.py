@@ -25,7 +25,14 @@ from typing import NamedTuple
 import torch
 
 from compass_kernels._op import op
-from compass_kernels._validate import check_finite, check_tensor, describe, should_check
+from compass_kernels._validate import (
+    as_float,
+    as_int,
+    check_finite,
+    check_tensor,
+    describe,
+    should_check,
+)
 from compass_kernels.fp8.grouped_gemm import grouped_gemm  # noqa: F401  (ck.fp8.grouped_gemm)
 
 __all__ = [
@@ -171,7 +178,8 @@ def _layout(scale_layout: str) -> int:
 
 
 def _check_eps(eps: float) -> float:
-    if not (isinstance(eps, (int, float)) and 1e-30 <= eps <= 1.0):
+    eps = as_float("eps", eps)
+    if not 1e-30 <= eps <= 1.0:
         raise ValueError(
             "eps: expected a float in [1e-30, 1] (the scale floor of an all-zero block), "
             f"got {eps!r}"
@@ -179,14 +187,15 @@ def _check_eps(eps: float) -> float:
     return float(eps)
 
 
-def _input(name: str, x: torch.Tensor, ndim: tuple[int, ...]) -> torch.Tensor:
+def _input(name: str, x: torch.Tensor, ndim: tuple[int, ...], *, empty_cols: bool = False
+           ) -> torch.Tensor:  # fmt: skip
     check_tensor(name, x, dtypes=_INPUT_DTYPES)
     if x.dim() not in ndim:
         dims = " or ".join(map(str, ndim))
         raise ValueError(f"{name}: expected a {dims}-d tensor, got {describe(x)}")
     if x.requires_grad:
         x = x.detach()
-    if x.dim() >= 2 and x.shape[-1] == 0:  # no column to scale (zero rows are fine)
+    if x.dim() >= 2 and x.shape[-1] == 0 and not empty_cols:  # no column to scale
         raise ValueError(f"{name}: expected at least one column, got {describe(x)}")
     if x.dim() >= 2 and x.shape[-1] > 1 and x.stride(-1) != 1:
         x = x.contiguous()
@@ -230,10 +239,26 @@ def quantize_blockwise(
     scales : [ceil(N/128), ceil(K/128)] (or [E, ...]) float32, ``w ~ q * s``
         (the engines' ``weight_scale_inv``).
     """
-    w = _input("w", w, (2, 3))
+    w = _input("w", w, (2, 3), empty_cols=True)
     br, bc = _block(block)
     layout = _layout(scale_layout)
     eps = _check_eps(eps)
+    if w.numel() == 0:  # no experts, rows or columns: empty q and scales, no launch
+        if w.dim() == 2:
+            return tuple(
+                quantize_op.outputs(
+                    x=w,
+                    block_rows=br,
+                    block_cols=bc,
+                    eps=eps,
+                    ue8m0=ue8m0,
+                    use_div=False,
+                    scale_layout=layout,
+                )
+            )
+        nb, kb = -(-w.shape[1] // br), -(-w.shape[2] // bc)
+        q = torch.empty_like(w, dtype=torch.float8_e4m3fn, memory_format=torch.contiguous_format)
+        return q, torch.empty((w.shape[0], nb, kb), dtype=torch.float32, device=w.device)
     if should_check(validate, w):
         check_finite("w", w)
     try:
@@ -251,10 +276,11 @@ def quantize_blockwise(
 
 
 def _block(block) -> tuple[int, int]:
-    try:
-        br, bc = (int(b) for b in block)
-    except (TypeError, ValueError):
-        raise ValueError(f"block: expected a pair of positive ints, got {block!r}") from None
+    if isinstance(block, torch.Tensor) or type(block).__module__ == "numpy":
+        block = block.tolist() if getattr(block, "ndim", 0) == 1 else block
+    if not (isinstance(block, tuple | list) and len(block) == 2):
+        raise ValueError(f"block: expected a pair of positive ints, got {block!r}")
+    br, bc = as_int("block[0]", block[0]), as_int("block[1]", block[1])
     if br < 1 or bc < 1:
         raise ValueError(f"block: expected a pair of positive ints, got {block!r}")
     return br, bc
@@ -295,11 +321,22 @@ def quantize_token_groups(
         name = next(iter(renamed))
         hint = " (renamed group_size)" if name == "group" else ""
         raise TypeError(f"quantize_token_groups(): unexpected keyword argument {name!r}{hint}")
-    x = _input("x", x, (2,))
-    if not (isinstance(group_size, int) and group_size >= 1):
-        raise ValueError(f"group_size: expected a positive int, got {group_size!r}")
+    x = _input("x", x, (2,), empty_cols=True)
+    group_size = as_int("group_size", group_size, lo=1)
     layout = _layout(scale_layout)
     eps = _check_eps(eps)
+    if x.numel() == 0:  # no tokens or no columns: empty q and scales, no launch
+        return tuple(
+            quantize_op.outputs(
+                x=x,
+                block_rows=1,
+                block_cols=group_size,
+                eps=eps,
+                ue8m0=ue8m0,
+                use_div=True,
+                scale_layout=layout,
+            )
+        )
     if should_check(validate, x):
         check_finite("x", x)
     res = quantize_op(x=x, block_rows=1, block_cols=group_size, eps=eps, ue8m0=bool(ue8m0),

@@ -355,6 +355,7 @@ def run(args: argparse.Namespace, terminal: Any = None) -> list[dict[str, Any]]:
 
     import compass_kernels as ck
     from compass_kernels.integration.cpu.vllm_engine import shutdown_vllm, start_vllm
+    from compass_kernels.integration.rl import preflight
     from compass_kernels.integration.rl import task as T
     from compass_kernels.integration.rl.ranks import Layout, LoopTrainer
     from compass_kernels.integration.rl.rollout import Rollout
@@ -365,6 +366,7 @@ def run(args: argparse.Namespace, terminal: Any = None) -> list[dict[str, Any]]:
     rng = np.random.default_rng(args.seed)
     model_dir = _model_dir(args)
     hf_config = AutoConfig.from_pretrained(model_dir)
+    preflight.check(args, hf_config)  # every cap and size: before any engine or rank starts
     layout = Layout(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp, dp=args.dp)
     try:
         layout.check(hf_config)
