@@ -71,10 +71,10 @@ def test_run_fails_before_any_engine_starts(tmp_path, monkeypatch):
     monkeypatch.setattr(loop, "_model_dir", lambda args: tmp_path)
     started = []
     import compass_kernels.integration.cpu.vllm_engine as ve
-    import compass_kernels.integration.rl.ranks as ranks
+    import compass_kernels.integration.rl.loop_adapter as ranks
 
     monkeypatch.setattr(ve, "start_vllm", lambda *a, **k: started.append("vllm"))
-    monkeypatch.setattr(ranks, "LoopTrainer", lambda *a, **k: started.append("ranks"))
+    monkeypatch.setattr(ranks, "LoopAdapter", lambda *a, **k: started.append("ranks"))
     with pytest.raises(SystemExit, match="--max-tokens 20"):
         loop.run(_args("--max-tokens", "20", "--out", str(tmp_path / "out")))
     assert started == []
