@@ -84,7 +84,7 @@ def grouped_gemm_abs_reference(
     )
 
 
-def grouped_gemm_torch(a_q, a_scales, b_q, b_scales, expert_offsets, out_dtype, out) -> None:
+def grouped_gemm_torch(*, a_q, a_scales, b_q, b_scales, expert_offsets, out_dtype, out) -> None:
     """``fp8_grouped_gemm`` op on CPU tensors (the ``torch`` backend): dequantise
     in float32 (activations once, each expert's weight when it has rows), one
     float32 matmul per expert, written to ``out`` [M, N] (``out_dtype`` 0
