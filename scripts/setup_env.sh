@@ -75,13 +75,13 @@ pip install -q --no-build-isolation -e ".[$EXTRAS]"
 # Bench-only baseline (bench/bench_espo_logprobs.py): Liger-Kernel's fused
 # linear GRPO loss. Pure Python; --no-deps keeps the torch / triton above.
 python -c "import liger_kernel" 2>/dev/null || pip install -q --no-deps "liger-kernel==0.8.5"
-# The verl drop-in's test dependency (pyproject's `verl` extra), --no-deps so
-# that verl's requirements cannot replace torch / vllm / transformers; skip
-# with COMPASS_VERL=0. verl's wheel ships a top-level `tests` package: ours is
-# a regular package too (tests/__init__.py) and comes first on pytest's path.
+# The verl drop-in's test dependency (pyproject's `verl` extra, exact pins, --no-deps so
+# that verl's requirements cannot replace torch / vllm / transformers): scripts/install_verl.sh,
+# also the one command for a user's own environment; skip with COMPASS_VERL=0. verl's wheel
+# ships a top-level `tests` package: ours is a regular package too (tests/__init__.py) and
+# comes first on pytest's path.
 if [ "${COMPASS_VERL:-1}" = 1 ]; then
-  python -c "import verl" 2>/dev/null || pip install -q --no-deps $(python -c "import tomllib; \
-print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['verl']))")
+  COMPASS_VERL_DEPS=0 scripts/install_verl.sh
 fi
 
 if [ "$GPUS" -gt 0 ]; then
