@@ -24,7 +24,7 @@ export COMPASS_VERL_ADV=${COMPASS_VERL_ADV:-mode=grpo,rl_zvp=true,alpha=0.1}  # 
 
 if [ "$CPU" = 1 ]; then
   # The CPU platform first: it must be in place before anything asks verl for a device.
-  export VERL_USE_EXTERNAL_MODULES="compass_kernels.integration.cpu.verl_platform,$VERL_USE_EXTERNAL_MODULES"
+  export VERL_USE_EXTERNAL_MODULES="compass_kernels.integration.cpu.verl_plugin,$VERL_USE_EXTERNAL_MODULES"
   export COMPASS_VERL_PATCHES=${COMPASS_VERL_PATCHES:-old_entropy,balancing}  # 2, 4 (5 needs Megatron)
   CONFIG=ppo_trainer
   NGPUS=${NGPUS:-1}
@@ -50,8 +50,8 @@ else
     `# 5. router replay: vLLM returns the routes, compass replays them (verl's own R3 off)` \
     actor_rollout_ref.rollout.enable_rollout_routing_replay=true
     actor_rollout_ref.actor.megatron.router_replay.mode=disabled
-    `# 2. ESPO groups by the old entropy, which bf16 (the default here) puts on ties; compass` \
-    `# warns, naming the option (actor_rollout_ref.actor.megatron.dtype=float32)` \
+    `# 2. ESPO groups by the old entropy, which bf16 puts on ties; verl's Megatron engine` \
+    `# accepts only bf16 / fp16 (compass warns; the FSDP engine can run fp32)` \
   )
 fi
 REWARD_ARGS=()

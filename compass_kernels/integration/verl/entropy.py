@@ -85,9 +85,15 @@ def warn_low_precision_entropy(config: Any) -> bool:
     low = actor_dtype_option(config)
     if low is None:
         return False
+    if low[0].endswith("megatron.dtype"):  # verl/workers/config/engine.py:218
+        fix = ("verl's Megatron engine accepts only bfloat16 / float16; the FSDP engine with "
+               "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32 computes "
+               "it in float32")  # fmt: skip
+    else:
+        fix = f"set {low[0]}=fp32 (and reduce_dtype / buffer_dtype fp32)"
     warnings.warn(
         f"compass_espo: the old entropy is computed in {low[1]} ({low[0]}), whose ties skew "
-        f"ESPO's entropy groups; set {low[0]} to fp32 / float32 for the old-log-prob pass",
+        f"ESPO's entropy groups; {fix}",
         stacklevel=2,
     )
     return True
