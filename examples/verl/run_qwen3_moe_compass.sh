@@ -25,7 +25,7 @@ export COMPASS_VERL_ADV=${COMPASS_VERL_ADV:-mode=grpo,rl_zvp=true,alpha=0.1}  # 
 if [ "$CPU" = 1 ]; then
   # The CPU platform first: it must be in place before anything asks verl for a device.
   export VERL_USE_EXTERNAL_MODULES="compass_kernels.integration.cpu.verl_plugin,$VERL_USE_EXTERNAL_MODULES"
-  export COMPASS_VERL_PATCHES=${COMPASS_VERL_PATCHES:-old_entropy,balancing}  # 2, 4 (5 needs Megatron)
+  export COMPASS_VERL_PATCHES=${COMPASS_VERL_PATCHES-old_entropy,balancing}  # 2, 4 (5 needs Megatron); "": none
   CONFIG=ppo_trainer
   NGPUS=${NGPUS:-1}
   ENGINE=(
@@ -43,7 +43,7 @@ if [ "$CPU" = 1 ]; then
     +ray_kwargs.ray_init.num_gpus="$NGPUS" ray_kwargs.ray_init.num_cpus=${RAY_CPUS:-8}
   )
 else
-  export COMPASS_VERL_PATCHES=${COMPASS_VERL_PATCHES:-old_entropy,balancing,replay}  # 2, 4, 5
+  export COMPASS_VERL_PATCHES=${COMPASS_VERL_PATCHES-old_entropy,balancing,replay}  # 2, 4, 5; "": none
   CONFIG=ppo_megatron_trainer
   NGPUS=${NGPUS:-8}
   ENGINE=(
