@@ -127,6 +127,7 @@ def test_a_changed_upstream_function_is_refused_and_nothing_changes(platform, mo
     assert {k: os.environ.get(k) for k in before[3]} == before[3]
 
 
+@pytest.mark.vllm
 def test_the_weight_update_is_replaced_when_verls_rollout_utils_is_imported(platform):
     """The class is patched at definition (vLLM's engine process imports it after verl)."""
     pytest.importorskip("vllm")
