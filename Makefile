@@ -8,7 +8,8 @@ PY := $(VENV)/bin/python
 # runs again (the script is idempotent).
 STAMP := $(VENV)/.compass-setup.stamp
 
-.PHONY: env build test test-fast test-ranks test-triton36 test-py312 bench rl wheel info lint gpu-check
+.PHONY: env build test test-fast test-ranks test-triton36 test-py312 bench rl wheel info lint gpu-check \
+	gpu-check-dry
 
 $(STAMP): pyproject.toml scripts/setup_env.sh scripts/install_verl.sh
 	COMPASS_VENV=$(VENV) bash scripts/setup_env.sh
@@ -92,3 +93,8 @@ lint: $(STAMP)
 # on a GPU host: build in place, gpu + triton tiers, benches, report (docs/gpu_runs/)
 gpu-check:
 	bash scripts/gpu_check.sh $(REPORT_DIR)
+
+# the runbook on this CPU: phases stubbed, a fake budget, cuts at every phase, after a
+# time (SIGTERM) and by SIGKILL; each leaves a report (tests/test_gpu_check_dry.py)
+gpu-check-dry: $(STAMP)
+	$(PY) -m pytest tests/test_gpu_check_dry.py -v -p no:cacheprovider

@@ -2,65 +2,673 @@
 
 No GPU is available to development or CI, so a bench states GPU performance as
 a *model*: the minimum time an op needs on a device given the bytes it must
-move through HBM and the FLOPs it must execute, each over the device's
-published ceiling, plus one kernel-launch floor per kernel. It is a lower
-bound that a good kernel approaches, never a measurement; tables label it
-"model".
+move through HBM, the FLOPs it must execute, the warp instructions it must
+issue and the memory round trips a program makes one after another, each over
+the device's published ceiling, plus one kernel-launch floor per kernel. It is
+a lower bound that a good kernel approaches, never a measurement; every table
+says "model".
+
+One table of device ceilings (:data:`DEVICES`: H100 SXM, H200), shared by the
+benches and by the GPU runbook's timing step (bench/gpu_timing.py picks the row
+by the device's name, :func:`device_by_name`, and reports measured / model).
+
+``python -m bench.roofline`` prints the per-kernel model (:data:`KERNELS`, one
+row per Triton kernel at a realistic shape, both devices); ``--json`` the same
+as JSON; ``--sass`` recompiles the kernels whose model counts instructions and
+rewrites bench/sass_counts.json (see :func:`sass_profile` and
+:func:`launched_artifacts`).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import math
+import re
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 @dataclass(frozen=True)
 class Device:
-    """Published ceilings of one accelerator (dense math, no sparsity)."""
+    """Published ceilings of one accelerator (dense math, no sparsity).
+
+    ``issue_per_s``: warp instructions issued per second (SMs x 4 schedulers x
+    1 instruction per clock at the boost clock). ``latency_s``: one dependent
+    HBM round trip under load (assumption). ``gemm_bf16_per_s``: what cuBLAS
+    reaches on the skinny bf16 GEMMs of the lm_head path (assumption, below the
+    datasheet; used for the 3-GEMM floor). ``names``: substrings of
+    ``torch.cuda.get_device_name()`` that select this row.
+    """
 
     name: str
     hbm_bytes_per_s: float
     flops_per_s: dict[str, float] = field(default_factory=dict)
     launch_s: float = 3e-6  # assumption: launch + tail of a tiny kernel, CUDA graphs off
+    sms: int = 132
+    clock_hz: float = 1.98e9
+    latency_s: float = 0.7e-6
+    gemm_bf16_per_s: float = 700e12
+    names: tuple[str, ...] = ()
+    excludes: tuple[str, ...] = ()
+    measured: dict[str, float] = field(default_factory=dict)
 
+    @property
+    def issue_per_s(self) -> float:
+        return self.sms * 4 * self.clock_hz
+
+
+_HOPPER_FLOPS = {"fp8": 1979e12, "bf16": 989e12, "tf32": 494.5e12, "fp32": 67e12, "fp64": 34e12}
 
 # NVIDIA H100 SXM5 datasheet: HBM3 3.35 TB/s; dense tensor-core FP8 1979,
-# BF16/FP16 989, TF32 494.5 TFLOP/s; CUDA-core FP32 67, FP64 34 TFLOP/s.
+# BF16/FP16 989, TF32 494.5 TFLOP/s; CUDA-core FP32 67, FP64 34 TFLOP/s; 132
+# SMs at up to 1.98 GHz. Measured on the lent H100 (KINDS.md of the device
+# tool): device-to-device copy ~3.0 TB/s, an 8192^3 bf16 product 798 TFLOP/s.
 H100_SXM = Device(
     name="H100-SXM",
     hbm_bytes_per_s=3.35e12,
-    flops_per_s={
-        "fp8": 1979e12,
-        "bf16": 989e12,
-        "tf32": 494.5e12,
-        "fp32": 67e12,
-        "fp64": 34e12,
-    },
+    flops_per_s=dict(_HOPPER_FLOPS),
+    names=("H100",),
+    excludes=("PCIE", "NVL"),
+    measured={"copy_bytes_per_s": 3.0e12, "bf16_mm_8192_per_s": 798e12},
 )
+# NVIDIA H200 SXM datasheet: HBM3e 4.8 TB/s, the H100's SMs, clocks and tensor
+# cores (same dense TFLOP/s). Measured on lent H200s: copy ~4.3 TB/s, an
+# 8192^3 bf16 product 769-798 TFLOP/s.
+H200 = Device(
+    name="H200",
+    hbm_bytes_per_s=4.8e12,
+    flops_per_s=dict(_HOPPER_FLOPS),
+    names=("H200",),
+    excludes=("NVL",),
+    measured={"copy_bytes_per_s": 4.3e12, "bf16_mm_8192_per_s": 788e12},
+)
+DEVICES: dict[str, Device] = {d.name: d for d in (H100_SXM, H200)}
+
+
+def device_by_name(gpu_name: str) -> Device:
+    """The ceilings row of a GPU, by ``torch.cuda.get_device_name()`` (e.g. "NVIDIA
+    H100 80GB HBM3" -> H100-SXM, "NVIDIA H200" -> H200). A GPU not in the table
+    (H100 PCIe / NVL, anything else) is an error, never another row's ceilings."""
+    up = str(gpu_name).upper()
+    for d in DEVICES.values():
+        if any(n in up for n in d.names) and not any(x in up for x in d.excludes):
+            return d
+    raise ValueError(
+        f"gpu_name: {gpu_name!r} is not in bench.roofline.DEVICES ({sorted(DEVICES)}); add "
+        "its datasheet ceilings there"
+    )
 
 
 @dataclass(frozen=True)
 class Model:
-    """What an op must do at one shape: HBM bytes, FLOPs (of ``precision``), kernels."""
+    """What an op must do at one shape.
+
+    bytes: HBM traffic; flops (of ``precision``); kernels: launches;
+    instructions: warp instructions issued in all (0: not modelled);
+    serial_steps: dependent HBM round trips of the longest program (a small
+    grid's loop over a long sequence; 0: not modelled).
+    """
 
     bytes: float
     flops: float = 0.0
     precision: str = "fp32"
     kernels: int = 1
+    instructions: float = 0.0
+    serial_steps: float = 0.0
 
-    def seconds(self, device: Device = H100_SXM) -> float:
-        """Roofline lower bound: max(memory time, math time) + launch floor per kernel."""
+    def times(self, device: Device = H100_SXM) -> dict[str, float]:
+        """Seconds per resource: memory, math, issue, latency, launch."""
         if self.precision not in device.flops_per_s:
             raise ValueError(
                 f"precision: expected one of {sorted(device.flops_per_s)}, got {self.precision!r}"
             )
-        memory = self.bytes / device.hbm_bytes_per_s
-        math = self.flops / device.flops_per_s[self.precision]
-        return max(memory, math) + self.kernels * device.launch_s
+        return {
+            "memory": self.bytes / device.hbm_bytes_per_s,
+            "math": self.flops / device.flops_per_s[self.precision],
+            "issue": self.instructions / device.issue_per_s,
+            "latency": self.serial_steps * device.latency_s,
+            "launch": self.kernels * device.launch_s,
+        }
+
+    def seconds(self, device: Device = H100_SXM) -> float:
+        """Roofline lower bound: the slowest resource + the launch floor per kernel."""
+        t = self.times(device)
+        return max(t["memory"], t["math"], t["issue"], t["latency"]) + t["launch"]
 
     def bound(self, device: Device = H100_SXM) -> str:
-        """Which ceiling binds: "memory", "compute" or "launch" (both below the floor)."""
-        memory = self.bytes / device.hbm_bytes_per_s
-        math = self.flops / device.flops_per_s[self.precision]
-        if max(memory, math) < self.kernels * device.launch_s:
-            return "launch"
-        return "memory" if memory >= math else "compute"
+        """Which resource binds: memory, compute (math), issue, latency, or launch."""
+        t = self.times(device)
+        work = {"memory": t["memory"], "compute": t["math"], "issue": t["issue"],
+                "latency": t["latency"]}  # fmt: skip
+        name = max(work, key=work.get)
+        return "launch" if work[name] < t["launch"] else name
+
+    def share(self, device: Device = H100_SXM) -> float:
+        """Modelled share of the ceiling the op is judged by: the memory time (or the
+        math time when it is the larger) over the modelled time."""
+        t = self.times(device)
+        return max(t["memory"], t["math"]) / self.seconds(device)
+
+
+# ------------------------------------------------------------------ SASS counts
+
+SASS_COUNTS = Path(__file__).with_name("sass_counts.json")
+_INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+
+
+def sass_profile(sass: str) -> dict:
+    """Static instruction counts of one kernel's SASS (``cuobjdump --dump-sass``).
+
+    main: instructions from the entry to the last EXIT (code after it is the
+    slow paths reached by CALL, e.g. IEEE division, and the padding); loops:
+    the back-edges inside it, each (start, end, body instructions), innermost
+    first by size; ops: counts by class in main (BAR, SHFL, MUFU, LDG, STG,
+    LDG.128, STG.128, CALL: a call to a slow path such as an IEEE divide).
+    NOPs and the trailing self-branch are not counted."""
+    insns = []
+    for m in _INSN.finditer(sass):
+        addr, op, rest = int(m.group(1), 16), m.group(3), m.group(4)
+        insns.append((addr, op, rest))
+    if not insns:
+        raise ValueError("sass: no instructions found (expected cuobjdump --dump-sass text)")
+    exits = [a for a, op, _ in insns if op == "EXIT"]
+    end = max(exits) if exits else insns[-1][0]
+    main = [(a, op, r) for a, op, r in insns if a <= end and op != "NOP"]
+    loops = []
+    for a, op, rest in main:
+        if op == "BRA":
+            tgt = re.search(r"0x([0-9a-f]+)", rest)
+            if tgt and int(tgt.group(1), 16) < a:
+                start = int(tgt.group(1), 16)
+                body = sum(1 for b, o, _ in main if start <= b <= a)
+                loops.append((start, a, body))
+    ops: dict[str, int] = {}
+
+    def bump(k):
+        ops[k] = ops.get(k, 0) + 1
+
+    for _, op, _ in main:
+        base = op.split(".")[0]
+        if base in ("BAR", "SHFL", "MUFU", "LDG", "STG", "CALL", "LDS", "STS", "HGMMA", "QGMMA"):
+            bump(base)
+        if base in ("LDG", "STG") and ".128" in op:
+            bump(base + ".128")
+    return {"main": len(main), "loops": sorted(loops, key=lambda x: x[2]), "ops": ops}
+
+
+_LAUNCHED: dict[str, list] = {}
+
+
+def launched_artifacts(module: str, kernel: str, constexprs: dict):
+    """HOOK (issue 32 item 2): the compiled code of the specialization a real launch
+    gets (ints divisible by 16 marked, ints equal to 1 constant, i32 below 2^31),
+    from ``tests.aot.launched_variants(module)`` where tests/aot.py has it: the
+    variant of ``kernel`` whose launch passed these constexprs. Returns
+    (CompiledArtifacts or None, what it is or why there is none); with None,
+    :func:`_compile` compiles the ``aot_variants()`` entry instead (i64 strides
+    unspecialized), and each count's ``source`` says which it is."""
+    from tests import aot
+
+    variants = getattr(aot, "launched_variants", None)
+    if variants is None:
+        return None, "tests/aot.py has no launched_variants yet"
+    if module not in _LAUNCHED:
+        try:
+            _LAUNCHED[module] = variants(module)
+        except KeyError:  # no launch plan for this module
+            _LAUNCHED[module] = []
+    for v in _LAUNCHED[module]:
+        kw = v.launch.kwargs
+        if v.launch.name == kernel and all(kw[k] == c for k, c in constexprs.items() if k in kw):
+            return v.artifacts, f"launched variant ({v.case}: {v.specialization})"
+    return None, f"no launched variant of {kernel} with constexprs {constexprs}"
+
+
+def _compile(module: str, kernel: str, overrides: dict) -> tuple[dict, str]:
+    """(sass_profile, source) of ``kernel`` at the modelled shape's constexprs: the
+    launched variant where the hook has it, else ``module``'s aot_variants() entry
+    whose constexprs match the ``=KEY`` selectors, the other overrides applied."""
+    import importlib
+
+    import triton
+
+    from tests import aot
+
+    mod = importlib.import_module(f"compass_kernels.{module}")
+    for fn, sig, const, launch in mod.aot_variants():
+        if getattr(fn, "__name__", "") != kernel:
+            continue
+        if any(const.get(k[1:]) != v for k, v in overrides.items() if k.startswith("=")):
+            continue
+        const = dict(const) | {k.lstrip("="): v for k, v in overrides.items()}
+        art, why = launched_artifacts(module, kernel, const)
+        if art is not None:
+            src = f"{why}, Triton {triton.__version__}, sm_90a"
+        else:
+            art = aot.compile_triton(fn, sig, const, **launch)
+            src = (
+                f"aot_variants() entry, constexprs {const}, i64 strides unspecialized "
+                f"(not the launched variant: {why}), Triton {triton.__version__}, sm_90a"
+            )
+        return sass_profile(art.sass), src
+    raise LookupError(f"{module}.aot_variants() has no {kernel} matching {overrides}")
+
+
+def _sass_counts() -> dict:
+    if not SASS_COUNTS.exists():
+        return {}
+    return json.loads(SASS_COUNTS.read_text())["kernels"]
+
+
+def _warp_instructions(key: str, programs: float, warps: int, trips: float,
+                       loops: str = "largest") -> tuple[float, str]:  # fmt: skip
+    """Warp instructions a launch issues, from the stored SASS counts of ``key``:
+    programs x warps x (main + hot-loop body x (trips - 1)); the hot loop is the
+    largest back-edge (the kernel's main loop), or with ``loops="all"`` every
+    back-edge runs ``trips`` times (consecutive loops of the same trip count).
+    (0, reason) without a count."""
+    row = _sass_counts().get(key)
+    if row is None:
+        return 0.0, f"no SASS count for {key} (run python -m bench.roofline --sass)"
+    prof = row["profile"]
+    bodies = [b for *_, b in prof["loops"]]
+    if not bodies or trips <= 1:
+        body = 0
+    else:
+        body = sum(bodies) if loops == "all" else bodies[-1]
+    per_warp = prof["main"] + body * max(trips - 1, 0)
+    return programs * warps * per_warp, row["source"]
+
+
+# ------------------------------------------------------------------ kernels
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One GPU kernel (or a fixed sequence of launches) at a realistic shape."""
+
+    name: str
+    kernels: str  # the Triton kernels (module:function) or library calls launched
+    shape: str
+    build: Callable[[], tuple[Model, str]]  # (model, where its instruction count comes from)
+    judged: str = "memory"  # the ceiling the share is of: memory or compute
+    floor: Callable[[Device], float] | None = None  # a baseline's modelled seconds
+    floor_name: str = ""
+    timing_op: str = ""  # bench/gpu_timing.py's row op that this model is compared to
+
+
+def _no_issue(model: Model) -> Callable[[], tuple[Model, str]]:
+    return lambda: (model, "")
+
+
+# SASS specs: key -> (module, kernel, constexpr overrides; "=KEY" selects the entry)
+SASS_SPECS: dict[str, tuple[str, str, dict]] = {
+    "permute_scatter": ("fp8.triton", "_permute_scatter_kernel", {"NG": 16}),
+    "permute_rank": ("fp8.triton", "_permute_rank_kernel", {}),
+    "quantize_groups": ("fp8.triton", "_quantize_groups_kernel", {"=UE8M0": False, "NG": 64}),
+    "quantize_block": ("fp8.triton", "_quantize_block_kernel", {"=UE8M0": False}),
+    "unpermute": ("fp8.triton", "_unpermute_kernel", {}),
+    "logprobs_fwd": ("espo.triton_logprobs", "_fwd_kernel", {"=ENT": True, "=VEC": 8}),
+    "logprobs_tile": ("espo.triton_logprobs", "_tile_kernel", {"=ENT": True, "=VEC": 8}),
+    "logprobs_bwd": (
+        "espo.triton_logprobs",
+        "_bwd_kernel",
+        {"=HAS_GL": True, "=HAS_GH": True, "=VEC": 8},
+    ),  # fmt: skip
+    "replay_fwd": ("routing.triton", "_replay_fwd_kernel", {"=SCORE": 1}),
+    "replay_bwd": ("routing.triton", "_replay_bwd_kernel", {"=SCORE": 1}),
+    "pack": ("packing.triton", "_pack_kernel", {"=ROWS": 1}),
+    "unpack": ("packing.triton", "_unpack_kernel", {"=ROWS": 1}),
+    "group_advantages": ("advantages.triton", "_group_advantages_kernel", {"=MODE": 0}),
+    "loss_forward": ("espo.triton_loss", "_forward_kernel", {"=FLAGS": 8}),
+}
+
+
+def _permute_quantize():
+    M, k, K = 131_072, 8, 2048  # E = 256
+    slots = M * k
+    moved = M * K * 2 + slots * K + slots * (K // 128) * 4 + slots * (4 + 4 + 4 + 8 + 8)
+    scat, src = _warp_instructions("permute_scatter", slots, 4, 1)
+    rank, _ = _warp_instructions("permute_rank", slots / 256, 4, 256 / 16)
+    return Model(bytes=moved, kernels=4, instructions=scat + rank), src
+
+
+def _quantize_1x128():
+    R, C = 16_384, 7168
+    ins, src = _warp_instructions("quantize_groups", R, 4, 1)
+    return Model(bytes=R * C * 2 + R * C + R * (C // 128) * 4, instructions=ins), src
+
+
+def _quantize_128x128():
+    R, C = 7168, 2048  # a weight [N, K] of the MoE FFN
+    ins, src = _warp_instructions("quantize_block", (R // 128) * (C // 128), 4, 128 / 32,
+                                  loops="all")  # fmt: skip
+    # the second pass re-reads the 128 x 128 block from L2, not HBM
+    return Model(bytes=R * C * 2 + R * C + (R // 128) * (C // 128) * 4, instructions=ins), src
+
+
+def _unpermute():
+    M, k, K = 131_072, 8, 2048
+    ins, src = _warp_instructions("unpermute", M * (K // 512), 4, k)
+    return Model(bytes=M * k * K * 2 + M * K * 2 + M * k * 12, instructions=ins), src
+
+
+def _logprobs(key: str, passes: int, rows: int = 4096, V: int = 151_936):
+    trips = math.ceil(V / 2048)
+    ins, src = _warp_instructions(key, rows, 4, trips)
+    return Model(bytes=passes * rows * V * 2 + rows * 32, instructions=ins), src
+
+
+def _replay(key: str, fwd: bool):
+    T, E, K = 65_536, 256, 8
+    bt = max(1, min(64, 1024 // E))
+    # the forward's K rounds (the routing map, weights and ids: 3 loops of K trips)
+    ins, src = _warp_instructions(key, T / bt, 4, K if fwd else 1, loops="all")
+    if fwd:  # fp32 logits + int64 ids in; weights, int64 ids used, bool map out
+        moved = T * E * 4 + T * K * 8 + T * K * 4 + T * K * 8 + T * E
+    else:  # grad weights + logits + ids in; grad logits out
+        moved = T * K * 4 + T * E * 4 + T * K * 8 + T * E * 4
+    return Model(bytes=moved, instructions=ins), src
+
+
+def _pack(key: str):
+    H = 4096
+    rows = (1 << 30) // (2 * H)
+    upr = H * 2 // 8  # int64 units per row
+    ins, src = _warp_instructions(key, rows, 4, upr / 1024)
+    return Model(bytes=2 * rows * H * 2 + rows * 24, instructions=ins), src
+
+
+def _espo_loss():
+    T, n = 65_536, 8
+    # sums: 3 fp32 in; forward: 4 fp32 in + fp32 grad out; reduce; backward: 1 in + 1 out
+    moved = T * 4 * (3 + 4 + 1 + 2) + T  # + the bool mask
+    steps = 2 * math.ceil(T / n / 256)  # sums + forward: one program per sequence
+    ins, src = _warp_instructions("loss_forward", n, 4, math.ceil(T / n / 256))
+    return Model(bytes=moved, kernels=4, instructions=ins, serial_steps=steps), src
+
+
+def _advantages():
+    groups, size = 8192, 16
+    n = groups * size
+    ins, src = _warp_instructions("group_advantages", groups, 4, 1)
+    return Model(bytes=n * 4 * 2 + groups * 8 * 2, kernels=1, instructions=ins,
+                 serial_steps=2), src  # fmt: skip
+
+
+def _rl_zvp():
+    n, tokens = 8192, 3_400_000
+    return Model(bytes=tokens * 4 * 2 + n * 8, kernels=1)
+
+
+# The fused lm_head + log-probs + entropy (+ ESPO loss) path, grad_in_forward with
+# bf16 gradient GEMMs (fused_loss.py), at T = 8192, H = 4096, V = 151,936: chunks
+# of CHUNK_BYTES_GPU (1 GiB) of float32 logits (1766 rows: 5 chunks).
+LM_T, LM_H, LM_V = 8192, 4096, 151_936
+
+
+def _lm_chunks(T=LM_T, V=LM_V) -> int:
+    return math.ceil(T / ((1 << 30) // (V * 4)))
+
+
+def _lm_floor(d: Device) -> float:
+    """The 3 bf16 GEMMs (logits, d_hidden, d_weight) at cuBLAS's modelled rate."""
+    return 3 * 2 * LM_T * LM_H * LM_V / d.gemm_bf16_per_s
+
+
+def _lm_extra_bytes(T=LM_T, H=LM_H, V=LM_V) -> float:
+    """HBM bytes of the passes beside the GEMMs, today's code (fused_loss.py)."""
+    tile = T * V
+    chunks = _lm_chunks(T, V)
+    per_logit = 4 + 4 + 8 + 6  # fp32 logits store, stats read, bwd read+write, bf16 copy
+    dw = V * H * 4
+    fold = (chunks - 1) * (dw + 3 * dw)  # fp32 product into tmp_w, then d_w.add_(tmp_w)
+    final = dw + V * H * 2 + T * H * 4 + T * H * 2  # d_w, d_h fp32 -> bf16
+    return tile * per_logit + fold + final
+
+
+def _lm_head():
+    """Modelled as GEMMs at the floor's rate + the extra passes at HBM speed, serial
+    (separate kernels on one stream): a Model over the passes; the GEMM time is
+    added by ``floor``. FLOPs are the 3 GEMMs' (bf16)."""
+    model = Model(bytes=_lm_extra_bytes(), precision="bf16", kernels=_lm_chunks() * 9 + 12)
+    return model, "passes are memory-bound (no count needed)"
+
+
+def _grouped_gemm(groups: int, m: int, n: int, k: int):
+    rows = groups * m
+    moved = rows * k + groups * n * k + rows * n * 2 + rows * (k // 128) * 4
+    moved += groups * (n // 128) * (k // 128) * 4
+    return Model(bytes=moved, flops=2 * rows * n * k, precision="fp8")
+
+
+def _gg(groups, m, n, k):
+    return Kernel(f"fp8_grouped_gemm {groups}x{m}", "fp8.triton_gemm:_grouped_gemm_kernel / "
+                  "CUTLASS sm90 grouped GEMM", f"groups={groups} m/group={m} N={n} K={k} "
+                  "(DeepGEMM's contiguous-layout shape)",
+                  _no_issue(_grouped_gemm(groups, m, n, k)), judged="compute",
+                  timing_op="fp8_grouped_gemm")  # fmt: skip
+
+
+KERNELS: list[Kernel] = [
+    Kernel(
+        "fp8_permute_quantize",
+        "fp8.triton:_permute_rank/_scan/_offsets/_scatter_kernel",
+        "128k tokens x top-8, K=2048, E=256, bf16 -> e4m3 1x128",
+        _permute_quantize,
+        timing_op="permute_quantize",
+    ),  # fmt: skip
+    Kernel(
+        "fp8_quantize_1x128",
+        "fp8.triton:_quantize_groups_kernel",
+        "16384 x 7168 bf16 -> e4m3, 1x128 groups",
+        _quantize_1x128,
+        timing_op="quantize_1x128",
+    ),  # fmt: skip
+    Kernel(
+        "fp8_quantize_128x128",
+        "fp8.triton:_quantize_block_kernel",
+        "7168 x 2048 bf16 weight -> e4m3, 128x128 blocks",
+        _quantize_128x128,
+    ),  # fmt: skip
+    Kernel(
+        "fp8_unpermute",
+        "fp8.triton:_unpermute_kernel",
+        "128k tokens x top-8, K=2048 bf16",
+        _unpermute,
+    ),  # fmt: skip
+    Kernel(
+        "routing_replay_fwd",
+        "routing.triton:_replay_fwd_kernel",
+        "T=64k, E=256, K=8, sigmoid + bias, fp32 logits",
+        lambda: _replay("replay_fwd", True),
+    ),
+    Kernel(
+        "routing_replay_bwd",
+        "routing.triton:_replay_bwd_kernel",
+        "T=64k, E=256, K=8",
+        lambda: _replay("replay_bwd", False),
+    ),  # fmt: skip
+    Kernel(
+        "logprobs_fwd",
+        "espo.triton_logprobs:_fwd_kernel",
+        "4096 x 151,936 bf16, entropy",
+        lambda: _logprobs("logprobs_fwd", 1),
+        timing_op="logprobs_fwd",
+    ),  # fmt: skip
+    Kernel(
+        "logprobs_bwd",
+        "espo.triton_logprobs:_bwd_kernel",
+        "4096 x 151,936 bf16",
+        lambda: _logprobs("logprobs_bwd", 2),
+        timing_op="logprobs_bwd",
+    ),  # fmt: skip
+    Kernel(
+        "logprobs_tile_stats",
+        "espo.triton_logprobs:_tile_kernel",
+        "1766 x 151,936 fp32 tile (the fused path's chunk)",
+        lambda: _logprobs("logprobs_tile", 2, rows=1766),
+    ),  # fmt: skip
+    Kernel(
+        "espo_loss",
+        "espo.triton_loss:_sums/_forward/_reduce/_backward_kernel",
+        "64k tokens in 8 sequences, K=2 groups, fwd + bwd",
+        _espo_loss,
+    ),  # fmt: skip
+    Kernel(
+        "group_advantages",
+        "advantages.triton:_group_advantages_kernel",
+        "8192 groups x 16 rewards",
+        _advantages,
+    ),  # fmt: skip
+    Kernel(
+        "rl_zvp",
+        "advantages.triton:_rl_zvp_kernel",
+        "8192 sequences, 3.4M tokens",
+        _no_issue(_rl_zvp()),
+    ),  # fmt: skip
+    Kernel(
+        "thd_pack",
+        "packing.triton:_pack_kernel",
+        "1 GiB of bf16 rows, H=4096",
+        lambda: _pack("pack"),
+        timing_op="thd_pack",
+    ),  # fmt: skip
+    Kernel(
+        "thd_unpack",
+        "packing.triton:_unpack_kernel",
+        "1 GiB of bf16 rows, H=4096",
+        lambda: _pack("unpack"),
+    ),  # fmt: skip
+    Kernel(
+        "fused_lmhead_logprobs_entropy",
+        "torch.mm x 3 per chunk + _tile_kernel + _bwd_kernel + copy + add_ (espo/fused_loss.py)",
+        f"T={LM_T}, H={LM_H}, V={LM_V:,} bf16, fwd + bwd",
+        _lm_head,
+        judged="floor",
+        floor=_lm_floor,
+        floor_name="3-GEMM floor",
+        timing_op="espo_fused_fwd_bwd",
+    ),
+    _gg(4, 8192, 4096, 7168),
+    _gg(4, 8192, 7168, 2048),
+    _gg(8, 4096, 4096, 7168),
+    _gg(8, 4096, 7168, 2048),
+]
+
+
+def kernel_rows(devices: dict[str, Device] | None = None) -> list[dict]:
+    """One dict per kernel: shape, bytes, FLOPs, instructions (+ source) and, per
+    device, the modelled microseconds, share of the ceiling and binding resource."""
+    out = []
+    for k in KERNELS:
+        model, source = k.build()
+        row = {"kernel": k.name, "launches": k.kernels, "shape": k.shape,
+               "bytes": model.bytes, "flops": model.flops, "precision": model.precision,
+               "warp_instructions": model.instructions, "instruction_source": source,
+               "timing_op": k.timing_op, "devices": {}}  # fmt: skip
+        if k.floor is not None:
+            row["flops"] = 3 * 2 * LM_T * LM_H * LM_V
+        for name, d in (devices or DEVICES).items():
+            t = model.times(d)
+            if k.floor is not None:
+                fl = k.floor(d)
+                s = fl + model.seconds(d)
+                dev = {"model_us": s * 1e6, "floor_us": fl * 1e6, "over_floor": s / fl,
+                       "share": fl / s, "bound": f"GEMMs at {d.gemm_bf16_per_s / 1e12:.0f} "
+                       f"TFLOP/s + {t['memory'] * 1e3:.1f} ms of passes"}  # fmt: skip
+            else:
+                s = model.seconds(d)
+                dev = {"model_us": s * 1e6, "share": model.share(d), "bound": model.bound(d)}
+            dev["times_us"] = {r: v * 1e6 for r, v in t.items()}
+            row["devices"][name] = dev
+        out.append(row)
+    return out
+
+
+def model_for_timing_op(op: str, device: Device) -> float | None:
+    """Modelled seconds of the kernel whose timing op is ``op`` (bench/gpu_timing.py),
+    or None when no model row names it (several: the first)."""
+    for row in kernel_rows({device.name: device}):
+        if row["timing_op"] == op:
+            return row["devices"][device.name]["model_us"] * 1e-6
+    return None
+
+
+def _write_sass_counts() -> None:
+    import triton
+
+    kernels = {}
+    for key, (module, kernel, over) in SASS_SPECS.items():
+        prof, src = _compile(module, kernel, over)
+        kernels[key] = {"module": module, "kernel": kernel, "profile": prof, "source": src}
+        print(f"{key}: main {prof['main']}, loops {[b for *_, b in prof['loops']]}, "
+              f"{prof['ops']}", file=sys.stderr)  # fmt: skip
+    SASS_COUNTS.write_text(json.dumps({"triton": triton.__version__, "kernels": kernels},
+                                      indent=1) + "\n")  # fmt: skip
+
+
+def _table(rows: list[dict]) -> str:
+    names = list(DEVICES)
+    head = ["kernel", "shape", "MB", "GFLOP", "Mwarp-insn"]
+    for n in names:
+        head += [f"{n} us", f"{n} share", f"{n} bound"]
+    lines = [
+        "roofline MODEL (not measured; bench/roofline.py): "
+        + ", ".join(
+            f"{d.name} {d.hbm_bytes_per_s / 1e12:g} TB/s, bf16 {d.flops_per_s['bf16'] / 1e12:g} / "
+            f"fp8 {d.flops_per_s['fp8'] / 1e12:g} TFLOP/s, {d.issue_per_s / 1e12:.3f} T warp-insn/s"
+            for d in DEVICES.values()
+        ),
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    for r in rows:
+        cells = [
+            r["kernel"],
+            r["shape"],
+            f"{r['bytes'] / 1e6:,.1f}",
+            f"{r['flops'] / 1e9:,.1f}",
+            f"{r['warp_instructions'] / 1e6:,.1f}" if r["warp_instructions"] else "-",
+        ]
+        for n in names:
+            d = r["devices"][n]
+            share = (f"{d['over_floor']:.2f}x floor" if "over_floor" in d
+                     else f"{d['share']:.0%}")  # fmt: skip
+            cells += [f"{d['model_us']:,.1f}", share, d["bound"]]
+        lines.append("| " + " | ".join(cells) + " |")
+    counted = [r for r in rows if r["warp_instructions"]]
+    launched = sum(r["instruction_source"].startswith("launched") for r in counted)
+    lines += ["", f"instruction counts (SASS, sm_90a; {SASS_COUNTS.name}): {launched} of "
+              f"{len(counted)} from launched variants, the rest from aot_variants() entries "
+              "(i64 strides unspecialized); each row's source: --json"]  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    p.add_argument("--sass", action="store_true",
+                   help="recompile the counted kernels (sm_90a, tests/aot.py) and rewrite "
+                        f"{SASS_COUNTS.name} first")  # fmt: skip
+    a = p.parse_args(argv)
+    if a.sass:
+        _write_sass_counts()
+    rows = kernel_rows()
+    if a.json:
+        devices = {n: {"hbm_bytes_per_s": d.hbm_bytes_per_s, "flops_per_s": d.flops_per_s,
+                       "issue_per_s": d.issue_per_s, "latency_s": d.latency_s,
+                       "launch_s": d.launch_s, "gemm_bf16_per_s": d.gemm_bf16_per_s,
+                       "measured": d.measured} for n, d in DEVICES.items()}  # fmt: skip
+        print(json.dumps({"model": "roofline model, not a measurement", "devices": devices,
+                          "kernels": rows}, indent=1))  # fmt: skip
+    else:
+        print(_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

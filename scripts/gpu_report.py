@@ -1,10 +1,14 @@
 """Write report.md and report.json for a GPU run (scripts/gpu_check.sh).
 
-Reads, from the run's folder: steps.txt (step, rc, seconds), junit.xml and
-junit_cutlass.xml (each test's outcome), timing.json (bench/gpu_timing.py),
+Reads, from the run's folder, whatever is there (a cut run has less):
+results.jsonl (one line per phase: status, rc, seconds, timeout; older runs:
+steps.txt), junit*.xml (each test's outcome), timing.json (bench/gpu_timing.py)
+or, when the timing phase was cut, the rows it had appended to timing.jsonl,
 bench/results.csv (each bench row, when the full bench ran) and the device facts
-queried here (torch, CUDA, driver, GPU). The report is the only source of GPU
-numbers the project states (docs/gpu_runs/).
+(facts.json, written by the runbook's first phase with ``--facts PATH``; queried
+here when absent). It never fails for a missing or half-written file: the report
+of a cut run is the point. The report is the only source of GPU numbers the
+project states (docs/gpu_runs/).
 """
 
 from __future__ import annotations
@@ -75,31 +79,73 @@ def _tests(junit: Path) -> list[dict]:
     return rows
 
 
+def _jsonl(path: Path) -> list[dict]:
+    """The complete JSON lines of ``path`` (a line cut mid-write is left out)."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def _safe(fn, default):
+    try:
+        return fn()
+    except Exception as e:  # a half-written file: the report goes on without it
+        print(f"gpu_report: {e!r}", file=sys.stderr)
+        return default
+
+
 def main(folder: str) -> int:
     d = Path(folder)
     steps = []
-    if (d / "steps.txt").exists():
+    for r in _jsonl(d / "results.jsonl"):
+        steps.append({"step": r.get("phase"), "status": r.get("status"), "rc": r.get("rc"),
+                      "seconds": r.get("seconds"), "timeout_s": r.get("timeout_s"),
+                      "dry": r.get("dry", False)})  # fmt: skip
+    if not steps and (d / "steps.txt").exists():
         for line in (d / "steps.txt").read_text().splitlines():
             name, rc, secs = line.split()
             steps.append({"step": name, "rc": int(rc), "seconds": int(secs)})
-    tests = _tests(d / "junit.xml") + _tests(d / "junit_cutlass.xml")
+    tests = []
+    for junit in sorted(d.glob("junit*.xml")):
+        tests += _safe(lambda j=junit: _tests(j), [])
     timing_json = d / "timing.json"
-    timing = json.loads(timing_json.read_text())["rows"] if timing_json.exists() else []
+    timing = _safe(lambda: json.loads(timing_json.read_text())["rows"], None)
+    if not timing:
+        timing = _jsonl(d / "timing.jsonl")
     bench_csv = d / "bench" / "results.csv"
     bench = list(csv.DictReader(bench_csv.open())) if bench_csv.exists() else []
-    device = _device()
+    facts = d / "facts.json"
+    device = _safe(lambda: json.loads(facts.read_text()), None) if facts.exists() else None
+    device = device or _device()
+    dry = any(s.get("dry") for s in steps)
     counts: dict[str, int] = {}
     for t in tests:
         counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1
     report = {"device": device, "steps": steps, "test_counts": counts, "tests": tests,
               "bench": bench, "timing": timing}  # fmt: skip
-    (d / "report.json").write_text(json.dumps(report, indent=1))
+    report["dry"] = dry
+    report["failed"] = any(s["rc"] != 0 for s in steps) or any(
+        t["outcome"] in ("failed", "error") for t in tests)  # fmt: skip
+    tmp = d / ".report.json.tmp"  # whole or absent: a cut never leaves half a report
+    tmp.write_text(json.dumps(report, indent=1))
+    tmp.replace(d / "report.json")
 
-    md = [f"# GPU run {device['date_utc']} on {device.get('gpu', '?')}", ""]
+    title = f"# GPU run {device.get('date_utc', '?')} on {device.get('gpu', '?')}"
+    if dry:
+        title = "# DRY RUN (no GPU; every phase stubbed; no number here is a measurement)"
+    md = [title, ""]
     md += ["| fact | value |", "|---|---|"]
     md += [f"| {k} | {v} |" for k, v in device.items()]
-    md += ["", "## Steps", "", "| step | rc | seconds |", "|---|---|---|"]
-    md += [f"| {s['step']} | {s['rc']} | {s['seconds']} |" for s in steps]
+    md += ["", "## Phases (in the order they ran)", "",
+           "| phase | status | rc | seconds | timeout s |", "|---|---|---|---|---|"]  # fmt: skip
+    md += [f"| {s['step']} | {s.get('status', '')} | {s['rc']} | {s['seconds']} | "
+           f"{s.get('timeout_s', '')} |" for s in steps]  # fmt: skip
     md += ["", "## Tests", "", ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())), ""]
     bad = [t for t in tests if t["outcome"] in ("failed", "error")]
     gpu_tests = [t for t in tests if "gpu" in t["test"] and t["outcome"] != "skipped"]
@@ -124,11 +170,16 @@ def main(folder: str) -> int:
                "bench/gpu_timing.py)", "", "| " + " | ".join(cols) + " |",
                "|" + "---|" * len(cols)]  # fmt: skip
         md += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in timing]
-    (d / "report.md").write_text("\n".join(md) + "\n")
+    tmp = d / ".report.md.tmp"
+    tmp.write_text("\n".join(md) + "\n")
+    tmp.replace(d / "report.md")
     print("\n".join(md))
     failed = any(s["rc"] != 0 for s in steps) or bool(bad)
     return 1 if failed else 0
 
 
 if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--facts":  # the runbook's first phase
+        Path(sys.argv[2]).write_text(json.dumps(_device(), indent=1) + "\n")
+        sys.exit(0)
     sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "."))
