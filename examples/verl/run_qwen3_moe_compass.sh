@@ -60,7 +60,7 @@ if [ -n "${REWARD:-}" ]; then
 fi
 
 python3 -m verl.trainer.main_ppo --config-name="$CONFIG" \
-  data.train_files="$DATA/train.parquet" data.val_files="$DATA/val.parquet" \
+  data.train_files="$DATA/train.parquet" data.val_files="$DATA/test.parquet" \
   data.train_batch_size=${BATCH:-256} \
   data.max_prompt_length=${PROMPT_LEN:-1024} data.max_response_length=${RESPONSE_LEN:-4096} \
   actor_rollout_ref.model.path="$MODEL" \

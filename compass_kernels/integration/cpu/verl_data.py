@@ -5,8 +5,9 @@
 - ``model/``: the tiny Qwen3-MoE of :mod:`compass_kernels.integration.cpu.tiny_moe` with the
   two chat tokens verl's Qwen3 wiring asks for (``<|im_start|>``, ``<|im_end|>``; the
   embedding and head grow by two rows, seeded) and a Qwen-style chat template;
-- ``train.parquet`` / ``val.parquet``: prompts in verl's RL format (``prompt`` as chat
-  messages, ``data_source``, ``reward_model.ground_truth``);
+- ``train.parquet`` / ``test.parquet`` (the names of verl's gsm8k preprocessing): prompts in
+  verl's RL format (``prompt`` as chat messages, ``data_source``,
+  ``reward_model.ground_truth``);
 - the reward is :func:`compute_score` of this file (``reward.custom_reward_function.path``
   is this module's path): how often the response contains the prompt's target syllable,
   so the samples of one prompt get different rewards.
@@ -82,7 +83,7 @@ def _rows(n: int, seed: int) -> list[dict]:
 
 
 def prepare(out_dir: str | Path, *, prompts: int = 16, seed: int = 0) -> dict[str, str]:
-    """Write the chat model, ``train.parquet`` / ``val.parquet`` into ``out_dir``.
+    """Write the chat model, ``train.parquet`` and ``test.parquet`` into ``out_dir``.
 
     Returns
     -------
@@ -101,7 +102,7 @@ def prepare(out_dir: str | Path, *, prompts: int = 16, seed: int = 0) -> dict[st
     if not (model / "config.json").exists():
         _chat_model(Path(cached_tiny_qwen3_moe(seed=seed)), model, seed)
     pd.DataFrame(_rows(prompts, seed)).to_parquet(out / "train.parquet")
-    pd.DataFrame(_rows(max(prompts // 4, 1), seed + 1)).to_parquet(out / "val.parquet")
+    pd.DataFrame(_rows(max(prompts // 4, 1), seed + 1)).to_parquet(out / "test.parquet")
     return {"MODEL": str(model), "DATA": str(out), "REWARD": str(Path(__file__).resolve())}
 
 
