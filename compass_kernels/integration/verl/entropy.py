@@ -62,16 +62,24 @@ def _levels() -> tuple[float, ...]:
 _LOW_PRECISION = ("bfloat16", "bf16", "float16", "fp16", "half")
 
 
+def _node(config: Any, *keys: str) -> Any:
+    """``config[k0][k1]...`` of a (partial) verl config; ``{}`` where a key is absent."""
+    for key in keys:
+        config = (config.get(key) if config is not None else None) or {}
+    return config
+
+
 def actor_dtype_option(config: Any) -> tuple[str, str] | None:
     """(option, value) of the actor's compute dtype in a verl trainer config, if it is a
     16-bit one (None otherwise): the dtype the old entropy is computed in."""
-    actor = config.actor_rollout_ref.actor
-    strategy = str(actor.get("strategy", "fsdp"))
+    actor = _node(config, "actor_rollout_ref", "actor")
+    strategy = str(actor.get("strategy") or "fsdp")
     if strategy == "megatron":
-        option, value = "actor_rollout_ref.actor.megatron.dtype", actor.megatron.get("dtype")
+        option = "actor_rollout_ref.actor.megatron.dtype"
+        value = _node(actor, "megatron").get("dtype") or "bfloat16"
     else:  # verl's FSDP engine computes in mixed_precision.param_dtype (bf16 when unset)
         option = "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype"
-        value = (actor.fsdp_config.get("mixed_precision") or {}).get("param_dtype", "bf16")
+        value = _node(actor, "fsdp_config", "mixed_precision").get("param_dtype") or "bf16"
     return (option, str(value)) if str(value) in _LOW_PRECISION else None
 
 
@@ -79,8 +87,9 @@ def warn_low_precision_entropy(config: Any) -> bool:
     """Warn (True) when ``compass_espo`` runs on an old entropy computed in 16 bits: its
     entropy groups then fall on ties (bf16 puts ~0.93 / 0.07 of the tokens in the groups of
     rho = 0.2 instead of 0.80 / 0.20). The warning names the option that fixes it."""
-    actor = config.actor_rollout_ref.actor
-    if str(actor.policy_loss.get("loss_mode", "")) != "compass_espo":
+    if str(_node(config, "actor_rollout_ref", "actor", "policy_loss").get("loss_mode")) != (
+        "compass_espo"
+    ):
         return False
     low = actor_dtype_option(config)
     if low is None:
