@@ -74,6 +74,7 @@ def _overrides(tmp: Path, ray_dir: str) -> list[str]:
         "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=512",
         "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=512",
         f"+ray_kwargs.ray_init._temp_dir={ray_dir}",
+        f"hydra.run.dir={tmp / 'hydra'}",  # not ./outputs of the checkout
         "+ray_kwargs.ray_init.include_dashboard=false",
     ]
 
