@@ -174,16 +174,14 @@ install_rest() {
 }
 phase packages install_rest
 
-# The verl drop-in's test dependency (pyproject's `verl` extra), --no-deps so
-# that verl's requirements cannot replace torch / vllm / transformers; skip
-# with COMPASS_VERL=0. verl's wheel ships a top-level `tests` package: ours is
-# a regular package too (tests/__init__.py) and comes first on pytest's path.
+# The verl drop-in's test dependency: scripts/install_verl.sh, also the one command for a
+# user's own environment (pyproject's `verl` extra, exact pins, --no-deps so that verl's
+# requirements cannot replace torch / vllm / transformers; its verl-deps came with the
+# resolve above); skip with COMPASS_VERL=0. verl's wheel ships a top-level `tests`
+# package: ours is a regular package too (tests/__init__.py) and comes first on pytest's path.
 install_verl() {
-  if "$PY" -c "import verl" 2>/dev/null; then NOTE="already installed"; return; fi
-  # shellcheck disable=SC2046
-  pip install --no-deps $("$PY" -c "import tomllib; \
-print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['verl']))")
-  NOTE="the verl extra (--no-deps)"
+  PATH="$(dirname "$PY"):$PATH" COMPASS_PIP="$PY -m pip" COMPASS_VERL_DEPS=0 scripts/install_verl.sh
+  NOTE="the verl extra's exact pins (--no-deps)"
 }
 [ "${COMPASS_VERL:-1}" = 1 ] && phase verl install_verl
 
