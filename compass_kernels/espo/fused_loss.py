@@ -73,7 +73,7 @@ from compass_kernels.espo.logprobs import (
     resolve_grad_gemm_dtype,
     token_logprobs_entropy_bwd_op,
 )
-from compass_kernels.espo.loss import entropy_thresholds, espo_loss
+from compass_kernels.espo.loss import check_loss_inputs, entropy_thresholds, espo_loss
 
 __all__ = ["fused_linear_espo_loss", "STRATEGIES"]
 
@@ -293,10 +293,10 @@ def fused_linear_espo_loss(
                  device=h.device)  # fmt: skip
     common = dict(num_sequences=num_sequences, advantages_per_token=advantages_per_token,
                   validate=validate, backend=backend, **opts)  # fmt: skip
-    # Validates every loss input (shapes, dtypes, ranges, options) before any GEMM.
-    # (logprobs: zeros, one per row of hidden.)
-    espo_loss(h.new_zeros(total, dtype=torch.float32), old_logprobs, old_entropy, advantages,
-              cu_seqlens, mask, cp_group=cp_group, **common)  # fmt: skip
+    # Every loss input (shapes, dtypes, options; data where should_check says)
+    # checked before any GEMM, without running the loss (no kernel on a GPU).
+    check_loss_inputs(total, h.device, old_logprobs, old_entropy, advantages, cu_seqlens, mask,
+                      cp_group=cp_group, **common)  # fmt: skip
     cu = cu_seqlens.to(torch.int64)
     n = cu.shape[0] - 1
     G = n if num_sequences is None else num_sequences

@@ -23,6 +23,7 @@ Spec: ``reference_loss.py``; options: ``loss_config.py``.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from collections.abc import Iterator, Mapping
 from typing import NamedTuple
@@ -455,42 +456,13 @@ def espo_loss(
     loss : 0-d tensor (float32, float64 for float64 logprobs).
     metrics : :class:`EspoMetrics` (device tensors, no host sync).
     """
-    rho, alpha, clip, vocab_size, num_groups, quantiles, drop_low, dual_clip = (
-        loss_config.normalize(rho, alpha, clip, vocab_size, num_groups, quantiles, drop_low,
-                              dual_clip))  # fmt: skip
-    cfg = _config(mode=mode, rho=rho, alpha=alpha, clip=clip, vocab_size=vocab_size,
-                  grouping=grouping, num_groups=num_groups, quantiles=quantiles,
-                  drop_low=drop_low, ratio_form=ratio_form, dual_clip=dual_clip)  # fmt: skip
-    check_tensor("logprobs", logprobs, ndim=1, dtypes=FLOAT_DTYPES)
-    total, dev = logprobs.shape[0], logprobs.device
-    per_tok = "one per token = len(logprobs)"
-    for name, t in (("old_logprobs", old_logprobs), ("old_entropy", old_entropy)):
-        check_tensor(name, t, ndim=1, dtypes=FLOAT_DTYPES, size=total, size_what=per_tok,
-                     device=dev)  # fmt: skip
-    check_tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=(torch.int32, torch.int64), device=dev)
-    if cu_seqlens.shape[0] < 1:
-        raise ValueError("cu_seqlens: expected at least 1 element (n+1), got 0")
-    n = cu_seqlens.shape[0] - 1
-    check_tensor("advantages", advantages, ndim=1, dtypes=FLOAT_DTYPES, device=dev)
-    adv_tok = _advantages_layout(advantages.shape[0], n, total, advantages_per_token)
-    if mask is not None:
-        check_tensor("mask", mask, ndim=1, dtypes=(torch.bool,), size=total, size_what=per_tok,
-                     device=dev)  # fmt: skip
-        mask = mask if mask.is_contiguous() else mask.contiguous()
-    G = n if num_sequences is None else as_int("num_sequences", num_sequences, lo=1)
-    R = F64 if logprobs.dtype == F64 else torch.float32
-    lp = logprobs if logprobs.dtype == R else logprobs.to(R)
-    lp = lp if lp.is_contiguous() else lp.contiguous()
-    old, ent, adv = _real(old_logprobs, R), _real(old_entropy, R), _real(advantages, R)
-    cu = cu_seqlens if cu_seqlens.dtype == torch.int64 else cu_seqlens.to(torch.int64)
-    cu = cu if cu.is_contiguous() else cu.contiguous()
-    if should_check(validate, lp, old, ent, adv, cu):
-        check_offsets("cu_seqlens", cu, total, exact=False)
-        tokens = torch.arange(total, device=dev) < cu[-1]
-        for name, t in (("logprobs", lp), ("old_logprobs", old), ("old_entropy", ent)):
-            check_finite(name, torch.where(tokens, t.detach(), 0))
-        check_finite("advantages", torch.where(tokens, adv, 0) if adv_tok else adv)
-
+    cfg, total, dev, n, adv_tok, mask, G, R, lp, old, ent, adv, cu = _check_inputs(
+        logprobs, old_logprobs, old_entropy, advantages, cu_seqlens, mask, mode=mode, rho=rho,
+        alpha=alpha, clip=clip, vocab_size=vocab_size, num_sequences=num_sequences,
+        grouping=grouping, num_groups=num_groups, quantiles=quantiles, drop_low=drop_low,
+        ratio_form=ratio_form, dual_clip=dual_clip, advantages_per_token=advantages_per_token,
+        validate=validate,
+    )  # fmt: skip
     K = 1 if cfg.token_groups else cfg.num_groups
     flags = (TOKEN_GROUPS if cfg.token_groups else 0) | (DROP_LOW if cfg.drop_low else 0)
     flags |= (ADAPTIVE_EPS if cfg.adaptive else 0) | (ADV_PER_TOKEN if adv_tok else 0)
@@ -555,6 +527,85 @@ def espo_loss(
     if cp_group is not None:
         stats = _reduce_stats(stats, K, cp_group)
     return loss, EspoMetrics(stats, sums, K)
+
+
+def _check_inputs(logprobs, old_logprobs, old_entropy, advantages, cu_seqlens, mask, *, mode,
+                  rho, alpha, clip, vocab_size, num_sequences, grouping, num_groups, quantiles,
+                  drop_low, ratio_form, dual_clip, advantages_per_token, validate,
+                  rows=None, device=None):  # fmt: skip
+    """espo_loss's input checks: metadata (shapes, dtypes, devices, options) always,
+    data (cu_seqlens offsets, finite values) where ``should_check(validate)`` says.
+    ``logprobs`` None: not yet computed (check_loss_inputs), ``rows`` tokens on
+    ``device``; lp is then None."""
+    rho, alpha, clip, vocab_size, num_groups, quantiles, drop_low, dual_clip = (
+        loss_config.normalize(rho, alpha, clip, vocab_size, num_groups, quantiles, drop_low,
+                              dual_clip))  # fmt: skip
+    cfg = _config(mode=mode, rho=rho, alpha=alpha, clip=clip, vocab_size=vocab_size,
+                  grouping=grouping, num_groups=num_groups, quantiles=quantiles,
+                  drop_low=drop_low, ratio_form=ratio_form, dual_clip=dual_clip)  # fmt: skip
+    if logprobs is not None:
+        check_tensor("logprobs", logprobs, ndim=1, dtypes=FLOAT_DTYPES)
+        total, dev = logprobs.shape[0], logprobs.device
+    else:
+        total, dev = rows, device
+    per_tok = "one per token = len(logprobs)"
+    for name, t in (("old_logprobs", old_logprobs), ("old_entropy", old_entropy)):
+        check_tensor(name, t, ndim=1, dtypes=FLOAT_DTYPES, size=total, size_what=per_tok,
+                     device=dev)  # fmt: skip
+    check_tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=(torch.int32, torch.int64), device=dev)
+    if cu_seqlens.shape[0] < 1:
+        raise ValueError("cu_seqlens: expected at least 1 element (n+1), got 0")
+    n = cu_seqlens.shape[0] - 1
+    check_tensor("advantages", advantages, ndim=1, dtypes=FLOAT_DTYPES, device=dev)
+    adv_tok = _advantages_layout(advantages.shape[0], n, total, advantages_per_token)
+    if mask is not None:
+        check_tensor("mask", mask, ndim=1, dtypes=(torch.bool,), size=total, size_what=per_tok,
+                     device=dev)  # fmt: skip
+        mask = mask if mask.is_contiguous() else mask.contiguous()
+    G = n if num_sequences is None else as_int("num_sequences", num_sequences, lo=1)
+    R = F64 if logprobs is not None and logprobs.dtype == F64 else torch.float32
+    lp = None
+    if logprobs is not None:
+        lp = logprobs if logprobs.dtype == R else logprobs.to(R)
+        lp = lp if lp.is_contiguous() else lp.contiguous()
+    old, ent, adv = _real(old_logprobs, R), _real(old_entropy, R), _real(advantages, R)
+    cu = cu_seqlens if cu_seqlens.dtype == torch.int64 else cu_seqlens.to(torch.int64)
+    cu = cu if cu.is_contiguous() else cu.contiguous()
+    if should_check(validate, *(t for t in (lp, old, ent, adv, cu) if t is not None)):
+        check_offsets("cu_seqlens", cu, total, exact=False)
+        tokens = torch.arange(total, device=dev) < cu[-1]
+        for name, t in (("logprobs", lp), ("old_logprobs", old), ("old_entropy", ent)):
+            if t is not None:
+                check_finite(name, torch.where(tokens, t.detach(), 0))
+        check_finite("advantages", torch.where(tokens, adv, 0) if adv_tok else adv)
+    return cfg, total, dev, n, adv_tok, mask, G, R, lp, old, ent, adv, cu
+
+
+_LOSS_DEFAULTS = {k: p.default for k, p in inspect.signature(espo_loss).parameters.items()}
+
+
+def check_loss_inputs(rows: int, device: torch.device, old_logprobs, old_entropy, advantages,
+                      cu_seqlens, mask=None, *, entropy_threshold=None, validate=None,
+                      cp_group=None, backend=None, **options):  # fmt: skip
+    """Check espo_loss's inputs for a batch of ``rows`` tokens on ``device``
+    whose logprobs are not computed yet (the fused lm_head paths): the same
+    errors as espo_loss, without running it. Metadata checks launch no kernel;
+    data checks (cu_seqlens offsets, finite values) run where
+    ``should_check(validate)`` says (CPU by default, a GPU with validate=True)."""
+    del cp_group, backend  # accepted as espo_loss does; nothing to check without data
+    names = ("mode", "rho", "alpha", "clip", "vocab_size", "num_sequences", "grouping",
+             "num_groups", "quantiles", "drop_low", "ratio_form", "dual_clip",
+             "advantages_per_token")  # fmt: skip
+    unknown = set(options) - set(names)
+    if unknown:
+        raise TypeError(f"check_loss_inputs: unexpected keyword argument(s) {sorted(unknown)}")
+    kw = {k: options.get(k, _LOSS_DEFAULTS[k]) for k in names}
+    cfg = _check_inputs(None, old_logprobs, old_entropy, advantages, cu_seqlens, mask, **kw,
+                        validate=validate, rows=rows, device=device)[0]  # fmt: skip
+    K = 1 if cfg.token_groups else cfg.num_groups
+    if K > 1 and entropy_threshold is not None:
+        check_tensor("entropy_threshold", entropy_threshold, ndim=1, dtypes=FLOAT_DTYPES,
+                     size=K - 1, size_what="num_groups - 1 boundaries", device=device)  # fmt: skip
 
 
 def _advantages_layout(size: int, n: int, total: int, per_token: bool | None) -> bool:
