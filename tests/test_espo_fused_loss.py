@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import compass_kernels as ck
-from compass_kernels.espo.logprobs import mixed_mm_supported
+from compass_kernels.espo.logprobs import mixed_addmm_supported, mixed_mm_supported
 from compass_kernels.espo.reference_logprobs import fused_linear_logprobs_entropy_reference
 from compass_kernels.espo.reference_loss import espo_loss_reference
 from compass_kernels.testing import assert_verbose_allclose, make_generator
@@ -320,8 +320,9 @@ def _run_tp(rank, world, group, opts, strategy, chunk, bf16):
     shard = vocab // world
     hq = h.clone().requires_grad_()
     wq = w[rank * shard : (rank + 1) * shard].clone().requires_grad_()
-    # the mixed-mm probe (one 2 x 2 mm per process, cached) runs before the count
+    # the mixed-mm probes (one 2 x 2 mm / addmm per process, cached) run before the count
     mixed_mm_supported(h.device)
+    mixed_addmm_supported(h.device)
     with _GemmCount() as count:
         loss, _, lp, ent = ck.espo.fused_linear_espo_loss(
             hq, wq, y, old, old_ent, adv, cu, mask, entropy_coef=0.01, temperature=0.9,
@@ -423,6 +424,10 @@ class _MatmulDtypes:
                     if rec.emulate and func in mm_dtype:
                         r = torch.mm(args[0].float(), args[1].float())
                         return kwargs["out"].copy_(r) if "out" in kwargs else r
+                    if rec.emulate and func is torch.ops.aten.addmm.dtype_out:
+                        # in-place float32 accumulation: acc + (float32 GEMM of half operands)
+                        r = args[0].float() + torch.mm(args[1].float(), args[2].float())
+                        return kwargs["out"].copy_(r)
                 return func(*args, **kwargs)
 
         self.calls = []
@@ -475,6 +480,7 @@ def _gemm_dtypes(strategy, option, emulate_mixed=False, dtype=torch.bfloat16):
                                                       dtype=dtype)  # fmt: skip
     hq, wq = h.clone().requires_grad_(), w.clone().requires_grad_()
     mixed_mm_supported(h.device)  # the probe's mm (cached) runs before the record
+    mixed_addmm_supported(h.device)
     with _MatmulDtypes(emulate_mixed) as rec:
         loss, _, _, _ = ck.espo.fused_linear_espo_loss(
             hq, wq, y, old, old_ent, adv, cu, mask, mode="grpo", strategy=strategy,
@@ -517,6 +523,26 @@ def test_mixed_mm_branch_emulated(strategy, monkeypatch):
     _close_bf16(dw, ref_dw, "d_weight")
 
 
+@pytest.mark.parametrize("strategy", ["grad_in_forward", "recompute"])
+def test_mixed_addmm_branch_emulated(strategy, monkeypatch):
+    """The CUDA branch with torch.addmm(acc, g, x, out_dtype=float32, out=acc)
+    (float32 accumulation of d_weight / d_hidden in place, no float32 product
+    temporary) emulated on the CPU: every accumulating gradient GEMM goes
+    through addmm.dtype_out on bf16 operands, no plain add of a product, and
+    the gradients match the float64 reference."""
+    from compass_kernels.espo import logprobs
+
+    monkeypatch.setitem(logprobs._MIXED_MM, "cpu", True)
+    monkeypatch.setitem(logprobs._MIXED_ADDMM, "cpu", True)
+    calls, batch, dh, dw = _gemm_dtypes(strategy, "input", emulate_mixed=True)
+    assert {c for c, _ in calls} == {"dtype_out"}, calls
+    assert all(d == (torch.bfloat16, torch.bfloat16) for _, d in calls), calls
+    assert "in place" in logprobs.grad_gemm_info("input", torch.bfloat16, torch.device("cpu"))
+    _, _, _, ref_dh, ref_dw = reference(*batch, 0.0, 1.0, {"mode": "grpo"})
+    _close_bf16(dh, ref_dh, "d_hidden")
+    _close_bf16(dw, ref_dw, "d_weight")
+
+
 def test_mixed_mm_probe_on_cpu():
     """CPU torch 2.13 has no mm(out_dtype): the probe says so, and the auto
     choice on the CPU is float32 operands."""
@@ -524,6 +550,7 @@ def test_mixed_mm_probe_on_cpu():
 
     cpu = torch.device("cpu")
     assert logprobs.mixed_mm_supported(cpu) is False
+    assert logprobs.mixed_addmm_supported(cpu) is False
     assert logprobs.resolve_grad_gemm_dtype("auto", torch.bfloat16, cpu) == torch.float32
     assert logprobs.resolve_grad_gemm_dtype("input", torch.bfloat16, cpu) == torch.bfloat16
     assert logprobs.resolve_grad_gemm_dtype("input", torch.float32, cpu) == torch.float32
@@ -586,6 +613,7 @@ def test_fused_logprobs_bf16_input_tiles(emulate_mixed, monkeypatch):
     if emulate_mixed:
         monkeypatch.setitem(logprobs._MIXED_MM, "cpu", True)
     logprobs.mixed_mm_supported(torch.device("cpu"))  # the probe's mm runs before the record
+    logprobs.mixed_addmm_supported(torch.device("cpu"))
     g = make_generator(70)
     total, hidden, vocab = 23, 19, 211
     h = (torch.randn(total, hidden, generator=g) * 1.5).to(torch.bfloat16)

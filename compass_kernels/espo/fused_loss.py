@@ -69,6 +69,7 @@ from compass_kernels.espo.logprobs import (
     check_linear_inputs,
     fused_linear_logprobs_entropy,
     logprobs_tile_stats_op,
+    mixed_addmm_supported,
     mixed_mm_supported,
     resolve_grad_gemm_dtype,
     token_logprobs_entropy_bwd_op,
@@ -422,7 +423,8 @@ def _grad_in_forward(h, w, y, temp, old_lp, old_ent, adv, cu, mask, cfg, G, ent_
     grads = want_h or want_w
     gbuf = torch.empty(max_rows * vocab, dtype=gd, device=dev) if half and grads else None
     # an fp32 [V, H] product per chunk after the first (written into d_w)
-    fold = half and want_w and len(chunks) > 1 and mixed_mm_supported(dev)
+    fold = (half and want_w and len(chunks) > 1 and mixed_mm_supported(dev)
+            and not mixed_addmm_supported(dev))  # in-place addmm needs no temporary  # fmt: skip
     tmp_w = torch.empty_like(d_w) if fold else None
     state = torch.empty(4 * max_rows, dtype=f32, device=dev)
     gh_all = -ent_coef * tok_w if ent_coef else None
@@ -447,12 +449,13 @@ def _grad_in_forward(h, w, y, temp, old_lp, old_ent, adv, cu, mask, cfg, G, ent_
             continue
         gl = _chunk_coef(lp_c, old_lp, old_ent, adv_tok, cu, mask, thr, a, b, G, opts)
         gh = None if gh_all is None else gh_all[a:b].contiguous()
+        # d logits stored once: over the float32 tile, or straight to gd (rounded)
+        g = gbuf[: r * vocab].view(r, vocab) if half else tile
         token_logprobs_entropy_bwd_op(logits=tile, targets=y[a:b], row_max=m, log_norm=log_s,
                                       entropy=ent_c, grad_logprob=gl, grad_entropy=gh,
                                       temperature=temp, vocab_start=shard,
-                                      backend=common["backend"], out=tile)  # fmt: skip
-        if half:  # the float32 d logits' single store: rounded once to gd
-            g = gbuf[: r * vocab].view(r, vocab).copy_(tile)
+                                      backend=common["backend"], out=g)  # fmt: skip
+        if half:
             if want_h:
                 _grad_mm_sum(d_h[a:b], g, w, None, first=True)
             if want_w:  # the first chunk's product is the accumulator's start

@@ -91,7 +91,9 @@ def token_logprobs_entropy_bwd_op(
     temperature: float,
     vocab_start: int,
 ) -> torch.Tensor:
-    """d (g_l log p_y + g_h H) / d logits: grad_logits [T, V] in logits' dtype.
+    """d (g_l log p_y + g_h H) / d logits: grad_logits [T, V] in logits' dtype
+    (an ``out`` of bfloat16 for float32 logits: the float32 gradient rounded
+    once at the store, no float32 copy; the fused lm_head backward).
 
     logits : [T, V_tile] (vocab ids vocab_start ..); targets, row_max, log_norm,
     entropy : [T] (the forward's); grad_logprob, grad_entropy : [T] float32 or None.
@@ -284,6 +286,7 @@ VOCAB_CHUNK = 8192
 #: float32 on the CPU (bf16 GEMMs are slow on CPUs without AVX-512-BF16).
 GRAD_GEMM_DTYPES = ("auto", "fp32", "input")
 _MIXED_MM: dict[str, bool] = {}  # device type -> torch.mm(out_dtype=float32) runs there
+_MIXED_ADDMM: dict[str, bool] = {}  # device type -> torch.addmm(out_dtype=float32, out=acc)
 _WARNED: set[str] = set()
 
 
@@ -301,6 +304,24 @@ def mixed_mm_supported(device: torch.device) -> bool:
         except (RuntimeError, NotImplementedError, TypeError):
             _MIXED_MM[kind] = False
     return _MIXED_MM[kind]
+
+
+def mixed_addmm_supported(device: torch.device) -> bool:
+    """Whether torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc) with
+    half a, b and a float32 acc (in-place float32 accumulation of a half GEMM,
+    no float32 temporary) runs on ``device``'s type: a cached 2 x 2 probe whose
+    result is compared with the float32 sum (no host sync after the first
+    call). CUDA builds of torch 2.13 have aten::addmm.dtype_out; CPU does not."""
+    kind = device.type
+    if kind not in _MIXED_ADDMM:
+        a = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
+        acc = torch.ones(2, 2, dtype=torch.float32, device=device)
+        try:
+            torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+            _MIXED_ADDMM[kind] = bool((acc == 3.0).all())
+        except (RuntimeError, NotImplementedError, TypeError):
+            _MIXED_ADDMM[kind] = False
+    return _MIXED_ADDMM[kind]
 
 
 def resolve_grad_gemm_dtype(option: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -332,17 +353,22 @@ def grad_gemm_info(option: str, dtype: torch.dtype, device: torch.device) -> str
         return "float32 operands, float32 out" + (
             f" (the d logits tile float32, {dtype} weight / hidden upcast)"
             if dtype != torch.float32 else "")  # fmt: skip
-    how = ("float32 out (torch.mm out_dtype)" if mixed_mm_supported(device)
-           else f"{gd} product (no mixed mm on {device.type}), float32 accumulation")  # fmt: skip
+    if mixed_addmm_supported(device):
+        how = "float32 accumulation in place (torch.addmm out_dtype=float32, out=acc)"
+    elif mixed_mm_supported(device):
+        how = "float32 out (torch.mm out_dtype) into a float32 temporary, then add_"
+    else:
+        how = f"{gd} product (no mixed mm on {device.type}), float32 accumulation"
     return f"{gd} operands (d logits tile formed in float32, rounded once), {how}"
 
 
 def _grad_mm_sum(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, tmp, *, first: bool) -> None:
     """One term of a float32 sum of gradient GEMMs: acc = a @ b when ``first``
     (the product written straight into the accumulator), else acc += a @ b.
-    Operands of one dtype: float32, or half with a float32 result where the
-    build has a mixed mm (``tmp``: a float32 buffer of acc's shape for the
-    product, or None), else the half product."""
+    Operands of one dtype: float32 (addmm_), or half accumulated in float32
+    in place by torch.addmm(out_dtype=float32, out=acc) where the build has it;
+    else a float32 product into ``tmp`` (a float32 buffer of acc's shape, or
+    None) then add_, else the half product."""
     if first:
         if a.dtype == torch.float32 or mixed_mm_supported(a.device):
             _mm_f32(a, b, out=acc)
@@ -350,6 +376,8 @@ def _grad_mm_sum(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, tmp, *, fi
             acc.copy_(torch.mm(a, b))
     elif a.dtype == torch.float32:
         acc.addmm_(a, b)
+    elif mixed_addmm_supported(a.device):
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
     elif tmp is not None and mixed_mm_supported(a.device):
         acc.add_(torch.mm(a, b, out_dtype=torch.float32, out=tmp))
     else:
@@ -474,9 +502,12 @@ class _FusedLinearLogprobs(torch.autograd.Function):
         if half:
             gbuf = torch.empty_like(buf.flat, dtype=gd)
             hdim = hidden.shape[1]
-            tmp_h = hidden.new_empty((min(token_chunk, rows), hdim), dtype=torch.float32)
+            # a float32 product temporary only where addmm cannot accumulate in place
+            tmp = mixed_mm_supported(hidden.device) and not mixed_addmm_supported(hidden.device)
+            tmp_h = (hidden.new_empty((min(token_chunk, rows), hdim), dtype=torch.float32)
+                     if tmp else None)  # fmt: skip
             tmp_w = (hidden.new_empty((min(vocab_chunk, vocab), hdim), dtype=torch.float32)
-                     if want_w else None)  # fmt: skip
+                     if tmp and want_w else None)  # fmt: skip
         for t0 in range(0, rows, token_chunk):
             t1 = min(t0 + token_chunk, rows)
             h = hidden[t0:t1]
@@ -488,18 +519,21 @@ class _FusedLinearLogprobs(torch.autograd.Function):
                 v1 = min(v0 + vocab_chunk, vocab)
                 w = weight[v0:v1]
                 tile = _mm_f32(h, w.T, out=buf.get(t1 - t0, v1 - v0))
-                # d logits overwrite the tile in place (float32): no second buffer.
+                # d logits: float32 in the kernel, stored once, in place over the
+                # float32 tile, or straight to gd (rounded at the store, no copy).
+                g = gbuf[: tile.numel()].view(tile.shape) if half else tile
                 token_logprobs_entropy_bwd_op(
                     logits=tile, **per_row, temperature=temperature, vocab_start=shard + v0,
-                    backend=backend, out=tile,
+                    backend=backend, out=g,
                 )  # fmt: skip
-                if half:  # the float32 d logits' single store: rounded to gd
-                    g = gbuf[: tile.numel()].view(tile.shape).copy_(tile)
+                if half:
                     # the first tile of a sum writes its product (no fp32 temporary)
                     if want_h or tp_group is not None:
-                        _grad_mm_sum(d_hidden[t0:t1], g, w, tmp_h[: t1 - t0], first=v0 == 0)
+                        th = None if tmp_h is None else tmp_h[: t1 - t0]
+                        _grad_mm_sum(d_hidden[t0:t1], g, w, th, first=v0 == 0)
                     if want_w:
-                        _grad_mm_sum(d_weight[v0:v1], g.T, h, tmp_w[: v1 - v0], first=t0 == 0)
+                        tw = None if tmp_w is None else tmp_w[: v1 - v0]
+                        _grad_mm_sum(d_weight[v0:v1], g.T, h, tw, first=t0 == 0)
                     continue
                 w32 = w if w.dtype == torch.float32 else w.float()
                 if want_h or tp_group is not None:

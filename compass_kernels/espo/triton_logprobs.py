@@ -292,7 +292,8 @@ def token_logprobs_entropy_bwd_triton(
     *, logits, targets, row_max, log_norm, entropy, grad_logprob, grad_entropy, temperature,
     vocab_start, grad_logits, block: int = BLOCK,
 ) -> None:  # fmt: skip
-    """Backward: grad_logits [T, V] (logits' dtype) written in place."""
+    """Backward: grad_logits [T, V] (logits' dtype, or bfloat16 for float32
+    logits: the fused path's d logits rounded once at the store) written in place."""
     _check_logits("logits", logits)
     rows, dev = logits.shape[0], logits.device
     _check_rows("targets", targets, rows, torch.int64, dev)
@@ -302,7 +303,8 @@ def token_logprobs_entropy_bwd_triton(
     for name, t in (("grad_logprob", grad_logprob), ("grad_entropy", grad_entropy)):
         if t is not None:
             _check_rows(name, t, rows, torch.float32, dev)
-    check_tensor("grad_logits", grad_logits, ndim=2, dtypes=(logits.dtype,), device=dev)
+    gdt = (logits.dtype, torch.bfloat16) if logits.dtype == torch.float32 else (logits.dtype,)
+    check_tensor("grad_logits", grad_logits, ndim=2, dtypes=gdt, device=dev)
     if grad_logits.shape != logits.shape or (logits.shape[1] > 1 and grad_logits.stride(1) != 1):
         raise ValueError(
             f"grad_logits: expected shape {tuple(logits.shape)} with a contiguous vocab "
@@ -358,7 +360,11 @@ def aot_variants() -> list[tuple[object, dict[str, str], dict[str, object], dict
         for ent in (True, False):
             out.append((_fwd_kernel, fwd, {"ENT": ent, "BLOCK": BLOCK, "VEC": vec}, aligned))
             out.append((_tile_kernel, tile, {"ENT": ent, "BLOCK": BLOCK, "VEC": vec}, aligned))
-        for gl, gh in ((True, True), (True, False), (False, True)):
-            const = {"HAS_GL": gl, "HAS_GH": gh, "BLOCK": BLOCK, "VEC": vec, "SAME_ALIGN": True}
-            out.append((_bwd_kernel, bwd, const, aligned_bwd))
+        # float32 logits tiles also store their d logits straight to bf16 (fused path)
+        grads = ("fp32", "bf16") if dt == "fp32" else ("bf16",)
+        for gdt in grads:
+            for gl, gh in ((True, True), (True, False), (False, True)):
+                const = {"HAS_GL": gl, "HAS_GH": gh, "BLOCK": BLOCK, "VEC": vec,
+                         "SAME_ALIGN": True}  # fmt: skip
+                out.append((_bwd_kernel, bwd | {"grad_ptr": f"*{gdt}"}, const, aligned_bwd))
     return out
