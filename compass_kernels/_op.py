@@ -75,7 +75,8 @@ class Op:
 
     # ------------------------------------------------------------ backends
     def add_backend(self, backend: str, kernel: str | Callable[..., Any]) -> None:
-        """Register one more backend (e.g. the test-only "cuda-emulated")."""
+        """Register one more backend, or replace one (tests plant bugs this way:
+        tests/mutants.py)."""
         self._specs[backend] = kernel
         self._kernels.pop(backend, None)
         self._chosen.clear()
@@ -96,7 +97,7 @@ class Op:
             )
         if callable(spec):
             return spec
-        if ":" in spec:  # "package.module:function" (Triton wrappers, emulation)
+        if ":" in spec:  # "package.module:function" (Python: torch, Triton wrappers)
             module, _, attr = spec.partition(":")
             return getattr(importlib.import_module(module), attr)
         obj: Any = load()  # "submodule.function" in compass_kernels._C

@@ -59,9 +59,6 @@ print(s.submodule_search_locations[0] if s else '')"
 [ -n "$(cutlass_dir)" ] || pip install -q --no-deps "nvidia-cutlass==4.2.0.0"
 COMPASS_CUTLASS_INCLUDE="$(cutlass_dir)/source/include"
 export COMPASS_CUTLASS_INCLUDE
-# Development builds include the test-only CUDA emulation module (_C_emu; an
-# install never builds it).
-export COMPASS_EMU=${COMPASS_EMU:-ON}
 
 # The build requirements (pyproject's [build-system]) go into the venv and the
 # build runs without isolation: the same interpreter and pybind11 as `make

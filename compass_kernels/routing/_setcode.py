@@ -10,7 +10,7 @@ x86-64 baseline (tests run both).
 :func:`decode_path` names the unrank a decode runs.
 
 The encode op (:data:`encode_sets_op`, ``torch.ops.compass.encode_sets``) has a
-"cpp" and a "cuda" backend (csrc/routing/codec.cu) writing the same payload
+"cpp" and a "triton" backend (routing/triton_setcode.py) writing the same payload
 bytes; :func:`encode_device` runs it where the ids live (on a GPU: no host
 sync, checks on the device), :func:`check_status` raises on a bad row.
 """
@@ -101,12 +101,15 @@ encode_sets_op = register_op(
     "encode_sets",
     "(Tensor ids, int num_experts, Tensor? missing) -> (Tensor, Tensor, Tensor)",
     outputs=_encode_outputs,
-    kernels={"cpp": "routing.encode_sets_op_cpu", "cuda": "routing.encode_sets_cuda"},
+    kernels={
+        "cpp": "routing.encode_sets_op_cpu",
+        "triton": "compass_kernels.routing.triton_setcode:encode_sets_triton",
+    },
 )
 """ids [rows, K] uint8 | int16, missing [rows] bool or None -> (payload uint8
 [payload_bytes], status int64 [2] = (bad rows, first bad row or -1), table int64
 [K * E], the binomial workspace C(a, m) at (m - 1) * E + a). The cpp backend
-raises on a bad row (naming it); the cuda one counts it in status, on the device."""
+raises on a bad row (naming it); the triton one counts it in status, on the device."""
 
 
 def encode_device(ids: torch.Tensor, num_experts: int, *, missing: torch.Tensor | None = None,
