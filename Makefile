@@ -65,7 +65,7 @@ test-py312: $(VENV312)/.compass-setup.stamp
 TRITON36 ?= .triton36
 TRITON_AOT_TESTS := tests/test_aot.py tests/test_espo_logprobs_triton.py tests/test_espo_loss_aot.py \
 	tests/test_fp8_build.py tests/test_fp8_gemm_triton.py tests/test_packing_pack.py \
-	tests/test_routing_aot.py
+	tests/test_routing_aot.py tests/test_launched_aot.py
 test-triton36: build
 	[ -d $(TRITON36)/triton ] || $(PY) -m pip install -q --no-deps --target $(TRITON36) triton==3.6.0
 	PYTHONPATH=$(abspath $(TRITON36)):$(CURDIR) $(PY) -c \

@@ -670,3 +670,176 @@ def assert_registers_at_most(usage: Mapping[str, Any], n: int) -> None:
     ]
     if bad:
         raise AssertionError("register budget exceeded:\n  " + "\n  ".join(bad))
+
+
+# --------------------------------------------------------------------------------------
+# Launched variants: the specialization a real launch gets, from a real call's arguments
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One ``kernel[grid](*args, **kwargs)`` call as a wrapper made it."""
+
+    fn: Any  # the JITFunction / InterpretedFunction launched
+    args: tuple
+    kwargs: Mapping[str, Any]
+    grid: Any
+
+    @property
+    def name(self) -> str:
+        return getattr(self.fn, "__name__", None) or self.fn.fn.__name__
+
+
+@contextlib.contextmanager
+def record_launches(*, execute: bool = False) -> Iterator[list[Launch]]:
+    """Record every Triton launch made inside the block (interpreted or compiled).
+
+    With ``execute=False`` the kernels are not run: the wrappers can then be
+    called with ``meta`` tensors at any size (T x V past 2^31, say); Triton's
+    specialization reads only their dtype and data pointer (0 on meta: 16-byte
+    aligned, as every torch allocation is)."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    launches: list[Launch] = []
+    originals = {cls: vars(cls)["run"] for cls in (InterpretedFunction, JITFunction)}
+
+    def wrap(original):
+        def run(self, *args, grid, warmup=False, **kwargs):
+            launches.append(Launch(self, args, types.MappingProxyType(dict(kwargs)), grid))
+            if execute:
+                return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+            return None
+
+        return run
+
+    try:
+        for cls, original in originals.items():
+            cls.run = wrap(original)
+        yield launches
+    finally:
+        for cls, original in originals.items():
+            cls.run = original
+
+
+def specialization_of(launch: Launch, *, arch: int = 90) -> tuple[dict, dict, dict, Any]:
+    """(signature, constexprs, attrs, options) Triton's JIT derives for ``launch``
+    on an sm_``arch`` device: its own binder (``create_function_from_signature``
+    with the CUDA backend's ``specialize_impl``: integers equal to 1 made
+    constants, multiples of 16 marked ``tt.divisibility``, i32 below 2^31 else
+    i64, pointers 16-byte aligned) and ``JITFunction._pack_args``."""
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    with _compilable():
+        jit = _as_jit_function(launch.fn)
+        backend = make_backend(_gpu_target(arch))
+        binder = create_function_from_signature(jit.signature, jit.params, backend)
+        kwargs = dict(launch.kwargs)
+        bound, spec, options = binder(*launch.args, **kwargs)
+        options, signature, constexprs, attrs = jit._pack_args(backend, kwargs, bound, spec,
+                                                               options)  # fmt: skip
+    return signature, constexprs, attrs, options
+
+
+_LAUNCH_CACHE: dict[str, CompiledArtifacts] = {}
+
+
+def compile_launch(launch: Launch, *, arch: int = 90) -> CompiledArtifacts:
+    """Compile ``launch`` exactly as the JIT would on an sm_``arch`` device (cached
+    per kernel and specialization, as the JIT's own cache)."""
+    import triton
+    from triton.compiler import ASTSource
+
+    signature, constexprs, attrs, options = specialization_of(launch, arch=arch)
+    opts = dict(options.__dict__)
+    key = repr((id(launch.fn), arch, signature, constexprs, attrs, sorted(opts.items())))
+    hit = _LAUNCH_CACHE.get(key)
+    if hit is not None:
+        return hit
+    with _compilable():
+        jit = _as_jit_function(launch.fn)
+        src = ASTSource(jit, signature, constexprs, attrs)
+        kernel = triton.compile(src, target=_gpu_target(arch), options=opts)
+    metadata = kernel.metadata._asdict()
+    art = CompiledArtifacts(
+        name=kernel.name, arch=arch, asm=dict(kernel.asm), metadata=types.MappingProxyType(metadata)
+    )
+    _LAUNCH_CACHE[key] = art
+    return art
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchedVariant:
+    """A kernel compiled as one of its op's real launches at a typical shape."""
+
+    module: str  # "espo.triton_logprobs"
+    case: str  # what the launch was: op and shape
+    launch: Launch
+    artifacts: CompiledArtifacts
+
+    @property
+    def name(self) -> str:
+        return self.artifacts.name
+
+    @property
+    def sass(self) -> str:
+        return self.artifacts.sass
+
+    @functools.cached_property
+    def specialization(self) -> str:
+        """The launch's signature as Triton specialized it (``V:i32/16`` = i32,
+        multiple of 16; ``K:1`` = the constant 1)."""
+        signature, constexprs, attrs, _ = specialization_of(self.launch, arch=self.artifacts.arch)
+        jit = _as_jit_function(self.launch.fn)
+        out = []
+        for i, (p, ty) in enumerate(signature.items()):
+            if ty == "constexpr":
+                if p in jit.arg_names and not jit.params[i].is_constexpr:
+                    out.append(f"{p}:{constexprs.get((i,))}")
+                continue
+            div = any(a == ["tt.divisibility", 16] for a in attrs.get((i,), []))
+            out.append(f"{p}:{ty}{'/16' if div else ''}")
+        return " ".join(out)
+
+
+def launched_variants(module: str, *, arch: int = 90) -> list[LaunchedVariant]:
+    """Every Triton kernel of ``module`` (``"espo.triton_logprobs"``,
+    ``"espo.triton_loss"``, ``"routing.triton"``, ``"fp8.triton_gemm"``,
+    ``"advantages.triton"``) compiled as its op launches it at the op's typical
+    and largest shapes (tests/launch_plans.py: the calls; the specialization
+    comes from the arguments those calls pass, via Triton's own binder).
+    ``.sass`` / ``.artifacts.resource_usage`` / ``.artifacts.ptx`` of each."""
+    from tests import launch_plans
+
+    out = []
+    for case, call in launch_plans.PLANS[module]():
+        with record_launches(execute=False) as launches:
+            call()
+        if not launches:
+            raise RuntimeError(f"{module}: {case} launched no Triton kernel")
+        for launch in launches:
+            out.append(LaunchedVariant(module, case, launch, compile_launch(launch, arch=arch)))
+    return out
+
+
+_VEC_RE = re.compile(r"\b(ld|st)\.global(?:\.[a-z0-9:]+)*?(?:\.v(\d))?\.(b|f|u|s)(\d+)\b")
+
+
+def global_access_widths(ptx: str) -> dict[str, dict[int, int]]:
+    """Bits per thread per global access in the PTX: ``{"ld": {128: 2, 16: 5}, "st": ...}``
+    (``ld.global.v4.b32`` is 128 bits)."""
+    out: dict[str, dict[int, int]] = {"ld": {}, "st": {}}
+    for op, vec, _, bits in _VEC_RE.findall(ptx):
+        width = int(bits) * int(vec or 1)
+        out[op][width] = out[op].get(width, 0) + 1
+    return out
+
+
+_DIV64_RE = re.compile(r"\b(?:div|rem)\.(?:s|u)64\b")
+
+
+def divides_64(ptx: str) -> int:
+    """The number of 64-bit integer divides / remainders (div.s64, rem.u64, ...)
+    in the PTX: each is a ~70-instruction software routine on sm_90."""
+    return len(_DIV64_RE.findall(ptx))

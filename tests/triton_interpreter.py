@@ -20,6 +20,16 @@ builders get them wrong (measured on triton 3.9, tests/test_triton_interpreter.p
   do not mind, but a later compile in the same process
   (``tests.aot``) then fails deep inside code generation.
 
+- NaN: the GPU's ``tl.maximum`` / ``tl.minimum`` / ``tl.clamp`` without
+  ``propagate_nan`` drop NaN (PTX ``max.f32``); Triton 3.6's interpreter keeps it
+  (``np.maximum``, ``np.clip``), so a kernel that hides a NaN on the GPU passed
+  here. ``create_maxnumf`` / ``create_minnumf`` / ``create_clampf`` get the GPU's
+  semantics (``np.fmax`` / ``np.fmin``; NaN kept with ``PropagateNan.ALL``), as
+  Triton 3.9's interpreter already has. And ``tl.reduce`` with a combine the
+  interpreter has no NumPy twin for (a NaN-propagating max) ran the combine once
+  per element in Python; ``ReduceOps.generic_reduce`` runs it as a tree on whole
+  halves (log2 n calls).
+
 :func:`apply` replaces ``InterpreterBuilder.create_dot``, ``cast_impl`` and
 ``create_fp_to_fp`` with wrappers that convert through torch, and wraps
 ``InterpretedFunction.__call__`` and ``_patch_lang`` so that each helper call
@@ -90,6 +100,10 @@ PATCHED_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "InterpreterBuilder.create_fp_to_fp": ("self", "src", "dst_type", "rounding_mode"),
     "InterpretedFunction.__call__": ("self", "args", "kwargs"),
     "_patch_lang": ("fn",),
+    "InterpreterBuilder.create_maxnumf": ("self", "lhs", "rhs"),
+    "InterpreterBuilder.create_minnumf": ("self", "lhs", "rhs"),
+    "InterpreterBuilder.create_clampf": ("self", "arg", "lo", "hi", "propagate_nans"),
+    "ReduceOps.generic_reduce": ("self", "input"),
 }
 
 _MARK = "__compass_interpreter_fix__"
@@ -466,12 +480,92 @@ def _make_call(original: Callable, table: dict, handle_cls) -> Callable:
     return __call__
 
 
+# NaN semantics of the GPU (sm_90): tl.maximum / tl.minimum / tl.clamp without
+# propagate_nan lower to PTX max.f32 / min.f32, which return the other operand
+# when one is NaN (np.fmax / np.fmin); with propagate_nan=ALL to max.NaN.f32
+# (np.maximum). Triton >= 3.9's interpreter already does this; 3.6's uses
+# np.maximum / np.clip for both, so a kernel that drops NaN on the GPU would
+# keep it here. The reductions (tl.max: np.nanmax) drop NaN in both versions.
+
+
+def _make_maxnumf(original: Callable, table: dict, handle_cls) -> Callable:
+    def create_maxnumf(self, lhs, rhs):
+        return self.binary_op(lhs, rhs, np.fmax)
+
+    return create_maxnumf
+
+
+def _make_minnumf(original: Callable, table: dict, handle_cls) -> Callable:
+    def create_minnumf(self, lhs, rhs):
+        return self.binary_op(lhs, rhs, np.fmin)
+
+    return create_minnumf
+
+
+def _make_clampf(original: Callable, table: dict, handle_cls) -> Callable:
+    from triton._C.libtriton import ir
+
+    def create_clampf(self, arg, lo, hi, propagate_nans):
+        if propagate_nans == ir.PROPAGATE_NAN.ALL:
+            return self.binary_op(self.binary_op(arg, lo, np.maximum), hi, np.minimum)
+        return self.binary_op(self.binary_op(arg, lo, np.fmax), hi, np.fmin)
+
+    return create_clampf
+
+
+def _make_generic_reduce(original: Callable, table: dict, handle_cls) -> Callable:
+    """``tl.reduce`` with a combine function the interpreter has no NumPy twin for
+    (a NaN-propagating max, say) runs the combine once per element in Python;
+    this runs it on whole halves instead, log2(n) calls: adjacent pairs
+    (x0, x1), (x2, x3), ... then pairs of those, the combine order of a tree
+    (associative combines only, as Triton requires). Axes whose length is not a
+    power of two (none in Triton) go to the original."""
+    import triton.language as tl
+
+    def generic_reduce(self, input):
+        original_axis = self.axis
+        args, axis = self.unravel(input, self.axis)
+        n = args[0].handle.data.shape[axis]
+        if n == 0 or n & (n - 1):
+            return original(self, input)
+        dtypes = [a.dtype for a in args]
+        data = [np.moveaxis(a.handle.data, axis, 0) for a in args]
+        while data[0].shape[0] > 1:
+            lhs = [self.to_tensor(d[0::2], dt) for d, dt in zip(data, dtypes, strict=True)]
+            rhs = [self.to_tensor(d[1::2], dt) for d, dt in zip(data, dtypes, strict=True)]
+            out = self.combine_fn.fn(*lhs, *rhs)
+            out = out if isinstance(out, tuple) else (out,)
+            shape = lhs[0].handle.data.shape
+            data = [
+                np.broadcast_to(
+                    o.handle.data if isinstance(o, tl.core.tensor) else o, shape
+                ).astype(d.dtype)
+                for o, d in zip(out, data, strict=True)
+            ]
+        ret = []
+        for d, dt in zip(data, dtypes, strict=True):
+            r = d[0]
+            if self.keep_dims:
+                r = np.expand_dims(r, axis) if original_axis is not None else r.reshape(
+                    (1,) * len(args[0].handle.data.shape))  # fmt: skip
+            elif original_axis is None:
+                r = r.item()
+            ret.append(self.to_tensor(r, dt))
+        return ret
+
+    return generic_reduce
+
+
 _FACTORIES = {
     "InterpreterBuilder.create_dot": _make_dot,
     "InterpreterBuilder.cast_impl": _make_cast_impl,
     "InterpreterBuilder.create_fp_to_fp": _make_fp_to_fp,
     "InterpretedFunction.__call__": _make_call,
     "_patch_lang": _make_patch_lang,
+    "InterpreterBuilder.create_maxnumf": _make_maxnumf,
+    "InterpreterBuilder.create_minnumf": _make_minnumf,
+    "InterpreterBuilder.create_clampf": _make_clampf,
+    "ReduceOps.generic_reduce": _make_generic_reduce,
 }
 
 

@@ -130,6 +130,11 @@ def _group_advantages_kernel(
 
 
 @triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _rl_zvp_kernel(
     h_ptr,
     cu_ptr,
@@ -154,8 +159,10 @@ def _rl_zvp_kernel(
             for base in range(start, end, BLOCK):
                 idx = base + lanes
                 h = tl.load(h_ptr + idx, mask=idx < end, other=float("-inf"))
-                hmax = tl.maximum(hmax, h)
-            top = tl.max(hmax, axis=0)
+                hmax = tl.maximum(
+                    hmax, h, propagate_nan=tl.PropagateNan.ALL
+                )  # a NaN entropy: NaN max, as torch
+            top = tl.reduce(hmax, 0, _max_nan)
             positive = tl.load(r_ptr + pid) > 0
             for base in range(start, end, BLOCK):
                 idx = base + lanes

@@ -48,11 +48,14 @@ def _chunk_stats(x, m, s, a, inv_t, ENT: tl.constexpr):
     m_new = tl.maximum(m, tl.max(x, axis=0))
     # Only -inf so far: shift by 0 instead (every term is then exp(-200) = 0).
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    d = tl.maximum((m - m_safe) * inv_t, -200.0)
+    # NaN-propagating clamps (the default tl.maximum is PTX max.f32, which drops
+    # NaN): a NaN logit, or a +inf one (inf - inf), makes s NaN, hence NaN
+    # log-prob and entropy for the row, as the torch backend gives.
+    d = tl.maximum((m - m_safe) * inv_t, -200.0, propagate_nan=tl.PropagateNan.ALL)
     c = tl.exp(d)
     a = c * (a + s * d)
     s = c * s
-    dd = tl.maximum((x - m_safe) * inv_t, -200.0)
+    dd = tl.maximum((x - m_safe) * inv_t, -200.0, propagate_nan=tl.PropagateNan.ALL)
     e = tl.exp(dd)
     s += tl.sum(e, axis=0)
     if ENT:
@@ -109,14 +112,18 @@ def _fwd_kernel(
     y = tl.load(targets_ptr + row)
     ok = (y >= 0) & (y < V)
     xt = tl.load(row_ptr + tl.where(ok, y, 0)).to(tl.float32)  # never outside the row
-    lp = tl.minimum((xt - m) * inv_t - log_s, 0.0)  # never positive
+    lp = tl.minimum(
+        (xt - m) * inv_t - log_s, 0.0, propagate_nan=tl.PropagateNan.ALL
+    )  # never positive; NaN stays
     # the ignore index (-100): 0; any other target outside [0, V): NaN (the policy)
     lp = tl.where(ok, lp, tl.where(y == -100, 0.0, float("nan")))
     tl.store(max_ptr + row, m)
     tl.store(log_norm_ptr + row, log_s)
     tl.store(logp_ptr + row, lp)
     if ENT:
-        tl.store(entropy_ptr + row, tl.maximum(log_s - a / s, 0.0))
+        tl.store(
+            entropy_ptr + row, tl.maximum(log_s - a / s, 0.0, propagate_nan=tl.PropagateNan.ALL)
+        )
     else:
         tl.store(entropy_ptr + row, float("nan"))
 
@@ -192,7 +199,9 @@ def _bwd_chunk(x_ptr, g_ptr, idx0, n, y, m, log_s, gl, gh, h, inv_t, MASKED: tl.
         z = tl.load(x_ptr + cols, mask=cols < n, other=float("-inf")).to(tl.float32)
     else:
         z = tl.load(x_ptr + cols).to(tl.float32)
-    d = tl.maximum((z - m) * inv_t - log_s, -200.0)  # z - m exact near the max
+    d = tl.maximum(
+        (z - m) * inv_t - log_s, -200.0, propagate_nan=tl.PropagateNan.ALL
+    )  # z - m exact near the max
     p = tl.exp(d)
     # float32 until the store: the one-hot is added to the float32 softmax term.
     g = -p * (gl + gh * (d + h))

@@ -60,6 +60,16 @@ def _f64(bits):
 
 
 @triton.jit
+def _min_nan(a, b):
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _bucket(e, thr_ptr, row, Q: tl.constexpr):
     b = tl.zeros(e.shape, dtype=tl.int32)
     for k in tl.static_range(Q):
@@ -188,8 +198,20 @@ def _forward_kernel(
         else:
             log_s = mg + d
         clamped = (log_s < log_lo) | (log_s > log_hi)
-        s = tl.exp(tl.minimum(tl.maximum(log_s, log_lo), log_hi))
-        c = tl.minimum(tl.maximum(s, 1.0 - el), 1.0 + eh)
+        # NaN-propagating clamps (tl.maximum's default drops NaN): a NaN log-ratio
+        # gives a NaN ratio, loss and gradient, not exp(log_lo)
+        s = tl.exp(
+            tl.minimum(
+                tl.maximum(log_s, log_lo, propagate_nan=tl.PropagateNan.ALL),
+                log_hi,
+                propagate_nan=tl.PropagateNan.ALL,
+            )
+        )
+        c = tl.minimum(
+            tl.maximum(s, 1.0 - el, propagate_nan=tl.PropagateNan.ALL),
+            1.0 + eh,
+            propagate_nan=tl.PropagateNan.ALL,
+        )
         o1 = s * a
         o2 = c * a
         clipped = o2 < o1
@@ -207,8 +229,12 @@ def _forward_kernel(
         acc_loss += tl.where(in_loss, -w * f, 0.0)
         acc_tok += tl.where(in_loss, 1.0, 0.0)
         acc_ratio += tl.where(in_loss, s, 0.0)
-        acc_min = tl.minimum(acc_min, tl.where(in_loss, s, float("inf")))
-        acc_max = tl.maximum(acc_max, tl.where(in_loss, s, float("-inf")))
+        acc_min = tl.minimum(
+            acc_min, tl.where(in_loss, s, float("inf")), propagate_nan=tl.PropagateNan.ALL
+        )
+        acc_max = tl.maximum(
+            acc_max, tl.where(in_loss, s, float("-inf")), propagate_nan=tl.PropagateNan.ALL
+        )
         hit = (b[:, None] == ks[None, :]) & in_loss[:, None]
         acc_low += tl.where(hit & (clipped & (a < 0.0))[:, None], 1.0, 0.0)
         acc_high += tl.where(hit & (clipped & (a > 0.0))[:, None], 1.0, 0.0)
@@ -226,8 +252,8 @@ def _forward_kernel(
     tl.store(out + 3 * K + 2, tl.sum(acc_ratio, axis=0))
     tl.store(out + 3 * K + 3, tl.sum(acc_k3, axis=0))
     tl.store(out + 3 * K + 4, tl.sum(acc_big, axis=0))
-    tl.store(out + 3 * K + 5, tl.min(acc_min, axis=0))
-    tl.store(out + 3 * K + 6, tl.max(acc_max, axis=0))
+    tl.store(out + 3 * K + 5, tl.reduce(acc_min, 0, _min_nan))
+    tl.store(out + 3 * K + 6, tl.reduce(acc_max, 0, _max_nan))
 
 
 @triton.jit
@@ -249,11 +275,15 @@ def _reduce_kernel(
         m = (i < n)[:, None] & (cols < W)[None, :]
         x = tl.load(rows_ptr + i[:, None] * W + cols[None, :], mask=m, other=0.0)
         acc_sum += x
-        acc_min = tl.minimum(acc_min, tl.where(m, x, float("inf")))
-        acc_max = tl.maximum(acc_max, tl.where(m, x, float("-inf")))
+        acc_min = tl.minimum(
+            acc_min, tl.where(m, x, float("inf")), propagate_nan=tl.PropagateNan.ALL
+        )
+        acc_max = tl.maximum(
+            acc_max, tl.where(m, x, float("-inf")), propagate_nan=tl.PropagateNan.ALL
+        )
     total = tl.sum(acc_sum, axis=0)
-    out = tl.where(cols == W - 2, tl.min(acc_min, axis=0),
-                   tl.where(cols == W - 1, tl.max(acc_max, axis=0), total))  # fmt: skip
+    out = tl.where(cols == W - 2, tl.reduce(acc_min, 0, _min_nan),
+                   tl.where(cols == W - 1, tl.reduce(acc_max, 0, _max_nan), total))  # fmt: skip
     tl.store(stats_ptr + cols, out, mask=cols < W)
     loss = tl.sum(tl.where(cols == 3 * K, total, 0.0), axis=0)
     tl.store(loss_ptr, loss.to(loss_ptr.dtype.element_ty))

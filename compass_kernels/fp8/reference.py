@@ -5,7 +5,8 @@ tensors, vectorised; the ``*_torch`` functions at the end).
 Conventions (docs/design.md, section FP8), per block of ``block_rows x block_cols``
 elements (ragged edges: partial blocks, exactly as zero padding would give):
 
-- ``amax = max(max |x|, eps)`` in float32 (``eps``: the floor of an all-zero block);
+- ``amax = max(max |x|, eps)`` in float32 (``eps``: the floor of an all-zero block;
+  a NaN / inf in the block, unchecked, gives a NaN / inf amax and scale);
 - ``scale = amax / 448`` (float32 division); with ``ue8m0`` the smallest power of
   two >= that (an exact UE8M0 exponent);
 - ``q = e4m3fn(x * (1 / scale))`` (``use_div=False``: DeepGEMM's and vLLM's
@@ -37,8 +38,10 @@ def block_scale(amax: torch.Tensor, eps: float, ue8m0: bool) -> torch.Tensor:
     if ue8m0:
         # The smallest power of two >= s: frexp gives s = m * 2^e with m in
         # [0.5, 1); s is a power of two exactly when m == 0.5.
+        # A NaN / inf scale (a non-finite block, unchecked) stays NaN / inf.
         m, e = torch.frexp(s)
-        s = torch.ldexp(torch.ones_like(s), torch.where(m == 0.5, e - 1, e))
+        p2 = torch.ldexp(torch.ones_like(s), torch.where(m == 0.5, e - 1, e))
+        s = torch.where(torch.isfinite(s), p2, s)
     return s
 
 

@@ -67,12 +67,25 @@ def _e4m3_bits(y):
 
 
 @triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _amax(x, axis):
+    """max |x| along axis, NaN if any is (tl.max drops NaN: PTX max.f32)."""
+    return tl.reduce(tl.abs(x), axis, _max_nan)
+
+
+@triton.jit
 def _block_scale(amax, eps, UE8M0: tl.constexpr):
-    s = tl.math.div_rn(tl.maximum(amax, eps), 448.0)
+    # NaN-propagating floor: a NaN / inf amax keeps a NaN / inf scale (reference.py)
+    s = tl.math.div_rn(tl.maximum(amax, eps, propagate_nan=tl.PropagateNan.ALL), 448.0)
     if UE8M0:
         b = s.to(tl.int32, bitcast=True)
         e = (b >> 23) + ((b & 0x7FFFFF) != 0).to(tl.int32)
-        s = (e << 23).to(tl.float32, bitcast=True)
+        finite = (b & 0x7F800000) != 0x7F800000
+        s = tl.where(finite, (e << 23).to(tl.float32, bitcast=True), s)
     return s
 
 
@@ -102,8 +115,8 @@ def _quantize_block_kernel(
         r = i * BR + r0 + tl.arange(0, RB).to(tl.int64)
         m = (r[:, None] < rows) & (c[None, :] < cols)
         x = tl.load(x_ptr + r[:, None] * xs + c[None, :], mask=m, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=0))
-    s = _block_scale(tl.max(amax, axis=0), eps, UE8M0)
+        amax = tl.maximum(amax, _amax(x, 0), propagate_nan=tl.PropagateNan.ALL)
+    s = _block_scale(tl.reduce(amax, 0, _max_nan), eps, UE8M0)
     tl.store(s_ptr + i * ss0 + j * ss1, s)
     sb = tl.full([RB, BC], 0.0, tl.float32) + s
     for r0 in range(0, BR, RB):
@@ -122,7 +135,7 @@ def _quantize_row_groups(x_ptr, row, cols, q_ptr, qrow, s_ptr, srow, ss1, eps,
     c = g[:, None] * BC + tl.arange(0, BC).to(tl.int64)[None, :]
     m = c < cols
     x = tl.load(x_ptr + row + c, mask=m, other=0.0).to(tl.float32)
-    s = _block_scale(tl.max(tl.abs(x), axis=1), eps, UE8M0)
+    s = _block_scale(_amax(x, 1), eps, UE8M0)
     tl.store(s_ptr + srow + g * ss1, s, mask=g * BC < cols)
     sb = tl.zeros([NG, BC], tl.float32) + s[:, None]
     tl.store(q_ptr + qrow + c, _quantize_values(x, sb, USE_DIV), mask=m)

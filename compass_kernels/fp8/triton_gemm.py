@@ -96,7 +96,9 @@ def _grouped_gemm_kernel(
     eidx = tl.arange(0, E_BLOCK)
     lo = tl.load(off_ptr + eidx, mask=eidx < E, other=0)
     hi = tl.load(off_ptr + eidx + 1, mask=eidx < E, other=0)
-    m_tiles = (hi - lo + BLOCK_M - 1) // BLOCK_M
+    # int32 tile counts (rows < 2^31): the persistent loop's tile // n_tiles is
+    # then a 32-bit divide, not the ~70-instruction div.s64 routine
+    m_tiles = ((hi - lo + BLOCK_M - 1) // BLOCK_M).to(tl.int32)
     tile_end = tl.cumsum(m_tiles, 0)
     n_tiles = tl.cdiv(N, BLOCK_N)
     total = tl.sum(m_tiles, 0) * n_tiles

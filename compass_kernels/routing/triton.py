@@ -41,6 +41,11 @@ def _blocks(e: int, k: int) -> tuple[int, int, int]:
 
 
 @triton.jit
+def _min_nan(a, b):
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _scores(z, zmax, sumexp, SCORE: tl.constexpr):
     if SCORE == 0:
         s = tl.exp(z - zmax[:, None]) / sumexp[:, None]
@@ -100,7 +105,11 @@ def _replay_fwd_kernel(
     else:
         sel = s
     sel = tl.where(m2, sel, float("-inf"))
-    # Native top-k: K rounds of a row argmax, ties to the lower index.
+    # Native top-k: K rounds of a row argmax, ties to the lower index. A NaN score
+    # ranks as +inf (torch.sort puts NaN first; only a +inf bias, unchecked, tells
+    # the two apart): without it tl.max drops the NaN, no column equals the max
+    # of an all-NaN row, and the row read expert BLOCK_E, past its end.
+    sel = tl.where(sel != sel, float("inf"), sel)
     nat = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int64)
     for r in range(0, K):
         best = tl.max(sel, axis=1)
@@ -130,7 +139,8 @@ def _replay_fwd_kernel(
         zn = tl.load(zrow + nat, mask=mk, other=0.0)
         sr = tl.where(kmask[None, :], _scores(zr, zmax, sumexp, SCORE), inf)
         sn = tl.where(kmask[None, :], _scores(zn, zmax, sumexp, SCORE), inf)
-        accept = tl.min(sr, axis=1) >= ratio * tl.min(sn, axis=1)
+        # NaN-propagating minima: a NaN score rejects the replay, as in torch
+        accept = tl.reduce(sr, 1, _min_nan) >= ratio * tl.reduce(sn, 1, _min_nan)
         use = ok & accept
     else:
         use = ok
