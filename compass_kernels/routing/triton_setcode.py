@@ -37,7 +37,7 @@ import triton.language as tl
 
 from compass_kernels._ext import load
 
-__all__ = ["encode_sets_triton", "PACKS", "TABLE_BLOCK", "LAUNCH"]
+__all__ = ["encode_sets_triton", "launch_encode", "aot_variants", "PACKS", "TABLE_BLOCK", "LAUNCH"]
 
 #: Packs per program of the encode kernel: 64, so that a program's bits are whole words.
 PACKS = 64
@@ -177,12 +177,9 @@ def launch_args(ids, num_experts, missing, payload, status, table, layout):
     return (1,), (table, status, num_experts, k), (triton.cdiv(packs, PACKS),), enc, meta
 
 
-def encode_sets_triton(ids, num_experts, missing, payload, status, table) -> None:
-    """The encode op's ``triton`` backend (compass_kernels/routing/_setcode.py:
-    encode_sets_op): the C++ argument checks (the CPU backend's, naming the
-    argument), then the two launches. Bad rows are counted in ``status`` on the
-    device (read it, e.g. ``_setcode.check_status``, before trusting the payload)."""
-    layout = load().routing.check_encode_sets(ids, num_experts, missing, payload, status, table)
+def launch_encode(ids, num_experts, missing, payload, status, table, layout) -> None:
+    """The two launches alone (arguments already checked; ``layout`` = (rows per
+    pack, bits per pack, C(E, K))), on the current device and stream."""
     tgrid, targs, egrid, eargs, meta = launch_args(
         ids, num_experts, missing, payload, status, table, layout
     )
@@ -190,6 +187,15 @@ def encode_sets_triton(ids, num_experts, missing, payload, status, table) -> Non
     _table_kernel[tgrid](*targs, BLOCK=block, **LAUNCH)
     if egrid[0] > 0:
         _encode_kernel[egrid](*eargs, **meta, **LAUNCH)
+
+
+def encode_sets_triton(ids, num_experts, missing, payload, status, table) -> None:
+    """The encode op's ``triton`` backend (compass_kernels/routing/_setcode.py:
+    encode_sets_op): the C++ argument checks (the CPU backend's, naming the
+    argument), then the two launches. Bad rows are counted in ``status`` on the
+    device (read it, e.g. ``_setcode.check_status``, before trusting the payload)."""
+    layout = load().routing.check_encode_sets(ids, num_experts, missing, payload, status, table)
+    launch_encode(ids, num_experts, missing, payload, status, table, layout)
 
 
 def aot_variants() -> list[tuple[object, dict[str, str], dict[str, object], dict[str, int]]]:
