@@ -153,7 +153,7 @@ def test_cpu_default_is_the_reference_else_cpp():
     assert _dispatch.resolve(torch.device("cpu"), None) == "torch"
     assert _dispatch.resolve(torch.device("cpu"), None, available=("cpp", "cuda")) == "cpp"
     with pytest.raises(ValueError, match="backend: expected one of"):
-        _dispatch._resolve("cpu", None, "cuda-emulated", "op", ("cpp",))
+        _dispatch._resolve("cpu", None, "no-such-backend", "op", ("cpp",))
 
 
 @pytest.mark.parametrize(
