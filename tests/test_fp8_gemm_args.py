@@ -48,13 +48,17 @@ def _expected(a_q, a_s, b_q, b_s, off, out):
     return shapes, torch.stack([rows[r] for r in PTR_ROWS])
 
 
+NAMES = ("a_q", "a_scales", "b_q", "b_scales", "expert_offsets", "gemm_out")  # _operands', by name
+
+
 def _run(args, backend):
     e, dev = args[2].shape[0], args[0].device
     outs = (
         empty_poisoned((e, 3), torch.int32, device=dev),
         empty_poisoned((5, e), torch.int64, device=dev),
     )
-    return [t.cpu() for t in grouped_args_op.run(args, backend, outs)]
+    res = grouped_args_op.run(**dict(zip(NAMES, args, strict=True)), backend=backend, out=outs)
+    return [t.cpu() for t in res]
 
 
 # More experts than one program of the builder (128), empty ones first, in
@@ -82,19 +86,21 @@ def test_builder_matches_addresses(backend, counts, out_dtype):
 def test_builder_checks_arguments(backend):
     dev = device_for(backend)
     args = _operands([2, 3], device=dev)
+    kw = dict(zip(NAMES, args, strict=True))
     shapes = torch.empty(2, 3, dtype=torch.int32, device=dev)
     ptrs = torch.empty(5, 2, dtype=torch.int64, device=dev)
     with pytest.raises(ValueError, match="shapes: expected dtype int32"):
-        grouped_args_op.run(args, backend, (shapes.long(), ptrs))
+        grouped_args_op.run(**kw, backend=backend, out=(shapes.long(), ptrs))
     with pytest.raises(ValueError, match="ptrs: expected size 5"):
-        grouped_args_op.run(args, backend, (shapes, ptrs[:4]))
+        grouped_args_op.run(**kw, backend=backend, out=(shapes, ptrs[:4]))
     with pytest.raises(ValueError, match=r"b_q: expected size 256 \(K = a_q.shape\[1\]\)"):
-        grouped_args_op.run((args[0], args[1], args[2][:, :, :100], *args[3:]), backend,
-                            (shapes, ptrs))  # fmt: skip
+        grouped_args_op.run(**(kw | {"b_q": args[2][:, :, :100]}), backend=backend,
+                            out=(shapes, ptrs))  # fmt: skip
     if backend != "cpp":  # the GPU builder never reads offsets on the host (no sync)
         return
     with pytest.raises(ValueError, match=r"expert_offsets: expected expert_offsets\[-1\]"):
-        grouped_args_op.run((*args[:4], torch.tensor([0, 2, 4]), args[5]), backend, (shapes, ptrs))
+        grouped_args_op.run(**(kw | {"expert_offsets": torch.tensor([0, 2, 4])}),
+                            backend=backend, out=(shapes, ptrs))  # fmt: skip
 
 
 # Planted bugs in the Triton builder (tests/mutants.py): each must fail

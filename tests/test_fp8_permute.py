@@ -34,11 +34,12 @@ def make_routing(m, k, experts, seed, dtype=torch.int64, distinct=True):
 
 
 def run_permute(x, ids, experts, layout, backend, ue8m0=False):
-    args = (x, ids, experts, 1e-10, ue8m0, SCALE_LAYOUTS[layout])
-    out = permute_op.outputs(*args)
+    args = dict(x=x, topk_ids=ids, num_experts=experts, eps=1e-10, ue8m0=ue8m0,
+                scale_layout=SCALE_LAYOUTS[layout])  # fmt: skip
+    out = permute_op.outputs(**args)
     for t in out[:5]:
         poison_(t)
-    return permute_op.run(args, backend, out)
+    return permute_op.run(**args, backend=backend, out=out)
 
 
 CASES = [
@@ -121,10 +122,11 @@ def test_unpermute_matches_reference(backend, dtype, backend_device):
     w = torch.rand(m, k, generator=g)
     dst = p.dst_index.clone()
     dst[5] = -1  # a dropped slot (expert parallelism: not on this rank)
-    out = unpermute_op.outputs(y, dst, w)[0]
+    out = unpermute_op.outputs(y=y, dst_index=dst, topk_weights=w)
     poison_(out)
     dev = backend_device
-    out = unpermute_op.run((y.to(dev), dst.to(dev), w.to(dev)), backend, (out.to(dev),))
+    out = unpermute_op.run(y=y.to(dev), dst_index=dst.to(dev), topk_weights=w.to(dev),
+                           backend=backend, out=out.to(dev))  # fmt: skip
     assert_bitwise_equal(out.cpu(), unpermute_reference(y, dst, w), name="out")
 
 

@@ -264,6 +264,7 @@ def _groups_pow2(cols: int) -> int:
 
 
 def quantize_triton(
+    *,
     x: torch.Tensor,
     block_rows: int,
     block_cols: int,
@@ -303,7 +304,7 @@ def quantize_triton(
 
 
 def permute_quantize_triton(
-    x, topk_ids, num_experts, eps, ue8m0, scale_layout, q, scales, expert_offsets, src_index,
+    *, x, topk_ids, num_experts, eps, ue8m0, scale_layout, q, scales, expert_offsets, src_index,
     dst_index, workspace,
 ) -> None:  # fmt: skip
     """The fused permutation + 1x128 quantization (argument contract:
@@ -356,7 +357,7 @@ def permute_offsets_triton(
                                   EP=triton.next_power_of_2(num_experts), **LAUNCH)  # fmt: skip
 
 
-def unpermute_triton(y, dst_index, topk_weights, out) -> None:
+def unpermute_triton(*, y, dst_index, topk_weights, out) -> None:
     """out[t] = sum_j w[t, j] * y[dst_index[t*k + j]] (fp32, j order, no FMA)."""
     m, k = topk_weights.shape
     cols = y.shape[1]

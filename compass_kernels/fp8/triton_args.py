@@ -99,11 +99,13 @@ def launch_grouped_args(a_q, a_scales, b_q, b_scales, expert_offsets, out, shape
     _grouped_args_kernel[grid](*args, **meta, **LAUNCH)
 
 
-def grouped_args_triton(a_q, a_scales, b_q, b_scales, expert_offsets, out, shapes, ptrs) -> None:
-    """The op's ``triton`` backend: the C++ argument checks (the ones the CPU
-    builder and the CUTLASS entry run, naming the argument), then the launch."""
-    load().fp8.check_grouped_args(a_q, a_scales, b_q, b_scales, expert_offsets, out, shapes, ptrs)
-    launch_grouped_args(a_q, a_scales, b_q, b_scales, expert_offsets, out, shapes, ptrs)
+def grouped_args_triton(*, a_q, a_scales, b_q, b_scales, expert_offsets, gemm_out, shapes, ptrs):
+    """The op's ``triton`` backend (arguments and outputs by name): the C++
+    argument checks (the ones the CPU builder and the CUTLASS entry run, naming
+    the argument), then the launch."""
+    ext = load().fp8
+    ext.check_grouped_args(a_q, a_scales, b_q, b_scales, expert_offsets, gemm_out, shapes, ptrs)
+    launch_grouped_args(a_q, a_scales, b_q, b_scales, expert_offsets, gemm_out, shapes, ptrs)
 
 
 def aot_variants() -> list[tuple[object, dict[str, str], dict[str, object], dict[str, int]]]:
