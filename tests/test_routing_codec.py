@@ -373,7 +373,8 @@ def test_encode_op_argument_errors_name_the_argument(backend):
     with pytest.raises(ValueError, match=r"ids: expected dtype uint8 \| int16, got int32"):
         op.run(**(good | {"ids": ids.int()}), out=outs)
     with pytest.raises(ValueError, match="missing: expected size 10"):
-        op.run(**(good | {"missing": torch.zeros(9, dtype=torch.bool, device=ids.device)}), out=outs)
+        bad = torch.zeros(9, dtype=torch.bool, device=ids.device)
+        op.run(**(good | {"missing": bad}), out=outs)
     with pytest.raises(ValueError, match=r"C\(num_experts, top_k\) < 2\^64"):
         big = outs._replace(payload=ids.new_empty(0, dtype=torch.uint8),
                             table=ids.new_empty(16 * 1024, dtype=torch.int64))  # fmt: skip

@@ -191,9 +191,10 @@ def launch_encode(ids, num_experts, missing, payload, status, table, layout) -> 
 
 def encode_sets_triton(*, ids, num_experts, missing, payload, status, table) -> None:
     """The encode op's ``triton`` backend (compass_kernels/routing/_setcode.py:
-    encode_sets_op; arguments and outputs by name): the C++ argument checks (the CPU backend's, naming the
-    argument), then the two launches. Bad rows are counted in ``status`` on the
-    device (read it, e.g. ``_setcode.check_status``, before trusting the payload)."""
+    encode_sets_op; arguments and outputs by name): the C++ argument checks (the
+    CPU backend's, naming the argument), then the two launches. Bad rows are
+    counted in ``status`` on the device (read it, e.g. ``_setcode.check_status``,
+    before trusting the payload)."""
     layout = load().routing.check_encode_sets(ids, num_experts, missing, payload, status, table)
     launch_encode(ids, num_experts, missing, payload, status, table, layout)
 
