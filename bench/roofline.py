@@ -419,23 +419,71 @@ def _lm_floor(d: Device) -> float:
     return 3 * 2 * LM_T * LM_H * LM_V / d.gemm_bf16_per_s
 
 
-def _lm_extra_bytes(T=LM_T, H=LM_H, V=LM_V) -> float:
-    """HBM bytes of the passes beside the GEMMs, today's code (fused_loss.py)."""
+def _lm_gemms(T=LM_T, H=LM_H, V=LM_V) -> list[tuple[str, float, float]]:
+    """(name, FLOPs, HBM bytes) of one chunk's 3 GEMMs, epilogue included: the
+    logits GEMM's fp32 tile store, d_h's fp32 store, d_w's in-place fp32
+    accumulation (read C, write D: addmm(out_dtype=float32, out=d_w))."""
+    r = (1 << 30) // (V * 4)
+    f = 2 * r * V * H
+    return [
+        ("logits", f, r * H * 2 + V * H * 2 + r * V * 4),
+        ("d_hidden", f, r * V * 2 + V * H * 2 + r * H * 4),
+        ("d_weight", f, r * V * 2 + r * H * 2 + 2 * V * H * 4),
+    ]
+
+
+def _lm_gemms_compute_bound() -> None:
+    """Each GEMM's epilogue bytes hide under its math (FLOP/byte above every
+    device's ridge): the floor's time holds them, none is a separate pass."""
+    for d in DEVICES.values():
+        ridge = d.gemm_bf16_per_s / d.hbm_bytes_per_s
+        for name, f, b in _lm_gemms():
+            assert f / b > ridge, (d.name, name, f / b, ridge)
+
+
+def _lm_extra_bytes(T=LM_T, H=LM_H, V=LM_V, before=False) -> float:
+    """HBM bytes of the passes beside the GEMMs (fused_loss.py, grad_in_forward,
+    bf16 gradient GEMMs; ``before``: the code before issue 34's rewrite). Each
+    is its own kernel on one stream: serial, no overlap with the GEMMs assumed.
+
+    Per logit: _tile_kernel's fp32 read (4), _bwd_kernel's fp32 read (4) and its
+    d logits store straight to bf16 (2). Before: the bwd kernel wrote fp32 over
+    the tile (4) and a copy_ rounded it to bf16 (read 4, write 2). d_w: each
+    chunk's GEMM accumulates in its epilogue (in the GEMM: _lm_gemms); before,
+    every chunk after the first wrote an fp32 temporary (in the GEMM) then ran
+    d_w.add_(tmp) (read 2, write 1 x fp32 [V, H]). The GEMMs' operand reads and
+    stores are in the floor (_lm_gemms_compute_bound). Then the final fp32 ->
+    bf16 casts of d_w and d_h."""
     tile = T * V
     chunks = _lm_chunks(T, V)
-    per_logit = 4 + 4 + 8 + 6  # fp32 logits store, stats read, bwd read+write, bf16 copy
+    per_logit = 4 + 8 + 6 if before else 4 + 4 + 2
     dw = V * H * 4
-    fold = (chunks - 1) * (dw + 3 * dw)  # fp32 product into tmp_w, then d_w.add_(tmp_w)
+    fold = (chunks - 1) * 3 * dw if before else 0
     final = dw + V * H * 2 + T * H * 4 + T * H * 2  # d_w, d_h fp32 -> bf16
     return tile * per_logit + fold + final
+
+
+def _lm_peak_extra(T=LM_T, H=LM_H, V=LM_V, before=False) -> float:
+    """Peak extra bytes of the fused path beside hidden / weight / their bf16
+    grads: the fp32 logits tile of one chunk, its bf16 d logits, the fp32 d_h and
+    d_w accumulators (and, before, the fp32 [V, H] product temporary tmp_w)."""
+    rows = (1 << 30) // (V * 4)
+    live = rows * V * 4 + rows * V * 2 + T * H * 4 + V * H * 4
+    return live + (V * H * 4 if before else 0)
 
 
 def _lm_head():
     """Modelled as GEMMs at the floor's rate + the extra passes at HBM speed, serial
     (separate kernels on one stream): a Model over the passes; the GEMM time is
-    added by ``floor``. FLOPs are the 3 GEMMs' (bf16)."""
-    model = Model(bytes=_lm_extra_bytes(), precision="bf16", kernels=_lm_chunks() * 9 + 12)
-    return model, "passes are memory-bound (no count needed)"
+    added by ``floor``. FLOPs are the 3 GEMMs' (bf16). Kernels: per chunk the 3
+    GEMMs, state fill, _tile_kernel, _bwd_kernel, the finalize / coefficient
+    elementwise ops (7 counted); fixed: the loss and the casts. The input check
+    launches none (check_loss_inputs; it ran the whole ESPO loss on zeros before)."""
+    _lm_gemms_compute_bound()
+    model = Model(bytes=_lm_extra_bytes(), precision="bf16", kernels=_lm_chunks() * 7 + 8)
+    peak, was = _lm_peak_extra() / 1e9, _lm_peak_extra(before=True) / 1e9
+    return model, (f"passes are memory-bound (no count needed); extra peak {peak:.2f} GB "
+                   f"(was {was:.2f} GB)")  # fmt: skip
 
 
 def _grouped_gemm(groups: int, m: int, n: int, k: int):
@@ -545,7 +593,7 @@ KERNELS: list[Kernel] = [
     ),  # fmt: skip
     Kernel(
         "fused_lmhead_logprobs_entropy",
-        "torch.mm x 3 per chunk + _tile_kernel + _bwd_kernel + copy + add_ (espo/fused_loss.py)",
+        "torch.mm x 2 + addmm(out_dtype=fp32) per chunk + _tile_kernel + _bwd_kernel (bf16 store)",
         f"T={LM_T}, H={LM_H}, V={LM_V:,} bf16, fwd + bwd",
         _lm_head,
         judged="floor",
