@@ -92,6 +92,33 @@ def test_forward_and_backward(shape, block, dtype):
         assert_verbose_allclose(grad.cpu(), ref.to(dtype), name="grad", **GRAD_TOL[dtype])
 
 
+@pytest.mark.parametrize("shape,block", [((7, 33), 16), ((3, 4099), 2048)])
+def test_backward_fp32_logits_bf16_grad(shape, block):
+    """The fused lm_head backward's store: float32 logits tile, d logits
+    written straight to bf16 (poisoned first). One rounding: bit-equal to the
+    float32 d logits rounded to bf16, and within bf16 tolerance of float64.
+    Other dtype pairs are refused."""
+    logits, targets = make_logits(*shape, seed=41 + sum(shape), dtype=torch.float32)
+    z, y = logits.to(DEVICE), targets.to(DEVICE)
+    logp, ent, m, log_s = _forward(z, y, 0.7, True, block)
+    g = torch.Generator().manual_seed(6)
+    gl, gh = torch.randn(shape[0], generator=g), torch.randn(shape[0], generator=g)
+    gl, gh = gl.to(DEVICE), gh.to(DEVICE)
+    g32 = empty_poisoned(shape, torch.float32, DEVICE)
+    _bwd(z, y, m, log_s, ent, gl, gh, 0.7, 0, g32, block=block)
+    g16 = empty_poisoned(shape, torch.bfloat16, DEVICE)
+    _bwd(z, y, m, log_s, ent, gl, gh, 0.7, 0, g16, block=block)
+    assert torch.equal(g16.cpu(), g32.cpu().to(torch.bfloat16))
+    ref = reference_grad(logits, targets, 0.7, gl.cpu(), gh.cpu())
+    assert_verbose_allclose(g16.cpu(), ref.to(torch.bfloat16), name="grad",
+                            **GRAD_TOL[torch.bfloat16])  # fmt: skip
+    with pytest.raises(ValueError, match="grad_logits"):
+        _bwd(z, y, m, log_s, ent, gl, gh, 0.7, 0, torch.empty(shape, dtype=torch.float16,
+                                                              device=DEVICE))  # fmt: skip
+    with pytest.raises(ValueError, match="grad_logits"):
+        _bwd(z.to(torch.bfloat16), y, m, log_s, ent, gl, gh, 0.7, 0, g32)
+
+
 def test_large_vocab_151936():
     logits, targets = make_logits(2, 151936, seed=35, masked=False)
     logp, ent, m, log_s = _forward(logits.to(DEVICE), targets.to(DEVICE), 1.0, True, kt.BLOCK)
