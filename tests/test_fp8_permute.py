@@ -242,3 +242,35 @@ def test_gpu_permute_and_quantize(backend):
     rq, rs = ck.fp8.quantize_blockwise(x)
     assert_bitwise_equal(q.cpu().view(torch.uint8), rq.view(torch.uint8))
     assert_bitwise_equal(s.cpu(), rs)
+
+
+@pytest.mark.triton
+def test_triton_scatter_grid_stride_over_tokens():
+    """Fewer scatter programs than tokens (each loops over its tokens, 2048-wide
+    steps of a 2100-wide row: two steps, the second ragged): the same bits as
+    the torch backend, every slot's row written (outputs poisoned)."""
+    from compass_kernels.fp8.triton import permute_quantize_triton
+    from tests.triton_tier import DEVICE
+
+    g = make_generator(77)
+    x = (torch.randn(23, 2100, generator=g) * 3).to(torch.bfloat16)
+    ids = make_routing(23, 3, 5, seed=78, dtype=torch.int32, distinct=False)
+    args = (x, ids, 5, 1e-10, False, SCALE_LAYOUTS["mn_major"])
+    want = permute_op.run(args, "torch", permute_op.outputs(*args))
+    dargs = (x.to(DEVICE), ids.to(DEVICE), *args[2:])
+    out = permute_op.outputs(*dargs)
+    for t in out[:5]:
+        poison_(t)
+    permute_quantize_triton(*dargs, *out, num_programs=2)
+    for name, a, b in zip(("q", "scales", "offsets", "src", "dst"), out[:5], want[:5], strict=True):
+        a = a.cpu()
+        a, b = (
+            (a.view(torch.uint8), b.view(torch.uint8))
+            if a.is_floating_point() and a.element_size() == 1
+            else (a, b)
+        )
+        assert_bitwise_equal(
+            torch.empty(a.shape, dtype=a.dtype).copy_(a),
+            torch.empty(b.shape, dtype=b.dtype).copy_(b),
+            name=name,
+        )

@@ -115,8 +115,8 @@ def _div_by(x, s, r):
     division: q0 = x * r is within 1.5 ulp; a residual x - s * q (exact in one
     fma) times r corrects it to a faithful q1, a second step to the correctly
     rounded quotient (Markstein's theorem: r correctly rounded, q1 faithful).
-    Holds while the residuals do not underflow: s >= 2^-64 (callers rescale
-    smaller scales, see _quantize_bytes); s = inf / NaN (a non-finite block)
+    Holds while the residuals do not underflow: s >= 2^-64 (smaller scales
+    are rescaled, see _quantize_bytes); s = inf / NaN (a non-finite block)
     gives unspecified bytes, as the NaN policy allows. The sign is x's: the
     quotient's sign, a zero's included."""
     q = x * r
@@ -134,16 +134,13 @@ def _quantize_bytes(x, s, UE8M0: tl.constexpr, USE_DIV: tl.constexpr, HW_E4M3: t
     one IEEE division per row (the reciprocal), none per element."""
     if USE_DIV and not UE8M0:
         # a scale below 2^-64 (eps < ~1e-17, an all-tiny group): x and s scaled by
-        # 2^64 (exact; same quotient), so the residuals of _div_by stay normal.
-        # A uniform branch: the tile takes the scaled path only when it has one.
-        if tl.min(s, axis=0) < 5.421010862427522e-20:
-            k = tl.where(s < 5.421010862427522e-20, 1.8446744073709552e19, 1.0)
-            sk = s * k
-            rk = tl.math.div_rn(tl.full(sk.shape, 1.0, tl.float32), sk)
-            y = _div_by(x * k[:, None], sk[:, None], rk[:, None])
-        else:
-            r = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
-            y = _div_by(x, s[:, None], r[:, None])
+        # 2^64 (exact: the same quotient) so the residuals of _div_by stay normal;
+        # one multiply per element, no branch (a tile-uniform branch would double
+        # the code for a case of tiny eps only)
+        k = tl.where(s < 5.421010862427522e-20, 1.8446744073709552e19, 1.0)
+        sk = s * k
+        r = tl.math.div_rn(tl.full(sk.shape, 1.0, tl.float32), sk)
+        y = _div_by(x * k[:, None], sk[:, None], r[:, None])
     else:
         # a power-of-two scale (UE8M0): 1 / s is exact, x * (1 / s) == x / s
         r = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
@@ -259,42 +256,33 @@ def _permute_offsets_kernel(offsets_ptr, experts, EP: tl.constexpr):
 
 
 @triton.jit
-def _slot_row(ids_ptr, slot, experts, rank_ptr, base_ptr, offsets_ptr, CHUNK: tl.constexpr):
-    """(row of slot in the expert-sorted order, whether its expert id is valid)."""
-    e = tl.load(ids_ptr + slot).to(tl.int64)
-    ok = (e >= 0) & (e < experts)
-    ec = tl.where(ok, e, 0)
-    p = (
-        tl.load(offsets_ptr + ec)
-        + tl.load(base_ptr + (slot // CHUNK) * experts + ec)
-        + tl.load(rank_ptr + slot)
-    )
-    return p, ok
-
-
-@triton.jit
 def _permute_scatter_kernel(
     x_ptr, xs, cols, ids_ptr, tokens, k, experts, rank_ptr, base_ptr, offsets_ptr,
     q_ptr, qs, s_ptr, ss0, ss1, src_ptr, dst_ptr, eps,
-    UE8M0: tl.constexpr, HW_E4M3: tl.constexpr, GB: tl.constexpr, BC: tl.constexpr,
-    CHUNK: tl.constexpr,
+    UE8M0: tl.constexpr, HW_E4M3: tl.constexpr, KP: tl.constexpr, GB: tl.constexpr,
+    BC: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
-    """Token rows t = pid, pid + programs, ... (a grid sized for the GPU): the k
-    index maps of each, then per GB groups of its row: read and quantize once,
-    store the fp8 bytes and scales to each of its k slots' rows."""
+    """Token rows t = pid, pid + programs, ... (a grid sized for the GPU): the
+    rows of its k slots (KP >= k lanes at once), then per GB groups of its row:
+    read and quantize once, store the fp8 bytes and scales to all k rows (one
+    [KP, GB, BC] store)."""
     pid = tl.program_id(0).to(tl.int64)
     nprog = tl.num_programs(0).to(tl.int64)
     g = tl.arange(0, GB).to(tl.int64)
     lane = tl.arange(0, BC).to(tl.int64)
+    j = tl.arange(0, KP).to(tl.int64)
     for t in range(pid, tokens, nprog):
-        for j in range(k):
-            slot = t * k + j
-            p, ok = _slot_row(ids_ptr, slot, experts, rank_ptr, base_ptr, offsets_ptr, CHUNK)
-            if ok:
-                tl.store(src_ptr + p, slot)
-                tl.store(dst_ptr + slot, p)
-            else:  # unchecked bad id: dropped, no row written
-                tl.store(dst_ptr + slot, -1)
+        slot = t * k + j
+        e = tl.load(ids_ptr + slot, mask=j < k, other=-1).to(tl.int64)
+        ok = (e >= 0) & (e < experts)
+        p = (
+            tl.load(offsets_ptr + e, mask=ok, other=0)
+            + tl.load(base_ptr + (slot // CHUNK) * experts + e, mask=ok, other=0)
+            + tl.load(rank_ptr + slot, mask=ok, other=0)
+        )
+        tl.store(src_ptr + p, slot, mask=ok)
+        # an unchecked bad id: dropped (dst -1), no row written
+        tl.store(dst_ptr + slot, tl.where(ok, p, -1), mask=j < k)
         for c0 in range(0, cols, GB * BC):
             gc = c0 // BC + g
             c = gc[:, None] * BC + lane[None, :]
@@ -302,12 +290,15 @@ def _permute_scatter_kernel(
             x = tl.load(x_ptr + t * xs + c, mask=m, other=0.0).to(tl.float32)
             s = _block_scale(_amax(x, 1), eps, UE8M0)
             qb = _quantize_bytes(x, s, UE8M0, True, HW_E4M3)
-            for j in range(k):
-                slot = t * k + j
-                p, ok = _slot_row(ids_ptr, slot, experts, rank_ptr, base_ptr, offsets_ptr, CHUNK)
-                if ok:
-                    tl.store(s_ptr + p * ss0 + gc * ss1, s, mask=gc * BC < cols)
-                    tl.store(q_ptr + p * qs + c, qb, mask=m)
+            sm = ok[:, None] & (gc * BC < cols)[None, :]
+            tl.store(
+                s_ptr + p[:, None] * ss0 + gc[None, :] * ss1,
+                s[None, :] + tl.zeros([KP, GB], tl.float32),
+                mask=sm,
+            )
+            qm = ok[:, None, None] & m[None, :, :]
+            tl.store(q_ptr + p[:, None, None] * qs + c[None, :, :],
+                     qb[None, :, :] + tl.zeros([KP, GB, BC], tl.uint8), mask=qm)  # fmt: skip
 
 
 @triton.jit
@@ -433,7 +424,8 @@ def permute_quantize_triton(
         x, x.stride(0), cols, topk_ids, m, k, num_experts, rank, base, expert_offsets,
         q.view(torch.uint8), q.stride(0), scales, scales.stride(0), scales.stride(1),
         src_index, dst_index, float(eps),
-        UE8M0=bool(ue8m0), HW_E4M3=hw_e4m3(x.device), GB=gb, BC=TILE, CHUNK=CHUNK, **LAUNCH,
+        UE8M0=bool(ue8m0), HW_E4M3=hw_e4m3(x.device), KP=triton.next_power_of_2(k), GB=gb,
+        BC=TILE, CHUNK=CHUNK, **LAUNCH,
     )  # fmt: skip
 
 
@@ -502,10 +494,11 @@ def aot_variants() -> list[tuple[object, dict[str, str], dict[str, object], dict
         "experts": "i64", "rank_ptr": "*i32", "base_ptr": "*i32", "offsets_ptr": "*i64",
         "q_ptr": "*u8", "qs": "i64", "s_ptr": "*fp32", "ss0": "i64", "ss1": "i64",
         "src_ptr": "*i64", "dst_ptr": "*i64", "eps": "fp32", "UE8M0": "constexpr",
-        "HW_E4M3": "constexpr", "GB": "constexpr", "BC": "constexpr", "CHUNK": "constexpr",
+        "HW_E4M3": "constexpr", "KP": "constexpr", "GB": "constexpr", "BC": "constexpr",
+        "CHUNK": "constexpr",
     }  # fmt: skip
     out.append((_permute_scatter_kernel, scatter,
-                {"UE8M0": False, "HW_E4M3": True, "GB": SCATTER_GROUPS, "BC": TILE,
+                {"UE8M0": False, "HW_E4M3": True, "KP": 8, "GB": SCATTER_GROUPS, "BC": TILE,
                  "CHUNK": CHUNK}, LAUNCH))  # fmt: skip
     unperm = {
         "y_ptr": "*bf16", "ys": "i64", "cols": "i64", "dst_ptr": "*i64", "w_ptr": "*fp32",
