@@ -331,17 +331,17 @@ def _permute_quantize():
     M, k, K = 131_072, 8, 2048  # E = 256
     slots = M * k
     moved = M * K * 2 + slots * K + slots * (K // 128) * 4 + slots * (4 + 4 + 4 + 8 + 8)
-    # the scatter: a grid-stride loop over the tokens; per token its loop body
-    # (the largest back-edge: one 2048-wide step of 16 groups, GB = 16) with
-    # the two k-trip slot loops inside (index maps, stores of the row) once,
-    # and k - 1 more trips of each
+    # the scatter: a grid-stride loop over the tokens. ptxas puts the token
+    # loop's back-edge after the last EXIT, so "main" is one token's trip (its
+    # k slot rows as one vector, one 2048-wide step of 16 groups quantized and
+    # stored to all k rows) plus the ~64-instruction prologue: counted per token
+    # (an upper bound); wider rows add trips of the step loop (the largest).
     row = _sass_counts().get("permute_scatter")
     if row is None:
         return Model(bytes=moved, kernels=4), "no SASS count for permute_scatter"
     prof = row["profile"]
-    bodies = sorted(b for *_, b in prof["loops"])
-    per_token = bodies[-1] + (k - 1) * sum(bodies[:2])
-    scat = M * 4 * per_token + 132 * 8 * 4 * (prof["main"] - bodies[-1])
+    step = max((b for *_, b in prof["loops"]), default=0)
+    scat = M * 4 * (prof["main"] + step * (K // 2048 - 1))
     rank, _ = _warp_instructions("permute_rank", slots / 256, 4, 256 / 16)
     return Model(bytes=moved, kernels=4, instructions=scat + rank), row["source"]
 

@@ -128,19 +128,25 @@ def _div_by(x, s, r):
 
 
 @triton.jit
+def _quotient(x, s):
+    """div_rn(x, s[:, None]) for x [A, B] fp32, s [A] > 0, with one division per row.
+    A scale below 2^-64 (eps < ~1e-17, an all-tiny group): x and s scaled by
+    2^64 (exact: the same quotient) so the residuals of _div_by stay normal;
+    one multiply per element, no branch (a tile-uniform branch would double
+    the code for a case of tiny eps only)."""
+    k = tl.where(s < 5.421010862427522e-20, 1.8446744073709552e19, 1.0)
+    sk = s * k
+    r = tl.math.div_rn(tl.full(sk.shape, 1.0, tl.float32), sk)
+    return _div_by(x * k[:, None], sk[:, None], r[:, None])
+
+
+@triton.jit
 def _quantize_bytes(x, s, UE8M0: tl.constexpr, USE_DIV: tl.constexpr, HW_E4M3: tl.constexpr):
     """e4m3 bytes of x [A, B] fp32 with per-row scales s [A]: e4m3(x * div_rn(1, s))
     (USE_DIV=False) or e4m3(div_rn(x, s)) (USE_DIV=True), the reference's bits;
     one IEEE division per row (the reciprocal), none per element."""
     if USE_DIV and not UE8M0:
-        # a scale below 2^-64 (eps < ~1e-17, an all-tiny group): x and s scaled by
-        # 2^64 (exact: the same quotient) so the residuals of _div_by stay normal;
-        # one multiply per element, no branch (a tile-uniform branch would double
-        # the code for a case of tiny eps only)
-        k = tl.where(s < 5.421010862427522e-20, 1.8446744073709552e19, 1.0)
-        sk = s * k
-        r = tl.math.div_rn(tl.full(sk.shape, 1.0, tl.float32), sk)
-        y = _div_by(x * k[:, None], sk[:, None], r[:, None])
+        y = _quotient(x, s)
     else:
         # a power-of-two scale (UE8M0): 1 / s is exact, x * (1 / s) == x / s
         r = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
