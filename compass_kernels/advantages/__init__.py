@@ -10,12 +10,17 @@ the detached entropy, so outputs never require grad.
 
 from __future__ import annotations
 
+import math
+import sys
+
 import torch
 
 from compass_kernels._op import has_no_data, register_op
 from compass_kernels._validate import (
     FLOAT_DTYPES,
     INT_DTYPES,
+    as_float,
+    as_int,
     check_finite,
     check_offsets,
     check_tensor,
@@ -205,6 +210,25 @@ def _python_checks(validate: bool | None, device: torch.device, *tensors: torch.
     return bool(validate)
 
 
+def _check_magnitude(rewards: torch.Tensor) -> None:
+    """float64 rewards whose group sums or squared deviations would overflow float64
+    (|r| near 1e308 turned into NaN advantages): refused, naming the bound. The
+    statistics sum n values and n squares of deviations up to 2 max|r|, so
+    max|r| <= sqrt(DBL_MAX / (4 n)) keeps every sum finite. Lower precisions
+    cannot reach it (computed in float64)."""
+    n = rewards.numel()
+    if rewards.dtype != torch.float64 or n == 0:
+        return
+    bound = math.sqrt(sys.float_info.max / (4 * n))
+    amax = float(rewards.abs().max())
+    if amax > bound:
+        i = int(rewards.abs().argmax())
+        raise ValueError(
+            f"rewards: |rewards[{i}]| = {amax:g} overflows the float64 group statistics "
+            f"(sums of squares; at most {bound:.3g} for {n} rewards): rescale the rewards"
+        )
+
+
 def group_advantages(
     rewards: torch.Tensor,
     group_ids: torch.Tensor | None = None,
@@ -250,6 +274,7 @@ def group_advantages(
     code = MODES.get(mode)
     if code is None:
         raise ValueError(f"mode: expected one of {tuple(MODES)}, got {mode!r}")
+    eps, zero_var_tol = as_float("eps", eps), as_float("zero_var_tol", zero_var_tol)
     if not (eps >= 0 and zero_var_tol >= 0):
         raise ValueError(f"eps and zero_var_tol: expected >= 0, got {eps} and {zero_var_tol}")
     n = rewards.shape[0]
@@ -259,20 +284,20 @@ def group_advantages(
     if group_ids is not None:
         check_tensor("group_ids", group_ids, ndim=1, dtypes=INT_DTYPES, size=n,
                      size_what="one id per reward", device=dev)  # fmt: skip
-        if num_groups is not None and not (isinstance(num_groups, int) and num_groups >= 0):
-            raise ValueError(f"num_groups: expected a non-negative int, got {num_groups!r}")
+        if num_groups is not None:
+            num_groups = as_int("num_groups", num_groups, lo=0)
         order, offsets, unique = _groups_from_ids(group_ids, num_groups)
     else:
         if num_groups is not None:
             raise ValueError("num_groups: only with group_ids (group_size implies it)")
-        if not isinstance(group_size, int) or group_size <= 0:
-            raise ValueError(f"group_size: expected a positive int, got {group_size!r}")
+        group_size = as_int("group_size", group_size, lo=1)
         if n % group_size:
             raise ValueError(f"group_size: {group_size} does not divide len(rewards) = {n}")
         order, offsets = _size_plan(n, group_size, dev)
         unique = None
     if _python_checks(validate, dev, rewards):
         check_finite("rewards", rewards)
+        _check_magnitude(rewards)
     r = _real(rewards)
     adv, zero_var, mean, std = group_advantages_op(
         r, order, offsets, code, float(eps), float(zero_var_tol), backend=backend
@@ -336,6 +361,7 @@ def rl_zvp(
     if advantages is not None:
         check_tensor("advantages", advantages, ndim=1, dtypes=FLOAT_DTYPES, size=n,
                      size_what=what, device=dev)  # fmt: skip
+    alpha = as_float("alpha", alpha, finite=False)
     if not alpha >= 0:
         raise ValueError(f"alpha: expected >= 0, got {alpha}")
     cu = cu_seqlens if cu_seqlens.dtype == torch.int64 else cu_seqlens.to(torch.int64)
@@ -371,9 +397,9 @@ def overlong_penalty(lengths: torch.Tensor, *, max_len: int, cache_len: int) -> 
     pass per op; no custom kernel.
     """
     check_tensor("lengths", lengths, ndim=1, dtypes=INT_DTYPES)
-    if not (isinstance(max_len, int) and max_len > 0):
-        raise ValueError(f"max_len: expected a positive int, got {max_len!r}")
-    if not (isinstance(cache_len, int) and 0 < cache_len <= max_len):
+    max_len = as_int("max_len", max_len, lo=1)
+    cache_len = as_int("cache_len", cache_len)
+    if not 0 < cache_len <= max_len:
         raise ValueError(f"cache_len: expected an int in (0, max_len={max_len}], got {cache_len!r}")
     length = lengths.to(torch.float64)
     soft = float(max_len - cache_len)

@@ -20,7 +20,15 @@ from dataclasses import dataclass
 import torch
 
 from compass_kernels._ext import load
-from compass_kernels._validate import FLOAT_DTYPES, INT_DTYPES, check_tensor
+from compass_kernels._validate import (
+    FLOAT_DTYPES,
+    INT_DTYPES,
+    OptionTypeError,
+    _scalar,
+    as_float_tuple,
+    as_int,
+    check_tensor,
+)
 
 __all__ = [
     "AllocationStats",
@@ -50,18 +58,46 @@ class AllocationStats:
     skipped: int
 
 
+#: the allocator's int64 headroom: sum_i max_n * cost_i must stay below it
+_SPEND_LIMIT = 2**62
+
+
 def _as_int(name: str, value: object, lo: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise ValueError(f"{name}: expected an int >= {lo}, got {value!r}")
-    return value
+    return as_int(name, value, lo=lo)
 
 
 def _budget(budget: object) -> int:
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
-        raise TypeError(f"budget: expected a number, got {type(budget).__name__}")
+    if type(budget) is int and budget >= 0:
+        return budget
+    if type(budget) is not float:
+        s = _scalar("budget", budget, "a number")
+        if isinstance(s, bool) or not isinstance(s, int | float):
+            raise OptionTypeError(f"budget: expected a number, got {type(budget).__name__}")
+        budget = s
     if not (math.isfinite(budget) and budget >= 0):
         raise ValueError(f"budget: expected a finite value >= 0, got {budget}")
-    return int(math.floor(budget))
+    return int(math.floor(budget))  # exact for any finite float (Python ints)
+
+
+def _clamp_budget(b: int, c: torch.Tensor, max_n: int) -> int:
+    """The budget the C++ allocator gets: ``min(budget, sum_i max_n * cost_i)`` (a
+    budget past what every prompt at max_n costs buys nothing more: the same
+    allocation), in Python ints; raises naming ``cost`` when that total itself
+    passes 2^62 (the allocator's int64 arithmetic)."""
+    P = c.numel()
+    if P == 0:
+        return min(b, 0)
+    cmax = int(c.max())
+    if cmax * max_n * P < _SPEND_LIMIT:  # the common case: no exact sum needed
+        full = int(c.sum()) * max_n
+    else:
+        full = sum(c.tolist()) * max_n
+        if full >= _SPEND_LIMIT:
+            raise ValueError(
+                f"cost: sum(cost) x max_n = {full} passes 2^62, the allocator's int64 range "
+                f"(largest cost {cmax} at prompt {int(c.argmax())}); use coarser cost units"
+            )
+    return min(b, full)
 
 
 def _costs(cost: torch.Tensor | None, P: int) -> torch.Tensor:
@@ -80,6 +116,9 @@ def _costs(cost: torch.Tensor | None, P: int) -> torch.Tensor:
                 f"cost: expected >= 1 per sample (whole units, e.g. tokens), got "
                 f"{float(cost[i])} at prompt {i}"
             )
+        if P and float(cost.max()) >= _SPEND_LIMIT:
+            i = int(cost.argmax())
+            raise ValueError(f"cost: {float(cost[i])} at prompt {i} passes 2^62 (int64 cost units)")
         return torch.ceil(cost).to(torch.int64)
     return cost.to(torch.int64).contiguous()
 
@@ -105,7 +144,9 @@ def allocate_rollouts(
         successes among ``attempts`` past samples (floats allow decayed counts);
         0 <= successes <= attempts.
     budget : total samples (``cost`` None) or total cost units (e.g. tokens),
-        >= 0; a float is rounded down.
+        >= 0, any finite size (Python int / float, NumPy or 0-d tensor); a float is
+        rounded down. A budget above sum_i max_n * cost_i (all prompts at max_n)
+        is clamped to it: the allocation is the same, ``spent`` <= that total.
     min_n, max_n : a sampled prompt gets n in [min_n, max_n]; min_n >= 2 (a
         group of one is never informative).
     cost : [P] cost per sample of each prompt (e.g. predicted response tokens,
@@ -139,12 +180,11 @@ def allocate_rollouts(
     min_n = _as_int("min_n", min_n, 2)
     max_n = _as_int("max_n", max_n, min_n)
     b = _budget(budget)
-    if not (isinstance(prior, (tuple, list)) and len(prior) == 2):
-        raise ValueError(f"prior: expected (alpha, beta), got {prior!r}")
-    pa, pb = float(prior[0]), float(prior[1])
-    if not (math.isfinite(pa) and math.isfinite(pb) and pa > 0 and pb > 0):
+    pa, pb = as_float_tuple("prior", prior, length=2)
+    if not (pa > 0 and pb > 0):
         raise ValueError(f"prior: expected two finite values > 0, got {prior!r}")
     c = _costs(cost, P)
+    b = _clamp_budget(b, c, max_n)
     if required is None:
         req = torch.full((P,), not allow_skip, dtype=torch.bool)
     else:

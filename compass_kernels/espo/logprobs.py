@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from compass_kernels._op import has_no_data, register_op
-from compass_kernels._validate import INT_DTYPES, check_tensor, describe
+from compass_kernels._validate import INT_DTYPES, as_float, check_tensor, describe
 from compass_kernels.espo.reference_logprobs import IGNORE_INDEX
 
 __all__ = [
@@ -150,7 +150,7 @@ def _check_targets_range(targets: torch.Tensor, vocab: int) -> None:
 
 
 def _check_temperature(temperature: float) -> float:
-    t = float(temperature)
+    t = as_float("temperature", temperature, finite=False)  # bool / str refused
     if not (0.0 < t < float("inf")):
         raise ValueError(f"temperature: expected a finite value > 0, got {temperature!r}")
     return t

@@ -29,7 +29,13 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from compass_kernels._op import has_no_data, register_op
-from compass_kernels._validate import FLOAT_DTYPES, check_finite, check_offsets, check_tensor
+from compass_kernels._validate import (
+    FLOAT_DTYPES,
+    as_int,
+    check_finite,
+    check_offsets,
+    check_tensor,
+)
 from compass_kernels.espo import loss_config
 
 __all__ = ["espo_loss", "entropy_thresholds", "EspoMetrics"]
@@ -307,10 +313,6 @@ def _config(*args) -> loss_config.LossConfig:
     return loss_config.resolve(**dict(zip(keys, args, strict=True)))
 
 
-def _hashable(x):
-    return tuple(x) if isinstance(x, list | tuple) else x
-
-
 _EMPTY: dict[torch.device, torch.Tensor] = {}
 
 
@@ -402,8 +404,11 @@ def espo_loss(
     loss : 0-d tensor (float32, float64 for float64 logprobs).
     metrics : :class:`EspoMetrics` (device tensors, no host sync).
     """
-    cfg = _config(mode, rho, alpha, _hashable(clip), vocab_size, grouping, num_groups,
-                  _hashable(quantiles), drop_low, ratio_form, dual_clip)  # fmt: skip
+    rho, alpha, clip, vocab_size, num_groups, quantiles, drop_low, dual_clip = (
+        loss_config.normalize(rho, alpha, clip, vocab_size, num_groups, quantiles, drop_low,
+                              dual_clip))  # fmt: skip
+    cfg = _config(mode, rho, alpha, clip, vocab_size, grouping, num_groups, quantiles, drop_low,
+                  ratio_form, dual_clip)  # fmt: skip
     check_tensor("logprobs", logprobs, ndim=1, dtypes=FLOAT_DTYPES)
     total, dev = logprobs.shape[0], logprobs.device
     per_tok = "one per token = len(logprobs)"
@@ -420,9 +425,7 @@ def espo_loss(
         check_tensor("mask", mask, ndim=1, dtypes=(torch.bool,), size=total, size_what=per_tok,
                      device=dev)  # fmt: skip
         mask = mask if mask.is_contiguous() else mask.contiguous()
-    G = n if num_sequences is None else num_sequences
-    if not (isinstance(G, int) and G >= 1) and not (num_sequences is None and n == 0):
-        raise ValueError(f"num_sequences: expected a positive int, got {num_sequences!r}")
+    G = n if num_sequences is None else as_int("num_sequences", num_sequences, lo=1)
     R = F64 if logprobs.dtype == F64 else torch.float32
     lp = logprobs if logprobs.dtype == R else logprobs.to(R)
     lp = lp if lp.is_contiguous() else lp.contiguous()

@@ -27,6 +27,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from compass_kernels._validate import as_bool, as_float, as_float_tuple, as_int, is_scalar_like
+
 MODES = ("espo", "gspo", "grpo")
 RATIO_FORMS = ("espo", "gspo_token")
 GROUPINGS = ("global", "sequence")
@@ -84,6 +86,44 @@ def _clip_pair(clip, default) -> tuple[float, float] | None:
     return low, high
 
 
+def normalize(rho, alpha, clip, vocab_size, num_groups, quantiles, drop_low, dual_clip):
+    """The numeric options as plain Python values (hashable: the config cache's key):
+    NumPy / torch scalars and 0-d arrays -> int / float, a 1-d array or list ->
+    a tuple (quantiles, a clip pair); bool refused for numbers, numbers for
+    drop_low. Range checks are :func:`resolve`'s."""
+    rho = as_float("rho", rho)
+    alpha = as_float("alpha", alpha)
+    if clip is not None:
+        if is_scalar_like(clip):
+            clip = as_float("clip", clip)
+        else:
+            try:
+                pair = as_float_tuple("clip", clip)
+            except TypeError:  # OptionTypeError: not a sequence at all
+                pair = ()
+            if len(pair) != 2:
+                raise ValueError(f"clip: expected a float or a (low, high) pair, got {clip!r}")
+            clip = pair
+    if vocab_size is not None:
+        vocab_size = as_int("vocab_size", vocab_size)
+    if num_groups is not None:
+        num_groups = as_int("num_groups", num_groups)
+    if quantiles is not None:
+        quantiles = as_float_tuple("quantiles", quantiles)
+    if dual_clip is not None:
+        dual_clip = as_float("dual_clip", dual_clip)
+    return (
+        rho,
+        alpha,
+        clip,
+        vocab_size,
+        num_groups,
+        quantiles,
+        as_bool("drop_low", drop_low),
+        dual_clip,
+    )
+
+
 def resolve(
     *,
     mode: str = "espo",
@@ -99,6 +139,9 @@ def resolve(
     dual_clip: float | None = None,
 ) -> LossConfig:
     """Validate the options of ``espo_loss`` and resolve the mode's defaults."""
+    rho, alpha, clip, vocab_size, num_groups, quantiles, drop_low, dual_clip = normalize(
+        rho, alpha, clip, vocab_size, num_groups, quantiles, drop_low, dual_clip
+    )
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
     if grouping not in GROUPINGS:

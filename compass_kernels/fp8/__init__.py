@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from compass_kernels._op import has_no_data, register_op
-from compass_kernels._validate import check_finite, check_tensor, describe
+from compass_kernels._validate import as_float, as_int, check_finite, check_tensor, describe
 from compass_kernels.fp8.grouped_gemm import grouped_gemm  # noqa: F401  (ck.fp8.grouped_gemm)
 
 __all__ = [
@@ -142,7 +142,8 @@ def _layout(scale_layout: str) -> int:
 
 
 def _check_eps(eps: float) -> float:
-    if not (isinstance(eps, (int, float)) and 1e-30 <= eps <= 1.0):
+    eps = as_float("eps", eps)
+    if not 1e-30 <= eps <= 1.0:
         raise ValueError(
             "eps: expected a float in [1e-30, 1] (the scale floor of an all-zero block), "
             f"got {eps!r}"
@@ -159,14 +160,15 @@ def _data_checks(validate: bool | None, device: torch.device, backend: str | Non
     return device.type == "cpu" and not has_no_data()
 
 
-def _input(name: str, x: torch.Tensor, ndim: tuple[int, ...]) -> torch.Tensor:
+def _input(name: str, x: torch.Tensor, ndim: tuple[int, ...], *, empty_cols: bool = False
+           ) -> torch.Tensor:  # fmt: skip
     check_tensor(name, x, dtypes=_INPUT_DTYPES)
     if x.dim() not in ndim:
         dims = " or ".join(map(str, ndim))
         raise ValueError(f"{name}: expected a {dims}-d tensor, got {describe(x)}")
     if x.requires_grad:
         x = x.detach()
-    if x.dim() >= 2 and x.shape[-1] == 0:  # no column to scale (zero rows are fine)
+    if x.dim() >= 2 and x.shape[-1] == 0 and not empty_cols:  # no column to scale
         raise ValueError(f"{name}: expected at least one column, got {describe(x)}")
     if x.dim() >= 2 and x.shape[-1] > 1 and x.stride(-1) != 1:
         x = x.contiguous()
@@ -209,10 +211,16 @@ def quantize_blockwise(
     scales : [ceil(N/128), ceil(K/128)] (or [E, ...]) float32, ``w ~ q * s``
         (the engines' ``weight_scale_inv``).
     """
-    w = _input("w", w, (2, 3))
+    w = _input("w", w, (2, 3), empty_cols=True)
     br, bc = _block(block)
     layout = _layout(scale_layout)
     eps = _check_eps(eps)
+    if w.numel() == 0:  # no experts, rows or columns: empty q and scales, no launch
+        if w.dim() == 2:
+            return _quantize_outputs(w, br, bc, eps, ue8m0, False, layout)
+        nb, kb = -(-w.shape[1] // br), -(-w.shape[2] // bc)
+        q = torch.empty_like(w, dtype=torch.float8_e4m3fn, memory_format=torch.contiguous_format)
+        return q, torch.empty((w.shape[0], nb, kb), dtype=torch.float32, device=w.device)
     if _data_checks(validate, w.device, backend):
         check_finite("w", w)
     try:
@@ -229,10 +237,11 @@ def quantize_blockwise(
 
 
 def _block(block) -> tuple[int, int]:
-    try:
-        br, bc = (int(b) for b in block)
-    except (TypeError, ValueError):
-        raise ValueError(f"block: expected a pair of positive ints, got {block!r}") from None
+    if isinstance(block, torch.Tensor) or type(block).__module__ == "numpy":
+        block = block.tolist() if getattr(block, "ndim", 0) == 1 else block
+    if not (isinstance(block, tuple | list) and len(block) == 2):
+        raise ValueError(f"block: expected a pair of positive ints, got {block!r}")
+    br, bc = as_int("block[0]", block[0]), as_int("block[1]", block[1])
     if br < 1 or bc < 1:
         raise ValueError(f"block: expected a pair of positive ints, got {block!r}")
     return br, bc
@@ -273,11 +282,12 @@ def quantize_token_groups(
         name = next(iter(renamed))
         hint = " (renamed group_size)" if name == "group" else ""
         raise TypeError(f"quantize_token_groups(): unexpected keyword argument {name!r}{hint}")
-    x = _input("x", x, (2,))
-    if not (isinstance(group_size, int) and group_size >= 1):
-        raise ValueError(f"group_size: expected a positive int, got {group_size!r}")
+    x = _input("x", x, (2,), empty_cols=True)
+    group_size = as_int("group_size", group_size, lo=1)
     layout = _layout(scale_layout)
     eps = _check_eps(eps)
+    if x.numel() == 0:  # no tokens or no columns: empty q and scales, no launch
+        return _quantize_outputs(x, 1, group_size, eps, ue8m0, True, layout)
     if _data_checks(validate, x.device, backend):
         check_finite("x", x)
     return quantize_op(x, 1, group_size, eps, bool(ue8m0), True, layout, backend=backend)

@@ -11,6 +11,7 @@ arguments, picks the cost coefficients, and wraps the result in a
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 
 from compass_kernels._ext import load
-from compass_kernels._validate import INT_DTYPES, describe
+from compass_kernels._validate import INT_DTYPES, as_int, describe
 
 __all__ = ["ModelConfig", "Plan", "cost_coefficients", "plan", "sequence_cost"]
 
@@ -268,9 +269,43 @@ def _as_int64(name: str, x) -> np.ndarray:
 
 
 def _positive_int(name: str, v) -> int:
-    if not (isinstance(v, int | np.integer) and v >= 1):
-        raise ValueError(f"{name}: expected a positive int, got {v!r}")
-    return int(v)
+    v = as_int(name, v, lo=1)  # bool refused: dp_size=True is not 1
+    if v > 2**63 - 1:
+        raise ValueError(f"{name}: expected a positive int below 2^63, got {v}")
+    return v
+
+
+#: the C++ planner's int64 headroom for the padded total (it compares doubled loads)
+_TOTAL_LIMIT = (2**63 - 1) // 4
+
+
+def _scaled(L: np.ndarray, pad: int, max_tokens: int, cost_b: float):
+    """None when the padded total fits the planner's int64 headroom (the common case,
+    one max); else (padded // g, max_tokens // g, g) with g the lengths' gcd: balancing
+    and the cap are the same problem in units of g (exact: every load is a multiple of
+    g) for the token cost. Raises naming ``lengths`` where no such g brings it in."""
+    if int(L.max()) < _TOTAL_LIMIT // max(L.size, 1) // pad:
+        return None
+    P = [-(-int(x) // pad) * pad for x in L.tolist()]  # Python ints: no wrap
+    total = sum(P)
+    if total > 2**63 - 1:
+        raise ValueError(f"lengths: the total token count {total} (after padding) overflows int64")
+    if total <= _TOTAL_LIMIT:
+        return None
+    for i, x in enumerate(P):
+        if x > max_tokens:
+            raise ValueError(
+                f"lengths: sequence {i} has {x} tokens (after padding), more than max_tokens = "
+                f"{max_tokens}: no micro-batch can hold it"
+            )
+    g = math.gcd(*P)
+    if cost_b != 0.0 or total // g > _TOTAL_LIMIT:
+        raise ValueError(
+            f"lengths: the total token count {total} (after padding) passes 2^61, the "
+            "planner's int64 headroom (it compares doubled loads), and no common factor of "
+            'the lengths (with cost="tokens") brings it below'
+        )
+    return np.array([x // g for x in P], dtype=np.int64), max_tokens // g, g
 
 
 def plan(
@@ -325,13 +360,13 @@ def plan(
     """
     L = _as_int64("lengths", lengths)
     n = L.size
-    if type(dp_size) is not int or dp_size < 1:
+    if not (type(dp_size) is int and 1 <= dp_size < 2**63):
         dp_size = _positive_int("dp_size", dp_size)
-    if type(max_tokens) is not int or max_tokens < 1:
+    if not (type(max_tokens) is int and 1 <= max_tokens < 2**63):
         max_tokens = _positive_int("max_tokens", max_tokens)
-    if micro_batch_multiple != 1:
+    if type(micro_batch_multiple) is not int or micro_batch_multiple != 1:  # True == 1
         micro_batch_multiple = _positive_int("micro_batch_multiple", micro_batch_multiple)
-    if pad_multiple != 1:
+    if type(pad_multiple) is not int or pad_multiple != 1:
         pad_multiple = _positive_int("pad_multiple", pad_multiple)
     if n == 0:
         raise ValueError("lengths: expected at least one sequence, got none")
@@ -354,10 +389,19 @@ def plan(
     order = np.empty(n, dtype=np.int64)
     offsets = np.empty(n + 1, dtype=np.int64)
     iters = -1 if refine_iters is None else int(refine_iters)
-    M, lower_bound = _C().plan_cpu(
-        L, gid, dp_size, max_tokens, micro_batch_multiple, bool(equal_samples), pad_multiple,
-        cost_ab[0], cost_ab[1], iters, order, offsets,
-    )  # fmt: skip
+    scaled = _scaled(L, pad_multiple, max_tokens, cost_ab[1])
+    if scaled is None:
+        M, lower_bound = _C().plan_cpu(
+            L, gid, dp_size, max_tokens, micro_batch_multiple, bool(equal_samples), pad_multiple,
+            cost_ab[0], cost_ab[1], iters, order, offsets,
+        )  # fmt: skip
+    else:  # totals past 2^61: the same plan in units of the lengths' gcd
+        Ls, cap, g = scaled
+        M, lower_bound = _C().plan_cpu(
+            Ls, gid, dp_size, cap, micro_batch_multiple, bool(equal_samples), 1,
+            cost_ab[0], cost_ab[1], iters, order, offsets,
+        )  # fmt: skip
+        lower_bound *= g
     return Plan(order, offsets[: dp_size * M + 1], dp_size, M, L, pad_multiple, cost_ab,
                 max_tokens, lower_bound)  # fmt: skip
 

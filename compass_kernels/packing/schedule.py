@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from compass_kernels._validate import as_float, as_int
+
 __all__ = [
     "EngineModel",
     "LengthPredictor",
@@ -54,22 +56,29 @@ class LengthPredictor:
     predict(p) = geometric mean of the lengths of p's siblings finished in the
     current step when there are any (weight ``sibling_weight`` against the
     history), else the geometric mean of p's last ``history`` lengths, else the
-    fallback: the running median of every length observed (``default`` before
-    any). A running request is never predicted shorter than what it has
+    fallback: the arithmetic mean of the last 4096 lengths observed (``default``
+    before any). A running request is never predicted shorter than what it has
     already generated (``predict(..., generated=)``).
 
     Geometric means: lengths are long-tailed (roughly lognormal), so the log
-    scale averages them without letting one long sample dominate.
+    scale averages them without letting one long sample dominate. The
+    fallback is the arithmetic mean on purpose (not a median): a prompt never
+    seen carries no per-prompt signal, and its prediction feeds token budgets
+    (``ck.advantages.token_costs``), where the sum of expected lengths is what
+    the budget spends; the median of a long-tailed distribution under-counts it.
     """
 
     def __init__(self, *, history: int = 8, sibling_weight: float = 0.75, default: float = 2048.0):
-        if history < 1:
-            raise ValueError(f"history: expected >= 1, got {history}")
+        history = as_int("history", history, lo=1)
+        sibling_weight = as_float("sibling_weight", sibling_weight)
         if not 0.0 <= sibling_weight <= 1.0:
             raise ValueError(f"sibling_weight: expected in [0, 1], got {sibling_weight}")
+        default = as_float("default", default)
+        if default < 1:
+            raise ValueError(f"default: expected a length >= 1, got {default}")
         self.history = history
         self.sibling_weight = sibling_weight
-        self.default = float(default)
+        self.default = default
         self._past: dict[Hashable, deque] = {}  # last `history` log-lengths per prompt
         self._past_mean: dict[Hashable, float] = {}
         self._step: dict[Hashable, list[float]] = {}  # [sum of logs, count] this step
@@ -77,7 +86,9 @@ class LengthPredictor:
         self._fallback: float | None = None
 
     def observe(self, prompt: Hashable, length: int) -> None:
-        """A response to ``prompt`` finished with ``length`` tokens in this step."""
+        """A response to ``prompt`` finished with ``length`` tokens in this step (a
+        finite number >= 1: NaN / Inf would poison every later prediction)."""
+        length = as_float("length", length)
         if length < 1:
             raise ValueError(f"length: expected >= 1, got {length}")
         acc = self._step.setdefault(prompt, [0.0, 0])
@@ -95,7 +106,8 @@ class LengthPredictor:
         self._step.clear()
 
     def fallback(self) -> float:
-        """The estimate for a prompt never seen: mean of every recorded length, or ``default``."""
+        """The estimate for a prompt never seen: the mean of the last 4096 recorded
+        lengths, or ``default``."""
         if self._fallback is None:
             self._fallback = float(np.mean(self._all)) if self._all else self.default
         return self._fallback

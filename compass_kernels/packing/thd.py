@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from compass_kernels._op import register_op
-from compass_kernels._validate import describe
+from compass_kernels._validate import as_int, describe
 
 __all__ = ["PackedBatch", "pack", "unpack", "thd_pack_op", "thd_unpack_op", "thd_positions_op"]
 
@@ -191,10 +191,10 @@ def pack(
     L = _host_ints("lengths", lengths)
     idx = _host_ints("indices", indices)
     n, m = L.size, idx.size
-    for name, v in (("pad_multiple", pad_multiple), ("cp_size", cp_size)):
-        if not (isinstance(v, int) and v >= 1):
-            raise ValueError(f"{name}: expected a positive int, got {v!r}")
-    if not (isinstance(cp_rank, int) and 0 <= cp_rank < cp_size):
+    pad_multiple = as_int("pad_multiple", pad_multiple, lo=1, hi=2**31 - 1)
+    cp_size = as_int("cp_size", cp_size, lo=1, hi=2**31 - 1)
+    cp_rank = as_int("cp_rank", cp_rank)
+    if not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank: expected 0 <= cp_rank < cp_size = {cp_size}, got {cp_rank!r}")
     if cp_size > 1 and pad_multiple % (2 * cp_size):
         raise ValueError(
@@ -206,6 +206,19 @@ def pack(
     if idx.min() < 0 or idx.max() >= n:
         bad = int(idx[(idx < 0) | (idx >= n)][0])
         raise ValueError(f"indices: expected values in [0, {n}), got {bad}")
+    if m > 1 and np.unique(idx).size != m:
+        s_idx = np.sort(idx, kind="stable")
+        dup = int(s_idx[1:][s_idx[1:] == s_idx[:-1]][0])
+        raise ValueError(
+            f"indices: sequence {dup} appears more than once (a micro-batch packs each "
+            "sequence once)"
+        )
+    if n and (int(L.min()) < 0 or int(L.max()) >= 2**31):
+        i = int(np.argmax((L < 0) | (L >= 2**31)))
+        raise ValueError(
+            f"lengths: expected 0 <= length < 2^31 (int32 cu_seqlens), got lengths[{i}] = "
+            f"{int(L[i])}"
+        )
     seqlens = L[idx]
     if (seqlens <= 0).any():
         j = int(np.argmax(seqlens <= 0))

@@ -37,6 +37,7 @@ from typing import NamedTuple
 import torch
 
 from compass_kernels._op import has_no_data, register_op
+from compass_kernels._validate import as_float
 from compass_kernels.routing import _setcode  # noqa: F401  (registers the encode op)
 from compass_kernels.routing.trace import MissingReason, RoutingTrace, TraceError, _desc, ids_dtype
 
@@ -203,9 +204,11 @@ def _check_replay_args(router_logits, expert_ids, score_function, expert_bias, v
             raise ValueError(f"valid: expected a bool tensor [{t}], got {_desc(valid)}")
         if tuple(valid.shape) != (t,) or valid.device != dev:
             raise ValueError(f"valid: expected shape [{t}] (tokens) on {dev}, got {_desc(valid)}")
-    if min_score_ratio is not None and not (float(min_score_ratio) >= 0):
+    if min_score_ratio is not None and not (
+        as_float("min_score_ratio", min_score_ratio, finite=False) >= 0
+    ):
         raise ValueError(f"min_score_ratio: expected None or a float >= 0, got {min_score_ratio!r}")
-    if not isinstance(scaling, (int, float)) or not (float(scaling) == float(scaling)):
+    if as_float("scaling", scaling, finite=False) != float(scaling):  # NaN
         raise ValueError(f"scaling: expected a finite float, got {scaling!r}")
 
 

@@ -46,7 +46,13 @@ def decode_path(num_experts: int, top_k: int, dtype: torch.dtype, impl: int = 0)
 
 
 def payload_bytes(rows: int, num_experts: int, top_k: int) -> int:
-    return load().routing.set_code_bytes(rows, num_experts, top_k)
+    """Payload bytes of ``rows`` set-coded rows: ceil(ceil(rows / G) * B / 8), in
+    Python ints (exact for any ``rows``: a crafted header's row count cannot wrap
+    it); the layout's checks (ValueError) are the C++ ones."""
+    if rows < 0:
+        raise ValueError(f"rows: expected >= 0, got {rows}")
+    group, bits = layout(num_experts, top_k)
+    return (-(-rows // group) * bits + 7) // 8
 
 
 def encode_into(ids: torch.Tensor, num_experts: int, out: torch.Tensor, *,

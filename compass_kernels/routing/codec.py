@@ -57,6 +57,7 @@ _HEADER = struct.Struct("<4sHBBIHHIIQQQQII")
 assert _HEADER.size == 64
 _CRC_AT = 56  # byte offset of the crc32 field
 _FLAG_MISSING, _FLAG_TOKEN_LENS = 1, 2
+_INT64_MAX = 2**63 - 1
 
 
 @functools.lru_cache(maxsize=64)
@@ -286,8 +287,31 @@ def decode(data: bytes, *, device=None) -> RoutingTrace:
         raise TraceError(f"decode: num_experts {experts} outside [1, {MAX_EXPERTS}]")
     if not 1 <= k <= experts:
         raise TraceError(f"decode: top_k {k} outside [1, num_experts={experts}]")
+
+    # Every size below is a Python int (no wrap) and is bounded by the body's actual
+    # length field by field before anything is allocated from it.
+    def over(field: str, value: int, need: int, what: str) -> None:
+        if need > body_len:
+            raise TraceError(
+                f"decode: {field} {value} needs {what} of {need} bytes, the body has {body_len}"
+            )
+
     n_cols = n_moe + n_mtp
+    over("num_moe_layers + num_mtp_layers", n_cols, 8 * n_cols, "layer keys")
+    over("num_sequences", n_seq, 8 * (n_seq + 1) + (8 * n_seq if flags & _FLAG_TOKEN_LENS else 0),
+         "cu_seqlens / token_lens")  # fmt: skip
+    over("payload_bytes", payload_len, payload_len, "a payload")
+    if n_rows > _INT64_MAX:
+        raise TraceError(f"decode: num_rows {n_rows} exceeds int64 (cu_seqlens is int64)")
     nbits = n_rows * n_cols
+    if flags & _FLAG_MISSING:
+        over("num_rows", n_rows, (nbits + 7) // 8 + n_rows, "a missing mask and reasons")
+    n_ids = nbits * k
+    if n_ids > _INT64_MAX:
+        raise TraceError(
+            f"decode: num_rows x layers x top_k = {n_rows} x {n_cols} x {k} = {n_ids} ids "
+            "exceeds int64 indexing"
+        )
     prefix_len = 8 * (n_cols + n_seq + 1) + (8 * n_seq if flags & _FLAG_TOKEN_LENS else 0)
     if flags & _FLAG_MISSING:
         prefix_len += (nbits + 7) // 8 + n_rows
@@ -299,15 +323,23 @@ def decode(data: bytes, *, device=None) -> RoutingTrace:
         )
     dt = ids_dtype(experts)
     if code == 0:
-        want = n_rows * n_cols * k * (1 if dt == torch.uint8 else 2)
+        want = n_ids * (1 if dt == torch.uint8 else 2)
     else:
-        try:
-            want = _set_payload_bytes(n_rows * n_cols, experts, k)
+        try:  # exact in Python ints whatever the row count
+            want = _set_payload_bytes(nbits, experts, k)
         except ValueError as err:
-            raise TraceError(f"decode: {err}") from None
+            raise TraceError(f"decode: num_experts / top_k: {err}") from None
     if payload_len != want:
         kind = "raw" if code == 0 else "set"
-        raise TraceError(f"decode: {kind} payload is {payload_len} bytes, expected {want}")
+        raise TraceError(
+            f"decode: payload_bytes {payload_len} for a {kind} payload of {n_rows} rows x "
+            f"{n_cols} layers, expected {want}"
+        )
+    # Decoded ids are now bounded by the payload (raw: 1 byte per id; set: >= 1 bit
+    # per row, <= 64 ids of 2 bytes) except where the layout stores nothing per row
+    # (codec "set", top_k == num_experts: every row is the full set): those ids
+    # are a broadcast view of 0..K-1, never allocated per row.
+    implied = code == 1 and want == 0 and n_ids > 0
     off = 0
 
     def take(nbytes: int):
@@ -342,7 +374,12 @@ def decode(data: bytes, *, device=None) -> RoutingTrace:
                 "mask (or is no MissingReason)"
             )
     payload = take(payload_len)
-    if code == 0:
+    if implied:  # on the target device at once: .to() would materialise the view
+        at = torch.device("cpu") if device is None else torch.device(device)
+        ids = torch.arange(k, dtype=dt, device=at).expand(n_rows, n_cols, k)
+        if at.type != "cpu":
+            cu, missing, reason = (None if x is None else x.to(at) for x in (cu, missing, reason))
+    elif code == 0:
         npdt = np.dtype(np.uint8) if dt == torch.uint8 else np.dtype("<i2")
         ids_np = np.frombuffer(payload, npdt).astype(npdt.newbyteorder("="))
         ids = torch.from_numpy(ids_np.reshape(n_rows, n_cols, k).copy())
@@ -365,4 +402,4 @@ def decode(data: bytes, *, device=None) -> RoutingTrace:
         raise TraceError(f"decode: {err}") from None
     if code == 0:
         _check_ids(tr, "decode")
-    return tr if device is None else tr.to(device)
+    return tr if device is None or implied else tr.to(device)

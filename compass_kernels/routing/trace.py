@@ -481,6 +481,16 @@ class RoutingTrace:
             raise ValueError(
                 f"max_missing_fraction: expected a number in [0, 1], got {max_missing_fraction!r}"
             )
+        if exp is not None and raise_on_error and self.device.type == "cpu":
+            # Row counts first where that is free (host tensors): a trace whose rows
+            # are not the batch's (a crafted 2^40-row header) is refused before the
+            # per-id checks read, or allocate for, its rows.
+            cu, got = self.cu_seqlens, self.cu_seqlens.diff()
+            if int(cu[0]) == 0 and int(cu[-1]) == self.num_tokens and not bool((got < 0).any()):
+                if not torch.equal(got, exp):
+                    i = int((got != exp).nonzero()[0, 0])
+                    raise TraceError(f"sequence {i}: {int(got[i])} rows, expected {int(exp[i])} "
+                                     "(prompt + generated - 1)")  # fmt: skip
         flags = self._flags(expected_rows=exp, max_missing_fraction=max_missing_fraction)
         if not raise_on_error:
             return (flags == 0).all()

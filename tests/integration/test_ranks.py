@@ -1,4 +1,4 @@
-"""The trainer on real ranks (``compass_kernels.integration.rl.ranks``): the
+"""The trainer on real ranks (``compass_kernels.integration.rl.distributed_trainer``): the
 parallel layout does not change the step.
 
 For a fixed batch (8 sequences, several micro-batches per rank) and seed, each
@@ -105,7 +105,7 @@ def test_each_rank_receives_its_share_only(name):
     import compass_kernels as ck
     from compass_kernels.integration.cpu.tiny_moe import cached_tiny_qwen3_moe
     from compass_kernels.integration.rl.layout_check import synthetic_batch
-    from compass_kernels.integration.rl.ranks import (
+    from compass_kernels.integration.rl.shares import (
         StepData,
         full_broadcast_bytes,
         local_tokens,
@@ -151,7 +151,7 @@ def test_each_rank_receives_its_share_only(name):
 def test_cp_split_is_megatrons_zigzag():
     """local_tokens' CP split is the routing trace's zigzag slice, which the replay
     tests check against Megatron's get_batch_on_this_cp_rank."""
-    from compass_kernels.integration.rl.ranks import local_tokens
+    from compass_kernels.integration.rl.shares import local_tokens
     from compass_kernels.routing import RoutingTrace
 
     lengths = np.array([9, 17, 4], dtype=np.int64)
@@ -176,7 +176,7 @@ def _expected_ids(batch, plan, layout: Layout, info, j: int, layer: int):
     micro-batch j of this rank for ``layer``, in the order its router sees its
     tokens (CP zigzag, then its sequence-parallel piece), computed from the
     global trace without make_shares."""
-    from compass_kernels.integration.rl.ranks import local_tokens
+    from compass_kernels.integration.rl.shares import local_tokens
 
     idx = plan.micro_batch(info.dp, j).numpy()
     lens = batch.lengths[idx]
@@ -201,12 +201,12 @@ def test_replayed_ids_per_micro_batch_under_1f1b(setup, name):
     MoE layer of every stage dispatched, in each micro-batch's forward (no-grad
     pass and training step), exactly the trace's rows of that micro-batch for its
     tokens (the ids recorded by a hook on each router, not by the replay)."""
-    from compass_kernels.integration.rl.ranks import RankedTrainer
+    from compass_kernels.integration.rl.distributed_trainer import DistributedTrainer
 
     layout = {"pp2": Layout(pp=2), "pp2xcp2": Layout(pp=2, cp=2),
               "pp2xtp2": Layout(pp=2, tp=2)}[name]  # fmt: skip
     path, _, batch, adv, ref = setup
-    trainer = RankedTrainer(path, layout, timeout=300)
+    trainer = DistributedTrainer(path, layout, timeout=300)
     try:
         data = trainer.plan(batch, max_tokens=40)  # 4+ micro-batches: several in flight
         nmb = data.plan.num_micro_batches
@@ -242,7 +242,7 @@ def test_distributed_quantiles_equal_the_gathered_ones():
     """The radix select over ranks' histograms gives exactly entropy_thresholds'
     quantiles of the gathered values (ties, -0.0 / +0.0, tiny negatives, one value)."""
     from compass_kernels.espo.loss import entropy_thresholds
-    from compass_kernels.integration.rl.ranks import distributed_quantiles, float_keys
+    from compass_kernels.integration.rl.quantile import distributed_quantiles, float_keys
 
     g = torch.Generator().manual_seed(0)
     levels = (0.2, 0.5, 0.8)
@@ -278,7 +278,7 @@ def test_padding_micro_batch_share():
 
     from compass_kernels.integration.cpu.tiny_moe import cached_tiny_qwen3_moe
     from compass_kernels.integration.rl.layout_check import synthetic_batch
-    from compass_kernels.integration.rl.ranks import StepData, make_shares, plan_or_pad
+    from compass_kernels.integration.rl.shares import StepData, make_shares, plan_or_pad
     from compass_kernels.routing import MissingReason
 
     cfg = AutoConfig.from_pretrained(cached_tiny_qwen3_moe(num_hidden_layers=4))
@@ -336,15 +336,15 @@ def test_old_policy_stays_on_the_ranks(setup):
     they equal those of the gathered log-probs, and train(use_kept=...) (old
     log-probs and entropy never leave the ranks; entropy-group boundaries by the
     distributed select) equals the one-process step."""
-    from compass_kernels.integration.rl.ranks import RankedTrainer
-    from compass_kernels.integration.rl.trainer import gap_stats
+    from compass_kernels.integration.rl.batch import gap_stats
+    from compass_kernels.integration.rl.distributed_trainer import DistributedTrainer
 
     path, _, batch, adv, ref = setup
     noise = 0.3 * torch.randn(batch.num_tokens, generator=torch.Generator().manual_seed(1))
     batch = dataclasses.replace(
         batch, infer_logprobs=torch.where(batch.mask, ref.logprobs + noise, 0.0)
     )
-    trainer = RankedTrainer(path, Layout(cp=2), timeout=300)
+    trainer = DistributedTrainer(path, Layout(cp=2), timeout=300)
     try:
         data = trainer.plan(batch, 64)
         full = trainer.forward(data)

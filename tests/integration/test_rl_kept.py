@@ -1,7 +1,7 @@
 """``compass-rl``'s step on the ranks keeps per-token tensors where they are made:
 the old-policy passes' log-probs and entropy, and the RL-ZVP token advantages,
 stay on the last-stage ranks; the driver receives gap sums and per-sequence
-values (``LoopTrainer``: ``old_policy_pass``, ``token_advantages``, ``train_step``).
+values (``LoopAdapter``: ``old_policy_pass``, ``token_advantages``, ``train_step``).
 
 - the shared math (``GapSums``, ``zvp_token_advantages``) over any split of the
   tokens (as ranks hold them) equals the whole-batch computation: gap sums to
@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import compass_kernels as ck
-from compass_kernels.integration.rl.trainer import (
+from compass_kernels.integration.rl.batch import (
     GapSums,
     gap_stats,
     zvp_token_advantages,
@@ -144,7 +144,7 @@ def test_step_stays_on_the_ranks(name):
     from compass_kernels.integration.cpu.tiny_moe import cached_tiny_qwen3_moe
     from compass_kernels.integration.megatron.parallel import Layout
     from compass_kernels.integration.rl.layout_check import synthetic_batch
-    from compass_kernels.integration.rl.ranks import LoopTrainer
+    from compass_kernels.integration.rl.loop_adapter import LoopAdapter
 
     layout = {"dp2": Layout(dp=2), "cp2": Layout(cp=2), "pp2": Layout(pp=2)}[name]
     path = cached_tiny_qwen3_moe(num_hidden_layers=4)
@@ -158,9 +158,9 @@ def test_step_stays_on_the_ranks(name):
     zero_var = torch.tensor([True, True, True, True, False, False, True, True])
     adv = torch.where(zero_var, 0.0, torch.randn(n, generator=g))
 
-    trainer = LoopTrainer(path, layout, lr=0.0)  # lr 0: two train steps from the same weights
+    trainer = LoopAdapter(path, layout, lr=0.0)  # lr 0: two train steps from the same weights
     replies = []
-    command = trainer.ranked._command
+    command = trainer.distributed._command
 
     def spy(cmd, args):
         out = command(cmd, args)
@@ -169,21 +169,21 @@ def test_step_stays_on_the_ranks(name):
 
     try:
         pack = trainer.pack(batch, dp_size=layout.dp, max_tokens=64)
-        trainer.ranked._command = spy
+        trainer.distributed._command = spy
         old = trainer.old_policy_pass(pack)
         nonzero = trainer.token_advantages(pack, rewards, zero_var, adv, alpha=0.1)
         m_kept = trainer.train_step(pack, num_sequences=n)
-        trainer.ranked._command = command
+        trainer.distributed._command = command
         rx = dict(trainer.rx_bytes)
         data = trainer._data
-        kept = {k: trainer.ranked.kept_values(data, k) for k in ("replay", "native")}
-        trainer.ranked._command = spy
-        gathered = trainer.ranked.forward(data)  # the gather the loop no longer does
-        trainer.ranked._command = command
+        kept = {k: trainer.distributed.kept_values(data, k) for k in ("replay", "native")}
+        trainer.distributed._command = spy
+        gathered = trainer.distributed.forward(data)  # the gather the loop no longer does
+        trainer.distributed._command = command
         gathered_reply = replies.pop()[1]
         # the same step on driver-sent token advantages (sample order)
         data.advantages = kept["replay"]["advantages"]
-        m_sent = trainer.ranked.train(data, num_sequences=n, use_kept="replay")
+        m_sent = trainer.distributed.train(data, num_sequences=n, use_kept="replay")
     finally:
         trainer.close()
 
@@ -239,7 +239,7 @@ def test_step_stays_on_the_ranks(name):
 
 @pytest.mark.slow
 def test_kept_advantages_with_a_padding_micro_batch():
-    """3 sequences on dp2 through the loop's trainer (``LoopTrainer.pack`` plans with
+    """3 sequences on dp2 through the loop's trainer (``LoopAdapter.pack`` plans with
     ``plan_or_pad``: one rank runs a zero-token micro-batch): the packing checks pass,
     the RL-ZVP inputs, flags and kept advantages line up around it, and the step trains
     on them."""
@@ -249,7 +249,7 @@ def test_kept_advantages_with_a_padding_micro_batch():
     from compass_kernels.integration.cpu.tiny_moe import cached_tiny_qwen3_moe
     from compass_kernels.integration.megatron.parallel import Layout
     from compass_kernels.integration.rl.layout_check import synthetic_batch
-    from compass_kernels.integration.rl.ranks import LoopTrainer
+    from compass_kernels.integration.rl.loop_adapter import LoopAdapter
 
     path = cached_tiny_qwen3_moe(num_hidden_layers=4)
     batch, _ = synthetic_batch(AutoConfig.from_pretrained(path), num_sequences=3, seed=5,
@@ -257,7 +257,7 @@ def test_kept_advantages_with_a_padding_micro_batch():
     rewards = torch.tensor([-1.0, 0.5, 0.25])
     zero_var = torch.tensor([True, True, False])
     adv = torch.tensor([0.0, 0.0, 0.7])
-    trainer = LoopTrainer(path, Layout(dp=2), lr=1e-3)
+    trainer = LoopAdapter(path, Layout(dp=2), lr=1e-3)
     try:
         pack = trainer.pack(batch, dp_size=2, max_tokens=30)
         assert pack.plan.empty_micro_batches == 1 and pack.stats["micro_batches"] == 2
@@ -265,7 +265,7 @@ def test_kept_advantages_with_a_padding_micro_batch():
         assert len(pack.micro_batches) == 3  # the empty one is not packed on the driver
         trainer.old_policy_pass(pack)
         nonzero = trainer.token_advantages(pack, rewards, zero_var, adv, alpha=0.1)
-        kept = trainer.ranked.kept_values(trainer._data, "replay")
+        kept = trainer.distributed.kept_values(trainer._data, "replay")
         m = trainer.train_step(pack, num_sequences=3)
     finally:
         trainer.close()

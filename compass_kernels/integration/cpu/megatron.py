@@ -1,4 +1,4 @@
-"""Declared CPU support for megatron-core 0.16.x and 0.19.x (gloo), and process-group helpers.
+"""Declared CPU support for megatron-core 0.16.x and 0.19.x (gloo).
 
 megatron-core's MoE ``GPTModel`` runs on CPU except for a handful of calls that
 assume CUDA. :func:`apply` replaces exactly those, and :func:`revert` puts the
@@ -41,9 +41,8 @@ The patches (see :data:`PATCHES`):
     (nothing else in the modules changes; the functions that use it are pinned).
 ``rope_cp_rank``
     ``get_pos_emb_on_this_cp_rank`` (as bound in ``rotary_pos_embedding``)
-    moves its index to CUDA. On CPU it keeps Megatron's zigzag selection, or,
-    inside :func:`cp_token_positions`, selects each local token's own position
-    (packed sequences split per sequence: each token keeps its RoPE angle).
+    moves its index to CUDA; on CPU the same selection with a CPU index (packed
+    THD sequences do not call it: their RoPE is Megatron's per-sequence THD path).
 
 Before patching, each upstream function is checked to exist and to still
 contain the source lines the patch was written against; if not,
@@ -54,7 +53,7 @@ with the exact release's source hashes pinned (:data:`UPSTREAM_SOURCE_SHA256`).
 Model settings that the shim assumes: local layer specs
 (``get_gpt_layer_local_spec``), ``SequentialMLP`` experts
 (``moe_grouped_gemm=False``), ``use_cpu_initialization=True``,
-``add_bias_linear=False``, no fusions.
+``add_bias_linear=False``, no fusions. Process groups: ``cpu/process_groups.py`` (re-exported).
 """
 
 from __future__ import annotations
@@ -64,9 +63,7 @@ import functools
 import importlib
 import inspect
 import math
-import socket
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -75,6 +72,12 @@ import torch
 
 from ..megatron import _pin
 from ..megatron._pin import SUPPORTED_VERSION_PREFIXES
+from .process_groups import (
+    destroy_single_process_gloo,
+    find_free_port,
+    init_single_process_gloo,
+    run_distributed,
+)
 
 __all__ = [
     "PATCHES",
@@ -87,7 +90,6 @@ __all__ = [
     "destroy_single_process_gloo",
     "find_free_port",
     "init_single_process_gloo",
-    "cp_token_positions",
     "patched",
     "revert",
     "run_distributed",
@@ -96,9 +98,6 @@ __all__ = [
 
 
 _MISSING = object()
-# Resources this module created (and may therefore destroy): flags, plus
-# "megatron_world", the default group Megatron's groups were made from.
-_OWNED: dict[str, Any] = {}
 _LOCK = threading.Lock()
 
 
@@ -300,59 +299,12 @@ def _make_module_torch(original: Any) -> Any:
     return original
 
 
-# Per-token RoPE positions of the context-parallel rank's tokens (cp_token_positions).
-_CP_POSITIONS = threading.local()
-
-
-@contextlib.contextmanager
-def cp_token_positions(positions: torch.Tensor):
-    """Inside this context, Megatron's per-CP-rank RoPE selection (patch
-    ``rope_cp_rank``) gives local token t the angle of ``positions[t]`` (its
-    position in its own sequence) instead of the zigzag of one long sequence.
-
-    positions : [T_local] int64, the rank's tokens in the order the model sees them.
-    """
-    if positions.dtype != torch.int64 or positions.dim() != 1:
-        raise ValueError(f"positions: expected a 1-D int64 tensor, got {positions.dtype} "
-                         f"{tuple(positions.shape)}")  # fmt: skip
-    prev = getattr(_CP_POSITIONS, "value", None)
-    _CP_POSITIONS.value = positions
-    # RotaryEmbedding.forward is lru-cached by (max_seq_len, offset, ...): a cached
-    # result holds another micro-batch's per-token selection (two micro-batches of
-    # one length would share RoPE angles). Cleared on entry and exit.
-    _clear_rope_cache()
-    try:
-        yield
-    finally:
-        _CP_POSITIONS.value = prev
-        _clear_rope_cache()
-
-
-def _clear_rope_cache() -> None:
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-
-    clear = getattr(RotaryEmbedding.forward, "cache_clear", None)
-    if clear is None:
-        raise ShimError("RotaryEmbedding.forward is not lru-cached: review cp_token_positions")
-    clear()
-
-
 def _make_rope_cp_rank(original: Callable) -> Callable:
     def get_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
         if not (_cpu_only() and pos_emb.device.type == "cpu"):
             return original(pos_emb, seq_dim, cp_group)
         if cp_group is None:
             raise ValueError("cp_group must be provided to get positional embedding per CP rank")
-        positions = getattr(_CP_POSITIONS, "value", None)
-        if positions is not None:
-            if seq_dim != 0:
-                raise ShimError(f"cp_token_positions: seq_dim {seq_dim}, expected 0")
-            if positions.numel() and int(positions.max()) >= pos_emb.shape[0]:
-                raise ShimError(
-                    f"cp_token_positions: position {int(positions.max())} beyond the "
-                    f"{pos_emb.shape[0]} RoPE rows Megatron computed"
-                )
-            return pos_emb.index_select(0, positions.to(pos_emb.device))
         cp_size, cp_rank = cp_group.size(), cp_group.rank()
         cp_idx = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1])
         pos_emb = pos_emb.view(
@@ -844,209 +796,3 @@ def patched():
     finally:
         if added:
             revert()
-
-
-# ---------------------------------------------------------------------------
-# Process groups
-# ---------------------------------------------------------------------------
-
-
-def find_free_port(host: str = "127.0.0.1") -> int:
-    """Return a TCP port that is free on ``host`` right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
-def _init_megatron_parallel(seed: int, **parallel_sizes: int) -> bool:
-    """Initialize Megatron's parallel state and RNG tracker unless already done.
-
-    Returns True if this call initialized it.
-    """
-    from megatron.core import parallel_state, tensor_parallel
-
-    if parallel_state.model_parallel_is_initialized():
-        return False
-    parallel_state.initialize_model_parallel(**parallel_sizes)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
-    return True
-
-
-def init_single_process_gloo(*, seed: int = 0, apply_shim: bool = True) -> None:
-    """Create a world-size-1 gloo process group and Megatron's parallel state (idempotent).
-
-    A second call changes nothing (in particular it does not re-seed).
-
-    Parameters
-    ----------
-    seed : int, default 0
-        Seed of Megatron's RNG tracker (``model_parallel_cuda_manual_seed``),
-        applied when this call initializes the parallel state.
-    apply_shim : bool, default True
-        Call :func:`apply` first (required on a machine without CUDA).
-
-    Notes
-    -----
-    An existing default process group of world size 1 (e.g. vLLM's) is reused.
-
-    Raises
-    ------
-    RuntimeError
-        If a default process group already exists with a world size other than 1.
-    """
-    import torch.distributed as dist
-
-    if not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
-    if apply_shim:
-        apply()
-    if dist.is_initialized():
-        if dist.get_world_size() != 1:
-            raise RuntimeError(
-                f"a process group of world size {dist.get_world_size()} already exists; "
-                "init_single_process_gloo needs world size 1"
-            )
-    else:
-        dist.init_process_group(backend="gloo", store=dist.HashStore(), rank=0, world_size=1)
-        _OWNED["default_group"] = True
-    from megatron.core import parallel_state
-
-    world = dist.distributed_c10d._get_default_group()
-    if _OWNED.get("megatron_world") not in (None, world):
-        # Megatron's groups were made from a default group that is gone (e.g. a
-        # vLLM engine that owned it shut down): they are stale, make them anew.
-        parallel_state.destroy_model_parallel()
-        _OWNED.pop("megatron_parallel", None)
-    if _init_megatron_parallel(seed):
-        _OWNED["megatron_parallel"] = True
-    _OWNED["megatron_world"] = world
-
-
-def destroy_single_process_gloo() -> None:
-    """Undo :func:`init_single_process_gloo`: destroy what it created.
-
-    Megatron's parallel state and the default process group are destroyed only
-    if :func:`init_single_process_gloo` created them (a default group that
-    existed before, e.g. vLLM's, is left alone). Calling it twice is harmless.
-    """
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    _OWNED.pop("megatron_world", None)
-    if _OWNED.pop("megatron_parallel", False):
-        parallel_state.destroy_model_parallel()
-    if _OWNED.pop("default_group", False) and dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def _distributed_worker(
-    rank: int,
-    fn: Callable,
-    world_size: int,
-    port: int,
-    args: tuple,
-    megatron: dict | None,
-    results,
-) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        backend="gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-    )
-    try:
-        if megatron is not None:
-            apply()
-            sizes = dict(megatron)
-            seed = int(sizes.pop("seed", 0))
-            _init_megatron_parallel(seed, **sizes)
-        out = fn(rank, world_size, *args)
-        results.put((rank, out))
-    finally:
-        if megatron is not None:
-            from megatron.core import parallel_state
-
-            parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
-
-
-def run_distributed(
-    fn: Callable,
-    world_size: int = 2,
-    args: tuple = (),
-    *,
-    megatron: dict | None = None,
-    timeout: float = 120.0,
-) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned gloo processes.
-
-    Each process joins a gloo process group over ``127.0.0.1`` on a free port.
-    With ``megatron`` given, each process also applies the CPU shim and
-    initializes Megatron's parallel state with those sizes.
-
-    Parameters
-    ----------
-    fn : callable
-        A picklable (module-level) function; its return value must be picklable.
-    world_size : int, default 2
-        Number of processes.
-    args : tuple
-        Extra positional arguments for ``fn``.
-    megatron : dict, optional
-        Keyword arguments for ``parallel_state.initialize_model_parallel``
-        (e.g. ``{"tensor_model_parallel_size": 2}``) plus an optional ``seed``.
-    timeout : float, default 120
-        Seconds to wait for all processes; on expiry they are killed and
-        ``TimeoutError`` is raised.
-
-    Returns
-    -------
-    list
-        ``fn``'s return value per rank, indexed by rank.
-
-    Raises
-    ------
-    torch.multiprocessing.ProcessRaisedException
-        If a worker raised (the message holds its traceback).
-    """
-    import torch.multiprocessing as mp
-
-    if not callable(fn):
-        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    if not isinstance(args, tuple):
-        raise TypeError(f"args must be a tuple, got {type(args).__name__}")
-    if not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    if megatron is not None and not isinstance(megatron, dict):
-        raise TypeError(f"megatron must be a dict or None, got {type(megatron).__name__}")
-
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
-    port = find_free_port()
-    procs = mp.start_processes(
-        _distributed_worker,
-        args=(fn, world_size, port, args, megatron, results),
-        nprocs=world_size,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + timeout
-    while not procs.join(timeout=0.5):
-        if time.monotonic() > deadline:
-            for proc in procs.processes:
-                if proc.is_alive():
-                    proc.kill()
-            raise TimeoutError(f"run_distributed: workers did not finish within {timeout} s")
-    out: dict[int, Any] = {}
-    while not results.empty():
-        rank, value = results.get()
-        out[rank] = value
-    missing = sorted(set(range(world_size)) - set(out))
-    if missing:
-        raise RuntimeError(f"run_distributed: ranks {missing} returned no result")
-    return [out[r] for r in range(world_size)]

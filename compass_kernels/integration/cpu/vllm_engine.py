@@ -147,6 +147,10 @@ def start_vllm(
     ):
         raise ValueError(f"logprobs_mode {logprobs_mode!r} is not a vLLM logprobs mode")
 
+    from compass_kernels.integration.vllm import _pin
+
+    # shutdown_vllm's parallel-state teardown, as reviewed (vllm/_pin.py)
+    _pin.check("engine", RuntimeError, who="start_vllm")
     previous_env = apply_fast_env()
     import torch
     import torch._dynamo

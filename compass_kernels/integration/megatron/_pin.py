@@ -43,6 +43,11 @@ def source_sha256(obj: Any) -> str:
     """sha256 of ``obj``'s source, dedented, trailing spaces and blank lines dropped
     (so re-indentation or a file moved within the package does not count as a
     change; any change of code, comments or docstrings does)."""
-    source = textwrap.dedent(inspect.getsource(obj))
-    lines = [ln.rstrip() for ln in source.splitlines() if ln.strip()]
+    return text_sha256(inspect.getsource(obj))
+
+
+def text_sha256(source: str) -> str:
+    """:func:`source_sha256` of source text (the vLLM pins hash source read from files,
+    compass_kernels.integration.vllm._pin)."""
+    lines = [ln.rstrip() for ln in textwrap.dedent(source).splitlines() if ln.strip()]
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()

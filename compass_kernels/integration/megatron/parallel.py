@@ -1,20 +1,21 @@
-"""megatron-core on real ranks: a parallel layout, this rank's model and weights,
-Megatron's gradient reduction, and context-parallel attention on the CPU.
+"""megatron-core on real ranks: a parallel layout, Megatron's parallel state, this
+rank's model and weights, and Megatron's gradient reduction.
 
 One process per rank (``tp * pp * cp * dp`` of them), Megatron's
 ``parallel_state`` initialized with the layout (:meth:`Layout.megatron_sizes`;
 expert parallelism inside it as Megatron defines it: the ``ep`` expert groups
 are cut from the ``tp * cp * dp`` ranks of a pipeline stage, expert tensor
-parallelism 1). Then, in each rank:
+parallelism 1) by :func:`init_parallel_state`. Then, in each rank:
 
 - :func:`build_rank_model`: this rank's ``GPTModel`` chunk (its pipeline
   stage's layers, its tensor-parallel shards, its experts), weights sliced
   from the full checkpoint by the model's own partition metadata. TP > 1 runs
   with sequence parallelism (Megatron requires it for MoE with TP and EP; it
   also splits the routers' tokens, so every token is routed on one TP rank).
-  CP > 1 swaps the local attention for :class:`CpDotProductAttention` (the
-  local ``DotProductAttention`` refuses CP: upstream's CP attention is
-  Transformer Engine's).
+  Micro-batches come THD-packed (``PackedSeqParams(qkv_format="thd")``): the
+  core attention is ``thd_attention.ThdDotProductAttention``
+  (the local ``DotProductAttention`` refuses packed sequences and CP; upstream's
+  packed attention is Transformer Engine's).
 - :func:`finalize_grads`: Megatron DDP's reduction without its buffers:
   sequence-parallel parameters summed over TP, dense gradients summed over the
   data x context-parallel group and expert gradients over the expert
@@ -28,7 +29,6 @@ parallelism 1). Then, in each rank:
 
 from __future__ import annotations
 
-import copy
 import math
 import re
 from collections.abc import Mapping
@@ -38,7 +38,6 @@ from typing import Any
 import torch
 
 __all__ = [
-    "CpDotProductAttention",
     "Layout",
     "RankInfo",
     "SequenceParallelRMSNorm",
@@ -48,6 +47,7 @@ __all__ = [
     "gathered_megatron_params",
     "global_name",
     "grad_norm",
+    "init_parallel_state",
     "rank_info",
 ]
 
@@ -161,6 +161,20 @@ def layout_rank_infos(layout: Layout) -> list[RankInfo]:
     return out
 
 
+def init_parallel_state(seed: int, **parallel_sizes: int) -> bool:
+    """Initialize Megatron's parallel state (``initialize_model_parallel(**parallel_sizes)``,
+    e.g. :meth:`Layout.megatron_sizes`) and its RNG tracker (``seed``) unless already
+    done; the default process group must exist. Returns True if this call
+    initialized it."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    if parallel_state.model_parallel_is_initialized():
+        return False
+    parallel_state.initialize_model_parallel(**parallel_sizes)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    return True
+
+
 def rank_info() -> RankInfo:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -176,79 +190,6 @@ def rank_info() -> RankInfo:
         first_stage=ps.is_pipeline_first_stage(),
         last_stage=ps.is_pipeline_last_stage(),
     )
-
-
-# ---------------------------------------------------------------------------
-# Context-parallel attention
-# ---------------------------------------------------------------------------
-
-
-class _GatherSeq(torch.autograd.Function):
-    """All-gather along dim 0 over a group; backward: the sum of every rank's
-    gradient of this rank's slice (a reduce-scatter)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
-        import torch.distributed as dist
-
-        ws = dist.get_world_size(group)
-        parts = [torch.empty_like(x) for _ in range(ws)]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        ctx.group, ctx.rank, ctx.ws = group, dist.get_rank(group), ws
-        return torch.cat(parts, dim=0)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        import torch.distributed as dist
-
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad.chunk(ctx.ws, dim=0)[ctx.rank].contiguous(), None
-
-
-def _dot_product_attention():
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-    return DotProductAttention
-
-
-class CpDotProductAttention(torch.nn.Module):
-    """Megatron's local ``DotProductAttention`` over the keys and values of every
-    context-parallel rank (all-gathered, in CP-rank order; the gradient is
-    reduce-scattered back). The attention mask passed by the model is
-    [1, 1, T_local, T_local * cp] (True = masked): the caller builds it from
-    each token's sequence and position, so the zigzag split attends exactly as
-    one process (the all-gather variant of CP attention, ``cp_comm_type``
-    ``all_gather``)."""
-
-    def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
-        super().__init__()
-        from megatron.core import parallel_state as ps
-
-        local = copy.copy(config)
-        local.context_parallel_size = 1  # upstream's local attention refuses CP
-        self.inner = _dot_product_attention()(local, *args, **kwargs)
-        self.config = config
-        self.cp_group = ps.get_context_parallel_group()
-
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
-                attention_bias=None, packed_seq_params=None):  # fmt: skip
-        if attention_mask is None or attention_mask.shape[-1] != key.shape[0] * self.cp_size:
-            got = None if attention_mask is None else tuple(attention_mask.shape)
-            raise ValueError(
-                f"CpDotProductAttention: attention_mask must be [1, 1, {query.shape[0]}, "
-                f"{key.shape[0] * self.cp_size}] (local queries x every CP rank's keys), got {got}"
-            )
-        key = _GatherSeq.apply(key, self.cp_group)
-        value = _GatherSeq.apply(value, self.cp_group)
-        return self.inner(query, key, value, attention_mask, attn_mask_type, attention_bias,
-                          packed_seq_params)  # fmt: skip
-
-    @property
-    def cp_size(self) -> int:
-        import torch.distributed as dist
-
-        return dist.get_world_size(self.cp_group)
 
 
 # ---------------------------------------------------------------------------
@@ -344,6 +285,7 @@ def build_rank_model(
         hf_to_megatron,
         megatron_config_from_hf,
     )
+    from compass_kernels.integration.megatron.thd_attention import ThdDotProductAttention
 
     d = _dims(hf_config)
     layout.check(hf_config)
@@ -354,8 +296,8 @@ def build_rank_model(
         num_experts=d["experts"], moe_grouped_gemm=False, qk_layernorm=True,
         normalization="RMSNorm",
     )  # fmt: skip
-    if layout.cp > 1:
-        spec.submodules.self_attention.submodules.core_attention = CpDotProductAttention
+    # THD-packed micro-batches, CP or not (the local attention takes neither)
+    spec.submodules.self_attention.submodules.core_attention = ThdDotProductAttention
     if layout.tp > 1:
         # Sequence parallelism: upstream's local (torch) norms refuse it; the same
         # torch.nn.RMSNorm, its weight marked for the TP gradient sum.

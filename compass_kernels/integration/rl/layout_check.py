@@ -30,7 +30,7 @@ def synthetic_batch(hf_config: Any, *, num_sequences: int = 8, seed: int = 0,
     """(Batch, per-token advantages): ``num_sequences`` sequences of random
     length in [min_len, max_len] (prompt 3..5 tokens), uniform random expert
     sets per MoE layer, advantages of both signs per prompt group of 2."""
-    from compass_kernels.integration.rl.trainer import Batch
+    from compass_kernels.integration.rl.batch import Batch
     from compass_kernels.routing import RoutingTrace
 
     g = torch.Generator().manual_seed(seed)
@@ -80,7 +80,7 @@ class StepResult:
     bytes_full: int
     seconds: float
     parts_equal: bool = False  # hf_parts() (layer by layer) == hf_state_dict(), bitwise
-    sync: dict | None = None  # RankedTrainer.last_sync of that gather
+    sync: dict | None = None  # DistributedTrainer.last_sync of that gather
 
 
 def run_step(model_dir: Any, layout: Layout, batch: Any, advantages: torch.Tensor, *,
@@ -90,10 +90,10 @@ def run_step(model_dir: Any, layout: Layout, batch: Any, advantages: torch.Tenso
     the forward's own). ``max_tokens`` caps a micro-batch (several per rank)."""
     import time
 
-    from compass_kernels.integration.rl.ranks import RankedTrainer
+    from compass_kernels.integration.rl.distributed_trainer import DistributedTrainer
 
     t0 = time.perf_counter()
-    trainer = RankedTrainer(model_dir, layout, lr=lr, seed=seed, timeout=timeout)
+    trainer = DistributedTrainer(model_dir, layout, lr=lr, seed=seed, timeout=timeout)
     try:
         data = trainer.plan(batch, max_tokens)
         fwd = trainer.forward(data)
@@ -135,12 +135,12 @@ def compare(a: StepResult, b: StepResult) -> dict[str, float]:
 def driver_bytes(model_dir: Any, layout: Layout, batch: Any, *, max_tokens: int = 512,
                  seed: int = 0) -> dict:  # fmt: skip
     """Bytes the driver receives from the ranks (pickled replies) in one step of
-    ``compass-rl`` on ``batch``: "kept" (``LoopTrainer``: the old-policy passes
+    ``compass-rl`` on ``batch``: "kept" (``LoopAdapter``: the old-policy passes
     kept on the ranks, RL-ZVP there, train on the kept values) and "gathered"
     (both passes' per-token log-probs and entropy gathered, the train step on
     driver-sent tensors: what the loop did before), per command and in total.
     Rewards, groups of 4 and zero-variance flags are synthetic (``seed``)."""
-    from compass_kernels.integration.rl.ranks import LoopTrainer
+    from compass_kernels.integration.rl.loop_adapter import LoopAdapter
 
     g = torch.Generator().manual_seed(seed)
     n = batch.num_sequences
@@ -148,14 +148,14 @@ def driver_bytes(model_dir: Any, layout: Layout, batch: Any, *, max_tokens: int 
     rewards = torch.randn(n, generator=g)
     zero_var = (torch.arange(n) // 4) % 2 == 0
     adv = torch.where(zero_var, 0.0, torch.randn(n, generator=g))
-    trainer = LoopTrainer(model_dir, layout, lr=1e-3, seed=seed)
+    trainer = LoopAdapter(model_dir, layout, lr=1e-3, seed=seed)
     try:
         pack = trainer.pack(batch, dp_size=layout.dp, max_tokens=max_tokens)
         trainer.old_policy_pass(pack)
         trainer.token_advantages(pack, rewards, zero_var, adv, alpha=0.1)
         trainer.train_step(pack, num_sequences=n)
         kept = dict(trainer.rx_bytes)
-        r, data = trainer.ranked, trainer._data  # reply sizes do not depend on the weights
+        r, data = trainer.distributed, trainer._data  # reply sizes do not depend on the weights
         start = dict(r.reply_bytes_total)
         rep = r.forward(data, replay=True)
         r.forward(data, replay=False)

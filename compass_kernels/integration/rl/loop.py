@@ -31,6 +31,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -261,8 +262,8 @@ def _probe(rollout: Any, trainer: Any, probe_prompts: list[Any]) -> dict[str, fl
     that routing, so the difference is weights and numerics only."""
     from vllm import SamplingParams
 
+    from compass_kernels.integration.rl.batch import Batch, gap_stats
     from compass_kernels.integration.rl.rollout import Sample
-    from compass_kernels.integration.rl.trainer import Batch, gap_stats
 
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=0, prompt_logprobs=0)
     outs = rollout.llm.generate(
@@ -355,16 +356,17 @@ def run(args: argparse.Namespace, terminal: Any = None) -> list[dict[str, Any]]:
 
     import compass_kernels as ck
     from compass_kernels.integration.cpu.vllm_engine import shutdown_vllm, start_vllm
+    from compass_kernels.integration.megatron.parallel import Layout
+    from compass_kernels.integration.rl import preflight
     from compass_kernels.integration.rl import task as T
-    from compass_kernels.integration.rl.ranks import Layout, LoopTrainer
+    from compass_kernels.integration.rl.loop_adapter import LoopAdapter
     from compass_kernels.integration.rl.rollout import Rollout
-    from compass_kernels.integration.rl.trainer import Batch, gap_stats
-    from compass_kernels.integration.vllm.weight_sync import sync_parts_to_vllm as sync
 
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
     model_dir = _model_dir(args)
     hf_config = AutoConfig.from_pretrained(model_dir)
+    preflight.check(args, hf_config)  # every cap and size: before any engine or rank starts
     layout = Layout(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp, dp=args.dp)
     try:
         layout.check(hf_config)
@@ -398,13 +400,14 @@ def run(args: argparse.Namespace, terminal: Any = None) -> list[dict[str, Any]]:
     try:
         rollout = Rollout(llm, score, max_new_tokens=cfg.max_new_tokens, stop_token_ids=stops,
                           workers=args.reward_workers, schedule=args.schedule)  # fmt: skip
-        trainer = LoopTrainer(model_dir, layout, lr=args.lr, replay=not args.no_replay,
+        trainer = LoopAdapter(model_dir, layout, lr=args.lr, replay=not args.no_replay,
                               seed=args.seed)  # fmt: skip
         probe_prompts = pool[:4]
         allocator = None
         if args.allocate != "off":
             allocator = ck.advantages.RolloutAllocator(min_n=2, max_n=max(args.max_alloc_n, 2),
                                                        explore_after=4)  # fmt: skip
+        state = LoopState(args, rng, pool, cfg, rollout, trainer, llm, probe_prompts, allocator)
         # The table is written above the bar (tqdm.write on the bar's own stream).
         out_stream = terminal if terminal is not None else sys.stdout
         bar = tqdm(range(1, args.steps + 1), desc="compass-rl", unit="step",
@@ -412,8 +415,7 @@ def run(args: argparse.Namespace, terminal: Any = None) -> list[dict[str, Any]]:
                    dynamic_ncols=True)  # fmt: skip
         header_printed = False
         for step in bar:
-            row = _step(step, args, rng, pool, cfg, rollout, trainer, llm, probe_prompts,
-                        T, ck, Batch, gap_stats, sync, allocator=allocator)  # fmt: skip
+            row = _step(step, state)
             rows.append(row)
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", gap=f"{row['gap_replay']:.1e}")
             if not args.quiet:
@@ -477,8 +479,31 @@ def _informative(samples, row, allocator) -> None:
         allocator.observe(gid.tolist(), correct)
 
 
-def _step(step, args, rng, pool, cfg, rollout, trainer, llm, probe_prompts, T, ck, Batch,
-          gap_stats, sync, allocator=None) -> dict[str, Any]:  # fmt: skip
+@dataclass
+class LoopState:
+    """What every step of the loop works with (made once by :func:`run`)."""
+
+    args: argparse.Namespace  # the parsed command line
+    rng: np.random.Generator  # prompt sampling
+    pool: list[Any]  # the task's prompts (task.Prompt)
+    cfg: Any  # task.TaskConfig
+    rollout: Any  # rollout.Rollout: the vLLM engine's rounds and the scorer pool
+    trainer: Any  # loop_adapter.LoopAdapter: the trainer ranks
+    llm: Any  # the vLLM engine (weight sync and checks)
+    probe_prompts: list[Any]  # the fixed prompts of the sync check
+    allocator: Any = None  # ck.advantages.RolloutAllocator (stage 0), or None
+
+
+def _step(step: int, state: LoopState) -> dict[str, Any]:
+    """One RL step (the module docstring's 1-6); returns its row."""
+    import compass_kernels as ck
+    from compass_kernels.integration.rl import task as T
+    from compass_kernels.integration.rl.batch import Batch
+    from compass_kernels.integration.vllm.weight_sync import sync_parts_to_vllm as sync
+
+    args, rng, pool, cfg = state.args, state.rng, state.pool, state.cfg
+    rollout, trainer, llm = state.rollout, state.trainer, state.llm
+    probe_prompts, allocator = state.probe_prompts, state.allocator
     row: dict[str, Any] = {"step": step}
     t_step = time.perf_counter()
     # 1-2. rollout with capture, rewards scored as requests finish

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import threading
 
+from compass_kernels._validate import as_bool, as_float
+
 from . import _pin
 from ._pin import VerlVersionError
 from .losses import (
@@ -99,25 +101,38 @@ def register(
     advantages : options of the ``compass_grpo`` estimator
         (:data:`.advantages.ADV_OPTIONS` fields: mode, rl_zvp, alpha, ...).
 
+    Every option and every pin is checked before anything global changes: a bad
+    call raises (naming the option) and leaves the previous options, registries
+    and patches as they were.
+
     Raises
     ------
     VerlVersionError
-        verl missing, older than 0.9, not reviewed, or a pinned function changed.
+        verl missing, older than 0.9, not reviewed, a pinned function changed, or
+        patched by another plugin (named).
+    ValueError / TypeError
+        an invalid option, named (``espo.rho``, ``advantages.mode``, ...).
     """
-    _pin.check("losses")
-    _pin.check("advantages")
+    given = (("old_entropy", old_entropy), ("balancing", balancing), ("replay", replay))
+    flags = {n: as_bool(n, v) for n, v in given}
+    new_espo = None if espo is None else _checked_espo(espo)
+    new_adv = None if advantages is None else _checked_advantages(advantages)
+    for piece in (
+        "losses",
+        "advantages",
+        *(
+            p
+            for p in ("entropy", "balancing", "replay")
+            if flags["old_entropy" if p == "entropy" else p]
+        ),
+    ):
+        _pin.check(piece)  # fmt: skip
     from verl.trainer.ppo import core_algos
 
     from . import advantages as adv_mod
     from . import losses
 
     with _LOCK:
-        if espo is not None:
-            opts = espo if isinstance(espo, EspoOptions) else EspoOptions(**espo)
-            for k, v in vars(opts).items():
-                setattr(losses.ESPO_OPTIONS, k, v)
-        if advantages is not None:
-            adv_mod.configure(**advantages)
         table = core_algos.POLICY_LOSS_REGISTRY
         for name, fn in LOSS_NAMES.items():
             held = table.get(name)
@@ -128,6 +143,12 @@ def register(
             raise ValueError(
                 f"verl's ADV_ESTIMATOR_REGISTRY already holds {ADVANTAGE_NAME!r}: {est}"
             )
+        if new_espo is not None:  # every check above passed: now the global state
+            for k, v in vars(new_espo).items():
+                setattr(losses.ESPO_OPTIONS, k, v)
+        if new_adv is not None:
+            for k, v in vars(new_adv).items():
+                setattr(adv_mod.ADV_OPTIONS, k, v)
         for name, fn in LOSS_NAMES.items():
             core_algos.register_policy_loss(name)(fn)
         core_algos.register_adv_est(ADVANTAGE_NAME)(adv_mod.compute_compass_grpo_advantage)
@@ -143,6 +164,80 @@ def register(
         from .replay import patch_megatron_engine
 
         patch_megatron_engine()
+
+
+def _checked_espo(espo: EspoOptions | dict) -> EspoOptions:
+    """``register(espo=)`` resolved and normalised (NumPy values -> Python) into a new
+    EspoOptions, or ValueError / TypeError naming the option; nothing global touched."""
+    import dataclasses
+    import inspect
+
+    import compass_kernels as ck
+    from compass_kernels.espo import loss_config
+
+    if isinstance(espo, EspoOptions):
+        given = {f.name: getattr(espo, f.name) for f in dataclasses.fields(EspoOptions)}
+    elif isinstance(espo, dict):
+        given = dict(espo)
+    else:
+        raise TypeError(f"espo: expected EspoOptions or a dict, got {type(espo).__name__}")
+    fields = [f.name for f in dataclasses.fields(EspoOptions)]
+    unknown = sorted(set(given) - set(fields))
+    if unknown:
+        raise ValueError(f"espo: unknown option(s) {unknown} (expected some of {fields})")
+    o = EspoOptions(**given)
+    extra = o.extra if isinstance(o.extra, dict) else {}
+    try:
+        rho, alpha, clip, vocab, ng, q, drop, dual = loss_config.normalize(
+            o.rho, o.alpha, o.clip, o.vocab_size, o.num_groups, o.quantiles, o.drop_low,
+            o.dual_clip,
+        )  # fmt: skip
+        # vocab_size None: read from the model's config at the loss; 2 stands in here
+        loss_config.resolve(mode="espo", rho=rho, alpha=alpha, clip=clip,
+                            vocab_size=2 if vocab is None else vocab, num_groups=ng,
+                            quantiles=q, drop_low=drop, ratio_form=o.ratio_form,
+                            dual_clip=dual, grouping=extra.get("grouping", "global"))  # fmt: skip
+    except (ValueError, TypeError) as err:
+        raise type(err)(f"espo.{err}") from None
+    if not isinstance(o.extra, dict):
+        raise TypeError(f"espo.extra: expected a dict, got {type(o.extra).__name__}")
+    params = inspect.signature(ck.espo.espo_loss).parameters
+    fixed = {"mode", "entropy_threshold", "num_sequences", "advantages_per_token"}  # the loss's
+    allowed = {n for n, p in params.items() if p.kind is p.KEYWORD_ONLY} - set(fields) - fixed
+    bad = sorted(set(o.extra) - allowed)
+    if bad:
+        raise ValueError(f"espo.extra: {bad} are not espo_loss options here (allowed: "
+                         f"{sorted(allowed)})")  # fmt: skip
+    return EspoOptions(rho=rho, alpha=alpha, clip=clip, vocab_size=vocab, num_groups=ng,
+                       quantiles=q, drop_low=drop, ratio_form=o.ratio_form, dual_clip=dual,
+                       extra=dict(o.extra))  # fmt: skip
+
+
+def _checked_advantages(advantages: dict):
+    """``register(advantages=)`` checked into a new AdvOptions (nothing global touched)."""
+    import dataclasses
+
+    import compass_kernels as ck
+
+    from .advantages import ADV_OPTIONS, AdvOptions
+
+    if not isinstance(advantages, dict):
+        raise TypeError(f"advantages: expected a dict, got {type(advantages).__name__}")
+    fields = [f.name for f in dataclasses.fields(AdvOptions)]
+    unknown = sorted(set(advantages) - set(fields))
+    if unknown:
+        raise ValueError(f"advantages: unknown option(s) {unknown} (expected some of {fields})")
+    o = dataclasses.replace(ADV_OPTIONS, **advantages)
+    if o.mode not in ck.advantages.MODES:
+        raise ValueError(f"advantages.mode: expected one of {tuple(ck.advantages.MODES)}, "
+                         f"got {o.mode!r}")  # fmt: skip
+    o.rl_zvp = as_bool("advantages.rl_zvp", o.rl_zvp)
+    for name in ("alpha", "zero_var_tol"):
+        v = as_float(f"advantages.{name}", getattr(o, name))
+        if v < 0:
+            raise ValueError(f"advantages.{name}: expected a finite value >= 0, got {v}")
+        setattr(o, name, v)
+    return o
 
 
 def registered() -> bool:

@@ -13,6 +13,7 @@ them (the old-entropy patch). After reviewing a new verl, pin
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
 
 from compass_kernels.integration.megatron._pin import source_sha256
@@ -22,6 +23,7 @@ __all__ = [
     "UPSTREAM_SOURCE_SHA256",
     "VerlVersionError",
     "check",
+    "foreign_patch",
     "upstream_source_sha256",
     "verl_version",
 ]
@@ -108,6 +110,36 @@ def resolve(name: str) -> Any:
     return getattr(obj, "__wrapped_by_compass__", obj)
 
 
+def foreign_patch(name: str) -> str | None:
+    """Where another plugin's patch of ``"module:qualname"`` lives, or None.
+
+    The pin hashes source, and ``inspect.getsource`` follows ``__wrapped__``: a
+    ``functools.wraps`` patch by another plugin hashes as the upstream function.
+    So the object verl holds (the original we keep where we patched it) and every
+    ``__wrapped__`` layer below it must be code from verl's own package; anything
+    else (a wrapper, or a replacement that is not the pinned function) is named."""
+    import verl
+
+    if name in ORIGINALS:
+        obj = ORIGINALS[name]
+    else:
+        module, qual = name.split(":")
+        obj = importlib.import_module(module)
+        for attr in qual.split("."):
+            obj = getattr(obj, attr)
+        obj = getattr(obj, "__wrapped_by_compass__", obj)
+    root = os.path.dirname(os.path.abspath(verl.__file__)) + os.sep
+    seen: set[int] = set()
+    while obj is not None and id(obj) not in seen:
+        seen.add(id(obj))
+        fn = getattr(obj, "__func__", obj)  # bound / class methods
+        code = getattr(fn, "__code__", None)
+        if code is not None and not os.path.abspath(code.co_filename).startswith(root):
+            return f"{code.co_name} at {code.co_filename}:{code.co_firstlineno}"
+        obj = getattr(obj, "__wrapped__", None)
+    return None
+
+
 def upstream_source_sha256(piece: str | None = None) -> dict[str, str]:
     """{"module:qualname": sha256} of the installed verl's pinned functions
     (of one piece, or all), unwrapped where our patches wrapped them."""
@@ -121,8 +153,9 @@ def check(piece: str) -> str:
     Raises
     ------
     VerlVersionError
-        verl missing or older than 0.9, a version without pins, or a pinned
-        function of ``piece`` whose source changed (named).
+        verl missing or older than 0.9, a version without pins, a pinned
+        function of ``piece`` whose source changed, or one another plugin
+        wrapped or replaced (:func:`foreign_patch`; named).
     """
     version = verl_version()
     if _parse(version)[:2] < MIN_VERSION:
@@ -138,10 +171,22 @@ def check(piece: str) -> str:
         )
     changed = [n for n, sha in upstream_source_sha256(piece).items() if pins.get(n) != sha]
     if changed:
+        where = [f"{n} is {o}" for n in changed if (o := foreign_patch(n)) is not None]
         raise VerlVersionError(
             f"verl {version}: upstream {', '.join(changed)} changed (source sha256 differs from "
             f"the pin); the compass {piece} adapter relies on it: review before use"
+            + (f" (not verl's own code: {'; '.join(where)})" if where else "")
         )
+    # Same source is not enough: inspect follows __wrapped__, so a functools.wraps
+    # patch by another plugin hashes as the upstream function it wraps.
+    for n in PINNED[piece]:
+        other = foreign_patch(n)
+        if other is not None:
+            raise VerlVersionError(
+                f"verl {version}: upstream {n} is patched by another plugin ({other}); the "
+                f"compass {piece} adapter will not replace or build on another plugin's patch "
+                "(remove that plugin's patch, or do not enable both)"
+            )
     return version
 
 

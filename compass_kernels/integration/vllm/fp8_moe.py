@@ -61,6 +61,10 @@ class CompassFp8Experts(mk.FusedMoEExpertsModular):
     running ``ck.fp8.moe_mlp``: token-packed grouped GEMMs, no per-expert padding."""
 
     def __init__(self, moe_config: FusedMoEConfig, quant_config: FusedMoEQuantConfig):
+        from compass_kernels.integration.vllm import _pin
+
+        # the modular-kernel interface implemented here, as reviewed (vllm/_pin.py)
+        _pin.check("fp8_moe", RuntimeError, who="CompassFp8Experts")
         super().__init__(moe_config, quant_config)
         if list(quant_config.block_shape or []) != BLOCK_SHAPE:
             raise ValueError(

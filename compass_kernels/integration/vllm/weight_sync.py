@@ -321,6 +321,10 @@ def sync_to_vllm(
 
 
 def _check_engine(llm: Any, fp8: bool | str) -> None:
+    from compass_kernels.integration.vllm import _pin
+
+    # the layerwise reload and the MoE kernel reset, as reviewed (vllm/_pin.py)
+    _pin.check("weight_sync", RuntimeError, who="sync_to_vllm")
     _check_in_process(llm)
     if fp8 not in (False, True, "dequantized"):
         raise ValueError(f'fp8 must be False, True or "dequantized", got {fp8!r}')
@@ -346,7 +350,7 @@ def sync_parts_to_vllm(
 ) -> WeightSyncReport:
     """:func:`sync_to_vllm` part by part: ``parts`` yields the HF-named weights of
     one part of the model at a time (embedding, one decoder layer, final norm /
-    head; e.g. ``RankedTrainer.hf_parts()`` gathering each from the sharded
+    head; e.g. ``DistributedTrainer.hf_parts()`` gathering each from the sharded
     trainer when the engine asks for it), so the extra memory on the trainer side
     is one part, never the model. ``fp8`` quantizes each part's FP8 weights as it
     passes (block-wise per layer).

@@ -1,5 +1,5 @@
 """The step's batch as the reference RL loop's driver sees it, and the per-token
-statistics both the driver and the trainer ranks (``rl/ranks.py``) compute.
+statistics both the driver and the trainer ranks (``rl/rank_worker.py``) compute.
 
 Layout of a step's batch (:class:`Batch`): the n sequences (prompt +
 response) concatenated, per-token tensors over all T tokens in sample order:
