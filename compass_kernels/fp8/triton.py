@@ -494,12 +494,11 @@ def aot_variants() -> list[tuple[object, dict[str, str], dict[str, object], dict
     out.append((_permute_scan_kernel, scan, {"CB": SCAN_CHUNKS, "EB": SCAN_EXPERTS}, LAUNCH))
     offs = {"offsets_ptr": "*i64", "experts": "i64", "EP": "constexpr"}
     out.append((_permute_offsets_kernel, offs, {"EP": 256}, LAUNCH))
-    scatter = {
-        "x_ptr": "*bf16", "xs": "i64", "cols": "i64", "ids_ptr": "*i32", "tokens": "i64",
-        "k": "i64",
-        "experts": "i64", "rank_ptr": "*i32", "base_ptr": "*i32", "offsets_ptr": "*i64",
-        "q_ptr": "*u8", "qs": "i64", "s_ptr": "*fp32", "ss0": "i64", "ss1": "i64",
-        "src_ptr": "*i64", "dst_ptr": "*i64", "eps": "fp32", "UE8M0": "constexpr",
+    scatter = {  # i32 sizes and strides, as launched (tests/launch_plans.py)
+        "x_ptr": "*bf16", "xs": "i32", "cols": "i32", "ids_ptr": "*i32", "tokens": "i32",
+        "k": "i32", "experts": "i32", "rank_ptr": "*i32", "base_ptr": "*i32",
+        "offsets_ptr": "*i64", "q_ptr": "*u8", "qs": "i32", "s_ptr": "*fp32", "ss0": "i32",
+        "ss1": "i32", "src_ptr": "*i64", "dst_ptr": "*i64", "eps": "fp32", "UE8M0": "constexpr",
         "HW_E4M3": "constexpr", "KP": "constexpr", "GB": "constexpr", "BC": "constexpr",
         "CHUNK": "constexpr",
     }  # fmt: skip
