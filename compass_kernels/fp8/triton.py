@@ -6,13 +6,17 @@ CUDA tensors, on CPU tensors under ``TRITON_INTERPRET=1`` (tests), and
 compile ahead of time for sm_90a (tests/test_aot.py).
 
 Bit-exactness choices:
-- fp32 -> e4m3 is integer bit arithmetic (:func:`_e4m3_bits`, the same
-  round-to-nearest-even as torch's cast after a clamp to +-448), not ``.to(tl.float8e4nv)``: the
-  hardware cast (cvt.rn.satfinite) gives the same bits on sm_90, but the
-  interpreter's cast does not, and the bit form is what can be tested here.
-- divisions are ``tl.math.div_rn`` (IEEE); Triton's ``/`` lowers to the
-  approximate div.full.f32 on the GPU, which can move a value across an e4m3
-  rounding boundary.
+- fp32 -> e4m3: on sm_89+ the hardware cast (``.to(tl.float8e4nv)``:
+  cvt.rn.satfinite.e4m3x2.f32, RNE, saturating at +-448, NaN -> 0x7F: the
+  reference's bits), chosen per device by :func:`hw_e4m3`; elsewhere, and in the
+  interpreter (whose cast is not the hardware's), integer bit arithmetic
+  (:func:`_e4m3_bits`, torch's RNE after a clamp to +-448), which the CPU tests
+  check on every tie.
+- IEEE divisions (``tl.math.div_rn``; Triton's ``/`` lowers to the approximate
+  div.full.f32) only per group: the scale amax / 448 and its reciprocal r.
+  ``x * (1/s)`` is then one multiply; ``x / s`` is x r plus two fma
+  corrections by the residual x - s q (:func:`_quotient`), the correctly
+  rounded quotient, bit for bit (tests/test_fp8_quotient.py).
 - every kernel compiles with ``enable_fp_fusion=False``: a contracted
   multiply-add (unpermute's combine) would round differently from the CPU.
 - bf16 outputs are rounded by bit arithmetic too (round to nearest even).
