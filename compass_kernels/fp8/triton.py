@@ -197,8 +197,8 @@ def _quantize_groups_kernel(
     """One program per RT rows x one group of BC columns (activations: 1 x 128
     groups): each tile row is a group, 128-bit loads of 8 bf16 per thread, the
     group's amax in-thread + 4 shuffles, one scale and reciprocal per group."""
-    j = tl.program_id(0).to(tl.int64)
-    r = tl.program_id(1).to(tl.int64) * RT + tl.arange(0, RT).to(tl.int64)
+    r = tl.program_id(0).to(tl.int64) * RT + tl.arange(0, RT).to(tl.int64)
+    j = tl.program_id(1).to(tl.int64)
     c = j * BC + tl.arange(0, BC).to(tl.int64)
     m = (r[:, None] < rows) & (c[None, :] < cols)
     x = tl.load(x_ptr + r[:, None] * xs + c[None, :], mask=m, other=0.0).to(tl.float32)
@@ -392,7 +392,8 @@ def quantize_triton(
             *args, float(eps), **flags, BR=TILE, BC=TILE, RB=BLOCK_ROWS_PER_STEP, **LAUNCH,
         )  # fmt: skip
     else:
-        grid = (triton.cdiv(cols, TILE), triton.cdiv(rows, GROUP_ROWS))
+        # row tiles on grid axis 0 (up to 2^31 - 1; axis 1 stops at 65,535)
+        grid = (triton.cdiv(rows, GROUP_ROWS), triton.cdiv(cols, TILE))
         _quantize_groups_kernel[grid](
             *args, float(eps), **flags, RT=GROUP_ROWS, BC=TILE, **LAUNCH,
         )  # fmt: skip
