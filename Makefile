@@ -11,7 +11,7 @@ STAMP := $(VENV)/.compass-setup.stamp
 .PHONY: env build test test-fast test-ranks test-triton36 test-py312 bench rl wheel info lint gpu-check \
 	gpu-check-dry vllm-pins gpu-resolve
 
-$(STAMP): pyproject.toml scripts/setup_env.sh
+$(STAMP): pyproject.toml scripts/setup_env.sh scripts/install_verl.sh
 	COMPASS_VENV=$(VENV) bash scripts/setup_env.sh
 	touch $@
 
@@ -48,7 +48,7 @@ bench: build
 VENV312 ?= .venv312
 PYTHON312 ?= $(shell for p in python3.12 $$(ls -d $(HOME)/.pyenv/versions/3.12*/bin/python 2>/dev/null); do \
 	$$p -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null && { echo $$p; break; }; done)
-$(VENV312)/.compass-setup.stamp: pyproject.toml scripts/setup_env.sh
+$(VENV312)/.compass-setup.stamp: pyproject.toml scripts/setup_env.sh scripts/install_verl.sh
 	@[ -n "$(PYTHON312)" ] || { echo "test-py312: no Python 3.12 (python3.12 on PATH or pyenv); set PYTHON312=" >&2; exit 1; }
 	COMPASS_PYTHON=$(PYTHON312) COMPASS_VENV=$(VENV312) bash scripts/setup_env.sh
 	touch $@

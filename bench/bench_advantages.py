@@ -428,15 +428,20 @@ def _raw_group_kernel(rewards: torch.Tensor, group_size: int) -> Callable[[], Ad
     A moved entry point makes this provider raise (an ERROR row; ``--check``
     fails) naming what to update here, never a silently missing row."""
     n = rewards.numel()
-    args = (rewards, torch.arange(n), torch.arange(0, n + 1, group_size), 0, 1e-6, 1e-6)
-    outs = (torch.empty_like(rewards), torch.empty(n, dtype=torch.bool),
-            torch.empty(n // group_size, dtype=torch.float64),
-            torch.empty(n // group_size, dtype=torch.float64))  # fmt: skip
+    args = dict(
+        rewards=rewards,
+        order=torch.arange(n),
+        offsets=torch.arange(0, n + 1, group_size),
+        mode=0,
+        eps=1e-6,
+        zero_var_tol=1e-6,
+    )
     try:
         from compass_kernels.advantages import group_advantages_op
 
+        outs = group_advantages_op.outputs(**args)._asdict()
         fn = group_advantages_op.kernel("torch")
-        fn(*args, *outs)
+        fn(**args, **outs)
     except Exception as e:  # noqa: BLE001 - any failure is reported in the row
         return _raiser(
             "bench: the raw CPU kernel (compass_kernels.advantages.group_advantages_op"
@@ -445,8 +450,8 @@ def _raw_group_kernel(rewards: torch.Tensor, group_size: int) -> Callable[[], Ad
         )
 
     def call() -> Adv:
-        fn(*args, *outs)
-        return outs[0], outs[1]
+        fn(**args, **outs)
+        return outs["adv"], outs["zero_var"]
 
     return call
 
@@ -462,7 +467,9 @@ def overhead_case() -> Case:
     group_advantages = _candidate("group_advantages")
 
     def op() -> Adv:
-        adv, zv, _, _ = torch.ops.compass.group_advantages(rewards, order, offsets, 0, 1e-6, 1e-6)
+        adv, zv, _, _ = torch.ops.compass.group_advantages(
+            rewards=rewards, order=order, offsets=offsets, mode=0, eps=1e-6, zero_var_tol=1e-6
+        )
         return adv, zv
 
     def api(**kw: Any) -> Callable[[], Adv]:

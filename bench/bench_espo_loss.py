@@ -210,15 +210,43 @@ def overhead_case() -> Case:
     scale = ALPHA / math.log(VOCAB)
     sums_k = espo_group_sums_op.kernel("torch")
     fwd_k = espo_loss_forward_op.kernel("torch")
-    sums = espo_group_sums_op.outputs(ent, lp, old, cu, None, thr, 2, ADAPTIVE_EPS)
-    args = (lp, old, ent, adv, cu, None, thr, sums[0], 2, ADAPTIVE_EPS, 0.0, 0.0, scale, 0.0,
-            -20.0, 20.0, 1.0 / 8, 1)  # fmt: skip
-    outs = espo_loss_forward_op.outputs(*args)
+    sums_args = dict(
+        entropy=ent,
+        logprobs=lp,
+        old_logprobs=old,
+        cu_seqlens=cu,
+        mask=None,
+        thresholds=thr,
+        num_groups=2,
+        flags=ADAPTIVE_EPS,
+    )
+    sums = espo_group_sums_op.outputs(**sums_args)
+    args = dict(
+        logprobs=lp,
+        old_logprobs=old,
+        entropy=ent,
+        advantages=adv,
+        cu_seqlens=cu,
+        mask=None,
+        thresholds=thr,
+        sums=sums,
+        num_groups=2,
+        flags=ADAPTIVE_EPS,
+        eps_low=0.0,
+        eps_high=0.0,
+        eps_scale=scale,
+        dual_clip=0.0,
+        log_lo=-20.0,
+        log_hi=20.0,
+        inv_num_seqs=1.0 / 8,
+        need_grad=True,
+    )
+    outs = espo_loss_forward_op.outputs(**args)._asdict()
 
     def raw():
-        sums_k(ent, lp, old, cu, None, thr, 2, ADAPTIVE_EPS, sums[0])
-        fwd_k(*args, *outs)
-        return outs[0].double()
+        sums_k(**sums_args, out=sums)
+        fwd_k(**args, **outs)
+        return outs["loss"].double()
 
     kw = {"rho": RHO, "alpha": ALPHA, "vocab_size": VOCAB}
 

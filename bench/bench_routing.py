@@ -153,16 +153,17 @@ def overhead_case() -> Case:
 
     t, e, k = OVERHEAD
     z, ids, valid, _ = make_inputs(t, e, k, seed=1, device="cpu")
-    args = (z, ids, None, valid, 0, True, 1.0, -1.0)
-    outs = replay_topk_op.outputs(*args)
+    args = dict(logits=z, expert_ids=ids, expert_bias=None, valid=valid, score_function=0,
+                normalize=True, scaling=1.0, min_score_ratio=-1.0)  # fmt: skip
+    outs = replay_topk_op.outputs(**args)._asdict()
     raw = replay_topk_op.kernel("torch")
 
     def kernel():
-        raw(*args, *outs)
-        return outs[0], outs[1], outs[2]
+        raw(**args, **outs)
+        return outs["weights"], outs["routing_map"], outs["tokens_per_expert"]
 
     def op():
-        r = torch.ops.compass.replay_topk(*args)
+        r = torch.ops.compass.replay_topk(**args)
         return r[0], r[1], r[2]
 
     def api():

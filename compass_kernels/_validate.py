@@ -7,9 +7,56 @@ import math
 from collections.abc import Sequence
 
 import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+def should_check(validate: bool | None, *tensors: object) -> bool:
+    """Whether an op runs its data checks (finite values, offsets, ids in range):
+    the one rule every public op follows.
+
+    - ``validate=False``: never (the opt-out, on every device);
+    - never while tracing (torch.compile) or when a tensor is fake / meta, or a
+      dispatch mode is active: there is no data to read (not even with
+      ``validate=True``);
+    - ``validate=True``: always otherwise (on CUDA a host sync, asked for);
+    - ``validate=None`` (the default): on CPU tensors (host memory: no sync),
+      not on CUDA tensors (the GPU path never syncs by default).
+
+    The device is that of the first tensor among ``tensors``.
+    """
+    if validate is False:
+        return False
+    if validate is not None and validate is not True:
+        raise TypeError(f"validate: expected True, False or None, got {validate!r}")
+    if has_no_data(*tensors):
+        return False
+    if validate:
+        return True
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            return t.device.type == "cpu"
+    raise TypeError("should_check: needs at least one tensor")
+
+
+def has_no_data(*tensors: object) -> bool:
+    """True while tracing (torch.compile), under a dispatch mode (FakeTensorMode,
+    make_fx) or when a tensor is fake / meta: no data to read, kernels never run."""
+    return torch.compiler.is_compiling() or is_symbolic(tensors)
+
+
+def is_symbolic(values) -> bool:
+    """Whether a call must go through the dispatcher: a tensor that is not a plain
+    tensor with data (FakeTensor, meta, another subclass), or an active
+    TorchDispatchMode (FakeTensorMode, make_fx)."""
+    if is_in_torch_dispatch_mode():
+        return True
+    for a in values:
+        if isinstance(a, torch.Tensor) and (type(a) is not torch.Tensor or a.is_meta):
+            return True
+    return False
 
 
 def _dtype_names(dtypes: Sequence[torch.dtype]) -> str:
@@ -53,6 +100,7 @@ def check_finite(name: str, t: torch.Tensor) -> None:
     propagate; float32/half values cannot overflow a float64 sum), one
     reduction instead of isfinite + any. Only a bad tensor pays for the search.
     """
+    t = t.detach()  # a float of a requires-grad tensor warns; the check needs no graph
     if math.isfinite(float(t.sum(dtype=torch.float64))):
         return
     bad = ~torch.isfinite(t)

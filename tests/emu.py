@@ -119,7 +119,7 @@ def install() -> list[str]:
         capability, _, entry = spec.partition(".")
         if hasattr(getattr(mod, capability, None), entry):
             if BACKEND not in op.backends:
-                op.add_backend(BACKEND, EmulatedKernel(spec))
+                op.add_backend(BACKEND, EmulatedKernel(spec), positional=True)
             names.append(name)
     return names
 

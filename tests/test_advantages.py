@@ -216,7 +216,16 @@ def test_group_kernel_writes_every_output(backend, mode, backend_device):
         empty_poisoned(groups, torch.float64, backend_device),
         empty_poisoned(groups, torch.float64, backend_device),
     )
-    group_advantages_op.run((rewards, order, offsets, MODES[mode], 1e-6, 1e-6), backend, out)
+    group_advantages_op.run(
+        rewards=rewards,
+        order=order,
+        offsets=offsets,
+        mode=MODES[mode],
+        eps=1e-6,
+        zero_var_tol=1e-6,
+        backend=backend,
+        out=out,
+    )
     out = tuple(t.cpu() for t in out)
     ref_adv, ref_zv, ref_mean, ref_std = group_advantages_reference(rewards, ids, mode=mode)
     assert torch.equal(out[1], ref_zv)
@@ -336,7 +345,16 @@ def test_rl_zvp_matches_reference(n, with_adv, backend):
 def test_rl_zvp_kernel_writes_every_output(backend, backend_device):
     entropy, cu, rewards, zero_var, adv = make_sequences(29, seed=2, pad=17, device=backend_device)
     out = empty_poisoned(entropy.numel(), torch.float32, backend_device)
-    rl_zvp_op.run((entropy, cu, rewards, zero_var, adv.double(), 0.25), backend, (out,))
+    rl_zvp_op.run(
+        entropy=entropy,
+        cu_seqlens=cu,
+        rewards=rewards,
+        zero_var=zero_var,
+        advantages=adv.double(),
+        alpha=0.25,
+        backend=backend,
+        out=out,
+    )
     ref = rl_zvp_reference(entropy, cu, rewards, zero_var, alpha=0.25, advantages=adv.double())
     assert_verbose_allclose(out.cpu(), ref.float())
 
@@ -503,7 +521,16 @@ def test_gpu_group_advantages(backend, mode):
 def test_gpu_rl_zvp(backend):
     entropy, cu, rewards, zero_var, adv = make_sequences(257, seed=22, max_len=3000, device="cuda")
     out = empty_poisoned(entropy.numel(), torch.float32, "cuda")
-    rl_zvp_op.run((entropy, cu, rewards, zero_var, adv, 0.1), backend, (out,))
+    rl_zvp_op.run(
+        entropy=entropy,
+        cu_seqlens=cu,
+        rewards=rewards,
+        zero_var=zero_var,
+        advantages=adv,
+        alpha=0.1,
+        backend=backend,
+        out=out,
+    )
     ref = rl_zvp_reference(entropy, cu, rewards, zero_var, alpha=0.1, advantages=adv)
     assert_verbose_allclose(out.cpu(), ref.float())
 

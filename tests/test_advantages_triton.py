@@ -61,8 +61,20 @@ def _run_groups(rewards, order, offsets, mode, *, eps=1e-6, tol=1e-6, block=None
         empty_poisoned(groups, torch.float64, dev),
     )
     kw = {} if block is None else {"block": block}
-    group_advantages_triton(rewards.to(dev), order.to(dev), offsets.to(dev),
-                            mode, eps, tol, *outs, **kw)  # fmt: skip
+    adv, zero_var, group_mean, group_std = outs
+    group_advantages_triton(
+        rewards=rewards.to(dev),
+        order=order.to(dev),
+        offsets=offsets.to(dev),
+        mode=mode,
+        eps=eps,
+        zero_var_tol=tol,
+        adv=adv,
+        zero_var=zero_var,
+        group_mean=group_mean,
+        group_std=group_std,
+        **kw,
+    )
     return tuple(t.cpu() for t in outs)
 
 
@@ -172,17 +184,31 @@ def test_group_advantages_argument_errors():
     r = torch.zeros(4)
     order, offsets = torch.arange(4), torch.tensor([0, 4])
     adv, zv = torch.empty(4), torch.empty(4, dtype=torch.bool)
-    stats = (torch.empty(1, dtype=torch.float64), torch.empty(1, dtype=torch.float64))
+    stats = dict(
+        group_mean=torch.empty(1, dtype=torch.float64),
+        group_std=torch.empty(1, dtype=torch.float64),
+    )
+    kw = dict(
+        rewards=r,
+        order=order,
+        offsets=offsets,
+        mode=0,
+        eps=1e-6,
+        zero_var_tol=1e-6,
+        adv=adv,
+        zero_var=zv,
+        **stats,
+    )
     with pytest.raises(ValueError, match=r"adv: expected dtype float32, got float64\[4\]"):
-        group_advantages_triton(r, order, offsets, 0, 1e-6, 1e-6, adv.double(), zv, *stats)
+        group_advantages_triton(**(kw | {"adv": adv.double()}))
     with pytest.raises(
         ValueError, match=r"group_mean: expected 2 elements in dim 0 \(one per group"
     ):
-        group_advantages_triton(r, order, torch.tensor([0, 2, 4]), 0, 1e-6, 1e-6, adv, zv, *stats)
+        group_advantages_triton(**(kw | {"offsets": torch.tensor([0, 2, 4])}))
     with pytest.raises(ValueError, match=r"mode: expected 0 \(grpo\), 1 \(dr_grpo\) or 2 \(rloo\)"):
-        group_advantages_triton(r, order, offsets, 3, 1e-6, 1e-6, adv, zv, *stats)
+        group_advantages_triton(**(kw | {"mode": 3}))
     with pytest.raises(ValueError, match=r"block: expected a power of two"):
-        group_advantages_triton(r, order, offsets, 0, 1e-6, 1e-6, adv, zv, *stats, block=24)
+        group_advantages_triton(**kw, block=24)
 
 
 # ------------------------------------------------------------------------- RL-ZVP
@@ -210,8 +236,16 @@ def _run_zvp(entropy, cu, rewards, zero_var, advantages, alpha, *, block=None):
     out = empty_poisoned(entropy.numel(), torch.float32, dev)
     adv = None if advantages is None else advantages.to(dev)
     kw = {} if block is None else {"block": block}
-    rl_zvp_triton(entropy.to(dev), cu.to(dev), rewards.to(dev), zero_var.to(dev), adv,
-                  alpha, out, **kw)  # fmt: skip
+    rl_zvp_triton(
+        entropy=entropy.to(dev),
+        cu_seqlens=cu.to(dev),
+        rewards=rewards.to(dev),
+        zero_var=zero_var.to(dev),
+        advantages=adv,
+        alpha=alpha,
+        out=out,
+        **kw,
+    )
     return out.cpu()
 
 
@@ -268,11 +302,12 @@ def test_rl_zvp_tail_and_no_sequences():
 def test_rl_zvp_argument_errors():
     h, cu = torch.rand(5), torch.tensor([0, 2, 5])
     r, zv, out = torch.zeros(2), torch.zeros(2, dtype=torch.bool), torch.empty(5)
+    kw = dict(entropy=h, cu_seqlens=cu, rewards=r, zero_var=zv, advantages=None, alpha=0.1, out=out)
     with pytest.raises(ValueError, match=r"entropy: expected dtype float32, got float64"):
-        rl_zvp_triton(h.double(), cu, r, zv, None, 0.1, out)
+        rl_zvp_triton(**(kw | {"entropy": h.double()}))
     with pytest.raises(
         ValueError, match=r"zero_var: expected 2 elements in dim 0 \(one per sequence"
     ):
-        rl_zvp_triton(h, cu, r, zv[:1], None, 0.1, out)
+        rl_zvp_triton(**(kw | {"zero_var": zv[:1]}))
     with pytest.raises(ValueError, match=r"out: expected a contiguous tensor, got strides \(2,\)"):
-        rl_zvp_triton(h, cu, r, zv, None, 0.1, torch.empty(10)[::2])
+        rl_zvp_triton(**(kw | {"out": torch.empty(10)[::2]}))

@@ -1,5 +1,5 @@
-"""Conformance tests, one per bug class the peers shipped (../shared/ANCHORS.md,
-"Bug classes peers shipped"), each named after its class, plus the NaN / Inf and
+"""Conformance tests, one per bug class other RL kernel packages
+shipped, each named after its class, plus the NaN / Inf and
 empty-input policies of issue 21 item 5 (docs/design.md, "Validation and
 non-finite values" and "Verification levels")."""
 

@@ -64,7 +64,31 @@ def make_logits(rows: int, vocab: int, seed: int, dtype=torch.float32, *, masked
 def _fwd_poisoned(logits, targets, temperature, with_entropy, backend):
     rows = logits.shape[0]
     out = tuple(empty_poisoned(rows, torch.float32) for _ in range(4))
-    return token_logprobs_entropy_op.run((logits, targets, temperature, with_entropy), backend, out)
+    return token_logprobs_entropy_op.run(
+        logits=logits,
+        targets=targets,
+        temperature=temperature,
+        with_entropy=with_entropy,
+        backend=backend,
+        out=out,
+    )
+
+
+def _bwd(logits, targets, m, log_s, ent, gl, gh, temperature, vocab_start, backend, out):
+    """The backward op by name (poisoned ``out``)."""
+    return token_logprobs_entropy_bwd_op.run(
+        logits=logits,
+        targets=targets,
+        row_max=m,
+        log_norm=log_s,
+        entropy=ent,
+        grad_logprob=gl,
+        grad_entropy=gh,
+        temperature=temperature,
+        vocab_start=vocab_start,
+        backend=backend,
+        out=out,
+    )
 
 
 def check_forward(logits, targets, temperature, with_entropy, backend):
@@ -146,9 +170,7 @@ def test_65536_tokens():
     assert_verbose_allclose(ent, ref_h.float(), **TOL[torch.float32])
     grad = empty_poisoned((rows, vocab), torch.float32)
     gl = torch.randn(rows, generator=g)
-    token_logprobs_entropy_bwd_op.run(
-        (logits, targets, m, log_s, ent, gl, None, 1.0, 0), "torch", (grad,)
-    )
+    _bwd(logits, targets, m, log_s, ent, gl, None, 1.0, 0, "torch", grad)
     ref = torch.softmax(logits.double(), -1).neg_()
     ref[torch.arange(rows), targets] += 1
     assert_verbose_allclose(grad, (ref * gl.double()[:, None]).float(), **GRAD_TOL[torch.float32])
@@ -172,9 +194,7 @@ def reference_grad(logits, targets, temperature, gl, gh):
 def check_backward(logits, targets, temperature, gl, gh, backend):
     _, ent, m, log_s = _fwd_poisoned(logits, targets, temperature, True, backend)
     grad = empty_poisoned(logits.shape, logits.dtype)
-    token_logprobs_entropy_bwd_op.run(
-        (logits, targets, m, log_s, ent, gl, gh, temperature, 0), backend, (grad,)
-    )
+    _bwd(logits, targets, m, log_s, ent, gl, gh, temperature, 0, backend, grad)
     ref = reference_grad(logits, targets, temperature, gl, gh)
     assert_verbose_allclose(grad, ref.to(logits.dtype), name="grad", **GRAD_TOL[logits.dtype])
 
@@ -223,8 +243,7 @@ def test_small_target_gradient_survives_bf16():
     logits = z.to(torch.bfloat16)
     _, ent, m, log_s = _fwd_poisoned(logits, y, 1.0, True, "torch")
     grad = empty_poisoned(logits.shape, torch.bfloat16)
-    args = (logits, y, m, log_s, ent, torch.ones(8), None, 1.0, 0)
-    token_logprobs_entropy_bwd_op.run(args, "torch", (grad,))
+    _bwd(logits, y, m, log_s, ent, torch.ones(8), None, 1.0, 0, "torch", grad)
     ref = reference_grad(logits, y, 1.0, torch.ones(8), None)
     target_grad = grad[torch.arange(8), y].double()
     assert bool((target_grad > 5e-4).all()), target_grad
@@ -245,8 +264,9 @@ def check_tile_stats(backend):
     state[1:] = 0
     for v0, v1 in ((0, 1), (1, 300), (300, 999), (999, 1000)):
         out = empty_poisoned((4, 11), torch.float32)
-        logprobs_tile_stats_op.run((logits[:, v0:v1], targets, v0, 0.9, True, state), backend,
-                                   (out,))  # fmt: skip
+        logprobs_tile_stats_op.run(logits=logits[:, v0:v1], targets=targets, vocab_start=v0,
+                                   temperature=0.9, with_entropy=True, state_in=state,
+                                   backend=backend, out=out)  # fmt: skip
         state = out
     m, s, a, xt = state
     ref_lp, ref_h = token_logprobs_entropy_reference(logits, targets, 0.9)

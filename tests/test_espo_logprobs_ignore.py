@@ -41,8 +41,10 @@ def _problem(rows=9, vocab=1025, dtype=torch.float32, seed=0):
 
 def _run_fwd(logits, y, backend, device):
     out = tuple(empty_poisoned(logits.shape[0], torch.float32, device) for _ in range(4))
-    args = (logits.to(device), y.to(device), 0.9, True)
-    return [t.cpu() for t in token_logprobs_entropy_op.run(args, backend, out)]
+    res = token_logprobs_entropy_op.run(logits=logits.to(device), targets=y.to(device),
+                                        temperature=0.9, with_entropy=True, backend=backend,
+                                        out=out)  # fmt: skip
+    return [t.cpu() for t in res]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -59,9 +61,12 @@ def test_ignore_index_forward_and_backward(backend, device, dtype):
     gl, gh = torch.randn(9, generator=g), torch.randn(9, generator=g)
     for grads in ((gl, gh), (gl, None)):
         grad = empty_poisoned(logits.shape, dtype, device)
-        args = (logits.to(device), y.to(device), m.to(device), log_s.to(device), ent.to(device),
-                *(None if t is None else t.to(device) for t in grads), 0.9, 0)  # fmt: skip
-        token_logprobs_entropy_bwd_op.run(args, backend, (grad,))
+        gl_d, gh_d = (None if t is None else t.to(device) for t in grads)
+        token_logprobs_entropy_bwd_op.run(
+            logits=logits.to(device), targets=y.to(device), row_max=m.to(device),
+            log_norm=log_s.to(device), entropy=ent.to(device), grad_logprob=gl_d,
+            grad_entropy=gh_d, temperature=0.9, vocab_start=0, backend=backend, out=grad,
+        )  # fmt: skip
         ref = reference_grad(logits, y, 0.9, *grads)
         assert_verbose_allclose(grad.cpu(), ref.to(dtype), name="grad", **GRAD_TOL[dtype])
         if grads[1] is None:  # log-prob gradient only: the ignored rows get none

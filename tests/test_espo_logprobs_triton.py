@@ -37,10 +37,26 @@ pytestmark = [
 ]
 
 
+def _fwd(logits, targets, temperature, with_entropy, outs, **kw):
+    """The forward wrapper by name; ``outs``: logp, entropy, row_max, log_norm."""
+    names = ("logp", "entropy", "row_max", "log_norm")
+    kt.token_logprobs_entropy_triton(
+        logits=logits, targets=targets, temperature=temperature, with_entropy=with_entropy,
+        **dict(zip(names, outs, strict=True)), **kw,
+    )  # fmt: skip
+
+
+def _bwd(logits, targets, m, log_s, ent, gl, gh, temperature, vocab_start, grad, **kw):
+    kt.token_logprobs_entropy_bwd_triton(
+        logits=logits, targets=targets, row_max=m, log_norm=log_s, entropy=ent, grad_logprob=gl,
+        grad_entropy=gh, temperature=temperature, vocab_start=vocab_start, grad_logits=grad, **kw,
+    )  # fmt: skip
+
+
 def _forward(logits, targets, temperature, with_entropy, block):
     rows = logits.shape[0]
     outs = [empty_poisoned(rows, torch.float32, DEVICE) for _ in range(4)]
-    kt.token_logprobs_entropy_triton(logits, targets, temperature, with_entropy, *outs, block=block)
+    _fwd(logits, targets, temperature, with_entropy, outs, block=block)
     return outs
 
 
@@ -69,11 +85,9 @@ def test_forward_and_backward(shape, block, dtype):
     gl, gh = torch.randn(shape[0], generator=g), torch.randn(shape[0], generator=g)
     for gls, ghs in ((gl, gh), (gl, None), (None, gh)):
         grad = empty_poisoned(shape, dtype, DEVICE)
-        kt.token_logprobs_entropy_bwd_triton(
-            z, y, m, log_s, ent,
-            None if gls is None else gls.to(DEVICE), None if ghs is None else ghs.to(DEVICE),
-            0.7, 0, grad, block=block,
-        )  # fmt: skip
+        _bwd(z, y, m, log_s, ent,
+             None if gls is None else gls.to(DEVICE), None if ghs is None else ghs.to(DEVICE),
+             0.7, 0, grad, block=block)  # fmt: skip
         ref = reference_grad(logits, targets, 0.7, gls, ghs)
         assert_verbose_allclose(grad.cpu(), ref.to(dtype), name="grad", **GRAD_TOL[dtype])
 
@@ -93,7 +107,9 @@ def test_tile_stats_and_vocab_offset():
     state[0] = float("-inf")
     for v0, v1 in ((0, 100), (100, 101), (101, 300)):
         out = empty_poisoned((4, 9), torch.float32, DEVICE)
-        kt.logprobs_tile_stats_triton(z[:, v0:v1], y, v0, 1.3, True, state, out, block=16)
+        kt.logprobs_tile_stats_triton(logits=z[:, v0:v1], targets=y, vocab_start=v0,
+                                      temperature=1.3, with_entropy=True, state_in=state,
+                                      state_out=out, block=16)  # fmt: skip
         state = out
     m, s, a, zt = state.cpu()
     ref_lp, ref_h = token_logprobs_entropy_reference(logits, targets, 1.3)
@@ -104,10 +120,9 @@ def test_tile_stats_and_vocab_offset():
     logp, ent, m, log_s = _forward(z, y, 1.3, True, 16)
     gl = torch.ones(9, device=DEVICE)
     full = empty_poisoned((9, 300), torch.float32, DEVICE)
-    kt.token_logprobs_entropy_bwd_triton(z, y, m, log_s, ent, gl, None, 1.3, 0, full, block=16)
+    _bwd(z, y, m, log_s, ent, gl, None, 1.3, 0, full, block=16)
     tile = empty_poisoned((9, 200), torch.float32, DEVICE)
-    kt.token_logprobs_entropy_bwd_triton(z[:, 100:], y, m, log_s, ent, gl, None, 1.3, 100, tile,
-                                         block=16)  # fmt: skip
+    _bwd(z[:, 100:], y, m, log_s, ent, gl, None, 1.3, 100, tile, block=16)
     assert_verbose_allclose(tile, full[:, 100:], atol=0, rtol=0)
 
 
@@ -140,14 +155,13 @@ def test_bad_inputs_triton_wrappers():
     z, y = torch.randn(3, 10, device=DEVICE), torch.zeros(3, dtype=torch.int64, device=DEVICE)
     outs = [torch.empty(3, device=DEVICE) for _ in range(4)]
     with pytest.raises(ValueError, match="targets: expected dtype int64"):
-        kt.token_logprobs_entropy_triton(z, y.int(), 1.0, True, *outs)
+        _fwd(z, y.int(), 1.0, True, outs)
     with pytest.raises(ValueError, match="temperature: expected a finite value > 0"):
-        kt.token_logprobs_entropy_triton(z, y, 0.0, True, *outs)
+        _fwd(z, y, 0.0, True, outs)
     with pytest.raises(ValueError, match="log_norm: expected 3 elements"):
-        kt.token_logprobs_entropy_triton(z, y, 1.0, True, *outs[:3], torch.empty(2, device=DEVICE))
+        _fwd(z, y, 1.0, True, [*outs[:3], torch.empty(2, device=DEVICE)])
     with pytest.raises(ValueError, match="grad_logits: expected shape"):
-        kt.token_logprobs_entropy_bwd_triton(z, y, *outs[2:], outs[1], None, None, 1.0, 0,
-                                             torch.empty(3, 9, device=DEVICE))  # fmt: skip
+        _bwd(z, y, *outs[2:], outs[1], None, None, 1.0, 0, torch.empty(3, 9, device=DEVICE))
 
 
 # ------------------------------------------------------------ sm_90 compile

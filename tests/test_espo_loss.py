@@ -377,30 +377,60 @@ def test_kernels_write_every_output(backend, config, backend_device):
         thr = torch.zeros(0, dtype=torch.float64, device=dev)
     n, total, width = cu.numel() - 1, lp.numel(), stat_width(K)
     sums = empty_poisoned(n * K * 3, torch.float64, dev)
-    espo_group_sums_op.run((ent, lp, old, cu, mask, thr, K, flags), backend, (sums,))
-    ref_sums = espo_group_sums_op.run((ent.cpu(), lp.cpu(), old.cpu(), cu.cpu(),
-                                       None if mask is None else mask.cpu(), thr.cpu(), K, flags),
-                                      "torch")  # fmt: skip
+    sums_args = dict(
+        entropy=ent,
+        logprobs=lp,
+        old_logprobs=old,
+        cu_seqlens=cu,
+        mask=mask,
+        thresholds=thr,
+        num_groups=K,
+        flags=flags,
+    )
+    espo_group_sums_op.run(**sums_args, backend=backend, out=sums)
+    ref_sums = espo_group_sums_op.run(**_on_cpu(sums_args), backend="torch")
     assert_verbose_allclose(sums.cpu(), ref_sums, atol=1e-9, rtol=1e-12, name="sums")
     el, eh = (0.0, 0.0) if cfg.adaptive else (cfg.eps_low, cfg.eps_high)
-    args = (lp, old, ent, adv, cu, mask, thr, sums, K, flags, el, eh,
-            cfg.alpha / cfg.log_vocab if cfg.adaptive else 0.0, cfg.dual_clip, cfg.log_lo,
-            cfg.log_hi, 1.0 / n, 1)  # fmt: skip
+    args = dict(
+        logprobs=lp,
+        old_logprobs=old,
+        entropy=ent,
+        advantages=adv,
+        cu_seqlens=cu,
+        mask=mask,
+        thresholds=thr,
+        sums=sums,
+        num_groups=K,
+        flags=flags,
+        eps_low=el,
+        eps_high=eh,
+        eps_scale=cfg.alpha / cfg.log_vocab if cfg.adaptive else 0.0,
+        dual_clip=cfg.dual_clip,
+        log_lo=cfg.log_lo,
+        log_hi=cfg.log_hi,
+        inv_num_seqs=1.0 / n,
+        need_grad=True,
+    )
     f32, f64 = torch.float32, torch.float64
     outs = (empty_poisoned((), f32, dev), empty_poisoned(total, f32, dev),
             empty_poisoned(n * width, f64, dev), empty_poisoned(width, f64, dev))  # fmt: skip
-    espo_loss_forward_op.run(args, backend, outs)
-    cpu_args = tuple(a.cpu() if isinstance(a, torch.Tensor) else a for a in args)
-    ref = espo_loss_forward_op.run(cpu_args, "torch")
-    for name, got, want in zip(("loss", "grad", "seq_stats", "stats"), outs, ref, strict=True):
-        assert_verbose_allclose(got.cpu(), want, atol=1e-7, rtol=1e-6, name=name)
+    outs = espo_loss_forward_op.run(**args, backend=backend, out=outs)
+    ref = espo_loss_forward_op.run(**_on_cpu(args), backend="torch")
+    for name in ref._fields:
+        assert_verbose_allclose(
+            getattr(outs, name).cpu(), getattr(ref, name), atol=1e-7, rtol=1e-6, name=name
+        )
     rloss, rgrad, _ = _reference((lp, old, ent, adv, cu, mask), CONFIGS[config])
     assert_verbose_allclose(outs[0].cpu().double(), rloss.detach(), atol=1e-6, rtol=1e-5)
     assert_verbose_allclose(outs[1].cpu().double(), rgrad, atol=1e-8, rtol=1e-5)
     out = empty_poisoned(total, torch.float32, dev)
     g = torch.tensor([2.5], device=dev)
-    espo_loss_backward_op.run((g, outs[1]), backend, (out,))
+    espo_loss_backward_op.run(grad_loss=g, grad_coef=outs.grad, backend=backend, out=out)
     assert_verbose_allclose(out.cpu(), 2.5 * outs[1].cpu(), atol=0, rtol=0)
+
+
+def _on_cpu(args: dict) -> dict:
+    return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
 
 
 # ------------------------------------------------------------ bad inputs
@@ -487,15 +517,45 @@ def test_advantages_layout_must_be_said_when_ambiguous():
 def test_opcheck_registered_ops():
     lp, old, ent, adv, cu, mask = make_batch(6, seed=12, masked=0.2)
     thr = ck.espo.entropy_thresholds(ent, cu, mask, levels=(0.8,))
-    sums_args = (ent, lp, old, cu, mask, thr, 2, 8)
-    torch.library.opcheck(torch.ops.compass.espo_group_sums.default, sums_args)
-    sums = espo_group_sums_op(*sums_args)
+    sums_args = dict(
+        entropy=ent,
+        logprobs=lp,
+        old_logprobs=old,
+        cu_seqlens=cu,
+        mask=mask,
+        thresholds=thr,
+        num_groups=2,
+        flags=8,
+    )
+    torch.library.opcheck(torch.ops.compass.espo_group_sums.default, (), sums_args)
+    sums = espo_group_sums_op(**sums_args)
     x = lp.clone().requires_grad_()
-    args = (x, old, ent, adv, cu, mask, thr, sums, 2, 8, 0.0, 0.0, 0.003, 0.0, -20.0, 20.0,
-            1.0 / 6, 1)  # fmt: skip
-    torch.library.opcheck(torch.ops.compass.espo_loss_forward.default, args)
-    torch.library.opcheck(torch.ops.compass.espo_loss_backward.default,
-                          (torch.ones(1), torch.randn(lp.numel())))  # fmt: skip
+    args = dict(
+        logprobs=x,
+        old_logprobs=old,
+        entropy=ent,
+        advantages=adv,
+        cu_seqlens=cu,
+        mask=mask,
+        thresholds=thr,
+        sums=sums,
+        num_groups=2,
+        flags=8,
+        eps_low=0.0,
+        eps_high=0.0,
+        eps_scale=0.003,
+        dual_clip=0.0,
+        log_lo=-20.0,
+        log_hi=20.0,
+        inv_num_seqs=1.0 / 6,
+        need_grad=True,
+    )
+    torch.library.opcheck(torch.ops.compass.espo_loss_forward.default, (), args)
+    torch.library.opcheck(
+        torch.ops.compass.espo_loss_backward.default,
+        (),
+        dict(grad_loss=torch.ones(1), grad_coef=torch.randn(lp.numel())),
+    )
 
 
 def test_traces_under_torch_compile():

@@ -52,10 +52,12 @@ def make_weight(rows, cols, dtype, seed, device="cpu"):
 def run_quantize(x, block_rows, eps, ue8m0, use_div, layout, backend):
     """Through the op with poisoned outputs: an element a kernel skips shows."""
     code = ck.fp8.SCALE_LAYOUTS[layout]
-    q, s = quantize_op.outputs(x, block_rows, 128, eps, ue8m0, use_div, code)
+    args = dict(x=x, block_rows=block_rows, block_cols=128, eps=eps, ue8m0=ue8m0, use_div=use_div,
+                scale_layout=code)  # fmt: skip
+    q, s = quantize_op.outputs(**args)
     poison_(q)
     poison_(s)
-    return quantize_op.run((x, block_rows, 128, eps, ue8m0, use_div, code), backend, (q, s))
+    return quantize_op.run(**args, backend=backend, out=(q, s))
 
 
 # --------------------------------------------------------- e4m3 conversion

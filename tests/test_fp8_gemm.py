@@ -32,11 +32,15 @@ def _rel(backend):
     return GPU_REL_ERR if device_for(backend) == "cuda" else 1e-5
 
 
+OPERANDS = ("a_q", "a_scales", "b_q", "b_scales", "expert_offsets")  # make_problem's tuple, by name
+
+
 def _run(args, backend, out_dtype=torch.bfloat16):
     m, n = args[0].shape[0], args[2].shape[1]
     dev = device_for(backend)
     out = empty_poisoned((m, n), out_dtype, dev)
-    grouped_gemm_op.run((*(a.to(dev) for a in args), OUT_DTYPES[out_dtype]), backend, (out,))
+    operands = {n: a.to(dev) for n, a in zip(OPERANDS, args, strict=True)}
+    grouped_gemm_op.run(**operands, out_dtype=OUT_DTYPES[out_dtype], backend=backend, out=out)
     return out.cpu()
 
 
@@ -96,7 +100,15 @@ BAD = [
     ({"b_scales": _GOOD[3].to(torch.float64)}, "b_scales: expected dtype float32"),
     ({"b_scales": _GOOD[3][:, :, :1]}, "b_scales: expected shape"),
     ({"expert_offsets": _GOOD[4].to(torch.int32)}, "expert_offsets: expected dtype int64"),
-    ({"expert_offsets": _GOOD[4][:2]}, "expert_offsets: expected 3 elements"),
+    # weights and offsets for different expert counts: the weights are blamed (the
+    # offsets come from the routing), both counts named
+    (
+        {"b_q": _GOOD[2][:1], "b_scales": _GOOD[3][:1]},
+        r"b_q: expected weights for 2 experts in dim 0 \(expert_offsets has 3 = E \+ 1",
+    ),
+    ({"expert_offsets": _GOOD[4][:2]}, "b_q: expected weights for 1 experts in dim 0"),
+    ({"expert_offsets": _GOOD[4][:1]}, "expert_offsets: expected E . 1 >= 2 elements"),
+    ({"expert_offsets": _GOOD[4][None]}, "expert_offsets: expected a 1-d tensor"),
 ]
 BAD_DATA = [
     (torch.tensor([0, 3, 2], dtype=torch.int64), "expert_offsets: expected non-decreasing"),
@@ -187,7 +199,8 @@ def test_gpu_backends_match_reference(backend):
     args = _gpu_problem()
     dev = [t.cuda() for t in args]
     out = empty_poisoned((args[0].shape[0], GPU_PROBLEM["n"]), torch.bfloat16, "cuda")
-    grouped_gemm_op.run((*dev, 0), backend, (out,))
+    grouped_gemm_op.run(**dict(zip(OPERANDS, dev, strict=True)), out_dtype=0, backend=backend,
+                        out=out)  # fmt: skip
     check_close(out.cpu(), args, rel_err=GPU_REL_ERR)
 
 

@@ -46,10 +46,13 @@ def _expected(a_q, a_s, b_q, b_s, off, out):
     return shapes, torch.stack([rows[r] for r in PTR_ROWS])
 
 
+NAMES = ("a_q", "a_scales", "b_q", "b_scales", "expert_offsets", "gemm_out")  # _operands', by name
+
+
 def _run(args, backend):
     e = args[2].shape[0]
     outs = (empty_poisoned((e, 3), torch.int32), empty_poisoned((5, e), torch.int64))
-    return grouped_args_op.run(args, backend, outs)
+    return grouped_args_op.run(**dict(zip(NAMES, args, strict=True)), backend=backend, out=outs)
 
 
 # More experts than one block of the builder (128 threads), empty ones first,
@@ -75,15 +78,17 @@ def test_builder_matches_addresses(backend, counts, out_dtype):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_builder_checks_arguments(backend):
     args = _operands([2, 3])
+    kw = dict(zip(NAMES, args, strict=True))
     shapes, ptrs = torch.empty(2, 3, dtype=torch.int32), torch.empty(5, 2, dtype=torch.int64)
     with pytest.raises(ValueError, match="shapes: expected dtype int32"):
-        grouped_args_op.run(args, backend, (shapes.long(), ptrs))
+        grouped_args_op.run(**kw, backend=backend, out=(shapes.long(), ptrs))
     with pytest.raises(ValueError, match="ptrs: expected size 5"):
-        grouped_args_op.run(args, backend, (shapes, ptrs[:4]))
+        grouped_args_op.run(**kw, backend=backend, out=(shapes, ptrs[:4]))
     if backend != "cpp":  # the CUDA builder never reads offsets on the host (no sync)
         return
     with pytest.raises(ValueError, match=r"expert_offsets: expected expert_offsets\[-1\]"):
-        grouped_args_op.run((*args[:4], torch.tensor([0, 2, 4]), args[5]), backend, (shapes, ptrs))
+        grouped_args_op.run(**(kw | {"expert_offsets": torch.tensor([0, 2, 4])}),
+                            backend=backend, out=(shapes, ptrs))  # fmt: skip
 
 
 # Planted bugs (tests/test_fp8_gemm_args.mutants.cmake): each must fail

@@ -32,7 +32,9 @@ def test_cutlass_matches_reference(case, n, k):
     args = make_problem(CASES[case], n, k, seed=len(CASES[case]) + n)
     dev = [t.cuda() for t in args]
     out = empty_poisoned((args[0].shape[0], n), torch.bfloat16, "cuda")
-    grouped_gemm_op.run((*dev, 0), "cuda", (out,))
+    names = ("a_q", "a_scales", "b_q", "b_scales", "expert_offsets")
+    grouped_gemm_op.run(**dict(zip(names, dev, strict=True)), out_dtype=0, backend="cuda",
+                        out=out)  # fmt: skip
     torch.cuda.synchronize()
     check_close(out.cpu(), args, rel_err=GPU_REL_ERR)
 
@@ -52,5 +54,6 @@ def test_cutlass_cpp_checks_misaligned_views():
     shifted.copy_(a_q)
     out = torch.empty(5, 64, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(ValueError, match="a_q: the CUTLASS kernel needs a 16-byte aligned"):
-        grouped_gemm_op.run((shifted, a_s, b_q, b_s, off, 0), "cuda", (out,))
+        grouped_gemm_op.run(a_q=shifted, a_scales=a_s, b_q=b_q, b_scales=b_s, expert_offsets=off,
+                            out_dtype=0, backend="cuda", out=out)  # fmt: skip
     torch.cuda.synchronize()  # the context is still usable

@@ -34,11 +34,12 @@ def make_routing(m, k, experts, seed, dtype=torch.int64, distinct=True):
 
 
 def run_permute(x, ids, experts, layout, backend, ue8m0=False):
-    args = (x, ids, experts, 1e-10, ue8m0, SCALE_LAYOUTS[layout])
-    out = permute_op.outputs(*args)
+    args = dict(x=x, topk_ids=ids, num_experts=experts, eps=1e-10, ue8m0=ue8m0,
+                scale_layout=SCALE_LAYOUTS[layout])  # fmt: skip
+    out = permute_op.outputs(**args)
     for t in out[:5]:
         poison_(t)
-    return permute_op.run(args, backend, out)
+    return permute_op.run(**args, backend=backend, out=out)
 
 
 CASES = [
@@ -121,10 +122,11 @@ def test_unpermute_matches_reference(backend, dtype, backend_device):
     w = torch.rand(m, k, generator=g)
     dst = p.dst_index.clone()
     dst[5] = -1  # a dropped slot (expert parallelism: not on this rank)
-    out = unpermute_op.outputs(y, dst, w)[0]
+    out = unpermute_op.outputs(y=y, dst_index=dst, topk_weights=w)
     poison_(out)
     dev = backend_device
-    out = unpermute_op.run((y.to(dev), dst.to(dev), w.to(dev)), backend, (out.to(dev),))
+    out = unpermute_op.run(y=y.to(dev), dst_index=dst.to(dev), topk_weights=w.to(dev),
+                           backend=backend, out=out.to(dev))  # fmt: skip
     assert_bitwise_equal(out.cpu(), unpermute_reference(y, dst, w), name="out")
 
 
@@ -255,13 +257,14 @@ def test_triton_scatter_grid_stride_over_tokens():
     g = make_generator(77)
     x = (torch.randn(23, 2100, generator=g) * 3).to(torch.bfloat16)
     ids = make_routing(23, 3, 5, seed=78, dtype=torch.int32, distinct=False)
-    args = (x, ids, 5, 1e-10, False, SCALE_LAYOUTS["mn_major"])
-    want = permute_op.run(args, "torch", permute_op.outputs(*args))
-    dargs = (x.to(DEVICE), ids.to(DEVICE), *args[2:])
-    out = permute_op.outputs(*dargs)
+    args = dict(x=x, topk_ids=ids, num_experts=5, eps=1e-10, ue8m0=False,
+                scale_layout=SCALE_LAYOUTS["mn_major"])  # fmt: skip
+    want = permute_op.run(**args, backend="torch", out=permute_op.outputs(**args))
+    dargs = args | {"x": x.to(DEVICE), "topk_ids": ids.to(DEVICE)}
+    out = permute_op.outputs(**dargs)
     for t in out[:5]:
         poison_(t)
-    permute_quantize_triton(*dargs, *out, num_programs=2)
+    permute_quantize_triton(**dargs, **out._asdict(), num_programs=2)
     for name, a, b in zip(("q", "scales", "offsets", "src", "dst"), out[:5], want[:5], strict=True):
         a = a.cpu()
         a, b = (

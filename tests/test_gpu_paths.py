@@ -71,16 +71,34 @@ def test_thd_pack_unpack_positions_on_device(device, cp):
         packed = []
         for r in range(cp):
             out = empty_poisoned((total, w), torch.uint8, device)
-            kp.thd_pack_triton(src, t(src_cu[idx]), t(seqlens), t(off), cp, r, 0x5A, total, out)
+            kp.thd_pack_triton(
+                src=src,
+                seq_start=t(src_cu[idx]),
+                seqlens=t(seqlens),
+                out_offsets=t(off),
+                cp_size=cp,
+                cp_rank=r,
+                fill=0x5A,
+                total=total,
+                out=out,
+            )
             want = pref.pack_reference(src.cpu(), lengths, idx, pad_multiple=pad, cp_size=cp,
                                        cp_rank=r, pad_value=0x5A)  # fmt: skip
             assert torch.equal(out.cpu(), want["packed"]), (w, r)
             packed.append(out)
             pos = empty_poisoned(total, torch.int64, device)
-            kp.thd_positions_triton(t(off), cp, r, total, pos)
+            kp.thd_positions_triton(out_offsets=t(off), cp_size=cp, cp_rank=r, total=total, out=pos)
             assert torch.equal(pos.cpu(), want["position_ids"]), (w, r)
         out = empty_poisoned((int(cu[-1]), w), torch.uint8, device)
-        kp.thd_unpack_triton(torch.cat(packed), t(seqlens), t(cu), t(off), cp, int(cu[-1]), out)
+        kp.thd_unpack_triton(
+            packed=torch.cat(packed),
+            seqlens=t(seqlens),
+            cu_seqlens=t(cu),
+            out_offsets=t(off),
+            cp_size=cp,
+            total=int(cu[-1]),
+            out=out,
+        )
         want = torch.cat([src[src_cu[i] : src_cu[i + 1]] for i in idx]).cpu()
         assert torch.equal(out.cpu(), want), w
 
@@ -100,16 +118,19 @@ def test_triton_logprobs_151936_bf16_on_device(device, odd_stride):
     z = store.to(device)[:, :vocab]  # odd stride: rows start off 16 bytes (the head path)
     y = targets.to(device)
     outs = [empty_poisoned(rows, torch.float32, device) for _ in range(4)]
-    kl.token_logprobs_entropy_triton(z, y, 0.8, True, *outs)
     logp, ent, m, log_s = outs
+    kl.token_logprobs_entropy_triton(logits=z, targets=y, temperature=0.8, with_entropy=True,
+                                     logp=logp, entropy=ent, row_max=m, log_norm=log_s)  # fmt: skip
     ref_lp, ref_h = token_logprobs_entropy_reference(logits, targets, 0.8)
     assert_verbose_allclose(logp.cpu(), ref_lp.float(), name="logp", **TOL[torch.bfloat16])
     assert_verbose_allclose(ent.cpu(), ref_h.float(), name="entropy", **TOL[torch.bfloat16])
     gen = torch.Generator().manual_seed(7)
     gl, gh = torch.randn(rows, generator=gen), torch.randn(rows, generator=gen)
     grad = empty_poisoned((rows, vocab), torch.bfloat16, device)
-    kl.token_logprobs_entropy_bwd_triton(z, y, m, log_s, ent, gl.to(device), gh.to(device), 0.8,
-                                         0, grad)  # fmt: skip
+    kl.token_logprobs_entropy_bwd_triton(logits=z, targets=y, row_max=m, log_norm=log_s,
+                                         entropy=ent, grad_logprob=gl.to(device),
+                                         grad_entropy=gh.to(device), temperature=0.8,
+                                         vocab_start=0, grad_logits=grad)  # fmt: skip
     ref = reference_grad(logits, targets, 0.8, gl, gh)
     assert_verbose_allclose(grad.cpu(), ref.to(torch.bfloat16), name="grad",
                             **GRAD_TOL[torch.bfloat16])  # fmt: skip

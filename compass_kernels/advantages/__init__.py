@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import math
 import sys
+from typing import NamedTuple
 
 import torch
 
-from compass_kernels._op import has_no_data, register_op
+from compass_kernels._op import op
 from compass_kernels._validate import (
     FLOAT_DTYPES,
     INT_DTYPES,
@@ -25,6 +26,8 @@ from compass_kernels._validate import (
     check_offsets,
     check_tensor,
     describe,
+    has_no_data,
+    should_check,
 )
 
 __all__ = [
@@ -99,39 +102,75 @@ class GroupStats:
 # its fake (the output allocator), the backend table and the dispatch.
 
 
-def _group_outputs(rewards, order, offsets, mode, eps, zero_var_tol):
-    # The cheapest torch factories per call (measured: empty_like(dtype=) 1.4 us,
-    # empty(Size, ...) 3.5 us); this runs on every call and is also the fake.
-    groups, dev = len(offsets) - 1, rewards.device
-    return (
-        torch.empty_like(rewards),
-        torch.empty_like(rewards, dtype=torch.bool),
-        torch.empty(groups, dtype=torch.float64, device=dev),
-        torch.empty(groups, dtype=torch.float64, device=dev),
-    )
+class GroupAdvantages(NamedTuple):
+    """Outputs of :data:`group_advantages_op`."""
+
+    adv: torch.Tensor  # [n] rewards' dtype
+    zero_var: torch.Tensor  # [n] bool
+    group_mean: torch.Tensor  # [G] float64
+    group_std: torch.Tensor  # [G] float64
 
 
-group_advantages_op = register_op(
-    "group_advantages",
-    "(Tensor rewards, Tensor order, Tensor offsets, int mode, float eps, float zero_var_tol)"
-    " -> (Tensor, Tensor, Tensor, Tensor)",
-    outputs=_group_outputs,
+@op(
     kernels={
         "torch": "compass_kernels.advantages.reference:group_advantages_torch",
         "triton": "compass_kernels.advantages.triton:group_advantages_triton",
-    },
+    }
 )
+def group_advantages_op(
+    rewards: torch.Tensor,
+    order: torch.Tensor,
+    offsets: torch.Tensor,
+    mode: int,
+    eps: float,
+    zero_var_tol: float,
+) -> GroupAdvantages:
+    """Per-group statistics and per-sample advantages over a grouping plan.
 
-rl_zvp_op = register_op(
-    "rl_zvp",
-    "(Tensor entropy, Tensor cu_seqlens, Tensor rewards, Tensor zero_var, Tensor? advantages,"
-    " float alpha) -> Tensor",
-    outputs=lambda entropy, *_: (torch.empty_like(entropy),),
+    rewards : [n] float32 | float64, contiguous.
+    order : [n] int64, a permutation of 0..n-1: group g's members are
+        ``order[offsets[g]:offsets[g+1]]``.
+    offsets : [G+1] int64, offsets[0] == 0, non-decreasing, offsets[G] == n.
+    mode : 0 GRPO ``(r - mean) / (std + eps)``, 1 Dr.GRPO ``r - mean``, 2 RLOO.
+    eps : added to the std in GRPO.
+    zero_var_tol : a group is zero-variance when it has < 2 members or its
+        unbiased float64 std is <= this; its advantages are exactly 0.
+
+    Returns adv [n] (rewards' dtype), zero_var [n] bool, group_mean and
+    group_std [G] float64. The body allocates them (also the fake): the cheapest
+    torch factories per call (empty_like(dtype=) 1.4 us, empty(Size, ...) 3.5 us).
+    """
+    groups, dev = len(offsets) - 1, rewards.device
+    return GroupAdvantages(
+        adv=torch.empty_like(rewards),
+        zero_var=torch.empty_like(rewards, dtype=torch.bool),
+        group_mean=torch.empty(groups, dtype=torch.float64, device=dev),
+        group_std=torch.empty(groups, dtype=torch.float64, device=dev),
+    )
+
+
+@op(
     kernels={
         "torch": "compass_kernels.advantages.reference:rl_zvp_torch",
         "triton": "compass_kernels.advantages.triton:rl_zvp_triton",
-    },
+    }
 )
+def rl_zvp_op(
+    entropy: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    rewards: torch.Tensor,
+    zero_var: torch.Tensor,
+    advantages: torch.Tensor | None,
+    alpha: float,
+) -> torch.Tensor:
+    """RL-ZVP token advantages.
+
+    entropy : [T] float32. cu_seqlens : [n+1] int64, cu[0] == 0, non-decreasing,
+    cu[n] <= T. rewards : [n] float32 | float64. zero_var : [n] bool.
+    advantages : [n] float32 | float64 or None (0). alpha : the scale.
+    Returns out [T] float32 (tokens past cu[n] get 0).
+    """
+    return torch.empty_like(entropy)
 
 
 # ------------------------------------------------------------- public API
@@ -196,20 +235,6 @@ def _size_plan(n: int, group_size: int, device: torch.device):
     return plan
 
 
-def _python_checks(validate: bool | None, device: torch.device, *tensors: torch.Tensor) -> bool:
-    """Whether to run the checks that read the data (finite values, offsets).
-
-    On CPU tensors they are cheap: on unless validate=False. On CUDA they need a
-    host sync: opt-in (validate=True), so the GPU path never syncs by default.
-    Under torch.compile only an explicit validate=True checks (a data-dependent
-    branch breaks the graph). Never on fake / meta tensors (no data to read)."""
-    if has_no_data(*tensors):  # tracing, FakeTensorMode, meta: no data to read
-        return False
-    if validate is None:
-        return device.type == "cpu"
-    return bool(validate)
-
-
 def _check_magnitude(rewards: torch.Tensor) -> None:
     """float64 rewards whose group sums or squared deviations would overflow float64
     (|r| near 1e308 turned into NaN advantages): refused, naming the bound. The
@@ -257,8 +282,9 @@ def group_advantages(
     eps : added to the std in "grpo".
     zero_var_tol : a group is zero-variance when it has one sample or its
         unbiased std, computed in float64, is <= this; its advantages are exactly 0.
-    validate : check that rewards are finite. On by default for CPU tensors; on
-        CUDA the check needs a host sync: off by default, on with validate=True.
+    validate : check that rewards are finite (``_validate.should_check``): None
+        (default) on CPU tensors, not on CUDA (a host sync); True everywhere;
+        False never; never on fake / meta tensors or while tracing.
         NaN / Inf policy: rewards must be finite (ValueError naming the first
         bad index where checked); unchecked, a non-finite reward gives NaN
         advantages, a NaN mean / std and zero_var False for its group only.
@@ -295,15 +321,22 @@ def group_advantages(
             raise ValueError(f"group_size: {group_size} does not divide len(rewards) = {n}")
         order, offsets = _size_plan(n, group_size, dev)
         unique = None
-    if _python_checks(validate, dev, rewards):
+    if should_check(validate, rewards):
         check_finite("rewards", rewards)
         _check_magnitude(rewards)
     r = _real(rewards)
-    adv, zero_var, mean, std = group_advantages_op(
-        r, order, offsets, code, float(eps), float(zero_var_tol), backend=backend
+    res = group_advantages_op(
+        rewards=r,
+        order=order,
+        offsets=offsets,
+        mode=code,
+        eps=float(eps),
+        zero_var_tol=float(zero_var_tol),
+        backend=backend,
     )
     layout = (None, group_size) if group_ids is None else (order, 0)
-    return adv, zero_var, GroupStats(unique, mean, std, offsets, zero_var, *layout)
+    stats = GroupStats(unique, res.group_mean, res.group_std, offsets, res.zero_var, *layout)
+    return res.adv, res.zero_var, stats
 
 
 def rl_zvp(
@@ -330,10 +363,10 @@ def rl_zvp(
     advantages : optional [n] float per-sequence advantages broadcast to the
         tokens of the other sequences (0 when None).
     validate : check cu_seqlens, and that entropy (tokens before cu_seqlens[-1])
-        and rewards are finite. On by default for CPU tensors. On CUDA the
-        checks need host syncs: off by default, on with
-        validate=True; malformed cu_seqlens on an unchecked CUDA call are
-        undefined behaviour, as for any varlen kernel. NaN / Inf policy:
+        and rewards are finite (``_validate.should_check``): None (default) on
+        CPU tensors, not on CUDA (host syncs); True everywhere; False never;
+        never on fake / meta tensors or while tracing; malformed cu_seqlens on
+        an unchecked CUDA call are undefined behaviour, as for any varlen kernel. NaN / Inf policy:
         entropy (up to cu_seqlens[-1]) and rewards must be finite (ValueError
         naming the argument where checked); unchecked, non-finite values give
         backend-dependent values in their own sequence's tokens only (see
@@ -366,7 +399,7 @@ def rl_zvp(
         raise ValueError(f"alpha: expected >= 0, got {alpha}")
     cu = cu_seqlens if cu_seqlens.dtype == torch.int64 else cu_seqlens.to(torch.int64)
     cu = cu.contiguous()
-    if _python_checks(validate, dev, entropy, cu, rewards):
+    if should_check(validate, entropy, cu, rewards):
         check_offsets("cu_seqlens", cu, entropy.shape[0], exact=False)
         # Non-finite values make the backends disagree (Triton's max drops NaN,
         # the reference propagates it); padding tokens past cu_seqlens[-1] are not read.
@@ -376,7 +409,15 @@ def rl_zvp(
     h = _real(entropy, torch.float32)
     r = _real(rewards)
     a = None if advantages is None else _real(advantages)
-    return rl_zvp_op(h, cu, r, zero_var.contiguous(), a, float(alpha), backend=backend)
+    return rl_zvp_op(
+        entropy=h,
+        cu_seqlens=cu,
+        rewards=r,
+        zero_var=zero_var.contiguous(),
+        advantages=a,
+        alpha=float(alpha),
+        backend=backend,
+    )
 
 
 def _real(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Executable spec of ck.advantages: plain torch, float64, written for clarity.
 
 Never imported by a fast path; tests and benches compare every backend to it.
-Math: ../shared/DESIGN.md, "Group advantages and zero-variance elimination".
+Math: docs/design.md, "Group advantages and zero-variance elimination".
 """
 
 from __future__ import annotations
@@ -92,8 +92,8 @@ def rl_zvp_reference(
     becomes NaN, and only the NaN token of a positive one; an entropy of +inf
     gives -inf / NaN there the same way. The kernels match this spec for finite
     inputs only (C++ std::max and CUDA fmaxf drop NaN, so they differ);
-    ``ck.advantages.rl_zvp(validate=True)``, the default, rejects non-finite
-    entropy and rewards.
+    ``ck.advantages.rl_zvp`` rejects non-finite entropy and rewards where it
+    checks (CPU tensors by default, CUDA with validate=True).
     """
     h = entropy.detach().to(torch.float64).cpu()
     out = torch.zeros_like(h)
@@ -142,8 +142,9 @@ def _segments(offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return counts, seg
 
 
-def group_advantages_torch(rewards, order, offsets, mode, eps, zero_var_tol, adv, zero_var,
-                           mean, std) -> None:  # fmt: skip
+def group_advantages_torch(
+    *, rewards, order, offsets, mode, eps, zero_var_tol, adv, zero_var, group_mean, group_std
+) -> None:
     """``group_advantages`` op: members of group g are ``order[offsets[g]:offsets[g+1]]``;
     mode 0 grpo, 1 dr_grpo, 2 rloo. Statistics in float64."""
     counts, seg = _segments(offsets)
@@ -165,11 +166,11 @@ def group_advantages_torch(rewards, order, offsets, mode, eps, zero_var_tol, adv
     a = torch.where(zv[seg], 0.0, a)
     adv[order] = a.to(adv.dtype)
     zero_var[order] = zv[seg]
-    mean.copy_(m)
-    std.copy_(s)
+    group_mean.copy_(m)
+    group_std.copy_(s)
 
 
-def rl_zvp_torch(entropy, cu_seqlens, rewards, zero_var, advantages, alpha, out) -> None:
+def rl_zvp_torch(*, entropy, cu_seqlens, rewards, zero_var, advantages, alpha, out) -> None:
     """``rl_zvp`` op: token advantages of the sequences cu_seqlens delimits; tokens
     past cu_seqlens[-1] get 0. Computed in float64, written in out's dtype."""
     counts, seq = _segments(cu_seqlens)

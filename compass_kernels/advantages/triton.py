@@ -200,6 +200,7 @@ _REAL = (torch.float32, torch.float64)
 
 
 def group_advantages_triton(
+    *,
     rewards: torch.Tensor,
     order: torch.Tensor,
     offsets: torch.Tensor,
@@ -210,10 +211,10 @@ def group_advantages_triton(
     zero_var: torch.Tensor,
     group_mean: torch.Tensor,
     group_std: torch.Tensor,
-    *,
     block: int = GROUP_BLOCK,
 ) -> None:
-    """Per-group mean/std and per-sample advantages, written into the given outputs.
+    """Per-group mean/std and per-sample advantages, written into the given outputs
+    (every argument by name, as the op passes them).
 
     Parameters
     ----------
@@ -230,7 +231,7 @@ def group_advantages_triton(
     adv : [n] output, dtype of ``rewards``.
     zero_var : [n] bool output.
     group_mean, group_std : [G] float64 outputs (an empty group gets 0, 0).
-    block : int, keyword-only
+    block : int
         Members per loop chunk (a power of two); any group size works.
 
     Notes
@@ -263,6 +264,7 @@ def group_advantages_triton(
 
 
 def rl_zvp_triton(
+    *,
     entropy: torch.Tensor,
     cu_seqlens: torch.Tensor,
     rewards: torch.Tensor,
@@ -270,7 +272,6 @@ def rl_zvp_triton(
     advantages: torch.Tensor | None,
     alpha: float,
     out: torch.Tensor,
-    *,
     block: int = ZVP_BLOCK,
 ) -> None:
     """RL-ZVP token advantages, written into ``out``.
@@ -287,7 +288,7 @@ def rl_zvp_triton(
         ``alpha * H_t`` when rewards[i] > 0 else ``-alpha * (max H - H_t)``
         (max over the sequence); otherwise ``advantages[i]`` (0 if None).
         Tokens ``t >= cu[n]`` get 0.
-    block : int, keyword-only
+    block : int
         Tokens per loop chunk (a power of two); any sequence length works.
     """
     _check("entropy", entropy, (torch.float32,), None)

@@ -5,7 +5,7 @@ Two strategies, the same loss and gradients (tests/test_espo_fused_loss.py):
 
 - ``"grad_in_forward"`` (3 GEMMs per token chunk: logits, d_hidden, d_weight).
   Each chunk's logits [rows, V] are computed once, in float32, and overwritten
-  in place: statistics (log-sum-exp, target logit, entropy; C++ one read pass),
+  in place: statistics (log-sum-exp, target logit, entropy; one read pass),
   then d loss / d logits (one read + write pass) once the per-token upstream
   coefficients are known, then the two gradient GEMMs. The coefficients are
   known in the forward when the loss separates over the chunk:
@@ -60,7 +60,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from compass_kernels._validate import check_tensor, describe
+from compass_kernels._validate import check_tensor, describe, should_check
 from compass_kernels.espo import loss_config
 from compass_kernels.espo.logprobs import (
     _finalize,
@@ -173,7 +173,7 @@ def _host_offsets(cu: torch.Tensor, cu_host, total: int, validate: bool | None) 
             f"cu_seqlens_host: expected non-decreasing offsets from 0 to at most {total} tokens, "
             f"got {out[:8]}{'...' if len(out) > 8 else ''}"
         )
-    if cu.device.type == "cpu" or validate:  # free on the CPU; a sync on a GPU (opt-in)
+    if should_check(validate, cu):  # free on the CPU; a sync on a GPU (opt-in)
         host = cu if cu.device.type == "cpu" else cu.cpu()
         if not torch.equal(host, torch.as_tensor(out, dtype=torch.int64)):
             raise ValueError("cu_seqlens_host: expected the values of cu_seqlens, got others")
@@ -243,7 +243,8 @@ def fused_linear_espo_loss(
         array or CPU tensor); required for modes espo / gspo under strategy
         "auto" / "grad_in_forward" when cu_seqlens is on a GPU (the chunk plan
         is made on the host; reading a GPU tensor would sync). Checked against
-        cu_seqlens on the CPU, and on a GPU with validate=True (a sync).
+        cu_seqlens where ``should_check(validate)`` says (CPU by default, a GPU
+        with validate=True: a sync).
     strategy : "auto" | "grad_in_forward" | "recompute" (module docstring).
     token_chunk : tokens per chunk (default: ``default_rows``, 128 MiB of
         float32 logits on the CPU, 1 GiB on a GPU, for grad_in_forward; 1024
@@ -436,8 +437,9 @@ def _grad_in_forward(h, w, y, temp, old_lp, old_ent, adv, cu, mask, cfg, G, ent_
         st = state[: 4 * r].view(4, r)
         st[0].fill_(float("-inf"))
         st[1:].zero_()
-        logprobs_tile_stats_op(tile, y[a:b], shard, temp, True, st, backend=common["backend"],
-                               out=(st,))  # fmt: skip
+        logprobs_tile_stats_op(logits=tile, targets=y[a:b], vocab_start=shard, temperature=temp,
+                               with_entropy=True, state_in=st, backend=common["backend"],
+                               out=st)  # fmt: skip
         m, log_s, lp_c, ent_c = _finalize(st, 1.0 / temp, True, tp_group, y[a:b], full_vocab)
         logp[a:b] = lp_c
         ent[a:b] = ent_c
@@ -445,8 +447,10 @@ def _grad_in_forward(h, w, y, temp, old_lp, old_ent, adv, cu, mask, cfg, G, ent_
             continue
         gl = _chunk_coef(lp_c, old_lp, old_ent, adv_tok, cu, mask, thr, a, b, G, opts)
         gh = None if gh_all is None else gh_all[a:b].contiguous()
-        token_logprobs_entropy_bwd_op(tile, y[a:b], m, log_s, ent_c, gl, gh, temp, shard,
-                                      backend=common["backend"], out=(tile,))  # fmt: skip
+        token_logprobs_entropy_bwd_op(logits=tile, targets=y[a:b], row_max=m, log_norm=log_s,
+                                      entropy=ent_c, grad_logprob=gl, grad_entropy=gh,
+                                      temperature=temp, vocab_start=shard,
+                                      backend=common["backend"], out=tile)  # fmt: skip
         if half:  # the float32 d logits' single store: rounded once to gd
             g = gbuf[: r * vocab].view(r, vocab).copy_(tile)
             if want_h:

@@ -16,10 +16,12 @@ and formulas are stated there, above the torch kernels.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from compass_kernels._op import has_no_data, register_op
-from compass_kernels._validate import INT_DTYPES, as_float, check_tensor, describe
+from compass_kernels._op import op
+from compass_kernels._validate import INT_DTYPES, as_float, check_tensor, describe, should_check
 from compass_kernels.espo.reference_logprobs import IGNORE_INDEX
 
 __all__ = [
@@ -39,55 +41,92 @@ _TORCH = "compass_kernels.espo.reference_logprobs:"
 # ---------------------------------------------------------------------- ops
 
 
-def _fwd_outputs(logits, targets, temperature, with_entropy):
-    t = logits.shape[0]
-    return tuple(logits.new_empty(t, dtype=torch.float32) for _ in range(4))
+class TokenLogprobs(NamedTuple):
+    """Outputs of :data:`token_logprobs_entropy_op`, each [T] float32."""
+
+    logp: torch.Tensor  # log softmax(logits / T)[targets] (0 for IGNORE_INDEX)
+    entropy: torch.Tensor  # NaN unless with_entropy
+    row_max: torch.Tensor  # m, the row's max logit (raw units)
+    log_norm: torch.Tensor  # log s; lse = m / T + log s
 
 
-token_logprobs_entropy_op = register_op(
-    "token_logprobs_entropy",
-    "(Tensor logits, Tensor targets, float temperature, bool with_entropy)"
-    " -> (Tensor, Tensor, Tensor, Tensor)",
-    outputs=_fwd_outputs,
+@op(
     kernels={
         "torch": _TORCH + "token_logprobs_entropy_torch",
         "triton": _TRITON + "token_logprobs_entropy_triton",
-    },
+    }
 )
+def token_logprobs_entropy_op(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool
+) -> TokenLogprobs:
+    """Per-token log-prob of the target and entropy of softmax(logits / temperature).
 
-token_logprobs_entropy_bwd_op = register_op(
-    "token_logprobs_entropy_bwd",
-    "(Tensor logits, Tensor targets, Tensor row_max, Tensor log_norm, Tensor entropy,"
-    " Tensor? grad_logprob,"
-    " Tensor? grad_entropy, float temperature, int vocab_start) -> Tensor",
-    outputs=lambda logits, *_: (torch.empty_like(logits, memory_format=torch.contiguous_format),),
+    logits : [T, V] float32 | bfloat16, unit stride along V. targets : [T] int64
+    in [0, V) or IGNORE_INDEX. Differentiable w.r.t. logits (logp, entropy).
+    """
+    t = logits.shape[0]
+    new = logits.new_empty
+    f32 = torch.float32
+    return TokenLogprobs(
+        logp=new(t, dtype=f32), entropy=new(t, dtype=f32), row_max=new(t, dtype=f32),
+        log_norm=new(t, dtype=f32),
+    )  # fmt: skip
+
+
+@op(
     kernels={
         "torch": _TORCH + "token_logprobs_entropy_bwd_torch",
         "triton": _TRITON + "token_logprobs_entropy_bwd_triton",
     },
+    output="grad_logits",
 )
+def token_logprobs_entropy_bwd_op(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    row_max: torch.Tensor,
+    log_norm: torch.Tensor,
+    entropy: torch.Tensor,
+    grad_logprob: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    temperature: float,
+    vocab_start: int,
+) -> torch.Tensor:
+    """d (g_l log p_y + g_h H) / d logits: grad_logits [T, V] in logits' dtype.
 
-logprobs_tile_stats_op = register_op(
-    "logprobs_tile_stats",
-    "(Tensor logits, Tensor targets, int vocab_start, float temperature, bool with_entropy,"
-    " Tensor state_in) -> Tensor",
-    outputs=lambda logits, targets, vs, t, e, state_in: (torch.empty_like(state_in),),
+    logits : [T, V_tile] (vocab ids vocab_start ..); targets, row_max, log_norm,
+    entropy : [T] (the forward's); grad_logprob, grad_entropy : [T] float32 or None.
+    """
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+@op(
     kernels={
         "torch": _TORCH + "logprobs_tile_stats_torch",
         "triton": _TRITON + "logprobs_tile_stats_triton",
     },
+    output="state_out",
 )
+def logprobs_tile_stats_op(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    vocab_start: int,
+    temperature: float,
+    with_entropy: bool,
+    state_in: torch.Tensor,
+) -> torch.Tensor:
+    """Fold the vocab tile ``logits`` [T, V_tile] (ids vocab_start ..) into the
+    online state [4, T] float32 (m, s, a, target logit): state_out (may be state_in)."""
+    return torch.empty_like(state_in)
 
 
 def _setup_context(ctx, inputs, output):
-    logits, targets, temperature, with_entropy = inputs[:4]
-    backend = inputs[4] if len(inputs) > 4 else None
-    _, entropy, row_max, log_norm = output
-    ctx.save_for_backward(logits, targets, row_max, log_norm, entropy)
-    ctx.temperature = temperature
-    ctx.with_entropy = with_entropy
-    ctx.backend = backend
-    ctx.mark_non_differentiable(row_max, log_norm)
+    args = token_logprobs_entropy_op.bind(inputs)
+    res = TokenLogprobs._make(output)
+    ctx.save_for_backward(args["logits"], args["targets"], res.row_max, res.log_norm, res.entropy)
+    ctx.temperature = args["temperature"]
+    ctx.with_entropy = args["with_entropy"]
+    ctx.backend = args.get("backend")
+    ctx.mark_non_differentiable(res.row_max, res.log_norm)
     ctx.set_materialize_grads(False)
 
 
@@ -96,11 +135,13 @@ def _backward(ctx, grad_logprob, grad_entropy, _grad_max, _grad_log_norm):
     gl = _grad_vector(grad_logprob)
     gh = _grad_vector(grad_entropy) if ctx.with_entropy else None
     if gl is None and gh is None:
-        return None, None, None, None, None
+        return token_logprobs_entropy_op.input_grads()
     grad = torch.ops.compass.token_logprobs_entropy_bwd(
-        logits, targets, row_max, log_norm, entropy, gl, gh, ctx.temperature, 0, ctx.backend
-    )
-    return grad, None, None, None, None
+        logits=logits, targets=targets, row_max=row_max, log_norm=log_norm, entropy=entropy,
+        grad_logprob=gl, grad_entropy=gh, temperature=ctx.temperature, vocab_start=0,
+        backend=ctx.backend,
+    )  # fmt: skip
+    return token_logprobs_entropy_op.input_grads(logits=grad)
 
 
 def _grad_vector(g: torch.Tensor | None) -> torch.Tensor | None:
@@ -116,16 +157,6 @@ torch.library.register_autograd(
 
 
 # ------------------------------------------------------------- public API
-
-
-def _python_checks(validate: bool | None, device: torch.device, backend: str | None) -> bool:
-    """Whether to check the data (targets in range, logits finite) in Python: CPU
-    tensors unless validate=False or tracing; CUDA needs a host sync (opt-in)."""
-    if device.type == "meta":
-        return False  # no data to check
-    if validate is not None:
-        return bool(validate)
-    return device.type == "cpu" and not has_no_data()
 
 
 def _check_targets(targets: torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
@@ -178,8 +209,9 @@ def token_logprobs_entropy(
     temperature : float > 0; the distribution is softmax(logits / temperature).
     with_entropy : compute the entropy (skipping it saves ~a third of the forward).
     validate : check targets' range and that logits hold no NaN / +inf and no
-        all -inf row. On CPU by default (validate=False opts out); on CUDA
-        the checks need a host sync: off by default, on with validate=True.
+        all -inf row (``_validate.should_check``): None (default) on CPU
+        tensors, not on CUDA (a host sync); True everywhere; False never; never
+        on fake / meta tensors or while tracing.
         NaN / Inf policy: logits finite or -inf (a masked token), not all -inf
         in a row (ValueError naming [row, column] where checked); unchecked, a
         NaN / +inf logit or an all -inf row gives NaN log-prob and entropy for
@@ -208,14 +240,14 @@ def token_logprobs_entropy(
     dev = logits.device
     y = _check_targets(targets, logits.shape[0], dev)
     temp = _check_temperature(temperature)
-    if _python_checks(validate, dev, backend):
+    if should_check(validate, logits, y):
         _check_targets_range(y, logits.shape[1])
         _check_logits_values(logits)
-    args = (logits, y, temp, bool(with_entropy))
+    args = dict(logits=logits, targets=y, temperature=temp, with_entropy=bool(with_entropy))
     if logits.requires_grad and torch.is_grad_enabled():
-        logp, ent, _, _ = torch.ops.compass.token_logprobs_entropy(*args, backend)
+        logp, ent, _, _ = torch.ops.compass.token_logprobs_entropy(**args, backend=backend)
     else:
-        logp, ent, _, _ = token_logprobs_entropy_op(*args, backend=backend)
+        logp, ent, _, _ = token_logprobs_entropy_op(**args, backend=backend)
     return logp, (ent if with_entropy else None)
 
 
@@ -404,8 +436,9 @@ class _FusedLinearLogprobs(torch.autograd.Function):
                 v1 = min(v0 + vocab_chunk, vocab)
                 tile = _mm_f32(h, weight[v0:v1].T, out=buf.get(t1 - t0, v1 - v0))
                 logprobs_tile_stats_op(
-                    tile, y, shard_start + v0, temperature, with_entropy, st,
-                    backend=backend, out=(st,),
+                    logits=tile, targets=y, vocab_start=shard_start + v0,
+                    temperature=temperature, with_entropy=with_entropy, state_in=st,
+                    backend=backend, out=st,
                 )  # fmt: skip
             state[:, t0:t1] = st
         m, log_s, logp, entropy = _finalize(
@@ -427,7 +460,7 @@ class _FusedLinearLogprobs(torch.autograd.Function):
         gl = _grad_vector(grad_logprob)
         gh = _grad_vector(grad_entropy) if with_entropy else None
         if gl is None and gh is None:
-            return (None,) * 9
+            return (None,) * len(ctx.needs_input_grad)
         rows, vocab = hidden.shape[0], weight.shape[0]
         # float32 accumulators for the whole backward: the hidden and weight
         # gradients sum over vocab tiles / token tiles and round once at the end.
@@ -448,16 +481,17 @@ class _FusedLinearLogprobs(torch.autograd.Function):
             t1 = min(t0 + token_chunk, rows)
             h = hidden[t0:t1]
             h32 = h if h.dtype == torch.float32 or half else h.float()
-            rows_args = (targets[t0:t1], m[t0:t1], log_s[t0:t1], entropy[t0:t1])
-            g_rows = (None if gl is None else gl[t0:t1], None if gh is None else gh[t0:t1])
+            per_row = dict(targets=targets[t0:t1], row_max=m[t0:t1], log_norm=log_s[t0:t1],
+                        entropy=entropy[t0:t1], grad_logprob=None if gl is None else gl[t0:t1],
+                        grad_entropy=None if gh is None else gh[t0:t1])  # fmt: skip
             for v0 in range(0, vocab, vocab_chunk):
                 v1 = min(v0 + vocab_chunk, vocab)
                 w = weight[v0:v1]
                 tile = _mm_f32(h, w.T, out=buf.get(t1 - t0, v1 - v0))
                 # d logits overwrite the tile in place (float32): no second buffer.
                 token_logprobs_entropy_bwd_op(
-                    tile, *rows_args, *g_rows, temperature, shard + v0,
-                    backend=backend, out=(tile,),
+                    logits=tile, **per_row, temperature=temperature, vocab_start=shard + v0,
+                    backend=backend, out=tile,
                 )  # fmt: skip
                 if half:  # the float32 d logits' single store: rounded to gd
                     g = gbuf[: tile.numel()].view(tile.shape).copy_(tile)
@@ -480,7 +514,7 @@ class _FusedLinearLogprobs(torch.autograd.Function):
             dist.all_reduce(d_hidden, op=dist.ReduceOp.SUM, group=tp_group)
         d_h = d_hidden.to(hidden.dtype) if want_h else None
         d_w = d_weight.to(weight.dtype) if want_w else None
-        return (d_h, d_w) + (None,) * 7
+        return (d_h, d_w) + (None,) * (len(ctx.needs_input_grad) - 2)
 
 
 def fused_linear_logprobs_entropy(
@@ -568,7 +602,7 @@ def check_linear_inputs(hidden, weight, targets, temperature, tp_group, validate
     y = _check_targets(targets, hidden.shape[0], dev)
     temp = _check_temperature(temperature)
     _, world = _tp_info(tp_group)
-    if (validate if validate is not None else dev.type == "cpu") and not has_no_data(y, hidden):
+    if should_check(validate, hidden, weight, y):
         _check_targets_range(y, weight.shape[0] * world)
         for name, t in (("hidden", hidden), ("weight", weight)):
             if not bool(torch.isfinite(t.detach()).all()):

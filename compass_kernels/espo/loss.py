@@ -25,16 +25,19 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterator, Mapping
+from typing import NamedTuple
 
 import torch
 
-from compass_kernels._op import has_no_data, register_op
+from compass_kernels._op import op
 from compass_kernels._validate import (
     FLOAT_DTYPES,
     as_int,
     check_finite,
     check_offsets,
     check_tensor,
+    has_no_data,
+    should_check,
 )
 from compass_kernels.espo import loss_config
 
@@ -57,70 +60,116 @@ def stat_width(num_groups: int) -> int:
 # ---------------------------------------------------------------------- ops
 
 
-def _sums_outputs(entropy, logprobs, old_logprobs, cu_seqlens, mask, thresholds, num_groups, flags):
-    n = cu_seqlens.shape[0] - 1
-    return (torch.empty(n * num_groups * 3, dtype=F64, device=entropy.device),)
-
-
-def _forward_outputs(logprobs, old_logprobs, entropy, advantages, cu_seqlens, mask, thresholds,
-                     sums, num_groups, flags, eps_low, eps_high, eps_scale, dual_clip, log_lo,
-                     log_hi, inv_num_seqs, need_grad):  # fmt: skip
-    n, width = cu_seqlens.shape[0] - 1, stat_width(num_groups)
-    dev = logprobs.device
-    return (
-        logprobs.new_empty(()),
-        logprobs.new_empty(logprobs.shape[0] if need_grad else 0),
-        torch.empty(n * width, dtype=F64, device=dev),
-        torch.empty(width, dtype=F64, device=dev),
-    )
-
-
 _TRITON = "compass_kernels.espo.triton_loss:"
 _TORCH = "compass_kernels.espo.reference_loss:"
-espo_group_sums_op = register_op(
-    "espo_group_sums",
-    "(Tensor entropy, Tensor logprobs, Tensor old_logprobs, Tensor cu_seqlens, Tensor? mask,"
-    " Tensor thresholds, int num_groups, int flags) -> Tensor",
-    outputs=_sums_outputs,
+
+
+@op(
     kernels={
         "torch": _TORCH + "espo_group_sums_torch",
         "triton": _TRITON + "espo_group_sums_triton",
-    },
+    }
 )
-espo_loss_forward_op = register_op(
-    "espo_loss_forward",
-    "(Tensor logprobs, Tensor old_logprobs, Tensor entropy, Tensor advantages, Tensor cu_seqlens,"
-    " Tensor? mask, Tensor thresholds, Tensor sums, int num_groups, int flags, float eps_low,"
-    " float eps_high, float eps_scale, float dual_clip, float log_lo, float log_hi,"
-    " float inv_num_seqs, int need_grad) -> (Tensor, Tensor, Tensor, Tensor)",
-    outputs=_forward_outputs,
+def espo_group_sums_op(
+    entropy: torch.Tensor,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    mask: torch.Tensor | None,
+    thresholds: torch.Tensor,
+    num_groups: int,
+    flags: int,
+) -> torch.Tensor:
+    """Phase 1: per (sequence, entropy group) token count, sum of l - l_old, sum of entropy.
+
+    entropy, logprobs, old_logprobs : [T] float32 | float64 (one dtype).
+    cu_seqlens : [n+1] int64. mask : [T] bool or None. thresholds : [K-1] (or
+    [n*(K-1)] per sequence) float64 group boundaries. num_groups : K. flags :
+    the bit set above (PER_SEQ_THRESHOLDS, TOKEN_GROUPS, ...).
+    Returns out [n*K*3] float64.
+    """
+    n = cu_seqlens.shape[0] - 1
+    return torch.empty(n * num_groups * 3, dtype=F64, device=entropy.device)
+
+
+class EspoForward(NamedTuple):
+    """Outputs of :data:`espo_loss_forward_op`."""
+
+    loss: torch.Tensor  # [] logprobs' dtype
+    grad: torch.Tensor  # [T] d loss / d logprobs ([0] without need_grad)
+    seq_stats: torch.Tensor  # [n * stat_width(K)] float64
+    stats: torch.Tensor  # [stat_width(K)] float64
+
+
+@op(
     kernels={
         "torch": _TORCH + "espo_loss_forward_torch",
         "triton": _TRITON + "espo_loss_forward_triton",
-    },
+    }
 )
-espo_loss_backward_op = register_op(
-    "espo_loss_backward",
-    "(Tensor grad_loss, Tensor grad_coef) -> Tensor",
-    outputs=lambda grad_loss, grad_coef: (torch.empty_like(grad_coef),),
+def espo_loss_forward_op(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    entropy: torch.Tensor,
+    advantages: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    mask: torch.Tensor | None,
+    thresholds: torch.Tensor,
+    sums: torch.Tensor,
+    num_groups: int,
+    flags: int,
+    eps_low: float,
+    eps_high: float,
+    eps_scale: float,
+    dual_clip: float,
+    log_lo: float,
+    log_hi: float,
+    inv_num_seqs: float,
+    need_grad: bool,
+) -> EspoForward:
+    """Phase 2: per-token ratio, clip decision, loss, d loss / d logprobs, statistics.
+
+    logprobs, old_logprobs, entropy : [T] float32 | float64. advantages : [n]
+    or [T] (flags & ADV_PER_TOKEN). cu_seqlens, mask, thresholds, num_groups,
+    flags : as espo_group_sums_op. sums : its output (all-reduced over CP).
+    eps_low, eps_high : fixed clip range; eps_scale : alpha / ln V for the
+    adaptive range (flags & ADAPTIVE_EPS). dual_clip : c > 1, or 0. log_lo,
+    log_hi : the log-ratio clamp. inv_num_seqs : 1 / G of the three-level
+    mean. need_grad : write ``grad``.
+    """
+    n, width = cu_seqlens.shape[0] - 1, stat_width(num_groups)
+    dev = logprobs.device
+    return EspoForward(
+        loss=logprobs.new_empty(()),
+        grad=logprobs.new_empty(logprobs.shape[0] if need_grad else 0),
+        seq_stats=torch.empty(n * width, dtype=F64, device=dev),
+        stats=torch.empty(width, dtype=F64, device=dev),
+    )
+
+
+@op(
     kernels={
         "torch": _TORCH + "espo_loss_backward_torch",
         "triton": _TRITON + "espo_loss_backward_triton",
-    },
+    }
 )
+def espo_loss_backward_op(grad_loss: torch.Tensor, grad_coef: torch.Tensor) -> torch.Tensor:
+    """out [T] = grad_loss (one element) * grad_coef [T] (the forward's ``grad``)."""
+    return torch.empty_like(grad_coef)
 
 
 def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(output[1])
-    ctx.backend = inputs[-1] if len(inputs) > 18 else None
+    ctx.save_for_backward(output[1])  # EspoForward.grad
+    ctx.backend = espo_loss_forward_op.bind(inputs).get("backend")
 
 
 def _backward(ctx, grad_loss, *_):
     (coef,) = ctx.saved_tensors
     # Through the dispatcher: the backward is traced by AOT autograd too (fakes).
-    grad = torch.ops.compass.espo_loss_backward(grad_loss.reshape(1).contiguous(), coef,
-                                                ctx.backend)  # fmt: skip
-    return (grad,) + (None,) * (len(ctx.needs_input_grad) - 1)
+    grad = torch.ops.compass.espo_loss_backward(
+        grad_loss=grad_loss.reshape(1).contiguous(), grad_coef=coef, backend=ctx.backend
+    )
+    return espo_loss_forward_op.input_grads(logprobs=grad)
 
 
 torch.library.register_autograd(
@@ -132,21 +181,24 @@ class _EagerLoss(torch.autograd.Function):
     """The eager twin of the registered autograd (same ops, same backward op):
     the dispatcher's autograd wrapper costs ~0.1-0.8 ms per call on this CPU
     (torch's fill_defaults walks the 19-argument schema quadratically);
-    torch.compile goes through torch.ops.compass.espo_loss_forward instead."""
+    torch.compile goes through torch.ops.compass.espo_loss_forward instead.
+    ``args``: the op's arguments by name, ``logprobs`` the one differentiable."""
 
     @staticmethod
-    def forward(ctx, logprobs, backend, *rest):
-        loss, coef, seq_stats, stats = espo_loss_forward_op(logprobs, *rest, backend=backend)
-        ctx.save_for_backward(coef)
+    def forward(ctx, logprobs, backend, args):
+        res = espo_loss_forward_op(logprobs=logprobs, **args, backend=backend)
+        ctx.save_for_backward(res.grad)
         ctx.backend = backend
-        ctx.mark_non_differentiable(coef, seq_stats, stats)
-        return loss, coef, seq_stats, stats
+        ctx.mark_non_differentiable(res.grad, res.seq_stats, res.stats)
+        return tuple(res)
 
     @staticmethod
     def backward(ctx, grad_loss, *_):
         (coef,) = ctx.saved_tensors
-        grad = espo_loss_backward_op(grad_loss.reshape(1).contiguous(), coef, backend=ctx.backend)
-        return (grad, None) + (None,) * 17
+        grad = espo_loss_backward_op(
+            grad_loss=grad_loss.reshape(1).contiguous(), grad_coef=coef, backend=ctx.backend
+        )
+        return grad, None, None
 
 
 # ------------------------------------------------------------- thresholds
@@ -306,11 +358,9 @@ class EspoMetrics(Mapping):
 # ------------------------------------------------------------- public API
 
 
-@functools.lru_cache(maxsize=64)
-def _config(*args) -> loss_config.LossConfig:
-    keys = ("mode", "rho", "alpha", "clip", "vocab_size", "grouping", "num_groups", "quantiles",
-            "drop_low", "ratio_form", "dual_clip")  # fmt: skip
-    return loss_config.resolve(**dict(zip(keys, args, strict=True)))
+# The resolved options, cached by name (every option a keyword: nothing positional to
+# keep in step with loss_config.resolve's signature).
+_config = functools.lru_cache(maxsize=64)(loss_config.resolve)
 
 
 _EMPTY: dict[torch.device, torch.Tensor] = {}
@@ -391,8 +441,9 @@ def espo_loss(
         parts of the same sequences: thresholds, group sums and metrics are
         reduced over it; the returned loss is this rank's part (its gradient
         is exact), ``metrics["loss"]`` the whole.
-    validate : check cu_seqlens and finite inputs in Python: on CPU tensors by
-        default (validate=False opts out); on CUDA a host sync, off by default.
+    validate : check cu_seqlens and finite inputs (``_validate.should_check``):
+        None (default) on CPU tensors, not on CUDA (a host sync); True
+        everywhere; False never; never on fake / meta tensors or while tracing.
         NaN / Inf policy: logprobs, old_logprobs, old_entropy (tokens before
         cu_seqlens[-1]) and advantages must be finite (ValueError naming the
         argument and index where checked); unchecked, the loss, its gradient and
@@ -407,8 +458,9 @@ def espo_loss(
     rho, alpha, clip, vocab_size, num_groups, quantiles, drop_low, dual_clip = (
         loss_config.normalize(rho, alpha, clip, vocab_size, num_groups, quantiles, drop_low,
                               dual_clip))  # fmt: skip
-    cfg = _config(mode, rho, alpha, clip, vocab_size, grouping, num_groups, quantiles, drop_low,
-                  ratio_form, dual_clip)  # fmt: skip
+    cfg = _config(mode=mode, rho=rho, alpha=alpha, clip=clip, vocab_size=vocab_size,
+                  grouping=grouping, num_groups=num_groups, quantiles=quantiles,
+                  drop_low=drop_low, ratio_form=ratio_form, dual_clip=dual_clip)  # fmt: skip
     check_tensor("logprobs", logprobs, ndim=1, dtypes=FLOAT_DTYPES)
     total, dev = logprobs.shape[0], logprobs.device
     per_tok = "one per token = len(logprobs)"
@@ -432,7 +484,7 @@ def espo_loss(
     old, ent, adv = _real(old_logprobs, R), _real(old_entropy, R), _real(advantages, R)
     cu = cu_seqlens if cu_seqlens.dtype == torch.int64 else cu_seqlens.to(torch.int64)
     cu = cu if cu.is_contiguous() else cu.contiguous()
-    if _python_checks(validate, dev, backend):
+    if should_check(validate, lp, old, ent, adv, cu):
         check_offsets("cu_seqlens", cu, total, exact=False)
         tokens = torch.arange(total, device=dev) < cu[-1]
         for name, t in (("logprobs", lp), ("old_logprobs", old), ("old_entropy", ent)):
@@ -455,22 +507,51 @@ def espo_loss(
         thr = thr.reshape(-1)
         flags |= PER_SEQ_THRESHOLDS if cfg.per_sequence else 0
     lp_data = lp.detach()
-    sums = espo_group_sums_op(ent, lp_data, old, cu, mask, thr, K, flags, backend=backend)
+    sums = espo_group_sums_op(
+        entropy=ent,
+        logprobs=lp_data,
+        old_logprobs=old,
+        cu_seqlens=cu,
+        mask=mask,
+        thresholds=thr,
+        num_groups=K,
+        flags=flags,
+        backend=backend,
+    )
     if cp_group is not None:
         import torch.distributed as dist
 
         dist.all_reduce(sums, group=cp_group)
-    need_grad = int(lp.requires_grad and torch.is_grad_enabled())
+    need_grad = lp.requires_grad and torch.is_grad_enabled()
     el, eh = (0.0, 0.0) if cfg.adaptive else (cfg.eps_low, cfg.eps_high)
     scale = cfg.alpha / cfg.log_vocab if cfg.adaptive else 0.0
-    args = (lp, old, ent, adv, cu, mask, thr, sums, K, flags, el, eh, scale, cfg.dual_clip,
-            cfg.log_lo, cfg.log_hi, 1.0 / max(G, 1), need_grad)  # fmt: skip
+    args = dict(
+        old_logprobs=old,
+        entropy=ent,
+        advantages=adv,
+        cu_seqlens=cu,
+        mask=mask,
+        thresholds=thr,
+        sums=sums,
+        num_groups=K,
+        flags=flags,
+        eps_low=el,
+        eps_high=eh,
+        eps_scale=scale,
+        dual_clip=cfg.dual_clip,
+        log_lo=cfg.log_lo,
+        log_hi=cfg.log_hi,
+        inv_num_seqs=1.0 / max(G, 1),
+        need_grad=need_grad,
+    )
     if need_grad and torch.compiler.is_compiling():
-        loss, _, _, stats = torch.ops.compass.espo_loss_forward(*args, backend)
+        loss, _, _, stats = torch.ops.compass.espo_loss_forward(
+            logprobs=lp, **args, backend=backend
+        )
     elif need_grad:
-        loss, _, _, stats = _EagerLoss.apply(lp, backend, *args[1:])
+        loss, _, _, stats = _EagerLoss.apply(lp, backend, args)
     else:
-        loss, _, _, stats = espo_loss_forward_op(*args, backend=backend)
+        loss, _, _, stats = espo_loss_forward_op(logprobs=lp, **args, backend=backend)
     if cp_group is not None:
         stats = _reduce_stats(stats, K, cp_group)
     return loss, EspoMetrics(stats, sums, K)
@@ -494,14 +575,6 @@ def _advantages_layout(size: int, n: int, total: int, per_token: bool | None) ->
         what = "one per token" if per_token else "one per sequence"
         raise ValueError(f"advantages: expected {want} elements ({what}), got {size}")
     return bool(per_token)
-
-
-def _python_checks(validate: bool | None, device: torch.device, backend: str | None) -> bool:
-    """Data checks in Python: on CPU tensors by default (host memory: no sync),
-    never while tracing unless validate=True; opt-in on CUDA (a host sync)."""
-    if validate is not None:
-        return bool(validate)
-    return device.type == "cpu" and not has_no_data()
 
 
 def _reduce_stats(stats: torch.Tensor, K: int, group) -> torch.Tensor:

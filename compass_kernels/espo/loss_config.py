@@ -4,7 +4,7 @@ Shared by the public op (compass_kernels/espo/loss.py) and its reference
 (reference_loss.py): both read the same resolved numbers, so a default can
 never differ between the spec and the kernels. Pure Python, no tensors.
 
-Modes (DESIGN.md "ESPO"; exact by configuration):
+Modes (docs/design.md, "ESPO segmented loss"; exact by configuration):
 
 - ``"espo"``: entropy groups inside each sequence (K=2 at the (1-rho) quantile
   of the old policy's entropy by default), group ratio s_g = exp(mean_g(l -

@@ -2,7 +2,7 @@
 
 Plain torch in float64, written for clarity; the ops' CPU backend (float32,
 vectorised, ``*_torch``) is at the end.
-DESIGN.md (ESPO): temperature T scales the logits first; l_t = log softmax(z_t
+docs/design.md (ESPO): temperature T scales the logits first; l_t = log softmax(z_t
 / T)[y_t]; e_t = -sum_v p_v log p_v over the full vocabulary, with 0 log 0 = 0
 (a -inf logit is a masked token with p = 0). Gradients come from autograd in
 float64.
@@ -98,7 +98,7 @@ def _stats(x, m, inv_t: float, with_entropy: bool):
     return m_new, m_safe, s, a
 
 
-def token_logprobs_entropy_torch(logits, targets, temperature, with_entropy, logp, entropy,
+def token_logprobs_entropy_torch(*, logits, targets, temperature, with_entropy, logp, entropy,
                                  row_max, log_norm) -> None:  # fmt: skip
     """``token_logprobs_entropy`` op: logp, entropy (NaN unless with_entropy),
     row_max (m, raw units) and log_norm (log s) [T] float32, lse = m / T + log s.
@@ -122,7 +122,7 @@ def token_logprobs_entropy_torch(logits, targets, temperature, with_entropy, log
         entropy[r] = (log_s - a / s).clamp(min=0.0) if with_entropy else float("nan")
 
 
-def logprobs_tile_stats_torch(logits, targets, vocab_start, temperature, with_entropy, state_in,
+def logprobs_tile_stats_torch(*, logits, targets, vocab_start, temperature, with_entropy, state_in,
                               state_out) -> None:  # fmt: skip
     """``logprobs_tile_stats`` op: fold the vocab tile ``logits`` [T, V_tile]
     (vocab ids vocab_start ..) into the online state ``state_in`` [4, T] float32
@@ -145,7 +145,7 @@ def logprobs_tile_stats_torch(logits, targets, vocab_start, temperature, with_en
         state_out[:, r] = new  # after every read: state_out may be state_in (in place)
 
 
-def token_logprobs_entropy_bwd_torch(logits, targets, row_max, log_norm, entropy, grad_logprob,
+def token_logprobs_entropy_bwd_torch(*, logits, targets, row_max, log_norm, entropy, grad_logprob,
                                      grad_entropy, temperature, vocab_start,
                                      grad_logits) -> None:  # fmt: skip
     """``token_logprobs_entropy_bwd`` op: grad_logits [T, V] (logits' dtype) of

@@ -2,7 +2,7 @@
 sequence and per group, gradients by autograd through the formula.
 
 Never imported by a fast path; tests and benches compare every backend to it.
-Math: ../shared/DESIGN.md "ESPO" (arXiv 2512.00499, Eqs. 8-10); the options
+Math: docs/design.md, "ESPO segmented loss" (arXiv 2512.00499, Eqs. 8-10); the options
 and the modes' defaults are resolved by ``loss_config.resolve`` (shared with
 the kernels' wrapper, so both read the same numbers).
 
@@ -215,10 +215,11 @@ def _buckets(e64, seq, thresholds, num_groups: int, flags: int):
     return (e64[:, None] > rows).sum(dim=1)
 
 
-def espo_group_sums_torch(entropy, logprobs, old_logprobs, cu_seqlens, mask, thresholds,
-                          num_groups, flags, sums) -> None:  # fmt: skip
+def espo_group_sums_torch(
+    *, entropy, logprobs, old_logprobs, cu_seqlens, mask, thresholds, num_groups, flags, out
+) -> None:
     """``espo_group_sums`` op: sums [n, K, 3] float64 = per (sequence, entropy
-    bucket) over the valid tokens: count, sum (l - l_old), sum entropy."""
+    bucket) over the valid tokens: count, sum (l - l_old), sum entropy, in ``out``."""
     n, K = cu_seqlens.shape[0] - 1, num_groups
     if n == 0:
         return
@@ -227,12 +228,12 @@ def espo_group_sums_torch(entropy, logprobs, old_logprobs, cu_seqlens, mask, thr
     b = _buckets(e, seq, thresholds, K, flags)
     d = logprobs.to(F64) - old_logprobs.to(F64)
     idx = (seq * K + b)[valid]
-    out = torch.zeros(n * K, 3, dtype=F64)
-    out.index_add_(0, idx, torch.stack([torch.ones_like(d), d, e], dim=1)[valid])
-    sums.copy_(out.reshape(-1))
+    acc = torch.zeros(n * K, 3, dtype=F64)
+    acc.index_add_(0, idx, torch.stack([torch.ones_like(d), d, e], dim=1)[valid])
+    out.copy_(acc.reshape(-1))
 
 
-def espo_loss_forward_torch(logprobs, old_logprobs, entropy, advantages, cu_seqlens, mask,
+def espo_loss_forward_torch(*, logprobs, old_logprobs, entropy, advantages, cu_seqlens, mask,
                             thresholds, sums, num_groups, flags, eps_low, eps_high, eps_scale,
                             dual_clip, log_lo, log_hi, inv_num_seqs, need_grad, loss, grad,
                             seq_stats, stats) -> None:  # fmt: skip
@@ -310,6 +311,6 @@ def espo_loss_forward_torch(logprobs, old_logprobs, entropy, advantages, cu_seql
         grad.copy_(torch.where(in_loss, -gw * g_tok, 0.0))
 
 
-def espo_loss_backward_torch(grad_loss, grad_coef, out) -> None:
+def espo_loss_backward_torch(*, grad_loss, grad_coef, out) -> None:
     """``espo_loss_backward`` op: out [T] = grad_loss (1 element) * grad_coef."""
     torch.mul(grad_coef, grad_loss.reshape(()), out=out)

@@ -243,7 +243,7 @@ def _inv_t(temperature: float) -> float:
 
 
 def token_logprobs_entropy_triton(
-    logits, targets, temperature, with_entropy, logp, entropy, row_max, log_norm, *,
+    *, logits, targets, temperature, with_entropy, logp, entropy, row_max, log_norm,
     block: int = BLOCK,
 ) -> None:  # fmt: skip
     """Forward: logp, entropy (NaN unless with_entropy), row_max, log_norm [T] float32
@@ -266,7 +266,7 @@ def token_logprobs_entropy_triton(
 
 
 def logprobs_tile_stats_triton(
-    logits, targets, vocab_start, temperature, with_entropy, state_in, state_out, *,
+    *, logits, targets, vocab_start, temperature, with_entropy, state_in, state_out,
     block: int = BLOCK,
 ) -> None:  # fmt: skip
     """One vocab tile of the online statistics (reference_logprobs.logprobs_tile_stats_torch)."""
@@ -289,8 +289,8 @@ def logprobs_tile_stats_triton(
 
 
 def token_logprobs_entropy_bwd_triton(
-    logits, targets, row_max, log_norm, entropy, grad_logprob, grad_entropy, temperature,
-    vocab_start, grad_logits, *, block: int = BLOCK,
+    *, logits, targets, row_max, log_norm, entropy, grad_logprob, grad_entropy, temperature,
+    vocab_start, grad_logits, block: int = BLOCK,
 ) -> None:  # fmt: skip
     """Backward: grad_logits [T, V] (logits' dtype) written in place."""
     _check_logits("logits", logits)

@@ -337,26 +337,27 @@ def _common(ref, cu_seqlens, mask, thresholds, num_groups, flags):
     return n
 
 
-def espo_group_sums_triton(entropy, logprobs, old_logprobs, cu_seqlens, mask, thresholds,
-                           num_groups, flags, sums) -> None:  # fmt: skip
-    """Phase 1: sums [n*K*3] float64 = per (sequence, group) count, sum of
+def espo_group_sums_triton(
+    *, entropy, logprobs, old_logprobs, cu_seqlens, mask, thresholds, num_groups, flags, out
+) -> None:
+    """Phase 1: out [n*K*3] float64 = per (sequence, group) count, sum of
     l - l_old, sum of entropy (reference_loss.espo_group_sums_torch)."""
     _check("entropy", entropy, _REAL, None)
     device, total = entropy.device, entropy.shape[0]
     for name, t in (("logprobs", logprobs), ("old_logprobs", old_logprobs)):
         _check(name, t, (entropy.dtype,), device, total, "one per token")
     n = _common(entropy, cu_seqlens, mask, thresholds, num_groups, flags)
-    _check("sums", sums, (torch.float64,), device, n * num_groups * 3, "n x K x 3")
+    _check("out", out, (torch.float64,), device, n * num_groups * 3, "n x K x 3")
     if n == 0:
         return
     _sums_kernel[(n,)](
         entropy, logprobs, old_logprobs, cu_seqlens, mask if mask is not None else cu_seqlens,
-        thresholds, sums, K=num_groups, KP=_pow2(num_groups),
+        thresholds, out, K=num_groups, KP=_pow2(num_groups),
         PER_SEQ=bool(flags & _FLAG_PER_SEQ), HAS_MASK=mask is not None, BLOCK=BLOCK, **LAUNCH,
     )  # fmt: skip
 
 
-def espo_loss_forward_triton(logprobs, old_logprobs, entropy, advantages, cu_seqlens, mask,
+def espo_loss_forward_triton(*, logprobs, old_logprobs, entropy, advantages, cu_seqlens, mask,
                              thresholds, sums, num_groups, flags, eps_low, eps_high, eps_scale,
                              dual_clip, log_lo, log_hi, inv_num_seqs, need_grad, loss, grad,
                              seq_stats, stats) -> None:  # fmt: skip
@@ -395,7 +396,7 @@ def espo_loss_forward_triton(logprobs, old_logprobs, entropy, advantages, cu_seq
     )  # fmt: skip
 
 
-def espo_loss_backward_triton(grad_loss, grad_coef, out) -> None:
+def espo_loss_backward_triton(*, grad_loss, grad_coef, out) -> None:
     """out = grad_loss * grad_coef (grad_loss one element)."""
     _check("grad_coef", grad_coef, _REAL, None)
     if grad_loss.numel() != 1 or grad_loss.dtype != grad_coef.dtype:

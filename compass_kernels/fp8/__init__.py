@@ -20,11 +20,19 @@ Conventions and layouts: docs/design.md, section "FP8".
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from compass_kernels._op import has_no_data, register_op
-from compass_kernels._validate import as_float, as_int, check_finite, check_tensor, describe
+from compass_kernels._op import op
+from compass_kernels._validate import (
+    as_float,
+    as_int,
+    check_finite,
+    check_tensor,
+    describe,
+    should_check,
+)
 from compass_kernels.fp8.grouped_gemm import grouped_gemm  # noqa: F401  (ck.fp8.grouped_gemm)
 
 __all__ = [
@@ -65,25 +73,36 @@ def _alloc_scales(rows: int, cols: int, layout: int, device) -> torch.Tensor:
     return torch.empty(rows, cols, dtype=torch.float32, device=device)
 
 
-def _quantize_outputs(x, block_rows, block_cols, eps, ue8m0, use_div, scale_layout):
-    rows, cols = x.shape
-    nb, kb = -(-rows // block_rows), -(-cols // block_cols)
-    return (
-        torch.empty_like(x, dtype=torch.float8_e4m3fn, memory_format=torch.contiguous_format),
-        _alloc_scales(nb, kb, scale_layout, x.device),
-    )
+class Quantized(NamedTuple):
+    """Outputs of :data:`quantize_op` (unpacks as ``q, scales``)."""
+
+    q: torch.Tensor  # x's shape, float8_e4m3fn
+    scales: torch.Tensor  # [ceil(R / br), ceil(C / bc)] float32, scale_layout's strides
 
 
-quantize_op = register_op(
-    "fp8_quantize",
-    "(Tensor x, int block_rows, int block_cols, float eps, bool ue8m0, bool use_div,"
-    " int scale_layout) -> (Tensor, Tensor)",
-    outputs=_quantize_outputs,
+@op(
     kernels={
         "torch": "compass_kernels.fp8.reference:quantize_torch",
         "triton": "compass_kernels.fp8.triton:quantize_triton",
     },
+    name="fp8_quantize",
 )
+def quantize_op(
+    x: torch.Tensor,
+    block_rows: int,
+    block_cols: int,
+    eps: float,
+    ue8m0: bool,
+    use_div: bool,
+    scale_layout: int,
+) -> Quantized:
+    """Blockwise FP8 quantization of x [R, C] float32 | bfloat16 | float16."""
+    rows, cols = x.shape
+    nb, kb = -(-rows // block_rows), -(-cols // block_cols)
+    return Quantized(
+        q=torch.empty_like(x, dtype=torch.float8_e4m3fn, memory_format=torch.contiguous_format),
+        scales=_alloc_scales(nb, kb, scale_layout, x.device),
+    )
 
 
 def workspace_size(slots: int, num_experts: int) -> int:
@@ -92,41 +111,58 @@ def workspace_size(slots: int, num_experts: int) -> int:
     return slots + 2 * chunks * num_experts
 
 
-def _permute_outputs(x, topk_ids, num_experts, eps, ue8m0, scale_layout):
-    slots = topk_ids.shape[0] * topk_ids.shape[1]
-    cols, dev = x.shape[1], x.device
-    return (
-        torch.empty(slots, cols, dtype=torch.float8_e4m3fn, device=dev),
-        _alloc_scales(slots, -(-cols // TILE), scale_layout, dev),
-        torch.empty(num_experts + 1, dtype=torch.int64, device=dev),
-        torch.empty(slots, dtype=torch.int64, device=dev),
-        torch.empty(slots, dtype=torch.int64, device=dev),
-        torch.empty(workspace_size(slots, num_experts), dtype=torch.int32, device=dev),
-    )
+class Permuted(NamedTuple):
+    """Outputs of :data:`permute_op`."""
+
+    q: torch.Tensor  # [M*k, C] float8_e4m3fn, rows in expert order
+    scales: torch.Tensor  # [M*k, ceil(C / 128)] float32
+    expert_offsets: torch.Tensor  # [E+1] int64
+    src_index: torch.Tensor  # [M*k] int64
+    dst_index: torch.Tensor  # [M*k] int64
+    workspace: torch.Tensor  # int32 [workspace_size(M*k, E)]
 
 
-permute_op = register_op(
-    "fp8_permute_quantize",
-    "(Tensor x, Tensor topk_ids, int num_experts, float eps, bool ue8m0, int scale_layout)"
-    " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
-    outputs=_permute_outputs,
+@op(
     kernels={
         "torch": "compass_kernels.fp8.reference:permute_quantize_torch",
         "triton": "compass_kernels.fp8.triton:permute_quantize_triton",
     },
+    name="fp8_permute_quantize",
 )
+def permute_op(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    eps: float,
+    ue8m0: bool,
+    scale_layout: int,
+) -> Permuted:
+    """The top-k slots of x [M, C] sorted by expert (stably), quantized 1x128."""
+    slots = topk_ids.shape[0] * topk_ids.shape[1]
+    cols, dev = x.shape[1], x.device
+    i64 = torch.int64
+    return Permuted(
+        q=torch.empty(slots, cols, dtype=torch.float8_e4m3fn, device=dev),
+        scales=_alloc_scales(slots, -(-cols // TILE), scale_layout, dev),
+        expert_offsets=torch.empty(num_experts + 1, dtype=i64, device=dev),
+        src_index=torch.empty(slots, dtype=i64, device=dev),
+        dst_index=torch.empty(slots, dtype=i64, device=dev),
+        workspace=torch.empty(workspace_size(slots, num_experts), dtype=torch.int32, device=dev),
+    )
 
-unpermute_op = register_op(
-    "fp8_unpermute",
-    "(Tensor y, Tensor dst_index, Tensor topk_weights) -> Tensor",
-    outputs=lambda y, dst, w: (
-        torch.empty(w.shape[0], y.shape[1], dtype=y.dtype, device=y.device),
-    ),
+
+@op(
     kernels={
         "torch": "compass_kernels.fp8.reference:unpermute_torch",
         "triton": "compass_kernels.fp8.triton:unpermute_triton",
     },
+    name="fp8_unpermute",
 )
+def unpermute_op(
+    y: torch.Tensor, dst_index: torch.Tensor, topk_weights: torch.Tensor
+) -> torch.Tensor:
+    """out [M, C] (y's dtype) = sum_j w[t, j] * y[dst_index[t*k + j]]."""
+    return torch.empty(topk_weights.shape[0], y.shape[1], dtype=y.dtype, device=y.device)
 
 
 # ------------------------------------------------------------- public API
@@ -149,15 +185,6 @@ def _check_eps(eps: float) -> float:
             f"got {eps!r}"
         )
     return float(eps)
-
-
-def _data_checks(validate: bool | None, device: torch.device, backend: str | None) -> bool:
-    """Whether to check the input values in Python: CPU tensors unless
-    validate=False (host memory: no sync) or while tracing (no data); CUDA
-    only with validate=True (a host sync)."""
-    if validate is not None:
-        return bool(validate)
-    return device.type == "cpu" and not has_no_data()
 
 
 def _input(name: str, x: torch.Tensor, ndim: tuple[int, ...], *, empty_cols: bool = False
@@ -198,9 +225,10 @@ def quantize_blockwise(
     eps : floor of a block's amax (1e-4: per_block_cast_to_fp8 / DeepGEMM).
     ue8m0 : round each scale up to a power of two (DeepGEMM's UE8M0 scales).
     scale_layout : "k_major" (vLLM's weight_scale_inv), "mn_major", "mn_major_tma".
-    validate : check that w is finite (an error names the first inf/NaN). On
-        CPU by default (validate=False opts out); on CUDA it is a host sync,
-        off by default; unchecked inf/NaN give an unspecified block.
+    validate : check that w is finite (an error names the first inf/NaN), as
+        ``_validate.should_check`` says: None (default) on CPU tensors, not on
+        CUDA (a host sync); True everywhere; False never; never on fake / meta
+        tensors or while tracing. Unchecked inf/NaN give an unspecified block.
         NaN / Inf policy: w must be finite (ValueError naming w and the
         element where checked); unchecked, only the blocks holding a
         non-finite value are unspecified, every other block is exact.
@@ -217,18 +245,29 @@ def quantize_blockwise(
     eps = _check_eps(eps)
     if w.numel() == 0:  # no experts, rows or columns: empty q and scales, no launch
         if w.dim() == 2:
-            return _quantize_outputs(w, br, bc, eps, ue8m0, False, layout)
+            return tuple(
+                quantize_op.outputs(
+                    x=w,
+                    block_rows=br,
+                    block_cols=bc,
+                    eps=eps,
+                    ue8m0=ue8m0,
+                    use_div=False,
+                    scale_layout=layout,
+                )
+            )
         nb, kb = -(-w.shape[1] // br), -(-w.shape[2] // bc)
         q = torch.empty_like(w, dtype=torch.float8_e4m3fn, memory_format=torch.contiguous_format)
         return q, torch.empty((w.shape[0], nb, kb), dtype=torch.float32, device=w.device)
-    if _data_checks(validate, w.device, backend):
+    if should_check(validate, w):
         check_finite("w", w)
     try:
+        opts = dict(block_rows=br, block_cols=bc, eps=eps, ue8m0=bool(ue8m0), use_div=False,
+                    scale_layout=layout, backend=backend)  # fmt: skip
         if w.dim() == 3:
-            outs = [quantize_op(e, br, bc, eps, bool(ue8m0), False, layout, backend=backend)
-                    for e in w]  # fmt: skip
-            return torch.stack([o[0] for o in outs]), torch.stack([o[1] for o in outs])
-        return quantize_op(w, br, bc, eps, bool(ue8m0), False, layout, backend=backend)
+            outs = [quantize_op(x=e, **opts) for e in w]
+            return torch.stack([o.q for o in outs]), torch.stack([o.scales for o in outs])
+        return tuple(quantize_op(x=w, **opts))
     except ValueError as err:  # the kernel names its argument x; this function's is w
         msg = str(err)
         if msg.startswith("x: "):
@@ -287,10 +326,22 @@ def quantize_token_groups(
     layout = _layout(scale_layout)
     eps = _check_eps(eps)
     if x.numel() == 0:  # no tokens or no columns: empty q and scales, no launch
-        return _quantize_outputs(x, 1, group_size, eps, ue8m0, True, layout)
-    if _data_checks(validate, x.device, backend):
+        return tuple(
+            quantize_op.outputs(
+                x=x,
+                block_rows=1,
+                block_cols=group_size,
+                eps=eps,
+                ue8m0=ue8m0,
+                use_div=True,
+                scale_layout=layout,
+            )
+        )
+    if should_check(validate, x):
         check_finite("x", x)
-    return quantize_op(x, 1, group_size, eps, bool(ue8m0), True, layout, backend=backend)
+    res = quantize_op(x=x, block_rows=1, block_cols=group_size, eps=eps, ue8m0=bool(ue8m0),
+                      use_div=True, scale_layout=layout, backend=backend)  # fmt: skip
+    return tuple(res)
 
 
 def dequantize(
@@ -358,8 +409,8 @@ def permute_quantize(
     topk_ids : [M, k] int32 | int64 expert ids in [0, num_experts).
     num_experts : E (the CUDA path takes up to 1024).
     eps, ue8m0, scale_layout : as in :func:`quantize_token_groups` (same bits).
-    validate : check ids in range and x finite. On CPU by default; on
-        CUDA it is a host sync, off by default: unchecked out-of-range ids
+    validate : check ids in range and x finite (``should_check``: CPU by
+        default, CUDA with validate=True, a host sync): unchecked out-of-range ids
         are dropped (dst_index -1, no row; offsets[E] counts the rest, rows
         past it are unwritten). NaN / Inf policy: x must be finite (ValueError
         naming x where checked); unchecked, the rows of a token holding one
@@ -378,7 +429,7 @@ def permute_quantize(
     layout = _layout(scale_layout)
     eps = _check_eps(eps)
     ids = topk_ids.contiguous()
-    if _data_checks(validate, x.device, backend):
+    if should_check(validate, x, ids):
         check_finite("x", x)
         if ids.numel():
             lo, hi = torch.aminmax(ids)
@@ -387,9 +438,9 @@ def permute_quantize(
                     f"topk_ids: expected expert ids in [0, {num_experts}), got values in "
                     f"[{int(lo)}, {int(hi)}]"
                 )
-    q, s, off, src, dst, _ = permute_op(x, ids, num_experts, eps, bool(ue8m0), layout,
-                                        backend=backend)  # fmt: skip
-    return PermutedTokens(q, s, off, src, dst)
+    p = permute_op(x=x, topk_ids=ids, num_experts=num_experts, eps=eps, ue8m0=bool(ue8m0),
+                   scale_layout=layout, backend=backend)  # fmt: skip
+    return PermutedTokens(p.q, p.scales, p.expert_offsets, p.src_index, p.dst_index)
 
 
 def unpermute(
@@ -407,8 +458,9 @@ def unpermute(
     topk_weights : [M, k] float (computed in float32).
     Returns [M, N] in y's dtype (float32 accumulation in j order, unfused
     multiply-add: the same bits on every backend). Deterministic: a gather per
-    token, no atomics. validate: check dst_index in [-1, P) (CPU: by default;
-    CUDA: host sync, opt-in; unchecked out-of-range indices there are undefined).
+    token, no atomics. validate: check dst_index in [-1, P)
+    (``should_check``: CPU by default; CUDA with validate=True, a host sync;
+    unchecked out-of-range indices there are undefined).
     NaN / Inf policy: y and topk_weights are not checked (a weighted gather,
     like torch's): a non-finite value reaches exactly the tokens that gather it.
     """
@@ -426,12 +478,12 @@ def unpermute(
         y = y.contiguous()
     w = topk_weights.detach().to(torch.float32).contiguous()
     dst = dst_index.contiguous()
-    if _data_checks(validate, y.device, backend) and dst.numel():
+    if should_check(validate, y, dst) and dst.numel():
         lo, hi = torch.aminmax(dst)
         if int(lo) < -1 or int(hi) >= y.shape[0]:
             raise ValueError(f"dst_index: expected values in [-1, {y.shape[0]}) (rows of y), "
                              f"got values in [{int(lo)}, {int(hi)}]")  # fmt: skip
-    return unpermute_op(y, dst, w, backend=backend)
+    return unpermute_op(y=y, dst_index=dst, topk_weights=w, backend=backend)
 
 
 # The MoE layer composes the ops above (imported last: it uses this module).

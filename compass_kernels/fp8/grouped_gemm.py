@@ -12,12 +12,19 @@ interpreter). Spec: ``reference_gemm.py``.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
 from compass_kernels._ext import BackendUnavailableError, load
-from compass_kernels._op import has_no_data, register_op
-from compass_kernels._validate import check_finite, check_offsets, check_tensor, describe
+from compass_kernels._op import op
+from compass_kernels._validate import (
+    check_finite,
+    check_offsets,
+    check_tensor,
+    describe,
+    should_check,
+)
 
 __all__ = ["grouped_gemm", "grouped_gemm_op", "grouped_args_op", "OUT_DTYPES", "PTR_ROWS"]
 
@@ -26,11 +33,6 @@ OUT_DTYPES = {torch.bfloat16: 0, torch.float32: 1}
 _FROM_CODE = {v: k for k, v in OUT_DTYPES.items()}
 _FP8 = (torch.float8_e4m3fn,)
 _F32 = (torch.float32,)
-
-
-def _outputs(a_q, a_scales, b_q, b_scales, expert_offsets, out_dtype):
-    # Also the fake: shapes from metadata only.
-    return (a_q.new_empty((a_q.shape[0], b_q.shape[1]), dtype=_FROM_CODE[out_dtype]),)
 
 
 @functools.cache
@@ -85,7 +87,7 @@ def cutlass_launch_args(a_q, b_q, stream, sms):
     return (*bufs, tile)
 
 
-def grouped_gemm_cutlass(a_q, a_scales, b_q, b_scales, expert_offsets, out_dtype, out, stream):
+def grouped_gemm_cutlass(*, a_q, a_scales, b_q, b_scales, expert_offsets, out_dtype, out, stream):
     """The ``cuda`` backend: CUTLASS sm_90a (csrc/fp8/grouped_gemm_sm90.cuh).
 
     Two launches on ``stream``, no host sync: the argument builder (problem
@@ -109,42 +111,59 @@ def _workspace_bytes(tile: int, experts: int, sms: int) -> int:
     return load().fp8.grouped_gemm_sm90_workspace(tile, experts, sms)
 
 
-grouped_gemm_op = register_op(
-    "fp8_grouped_gemm",
-    "(Tensor a_q, Tensor a_scales, Tensor b_q, Tensor b_scales, Tensor expert_offsets,"
-    " int out_dtype) -> Tensor",
-    outputs=_outputs,
+@op(
     kernels={
         "torch": "compass_kernels.fp8.reference_gemm:grouped_gemm_torch",
         "cuda": "compass_kernels.fp8.grouped_gemm:grouped_gemm_cutlass",
         "triton": "compass_kernels.fp8.triton_gemm:grouped_gemm_triton",
     },
+    name="fp8_grouped_gemm",
 )
+def grouped_gemm_op(
+    a_q: torch.Tensor,
+    a_scales: torch.Tensor,
+    b_q: torch.Tensor,
+    b_scales: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    out_dtype: int,
+) -> torch.Tensor:
+    """out [M, N] (OUT_DTYPES code) = per expert e, rows o[e]..o[e+1] of a_q [M, K]
+    times b_q[e] [N, K] transposed, blockwise scales (see :func:`grouped_gemm`)."""
+    return a_q.new_empty((a_q.shape[0], b_q.shape[1]), dtype=_FROM_CODE[out_dtype])
 
 
 #: Rows of the pointer arrays the argument builder writes (compass/fp8.h: PtrRow).
 PTR_ROWS = ("a", "b", "a_scales", "b_scales", "out")
 
 
-def _args_outputs(a_q, a_scales, b_q, b_scales, expert_offsets, out):
-    e = b_q.shape[0]
-    return (
-        a_q.new_empty((e, 3), dtype=torch.int32),
-        a_q.new_empty((len(PTR_ROWS), e), dtype=torch.int64),
-    )
+class GroupedArgs(NamedTuple):
+    """Outputs of :data:`grouped_args_op`."""
+
+    shapes: torch.Tensor  # [E, 3] int32 problem shapes (m, n, k)
+    ptrs: torch.Tensor  # [5, E] int64 pointer arrays, rows PTR_ROWS
 
 
 # The device-side argument builder of a pointer-array grouped GEMM (CUTLASS's
 # problem shapes and ptr_A/B/SFA/SFB/D arrays) from the expert offsets: no
 # host sync, CUDA-graph safe. Internal; tested on CPU (cpp) and under the CUDA
 # emulation (tests/test_fp8_gemm_args.py).
-grouped_args_op = register_op(
-    "fp8_grouped_gemm_args",
-    "(Tensor a_q, Tensor a_scales, Tensor b_q, Tensor b_scales, Tensor expert_offsets,"
-    " Tensor out) -> (Tensor, Tensor)",
-    outputs=_args_outputs,
-    kernels={"cpp": "fp8.grouped_args_cpu", "cuda": "fp8.grouped_args_cuda"},
-)
+@op(kernels={"cpp": "fp8.grouped_args_cpu", "cuda": "fp8.grouped_args_cuda"},
+    name="fp8_grouped_gemm_args")  # fmt: skip
+def grouped_args_op(
+    a_q: torch.Tensor,
+    a_scales: torch.Tensor,
+    b_q: torch.Tensor,
+    b_scales: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    gemm_out: torch.Tensor,
+) -> GroupedArgs:
+    """Problem shapes and pointer arrays of the grouped GEMM writing ``gemm_out``
+    (the C++ entry point's ``out``)."""
+    e = b_q.shape[0]
+    return GroupedArgs(
+        shapes=a_q.new_empty((e, 3), dtype=torch.int32),
+        ptrs=a_q.new_empty((len(PTR_ROWS), e), dtype=torch.int64),
+    )
 
 
 def _check_shapes(a_q, a_scales, b_q, b_scales, expert_offsets) -> None:
@@ -153,6 +172,18 @@ def _check_shapes(a_q, a_scales, b_q, b_scales, expert_offsets) -> None:
     dev = a_q.device
     check_tensor("b_q", b_q, ndim=3, dtypes=_FP8, device=dev)
     e, n, kb_ = b_q.shape
+    # The offsets come from the permutation (the routing's expert count): when the two
+    # disagree, the weights are the ones for another model or layer.
+    check_tensor("expert_offsets", expert_offsets, ndim=1, dtypes=(torch.int64,), device=dev)
+    if expert_offsets.shape[0] < 2:
+        raise ValueError(
+            f"expert_offsets: expected E + 1 >= 2 elements, got {describe(expert_offsets)}"
+        )
+    if e != expert_offsets.shape[0] - 1:
+        raise ValueError(
+            f"b_q: expected weights for {expert_offsets.shape[0] - 1} experts in dim 0 "
+            f"(expert_offsets has {expert_offsets.shape[0]} = E + 1 entries), got {describe(b_q)}"
+        )
     if kb_ != k:
         raise ValueError(f"b_q: expected K = {k} (a_q.shape[1]) in dim 2, got {describe(b_q)}")
     if k == 0 or e == 0:
@@ -170,8 +201,6 @@ def _check_shapes(a_q, a_scales, b_q, b_scales, expert_offsets) -> None:
     if tuple(b_scales.shape) != (e, nb, kb):
         raise ValueError(f"b_scales: expected shape [{e}, {nb}, {kb}] = [E, ceil(N/128), "
                          f"ceil(K/128)], got {describe(b_scales)}")  # fmt: skip
-    check_tensor("expert_offsets", expert_offsets, ndim=1, dtypes=(torch.int64,), size=e + 1,
-                 size_what="E + 1", device=dev)  # fmt: skip
 
 
 def grouped_gemm(
@@ -198,13 +227,13 @@ def grouped_gemm(
     expert_offsets : [E+1] int64, 0 = o[0] <= o[1] <= ... <= o[E] = M. Experts
         with no rows cost nothing.
     out_dtype : torch.bfloat16 (default) or torch.float32.
-    validate : check the offsets' contents. On CPU tensors by default
-        (validate=False opts out); on CUDA the check needs a host sync: off by
-        default (bad offsets are undefined behaviour, as in every varlen
-        kernel), on with validate=True.
-    NaN / Inf policy: ``a_scales`` and ``b_scales`` must be finite; checked on
-        CPU tensors unless validate=False (one float64 sum of the small scale
-        tensors, no sync), on CUDA with validate=True (a host sync); unchecked, a non-finite
+    validate : check the offsets' contents and the scales, as
+        ``_validate.should_check`` says: None (default) on CPU tensors, not on
+        CUDA (a host sync; bad offsets are then undefined behaviour, as in every
+        varlen kernel); True everywhere; False never; never on fake / meta
+        tensors or while tracing.
+    NaN / Inf policy: ``a_scales`` and ``b_scales`` must be finite; checked as
+        ``validate`` says (one float64 sum of the small scale tensors); unchecked, a non-finite
         scale makes the output rows / columns of its block NaN / Inf. NaN
         encodings in ``a_q`` / ``b_q`` (e4m3fn 0x7f / 0xff) are never checked
         (a pass over the operands): they give NaN in the rows / columns they touch.
@@ -225,13 +254,8 @@ def grouped_gemm(
     if code is None:
         raise ValueError(f"out_dtype: expected torch.bfloat16 or torch.float32, got {out_dtype}")
     dev = a_q.device
-    if (validate if validate is not None else dev.type == "cpu") and not has_no_data(
-        a_q, expert_offsets
-    ):
+    if should_check(validate, a_q, expert_offsets, a_scales, b_scales):
         check_offsets("expert_offsets", expert_offsets, a_q.shape[0], exact=True)
-    if (dev.type == "cpu" if validate is None else validate) and not has_no_data(
-        a_scales, b_scales
-    ):
         check_finite("a_scales", a_scales.reshape(-1))
         check_finite("b_scales", b_scales.reshape(-1))
     if out is not None:
@@ -240,10 +264,10 @@ def grouped_gemm(
         if tuple(out.shape) != (m, n) or (out.stride(1) != 1 and n > 1):
             raise ValueError(f"out: expected shape [{m}, {n}] with unit stride along N, got "
                              f"{describe(out)} strides {out.stride()}")  # fmt: skip
-        out = (out,)
     if backend == "cuda" or (backend is None and dev.type == "cuda"):
-        _check_tma_alignment(a_q=a_q, b_q=b_q, out=out[0] if out is not None else None)
-    return grouped_gemm_op(a_q, a_scales, b_q, b_scales, expert_offsets, code, backend=backend,
+        _check_tma_alignment(a_q=a_q, b_q=b_q, out=out)
+    return grouped_gemm_op(a_q=a_q, a_scales=a_scales, b_q=b_q, b_scales=b_scales,
+                           expert_offsets=expert_offsets, out_dtype=code, backend=backend,
                            out=out)  # fmt: skip
 
 

@@ -33,8 +33,13 @@ from __future__ import annotations
 import torch
 
 from compass_kernels import fp8 as _fp8
-from compass_kernels._op import has_no_data
-from compass_kernels._validate import check_finite, check_offsets, check_tensor, describe
+from compass_kernels._validate import (
+    check_finite,
+    check_offsets,
+    check_tensor,
+    describe,
+    should_check,
+)
 
 __all__ = ["moe_mlp", "grouped_mlp", "check_moe_weights"]
 
@@ -116,8 +121,9 @@ def moe_mlp(
         or scaled as the model's router wants; applied as given).
     w13_weight, w13_scale, w2_weight, w2_scale : vLLM's block-FP8 layout, see
         :func:`check_moe_weights` (``MLP_e(x) = W2_e (silu(W1_e x) * (W3_e x))``).
-    validate : check the ids' range and finiteness of ``hidden`` (a host sync
-        on CUDA: off by default there; on by default on CPU).
+    validate : check the ids' range and finiteness of ``hidden``, as
+        ``_validate.should_check`` says (CPU by default; CUDA with
+        validate=True, host syncs; False never; never while tracing).
         NaN / Inf policy: ``hidden``, ``topk_weights`` and the weight scales
         must be finite: checked on CPU tensors unless validate=False (no sync),
         on CUDA with validate=True (host syncs); unchecked, a non-finite value
@@ -157,8 +163,7 @@ def moe_mlp(
         check_tensor("out", out, ndim=2, dtypes=(hidden.dtype,), device=dev)
         if tuple(out.shape) != (t, h):
             raise ValueError(f"out: expected shape [{t}, {h}], got {describe(out)}")
-    scales_checked = dev.type == "cpu" if validate is None else validate
-    if scales_checked and not has_no_data(topk_weights, w13_scale, w2_scale):
+    if should_check(validate, hidden, topk_weights, w13_scale, w2_scale):
         for name, x in (("topk_weights", topk_weights), ("w13_scale", w13_scale),
                         ("w2_scale", w2_scale)):  # fmt: skip
             check_finite(name, x.detach().reshape(-1))
@@ -175,8 +180,8 @@ def moe_mlp(
     y = y if hidden.dtype == torch.bfloat16 else y.float()
     w = topk_weights.detach().to(torch.float32).contiguous()
     direct = out is not None and out.dtype == y.dtype
-    res = _fp8.unpermute_op(y, p.dst_index, w, backend=_stage(backend),
-                            out=(out,) if direct else None)  # fmt: skip
+    res = _fp8.unpermute_op(y=y, dst_index=p.dst_index, topk_weights=w, backend=_stage(backend),
+                            out=out if direct else None)  # fmt: skip
     if direct:
         return out
     if out is not None:
@@ -192,11 +197,12 @@ def _stage(backend: str | None) -> str | None:
 
 def _experts(a_q, a_scales, offsets, w13, s13, w2, s2, inter, backend):
     """The stages between the permutation and the combine: [P, H] fp8 rows in
-    expert order -> [P, H] bf16 expert outputs."""
-    gate_up = _fp8.grouped_gemm(a_q, a_scales, w13, s13, offsets, backend=backend)
+    expert order -> [P, H] bf16 expert outputs. The caller checked the inputs
+    (or opted out): the stages check nothing again."""
+    gate_up = _fp8.grouped_gemm(a_q, a_scales, w13, s13, offsets, validate=False, backend=backend)
     act = torch.nn.functional.silu(gate_up[:, :inter].float()) * gate_up[:, inter:].float()
     h_q, h_s = _fp8.quantize_token_groups(act, validate=False, backend=_stage(backend))
-    return _fp8.grouped_gemm(h_q, h_s, w2, s2, offsets, backend=backend)
+    return _fp8.grouped_gemm(h_q, h_s, w2, s2, offsets, validate=False, backend=backend)
 
 
 def grouped_mlp(
@@ -243,13 +249,8 @@ def grouped_mlp(
                          f"{describe(w13_weight)}")  # fmt: skip
     check_tensor("expert_offsets", expert_offsets, ndim=1, dtypes=(torch.int64,), size=e + 1,
                  size_what="E + 1", device=x.device)  # fmt: skip
-    if (validate or (validate is None and x.device.type == "cpu")) and not has_no_data(
-        x, expert_offsets
-    ):
+    if should_check(validate, x, expert_offsets, w13_scale, w2_scale):
         check_offsets("expert_offsets", expert_offsets, x.shape[0], exact=True)
-    if (x.device.type == "cpu" if validate is None else validate) and not has_no_data(
-        w13_scale, w2_scale
-    ):
         check_finite("w13_scale", w13_scale.reshape(-1))
         check_finite("w2_scale", w2_scale.reshape(-1))
     a_q, a_s = _fp8.quantize_token_groups(x, validate=validate, backend=_stage(backend))

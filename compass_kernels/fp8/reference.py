@@ -160,7 +160,7 @@ def unpermute_reference(
 PERMUTE_CHUNK = 256  # slots per chunk of the permutation's counting sort (every backend)
 
 
-def quantize_torch(x, block_rows, block_cols, eps, ue8m0, use_div, scale_layout, q, scales):
+def quantize_torch(*, x, block_rows, block_cols, eps, ue8m0, use_div, scale_layout, q, scales):
     """``fp8_quantize`` op: ``q`` [R, C] float8_e4m3fn and ``scales``
     [ceil(R / br), ceil(C / bc)] float32 (any strides: the layout is the
     caller's), blocks of any shape; x [R, C] float32 | bfloat16 | float16."""
@@ -178,7 +178,7 @@ def quantize_torch(x, block_rows, block_cols, eps, ue8m0, use_div, scale_layout,
     scales.copy_(s)
 
 
-def permute_quantize_torch(x, topk_ids, num_experts, eps, ue8m0, scale_layout, q, scales,
+def permute_quantize_torch(*, x, topk_ids, num_experts, eps, ue8m0, scale_layout, q, scales,
                            expert_offsets, src_index, dst_index, workspace):  # fmt: skip
     """``fp8_permute_quantize`` op: the stable counting sort of the top-k slots by
     expert in the GPU kernels' terms (chunks of 256 slots; ``workspace`` int32
@@ -208,10 +208,11 @@ def permute_quantize_torch(x, topk_ids, num_experts, eps, ue8m0, scale_layout, q
     workspace.copy_(torch.cat([rank, counts, base.reshape(-1)]).to(torch.int32))
     if slots:
         rows = x[src_index // k]
-        quantize_torch(rows, 1, 128, eps, ue8m0, True, scale_layout, q, scales)
+        quantize_torch(x=rows, block_rows=1, block_cols=128, eps=eps, ue8m0=ue8m0, use_div=True,
+                       scale_layout=scale_layout, q=q, scales=scales)  # fmt: skip
 
 
-def unpermute_torch(y, dst_index, topk_weights, out):
+def unpermute_torch(*, y, dst_index, topk_weights, out):
     """``fp8_unpermute`` op: out[t] = sum_j w[t, j] * y[dst_index[t*k + j]] in
     float32, in j order, product and sum each rounded (no fused multiply-add);
     slots with dst_index < 0 are skipped. ``out`` [M, C] in y's dtype."""

@@ -3,7 +3,7 @@
 Written for clarity (one float64 matmul per expert); the op's CPU backend
 (``grouped_gemm_torch``, float32) is at the end.
 
-Math (DESIGN.md, FP8): rows ``[offsets[e], offsets[e+1])`` of the token-packed
+Math (docs/design.md, "FP8 grouped GEMM"): rows ``[offsets[e], offsets[e+1])`` of the token-packed
 activations belong to expert ``e`` (no padding between experts); with the
 dequantized operands (``compass_kernels.fp8.reference.dequantize_reference``:
 ``q * scale`` per 1x128 activation group and per 128x128 weight block, ragged
@@ -84,7 +84,7 @@ def grouped_gemm_abs_reference(
     )
 
 
-def grouped_gemm_torch(a_q, a_scales, b_q, b_scales, expert_offsets, out_dtype, out) -> None:
+def grouped_gemm_torch(*, a_q, a_scales, b_q, b_scales, expert_offsets, out_dtype, out) -> None:
     """``fp8_grouped_gemm`` op on CPU tensors (the ``torch`` backend): dequantise
     in float32 (activations once, each expert's weight when it has rows), one
     float32 matmul per expert, written to ``out`` [M, N] (``out_dtype`` 0

@@ -360,6 +360,7 @@ def _programs(device: torch.device, per_sm: int) -> int:
 
 
 def quantize_triton(
+    *,
     x: torch.Tensor,
     block_rows: int,
     block_cols: int,
@@ -400,8 +401,8 @@ def quantize_triton(
 
 
 def permute_quantize_triton(
-    x, topk_ids, num_experts, eps, ue8m0, scale_layout, q, scales, expert_offsets, src_index,
-    dst_index, workspace, *, num_programs=None,
+    *, x, topk_ids, num_experts, eps, ue8m0, scale_layout, q, scales, expert_offsets, src_index,
+    dst_index, workspace, num_programs=None,
 ) -> None:  # fmt: skip
     """The fused permutation + 1x128 quantization (argument contract:
     reference.py, permute_quantize_torch). ``num_programs``: the scatter's
@@ -458,7 +459,7 @@ def permute_offsets_triton(
                                   EP=triton.next_power_of_2(num_experts), **LAUNCH)  # fmt: skip
 
 
-def unpermute_triton(y, dst_index, topk_weights, out) -> None:
+def unpermute_triton(*, y, dst_index, topk_weights, out) -> None:
     """out[t] = sum_j w[t, j] * y[dst_index[t*k + j]] (fp32, j order, no FMA)."""
     m, k = topk_weights.shape
     cols = y.shape[1]

@@ -168,6 +168,7 @@ def _e_block(num_experts: int) -> int:
 
 
 def grouped_gemm_triton(
+    *,
     a_q: torch.Tensor,
     a_scales: torch.Tensor,
     b_q: torch.Tensor,
@@ -175,7 +176,6 @@ def grouped_gemm_triton(
     expert_offsets: torch.Tensor,
     out_dtype: int,
     out: torch.Tensor,
-    *,
     block_m: int | None = None,
     num_programs: int | None = None,
     promote: bool = True,

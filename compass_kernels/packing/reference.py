@@ -322,7 +322,7 @@ def _segment_of(offsets: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.
     return j, u - offsets[j]
 
 
-def thd_pack_torch(src, seq_start, seqlens, out_offsets, cp_size, cp_rank, fill, total, out):
+def thd_pack_torch(*, src, seq_start, seqlens, out_offsets, cp_size, cp_rank, fill, total, out):
     """``thd_pack`` op: ``out`` [total, W] uint8 rows, sequence j's local slots
     ``out_offsets[j]:out_offsets[j+1]`` holding its zigzag chunks for ``cp_rank``
     (rows of ``src`` from ``seq_start[j]``), padding = ``fill`` bytes."""
@@ -353,7 +353,7 @@ def thd_pack_torch(src, seq_start, seqlens, out_offsets, cp_size, cp_rank, fill,
     out[~valid] = fill
 
 
-def thd_unpack_torch(packed, seqlens, cu_seqlens, out_offsets, cp_size, total, out):
+def thd_unpack_torch(*, packed, seqlens, cu_seqlens, out_offsets, cp_size, total, out):
     """``thd_unpack`` op: ``out`` [total, W], the sequences unpadded in micro-batch
     order, from ``packed`` [cp_size * local_tokens, W] (every rank's rows stacked)."""
     _rows("packed", packed)
@@ -393,7 +393,7 @@ def thd_unpack_torch(packed, seqlens, cu_seqlens, out_offsets, cp_size, total, o
     out.copy_(packed[rank * tl + out_offsets[j] + slot])
 
 
-def thd_positions_torch(out_offsets, cp_size, cp_rank, total, out):
+def thd_positions_torch(*, out_offsets, cp_size, cp_rank, total, out):
     """``thd_positions`` op: ``out`` [total] int64, each local slot's position in
     its padded sequence."""
     if out_offsets.dim() != 1 or out_offsets.dtype != torch.int64 or out_offsets.numel() < 1:

@@ -20,45 +20,79 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from compass_kernels._op import register_op
+from compass_kernels._op import op
 from compass_kernels._validate import as_int, describe
 
 __all__ = ["PackedBatch", "pack", "unpack", "thd_pack_op", "thd_unpack_op", "thd_positions_op"]
 
 
-def _rows_like(src, total):
-    return (torch.empty((total, src.shape[1]), dtype=src.dtype, device=src.device),)
+_PACK = "compass_kernels.packing."
 
 
-thd_pack_op = register_op(
-    "thd_pack",
-    "(Tensor src, Tensor seq_start, Tensor seqlens, Tensor out_offsets, int cp_size, int cp_rank,"
-    " int fill, int total) -> Tensor",
-    outputs=lambda src, ss, sl, oo, cp, r, fill, total: _rows_like(src, total),
+@op(
     kernels={
-        "torch": "compass_kernels.packing.reference:thd_pack_torch",
-        "triton": "compass_kernels.packing.triton:thd_pack_triton",
-    },
+        "torch": _PACK + "reference:thd_pack_torch",
+        "triton": _PACK + "triton:thd_pack_triton",
+    }
 )
-thd_unpack_op = register_op(
-    "thd_unpack",
-    "(Tensor packed, Tensor seqlens, Tensor cu_seqlens, Tensor out_offsets, int cp_size,"
-    " int total) -> Tensor",
-    outputs=lambda packed, sl, cu, oo, cp, total: _rows_like(packed, total),
+def thd_pack_op(
+    src: torch.Tensor,
+    seq_start: torch.Tensor,
+    seqlens: torch.Tensor,
+    out_offsets: torch.Tensor,
+    cp_size: int,
+    cp_rank: int,
+    fill: int,
+    total: int,
+) -> torch.Tensor:
+    """THD pack of uint8 rows: ``out`` [total, W] uint8, sequence j's local slots
+    ``out_offsets[j]:out_offsets[j+1]`` holding its zigzag chunks for ``cp_rank``.
+
+    src : [T, W] uint8 (any dtype's rows viewed as bytes). seq_start, seqlens :
+    [m] int64, sequence j's first row in src and its length. out_offsets : [m+1]
+    int64 local slot offsets. cp_size, cp_rank : the zigzag split. fill : the
+    padding byte. total : local rows (out_offsets[m], a host int).
+    """
+    return torch.empty((total, src.shape[1]), dtype=src.dtype, device=src.device)
+
+
+@op(
     kernels={
-        "torch": "compass_kernels.packing.reference:thd_unpack_torch",
-        "triton": "compass_kernels.packing.triton:thd_unpack_triton",
-    },
+        "torch": _PACK + "reference:thd_unpack_torch",
+        "triton": _PACK + "triton:thd_unpack_triton",
+    }
 )
-thd_positions_op = register_op(
-    "thd_positions",
-    "(Tensor out_offsets, int cp_size, int cp_rank, int total) -> Tensor",
-    outputs=lambda oo, cp, r, total: (torch.empty(total, dtype=torch.int64, device=oo.device),),
+def thd_unpack_op(
+    packed: torch.Tensor,
+    seqlens: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    out_offsets: torch.Tensor,
+    cp_size: int,
+    total: int,
+) -> torch.Tensor:
+    """THD unpack: ``out`` [total, W] uint8, the sequences unpadded in micro-batch order.
+
+    packed : [cp_size * local_tokens, W] uint8 (every rank's rows stacked).
+    seqlens : [m] int64. cu_seqlens : [m+1] int64 (unpadded offsets in out).
+    out_offsets : [m+1] int64 local padded offsets. total : rows of out.
+    """
+    return torch.empty((total, packed.shape[1]), dtype=packed.dtype, device=packed.device)
+
+
+@op(
     kernels={
-        "torch": "compass_kernels.packing.reference:thd_positions_torch",
-        "triton": "compass_kernels.packing.triton:thd_positions_triton",
-    },
+        "torch": _PACK + "reference:thd_positions_torch",
+        "triton": _PACK + "triton:thd_positions_triton",
+    }
 )
+def thd_positions_op(
+    out_offsets: torch.Tensor, cp_size: int, cp_rank: int, total: int
+) -> torch.Tensor:
+    """Position of each local slot in its padded sequence: ``out`` [total] int64.
+
+    out_offsets : [m+1] int64 local slot offsets; cp_size, cp_rank : the zigzag split.
+    """
+    return torch.empty(total, dtype=torch.int64, device=out_offsets.device)
 
 
 @dataclass
@@ -267,11 +301,18 @@ def pack(
             packed[name] = t.new_empty((total, *t.shape[1:]))
             continue
         rows = thd_pack_op(
-            _as_rows(t), meta["seq_start"], meta["seqlens"], meta["out_offsets"], cp_size,
-            cp_rank, fill, total, backend=backend,
+            src=_as_rows(t), seq_start=meta["seq_start"], seqlens=meta["seqlens"],
+            out_offsets=meta["out_offsets"], cp_size=cp_size, cp_rank=cp_rank, fill=fill,
+            total=total, backend=backend,
         )  # fmt: skip
         packed[name] = rows.view(t.dtype).reshape(total, *t.shape[1:])
-    positions = thd_positions_op(meta["out_offsets"], cp_size, cp_rank, total, backend=backend)
+    positions = thd_positions_op(
+        out_offsets=meta["out_offsets"],
+        cp_size=cp_size,
+        cp_rank=cp_rank,
+        total=total,
+        backend=backend,
+    )
     return PackedBatch(
         tensors=packed,
         indices=idx,
@@ -331,8 +372,9 @@ def unpack(
 def _unpack_rows(packed: torch.Tensor, batch: PackedBatch, backend) -> torch.Tensor:
     meta = batch._meta
     rows = thd_unpack_op(
-        _as_rows(packed), meta["seqlens"], meta["cu"], meta["out_offsets"], batch.cp_size,
-        batch.total_tokens, backend=backend,
+        packed=_as_rows(packed), seqlens=meta["seqlens"], cu_seqlens=meta["cu"],
+        out_offsets=meta["out_offsets"], cp_size=batch.cp_size, total=batch.total_tokens,
+        backend=backend,
     )  # fmt: skip
     return rows.view(packed.dtype).reshape(batch.total_tokens, *packed.shape[1:])
 
@@ -352,16 +394,16 @@ class _Unpack(torch.autograd.Function):
         g = _as_rows(grad)
         parts = [
             thd_pack_op(
-                g,
-                meta["cu"][:-1],
-                meta["seqlens"],
-                meta["out_offsets"],
-                b.cp_size,
-                r,
-                0,
-                b.local_tokens,
+                src=g,
+                seq_start=meta["cu"][:-1],
+                seqlens=meta["seqlens"],
+                out_offsets=meta["out_offsets"],
+                cp_size=b.cp_size,
+                cp_rank=r,
+                fill=0,
+                total=b.local_tokens,
                 backend=ctx.backend,
-            )  # fmt: skip
+            )
             for r in range(b.cp_size)
         ]
         rows = parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -162,7 +162,7 @@ def _check(rows: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name}: expected contiguous uint8 [T, W] rows, got {rows.dtype}")
 
 
-def thd_pack_triton(src, seq_start, seqlens, out_offsets, cp_size, cp_rank, fill, total, out, *,
+def thd_pack_triton(*, src, seq_start, seqlens, out_offsets, cp_size, cp_rank, fill, total, out,
                     tile=None):  # fmt: skip
     """THD pack (spec: reference.py, thd_pack_torch): ``out`` [total, W] written in place.
     ``tile``: (rows, units) per program instead of the default (tests)."""
@@ -180,7 +180,7 @@ def thd_pack_triton(src, seq_start, seqlens, out_offsets, cp_size, cp_rank, fill
     )  # fmt: skip
 
 
-def thd_unpack_triton(packed, seqlens, cu_seqlens, out_offsets, cp_size, total, out, *,
+def thd_unpack_triton(*, packed, seqlens, cu_seqlens, out_offsets, cp_size, total, out,
                       tile=None):  # fmt: skip
     """THD unpack: ``out`` [total, W], the sequences unpadded in micro-batch order."""
     _check(packed, "packed")
@@ -197,7 +197,7 @@ def thd_unpack_triton(packed, seqlens, cu_seqlens, out_offsets, cp_size, total, 
     )  # fmt: skip
 
 
-def thd_positions_triton(out_offsets, cp_size, cp_rank, total, out, *, block=BLOCK):
+def thd_positions_triton(*, out_offsets, cp_size, cp_rank, total, out, block=BLOCK):
     """Position of each packed token in its padded sequence: ``out`` [total] int64."""
     m = out_offsets.numel() - 1
     if total == 0:

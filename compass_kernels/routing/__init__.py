@@ -36,8 +36,8 @@ from typing import NamedTuple
 
 import torch
 
-from compass_kernels._op import has_no_data, register_op
-from compass_kernels._validate import as_float
+from compass_kernels._op import op
+from compass_kernels._validate import as_float, should_check
 from compass_kernels.routing import _setcode  # noqa: F401  (registers the encode op)
 from compass_kernels.routing.trace import MissingReason, RoutingTrace, TraceError, _desc, ids_dtype
 
@@ -76,7 +76,7 @@ class ReplayStats:
     replace_rate : rejected_rows / candidates (0 without ``min_score_ratio``).
     replayed_rows : rows that used the trace's ids.
     bad_rows : valid rows with an id out of [0, E) or twice (routed natively;
-        the CPU path and ``validate=True`` raise instead).
+        checked calls (``replay_topk(validate=)``, CPU by default) raise instead).
     """
 
     __slots__ = ("counts", "top_k")
@@ -215,6 +215,7 @@ def _check_replay_args(router_logits, expert_ids, score_function, expert_bias, v
 def _check_finite_rows(name: str, t: torch.Tensor) -> None:
     """Raise naming the first row of ``t`` [T, E] holding NaN / Inf (one reduction
     when all are finite)."""
+    t = t.detach()  # a float of a requires-grad tensor warns; the check needs no graph
     if t.numel() == 0 or math.isfinite(float(t.sum(dtype=torch.float64))):
         return
     bad = ~torch.isfinite(t)
@@ -236,7 +237,7 @@ def replay_topk(
     scaling: float = 1.0,
     valid: torch.Tensor | None = None,
     min_score_ratio: float | None = None,
-    validate: bool = False,
+    validate: bool | None = None,
     backend: str | None = None,
 ) -> ReplayResult:
     """Gate the router's logits at the replayed experts, in one pass, for one MoE layer.
@@ -249,7 +250,7 @@ def replay_topk(
     expert_ids : [T, K] uint8 | int16 | int32 | int64: the trace's LOGICAL ids
         for this layer (e.g. ``trace.expert_ids[:, col]``), distinct within a
         row, in [0, E) (validate the trace first: rows with valid True are read
-        unchecked on GPU unless validate=True; CPU always checks).
+        unchecked on GPU unless validate=True; checked on CPU by default).
     score_function : "softmax" | "sigmoid" (Megatron's moe_router_score_function).
     normalize : softmax: True = softmax over the K selected logits (top-k then
         softmax, Qwen3 norm_topk_prob), False = softmax over all E then take K;
@@ -265,16 +266,17 @@ def replay_topk(
         replayed experts is >= ratio * the smallest score of the native top-k
         (scores without bias); other rows are routed natively and counted in
         ``stats.rejected_rows`` / ``stats.replace_rate``.
-    validate : on CUDA, raise on a malformed valid row (an id out of range or
-        twice) at the cost of one host sync. Without it such rows are routed
-        natively and counted in ``stats.bad_rows`` (never read out of bounds).
-        On CPU the check is always made (no sync to pay).
+    validate : raise on a malformed valid row (an id out of range or twice)
+        and on non-finite logits, as ``_validate.should_check`` says: None
+        (default) on CPU tensors (no sync to pay), not on CUDA (one host sync);
+        True everywhere; False never; never on fake / meta tensors or while
+        tracing. Unchecked, malformed rows are routed natively and counted in
+        ``stats.bad_rows`` (never read out of bounds).
 
-    NaN / Inf policy: ``router_logits`` must be finite. On CPU this is always
-    checked (one reduction, no sync): :class:`ValueError` naming the first bad
-    row. On CUDA it is checked with ``validate=True`` (one host sync); without
-    it a row with a NaN / Inf logit gives NaN weights for that row (unchecked,
-    as any torch router would), other rows are unaffected. ``expert_bias``
+    NaN / Inf policy: ``router_logits`` must be finite: where checked, a
+    :class:`ValueError` naming the first bad row; unchecked, a row with a NaN /
+    Inf logit gives NaN weights for that row (as any torch router would), other
+    rows are unaffected. ``expert_bias``
     follows the same policy.
     backend : None (default dispatch: "torch" on CPU, "triton" on GPU), "torch"
         or "triton".
@@ -313,21 +315,19 @@ def replay_topk(
     if valid is not None and not valid.is_contiguous():
         valid = valid.contiguous()
     ratio = -1.0 if min_score_ratio is None else float(min_score_ratio)
-    args = (z, ids, bias, valid, SCORE_FUNCTIONS[score_function], bool(normalize),
-            float(scaling), ratio)  # fmt: skip
+    args = dict(logits=z, expert_ids=ids, expert_bias=bias, valid=valid,
+                score_function=SCORE_FUNCTIONS[score_function], normalize=bool(normalize),
+                scaling=float(scaling), min_score_ratio=ratio)  # fmt: skip
     if z.requires_grad and torch.is_grad_enabled():  # the op and its registered autograd
-        w, rmap, tpe, counts, used = torch.ops.compass.replay_topk(*args, backend)
+        w, rmap, tpe, counts, used = torch.ops.compass.replay_topk(**args, backend=backend)
     else:
-        w, rmap, tpe, counts, used = replay_topk_op(*args, backend=backend)
+        w, rmap, tpe, counts, used = replay_topk_op(**args, backend=backend)
     k = ids.shape[1]
-    if (z.device.type == "cpu" or validate) and not has_no_data(z):
+    if should_check(validate, z, ids):
         _check_finite_rows("router_logits", z)
         if bias is not None:
             _check_finite_rows("expert_bias", bias.reshape(1, -1))
-    # Bad rows are read from the counter: always on CPU (free), on the GPU with
-    # validate=True (a sync).
-    check = (validate or z.device.type == "cpu") and not has_no_data(z)
-    if check and not torch.compiler.is_compiling():
+        # Bad rows are read from the counter (free on CPU, a sync on a GPU).
         _raise_bad_rows(counts, ids, valid, z.shape[1])
     if w.dtype != router_logits.dtype:
         w = w.to(router_logits.dtype)
@@ -359,49 +359,73 @@ def _raise_bad_rows(counts, ids, valid, e) -> None:
 # its fake (the output allocator), the backend table and the dispatch.
 
 
-def _replay_outputs(logits, ids, *_):
-    t, e = logits.shape
-    return (
-        torch.empty_like(ids, dtype=logits.dtype),
-        torch.empty_like(logits, dtype=torch.bool),
-        logits.new_empty(e, dtype=torch.int64),
-        logits.new_empty(6, dtype=torch.int64),
-        torch.empty_like(ids, dtype=torch.int64),
-    )
+class ReplayOutputs(NamedTuple):
+    """Outputs of :data:`replay_topk_op`."""
+
+    weights: torch.Tensor  # [T, K] logits' dtype
+    routing_map: torch.Tensor  # [T, E] bool
+    tokens_per_expert: torch.Tensor  # [E] int64
+    counts: torch.Tensor  # [6] int64 (ReplayStats)
+    ids_used: torch.Tensor  # [T, K] int64
 
 
-replay_topk_op = register_op(
-    "replay_topk",
-    "(Tensor logits, Tensor expert_ids, Tensor? expert_bias, Tensor? valid, int score_function,"
-    " bool normalize, float scaling, float min_score_ratio)"
-    " -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
-    outputs=_replay_outputs,
+@op(
     kernels={
         "torch": "compass_kernels.routing.reference:replay_topk_torch",
         "triton": "compass_kernels.routing.triton:replay_topk_triton",
-    },
+    }
 )
+def replay_topk_op(
+    logits: torch.Tensor,
+    expert_ids: torch.Tensor,
+    expert_bias: torch.Tensor | None,
+    valid: torch.Tensor | None,
+    score_function: int,
+    normalize: bool,
+    scaling: float,
+    min_score_ratio: float,
+) -> ReplayOutputs:
+    """Gate weights at the replayed experts (see :func:`replay_topk`).
 
-replay_topk_backward_op = register_op(
-    "replay_topk_backward",
-    "(Tensor grad_weights, Tensor logits, Tensor ids_used, int score_function, bool normalize,"
-    " float scaling) -> Tensor",
-    outputs=lambda g, logits, *_: (torch.empty_like(logits),),
+    logits : [T, E] float32 | float64. expert_ids : [T, K] integer. expert_bias :
+    [E] (logits' dtype) or None. valid : [T] bool or None. score_function :
+    SCORE_FUNCTIONS code. min_score_ratio : -1 for none.
+    """
+    e = logits.shape[1]
+    return ReplayOutputs(
+        weights=torch.empty_like(expert_ids, dtype=logits.dtype),
+        routing_map=torch.empty_like(logits, dtype=torch.bool),
+        tokens_per_expert=logits.new_empty(e, dtype=torch.int64),
+        counts=logits.new_empty(6, dtype=torch.int64),
+        ids_used=torch.empty_like(expert_ids, dtype=torch.int64),
+    )
+
+
+@op(
     kernels={
         "torch": "compass_kernels.routing.reference:replay_topk_backward_torch",
         "triton": "compass_kernels.routing.triton:replay_topk_backward_triton",
     },
+    output="grad_logits",
 )
+def replay_topk_backward_op(
+    grad_weights: torch.Tensor,
+    logits: torch.Tensor,
+    ids_used: torch.Tensor,
+    score_function: int,
+    normalize: bool,
+    scaling: float,
+) -> torch.Tensor:
+    """d loss / d logits [T, E] from the gate weights' gradient [T, K] (logits' dtype)."""
+    return torch.empty_like(logits)
 
 
 def _setup_context(ctx, inputs, output):
-    # Positions of the schema: logits first, (score_function, normalize, scaling)
-    # at 4..6, backend last; arguments added later go at the end, before backend.
-    logits, score_function, normalize, scaling = inputs[0], *inputs[4:7]
-    ctx.backend = inputs[-1] if len(inputs) > replay_topk_op._nargs else None
-    ctx.num_inputs = len(inputs)
-    ctx.save_for_backward(logits, output[4])
-    ctx.score_function, ctx.normalize, ctx.scaling = score_function, normalize, scaling
+    args = replay_topk_op.bind(inputs)
+    ctx.backend = args.get("backend")
+    ctx.save_for_backward(args["logits"], ReplayOutputs._make(output).ids_used)
+    ctx.score_function, ctx.normalize = args["score_function"], args["normalize"]
+    ctx.scaling = args["scaling"]
 
 
 def _backward(ctx, grad_w, *_):
@@ -413,9 +437,10 @@ def _backward(ctx, grad_w, *_):
         g = g.contiguous()
     # Through the dispatcher: under torch.compile / AOT the inputs are fake tensors.
     grad = torch.ops.compass.replay_topk_backward(
-        g, logits, used, ctx.score_function, ctx.normalize, ctx.scaling, ctx.backend
-    )
-    return (grad,) + (None,) * (ctx.num_inputs - 1)
+        grad_weights=g, logits=logits, ids_used=used, score_function=ctx.score_function,
+        normalize=ctx.normalize, scaling=ctx.scaling, backend=ctx.backend,
+    )  # fmt: skip
+    return replay_topk_op.input_grads(logits=grad)
 
 
 torch.library.register_autograd("compass::replay_topk", _backward, setup_context=_setup_context)

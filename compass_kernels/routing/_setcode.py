@@ -18,12 +18,13 @@ sync, checks on the device), :func:`check_status` raises on a bad row.
 from __future__ import annotations
 
 import warnings
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from compass_kernels._ext import load
-from compass_kernels._op import register_op
+from compass_kernels._op import op
 from compass_kernels.routing.trace import _desc
 
 
@@ -94,25 +95,25 @@ def decode_sets(payload: bytes | memoryview, rows: int, top_k: int, num_experts:
 
 
 # ------------------------------------------------------------ the encode op
-def _encode_outputs(ids, num_experts, missing):
+class Encoded(NamedTuple):
+    """Outputs of :data:`encode_sets_op`."""
+
+    payload: torch.Tensor  # [payload_bytes] uint8
+    status: torch.Tensor  # [2] int64: bad rows, first bad row or -1
+    table: torch.Tensor  # [K * E] int64: the binomial workspace C(a, m) at (m - 1) * E + a
+
+
+@op(kernels={"cpp": "routing.encode_sets_op_cpu", "cuda": "routing.encode_sets_cuda"})
+def encode_sets_op(ids: torch.Tensor, num_experts: int, missing: torch.Tensor | None) -> Encoded:
+    """Set-code ids [rows, K] uint8 | int16 (missing [rows] bool or None). The cpp
+    backend raises on a bad row (naming it); the cuda one counts it in status, on
+    the device."""
     rows, k = ids.shape
-    return (
-        ids.new_empty(payload_bytes(int(rows), num_experts, int(k)), dtype=torch.uint8),
-        ids.new_empty(2, dtype=torch.int64),
-        ids.new_empty(int(k) * num_experts, dtype=torch.int64),
+    return Encoded(
+        payload=ids.new_empty(payload_bytes(int(rows), num_experts, int(k)), dtype=torch.uint8),
+        status=ids.new_empty(2, dtype=torch.int64),
+        table=ids.new_empty(int(k) * num_experts, dtype=torch.int64),
     )
-
-
-encode_sets_op = register_op(
-    "encode_sets",
-    "(Tensor ids, int num_experts, Tensor? missing) -> (Tensor, Tensor, Tensor)",
-    outputs=_encode_outputs,
-    kernels={"cpp": "routing.encode_sets_op_cpu", "cuda": "routing.encode_sets_cuda"},
-)
-"""ids [rows, K] uint8 | int16, missing [rows] bool or None -> (payload uint8
-[payload_bytes], status int64 [2] = (bad rows, first bad row or -1), table int64
-[K * E], the binomial workspace C(a, m) at (m - 1) * E + a). The cpp backend
-raises on a bad row (naming it); the cuda one counts it in status, on the device."""
 
 
 def encode_device(ids: torch.Tensor, num_experts: int, *, missing: torch.Tensor | None = None,
@@ -126,8 +127,8 @@ def encode_device(ids: torch.Tensor, num_experts: int, *, missing: torch.Tensor 
     if missing is not None:
         missing = missing.reshape(-1)
         missing = missing if missing.is_contiguous() else missing.contiguous()
-    payload, status, _ = encode_sets_op(ids, int(num_experts), missing, backend=backend)
-    return payload, status
+    res = encode_sets_op(ids=ids, num_experts=int(num_experts), missing=missing, backend=backend)
+    return res.payload, res.status
 
 
 def check_status(status, ids: torch.Tensor, num_experts: int, missing=None) -> None:

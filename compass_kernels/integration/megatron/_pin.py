@@ -1,5 +1,5 @@
-"""What the two megatron-core patches share (megatron_cpu, the CPU shim, and
-megatron_replay, the router replay patch): the version range both were written
+"""What the two megatron-core patches share (``integration.cpu.megatron``, the CPU shim,
+and ``integration.megatron.replay``, the router replay patch): the version range both were written
 against, its check, and the source fingerprint each pins the upstream
 functions it replaces by. Imports megatron-core only when a check runs."""
 

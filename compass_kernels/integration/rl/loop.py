@@ -38,45 +38,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from compass_kernels.integration.rl.console import engine_output_to, markdown_table
+from compass_kernels.integration.rl.console import (
+    engine_output_to,
+    markdown_table,
+    require_extras,
+    terminal_header,
+    terminal_row,
+)
 
 __all__ = ["COLUMNS", "build_parser", "main", "run"]
 
-#: (csv key, table header, format) of the printed per-step table.
-TABLE = (
-    ("step", "step", "{:d}"),
-    ("reward_mean", "reward", "{:.3f}"),
-    ("accuracy", "acc", "{:.2f}"),
-    ("zv_initial", "zv0", "{:.2f}"),
-    ("zv_resample", "zv1", "{:.2f}"),
-    ("zv_penalty", "zv2", "{:.2f}"),
-    ("zv_rlzvp", "zv3", "{:.2f}"),
-    ("inversions_naive", "inv.naive", "{:d}"),
-    ("inversions_guard", "inv.guard", "{:d}"),
-    ("tokens", "tokens", "{:d}"),
-    ("pack_utilization", "util", "{:.2f}"),
-    ("routing_agreement", "agree", "{:.3f}"),
-    ("gap_replay", "|d| replay", "{:.2e}"),
-    ("gap_native", "|d| native", "{:.2e}"),
-    ("k3_replay", "k3 replay", "{:.1e}"),
-    ("k3_native", "k3 native", "{:.1e}"),
-    ("ln2_replay", ">ln2 rep", "{:.4f}"),
-    ("ln2_native", ">ln2 nat", "{:.4f}"),
-    ("probe_gap", "probe|d|", "{:.1e}"),
-    ("t_rollout", "t.roll", "{:.1f}"),
-    ("t_reward_tail", "t.rtail", "{:.2f}"),
-    ("t_pack", "t.pack", "{:.2f}"),
-    ("t_old", "t.old", "{:.1f}"),
-    ("t_train", "t.train", "{:.1f}"),
-    ("t_sync", "t.sync", "{:.1f}"),
-    ("overlap_s", "overlap", "{:.2f}"),
-    # stage 0 (--allocate): samples allocated, prompts skipped, informative groups
-    ("alloc_samples", "alloc", "{:d}"),
-    ("skipped_prompts", "skip", "{:d}"),
-    ("informative_groups", "inform", "{:d}"),
-    ("informative_per_1k_tokens", "inf/1k tok", "{:.2f}"),
-)
-
+#: Every column of steps.csv, in order (each defined in docs/rl_columns.md; the terminal
+#: table and steps.md show some of them: console.TERMINAL_COLUMNS, MARKDOWN_COLUMNS).
 COLUMNS = (
     "step", "prompts", "samples", "resampled_prompts", "resampled_samples", "reward_mean",
     "reward_naive_mean", "accuracy", "zv_initial", "zv_resample", "zv_penalty", "zv_rlzvp",
@@ -139,12 +112,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--pool", type=int, default=48, help="prompts in the task's pool")
     p.add_argument("--max-new-tokens", type=int, default=32, help="longest response (tokens)")
-    p.add_argument("--dp", type=int, default=2, help="data-parallel ranks of the packing plan")
     par = p.add_argument_group(
-        "trainer ranks (tp*pp*cp*dp processes, Megatron parallel_state; gloo on CPU)"
+        "trainer ranks: one Megatron process per rank, tp*pp*cp*dp of them (gloo on CPU); "
+        "each size must divide the model's (the tiny default: 3 layers, 8 experts, 2 KV "
+        "heads; --num-layers / --num-experts change it)"
     )
+    par.add_argument("--dp", type=int, default=2,
+                     help="data-parallel ranks (the packing plan's ranks)")  # fmt: skip
     par.add_argument("--tp", type=int, default=1, help="tensor-parallel size (sequence parallel)")
-    par.add_argument("--pp", type=int, default=1, help="pipeline stages (Megatron's 1F1B)")
+    par.add_argument("--pp", type=int, default=1,
+                     help="pipeline stages (Megatron's 1F1B); divides the layers")  # fmt: skip
     par.add_argument("--ep", type=int, default=1,
                      help="expert-parallel size, cut from the tp*cp*dp ranks")  # fmt: skip
     par.add_argument("--cp", type=int, default=1, help="context-parallel size (zigzag)")
@@ -227,6 +204,20 @@ def _model_dir(args: argparse.Namespace) -> Path:
         if value is not None
     }
     return cached_tiny_qwen3_moe(seed=args.model_seed, **overrides)
+
+
+def _size_hint(args: argparse.Namespace, hf_config: Any) -> str:
+    """How to size the generated model for the layout (none for --model-dir)."""
+    if args.model_dir:
+        return ""
+    layers, experts = int(hf_config.num_hidden_layers), int(hf_config.num_experts)
+    want_layers = -(-layers // args.pp) * args.pp
+    want_experts = -(-experts // args.ep) * args.ep
+    return (
+        f"; size the generated model for it, e.g. --num-layers {want_layers} "
+        f"--num-experts {want_experts} (--tp must divide its "
+        f"{hf_config.num_key_value_heads} KV heads)"
+    )
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -371,7 +362,7 @@ def run(args: argparse.Namespace, terminal: Any = None) -> list[dict[str, Any]]:
     try:
         layout.check(hf_config)
     except ValueError as exc:
-        raise SystemExit(f"compass-rl: {exc}") from None
+        raise SystemExit(f"compass-rl: {exc}{_size_hint(args, hf_config)}") from None
     cfg = T.TaskConfig(vocab_size=int(hf_config.vocab_size), max_new_tokens=args.max_new_tokens,
                        overlong_cache=max(1, args.max_new_tokens // 4))  # fmt: skip
     pool = T.make_prompts(cfg, args.pool, seed=args.seed)
@@ -420,9 +411,9 @@ def run(args: argparse.Namespace, terminal: Any = None) -> list[dict[str, Any]]:
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", gap=f"{row['gap_replay']:.1e}")
             if not args.quiet:
                 if not header_printed:
-                    tqdm.write(_table_header(), file=out_stream)
+                    tqdm.write(terminal_header(), file=out_stream)
                     header_printed = True
-                tqdm.write(_table_row(row), file=out_stream)
+                tqdm.write(terminal_row(row), file=out_stream)
             _write_csv(out_dir / "steps.csv", rows)
             (out_dir / "steps.md").write_text(markdown_table(rows))
             (out_dir / "steps.json").write_text(json.dumps(rows, indent=1, default=float))
@@ -641,18 +632,6 @@ def _step(step: int, state: LoopState) -> dict[str, Any]:
     return row
 
 
-def _table_header() -> str:
-    return " ".join(f"{h:>10}" for _, h, _ in TABLE)
-
-
-def _table_row(row: dict[str, Any]) -> str:
-    cells = []
-    for key, _, fmt in TABLE:
-        v = row.get(key)
-        cells.append(f"{'-' if v is None else fmt.format(v):>10}")
-    return " ".join(cells)
-
-
 def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(COLUMNS), extrasaction="ignore")
@@ -743,6 +722,7 @@ def _summary(rows: list[dict[str, Any]], args: argparse.Namespace, file: Any = N
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    require_extras(plot=not args.no_plot)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     out = Path(args.out)
     log = out / "engines.log"

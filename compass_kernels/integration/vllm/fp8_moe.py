@@ -19,7 +19,7 @@ Put together with vLLM's own no-DP/EP prepare/finalize::
                        apply_router_weight_on_input=False)
 
 On CUDA tensors every stage runs on the GPU (CUTLASS grouped GEMMs, no host
-sync); on CPU tensors the C++ kernels run (tests). Supported: SiLU-and-mul,
+sync); on CPU tensors the torch references run (tests). Supported: SiLU-and-mul,
 no expert parallelism (ids are the layer's own experts), router weights
 applied on the output. Anything else raises, naming what is unsupported.
 All arithmetic lives in ``compass_kernels.fp8``.
@@ -89,7 +89,7 @@ class CompassFp8Experts(mk.FusedMoEExpertsModular):
 
     @staticmethod
     def _supports_current_device() -> bool:
-        return True  # CUDA: the GPU kernels; CPU: the C++ kernels
+        return True  # CUDA: the GPU kernels; CPU: the torch references
 
     @staticmethod
     def _supports_no_act_and_mul() -> bool:
