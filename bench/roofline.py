@@ -365,7 +365,8 @@ def _logprobs(key: str, passes: int, rows: int = 4096, V: int = 151_936):
 def _replay(key: str, fwd: bool):
     T, E, K = 65_536, 256, 8
     bt = max(1, min(64, 1024 // E))
-    # the forward's K rounds (the routing map, weights and ids: 3 loops of K trips)
+    # the forward's K rounds (top-k argmax, replay-id checks: 2 loops of K trips;
+    # the routing map is a clear + scatter of the K used ids, no loop)
     ins, src = _warp_instructions(key, T / bt, 4, K if fwd else 1, loops="all")
     if fwd:  # fp32 logits + int64 ids in; weights, int64 ids used, bool map out
         moved = T * E * 4 + T * K * 8 + T * K * 4 + T * K * 8 + T * E
