@@ -387,9 +387,16 @@ def _espo_loss():
     T, n = 65_536, 8
     # sums: 3 fp32 in; forward: 4 fp32 in + fp32 grad out; reduce; backward: 1 in + 1 out
     moved = T * 4 * (3 + 4 + 1 + 2) + T  # + the bool mask
-    steps = 2 * math.ceil(T / n / 256)  # sums + forward: one program per sequence
-    ins, src = _warp_instructions("loss_forward", n, 4, math.ceil(T / n / 256))
-    return Model(bytes=moved, kernels=4, instructions=ins, serial_steps=steps), src
+    from compass_kernels.espo.triton_loss import _splits
+
+    s = _splits(T, n)  # programs per sequence (triton_loss: a (sequence, split) grid)
+    trips = math.ceil(T / n / 256 / s)
+    # sums + forward: trips chunks per program; each combine one step of 32 partials;
+    # the reduce: one step of 32 sequences
+    steps = 2 * trips + 2 * math.ceil(s / 32) + 1
+    ins, src = _warp_instructions("loss_forward", n * s, 4, trips)
+    # sums, combine, forward, combine, reduce, backward
+    return Model(bytes=moved, kernels=6, instructions=ins, serial_steps=steps), src
 
 
 def _advantages():
