@@ -20,9 +20,8 @@ env:
 	touch $(STAMP)
 
 # incremental rebuild of compass_kernels._C after csrc changes (ninja, build/)
-# (with the test-only emulation module _C_emu, which an install never builds)
 build: $(STAMP)
-	COMPASS_EMU=$${COMPASS_EMU:-ON} $(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 
 # every tier must run: a missing dependency fails instead of skipping
 test: build
@@ -54,7 +53,7 @@ $(VENV312)/.compass-setup.stamp: pyproject.toml scripts/setup_env.sh scripts/ins
 	touch $@
 
 test-py312: $(VENV312)/.compass-setup.stamp
-	COMPASS_EMU=$${COMPASS_EMU:-ON} $(VENV312)/bin/python -m pip install -q --no-build-isolation --no-deps -e .
+	$(VENV312)/bin/python -m pip install -q --no-build-isolation --no-deps -e .
 	$(VENV312)/bin/python -c "import sys, torch, triton, megatron.core as m; print('python', \
 	  sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, \
 	  'megatron-core', m.__version__); sys.exit(not m.__version__.startswith('0.19.') \

@@ -189,14 +189,13 @@ install_verl() {
 # came with the dev extra): the same interpreter and pybind11 as `make build`, so
 # they share setup.py's persistent build folder and later builds are incremental.
 # csrc needs no torch headers. pip's isolated build env cannot import the CUTLASS
-# wheel, so its path is handed to the build. Development builds include the
-# test-only CUDA emulation module (_C_emu; an install never builds it).
+# wheel, so its path is handed to the build.
 build() {
   local inc
   inc=$("$PY" -c "import importlib.util as u; s = u.find_spec('cutlass_library'); \
 print(s.submodule_search_locations[0] + '/source/include' if s else '')")
   if [ -n "$inc" ]; then export COMPASS_CUTLASS_INCLUDE="$inc"; fi
-  COMPASS_EMU=${COMPASS_EMU:-ON} pip install -v --no-build-isolation --no-deps -e .
+  pip install -v --no-build-isolation --no-deps -e .
   # setup.py's own lines: what was built, and what was left out and how to get it
   # (pip -v indents the build's output)
   NOTE=$(grep -a '^ *\[compass_kernels\] built' "$LOG" | tail -n 1 | sed 's/^ *\[compass_kernels\] //' || true)
