@@ -376,7 +376,8 @@ def _logprobs(key: str, passes: int, rows: int = 4096, V: int = 151_936):
 def _replay(key: str, fwd: bool):
     T, E, K = 65_536, 256, 8
     bt = max(1, min(64, 1024 // E))
-    # the forward's K rounds (the routing map, weights and ids: 3 loops of K trips)
+    # the forward's K rounds (top-k argmax, replay-id checks: 2 loops of K trips;
+    # the routing map is a clear + scatter of the K used ids, no loop)
     ins, src = _warp_instructions(key, T / bt, 4, K if fwd else 1, loops="all")
     if fwd:  # fp32 logits + int64 ids in; weights, int64 ids used, bool map out
         moved = T * E * 4 + T * K * 8 + T * K * 4 + T * K * 8 + T * E
@@ -397,9 +398,16 @@ def _espo_loss():
     T, n = 65_536, 8
     # sums: 3 fp32 in; forward: 4 fp32 in + fp32 grad out; reduce; backward: 1 in + 1 out
     moved = T * 4 * (3 + 4 + 1 + 2) + T  # + the bool mask
-    steps = 2 * math.ceil(T / n / 256)  # sums + forward: one program per sequence
-    ins, src = _warp_instructions("loss_forward", n, 4, math.ceil(T / n / 256))
-    return Model(bytes=moved, kernels=4, instructions=ins, serial_steps=steps), src
+    from compass_kernels.espo.triton_loss import _splits
+
+    s = _splits(T, n)  # programs per sequence (triton_loss: a (sequence, split) grid)
+    trips = math.ceil(T / n / 256 / s)
+    # sums + forward: trips chunks per program; each combine one step of 32 partials;
+    # the reduce: one step of 32 sequences
+    steps = 2 * trips + 2 * math.ceil(s / 32) + 1
+    ins, src = _warp_instructions("loss_forward", n * s, 4, trips)
+    # sums, combine, forward, combine, reduce, backward
+    return Model(bytes=moved, kernels=6, instructions=ins, serial_steps=steps), src
 
 
 def _advantages():
