@@ -21,7 +21,12 @@ META = torch.device("meta")
 
 
 def _run(op, *args) -> None:
-    op.kernel("triton")(*args, *op.outputs(*args))
+    """The op's Triton kernel on ``args`` (the op's parameters in order) and its
+    outputs, all by name (kernels take their arguments by name)."""
+    out = op.outputs(*args)
+    out = out if isinstance(out, tuple) else (out,)
+    op.kernel("triton")(**dict(zip(op.params, args, strict=False)),
+                        **dict(zip(op.returns, out, strict=True)))  # fmt: skip
 
 
 def espo_logprobs() -> Plan:
