@@ -157,6 +157,51 @@ def test_bad_inputs():
         f(*args, mode="grpo", epsilon=0.2)
 
 
+@pytest.mark.parametrize("strategy", ["grad_in_forward", "recompute"])
+def test_loss_inputs_checked_before_any_gemm_without_running_the_loss(strategy, monkeypatch):
+    """Bad loss inputs raise before the first GEMM (check_loss_inputs), and the
+    check itself runs no ESPO loss kernel: metadata errors (a wrong length, a
+    bad cu_seqlens dtype) and, on the CPU by default, data errors (non-finite
+    advantages, bad offsets)."""
+    from compass_kernels.espo import fused_loss
+
+    h, w, y, old, old_ent, adv, cu, mask = make_batch((3, 20), 0, 8, 100, seed=4)
+    f = ck.espo.fused_linear_espo_loss
+    mixed_mm_supported(h.device)
+    mixed_addmm_supported(h.device)
+    bad_adv = adv.clone()
+    bad_adv[1] = float("nan")
+    bad_cu = cu.clone()
+    bad_cu[1] = cu[-1] + 1
+    cases = [
+        ("old_entropy", dict(old_entropy=old_ent[:-1])),
+        ("cu_seqlens", dict(cu_seqlens=cu.float())),
+        ("advantages", dict(advantages=bad_adv)),
+        ("cu_seqlens", dict(cu_seqlens=bad_cu)),
+    ]
+    ran = []
+
+    def reached(*a, **k):
+        ran.append(1)
+        raise AssertionError("the loss or a GEMM ran before the input check")
+
+    for fn in ("espo_loss", "fused_linear_logprobs_entropy", "_grad_in_forward"):
+        monkeypatch.setattr(fused_loss, fn, reached)
+    base = dict(old_logprobs=old, old_entropy=old_ent, advantages=adv, cu_seqlens=cu, mask=mask)
+    for i, (name, bad) in enumerate(cases):
+        kw = base | bad
+        call = (h, w, y, kw["old_logprobs"], kw["old_entropy"], kw["advantages"],
+                kw["cu_seqlens"], kw["mask"])  # fmt: skip
+        if i < 2:  # metadata: no GEMM recorded (a dispatch mode skips data checks)
+            with _MatmulDtypes() as rec, pytest.raises(ValueError, match=name):
+                f(*call, mode="grpo", strategy=strategy)
+            assert rec.calls == [], (name, rec.calls)
+        else:  # data, checked on the CPU by default
+            with pytest.raises(ValueError, match=name):
+                f(*call, mode="grpo", strategy=strategy)
+    assert ran == []
+
+
 def test_second_backward_refused():
     h, w, y, old, old_ent, adv, cu, mask = make_batch((5, 6), 0, 8, 50, seed=5)
     hq = h.clone().requires_grad_()
