@@ -11,7 +11,7 @@ STAMP := $(VENV)/.compass-setup.stamp
 .PHONY: env build test test-fast test-ranks test-triton36 test-py312 bench rl wheel info lint typecheck \
 	gpu-check gpu-check-dry vllm-pins gpu-resolve
 
-$(STAMP): pyproject.toml scripts/setup_env.sh
+$(STAMP): pyproject.toml scripts/setup_env.sh scripts/install_verl.sh
 	COMPASS_VENV=$(VENV) bash scripts/setup_env.sh
 	touch $@
 
@@ -20,9 +20,8 @@ env:
 	touch $(STAMP)
 
 # incremental rebuild of compass_kernels._C after csrc changes (ninja, build/)
-# (with the test-only emulation module _C_emu, which an install never builds)
 build: $(STAMP)
-	COMPASS_EMU=$${COMPASS_EMU:-ON} $(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 
 # every tier must run: a missing dependency fails instead of skipping
 test: build
@@ -48,13 +47,13 @@ bench: build
 VENV312 ?= .venv312
 PYTHON312 ?= $(shell for p in python3.12 $$(ls -d $(HOME)/.pyenv/versions/3.12*/bin/python 2>/dev/null); do \
 	$$p -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null && { echo $$p; break; }; done)
-$(VENV312)/.compass-setup.stamp: pyproject.toml scripts/setup_env.sh
+$(VENV312)/.compass-setup.stamp: pyproject.toml scripts/setup_env.sh scripts/install_verl.sh
 	@[ -n "$(PYTHON312)" ] || { echo "test-py312: no Python 3.12 (python3.12 on PATH or pyenv); set PYTHON312=" >&2; exit 1; }
 	COMPASS_PYTHON=$(PYTHON312) COMPASS_VENV=$(VENV312) bash scripts/setup_env.sh
 	touch $@
 
 test-py312: $(VENV312)/.compass-setup.stamp
-	COMPASS_EMU=$${COMPASS_EMU:-ON} $(VENV312)/bin/python -m pip install -q --no-build-isolation --no-deps -e .
+	$(VENV312)/bin/python -m pip install -q --no-build-isolation --no-deps -e .
 	$(VENV312)/bin/python -c "import sys, torch, triton, megatron.core as m; print('python', \
 	  sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, \
 	  'megatron-core', m.__version__); sys.exit(not m.__version__.startswith('0.19.') \

@@ -10,10 +10,6 @@ Knobs (environment variables):
   COMPASS_CUTLASS_INCLUDE  CUTLASS headers (default: the nvidia-cutlass wheel, which the
                       build backend, scripts/build_backend.py, adds to an isolated build
                       when nvcc is found); without them the CUTLASS kernel is left out
-  COMPASS_EMU         OFF (default) | ON: compass_kernels._C_emu, the CUDA kernels
-                      emulated on the CPU for the tests (docs/emulation.md; needs GCC).
-                      Test-only: `make env` (scripts/setup_env.sh) turns it on; an install
-                      never ships it
 """
 
 from __future__ import annotations
@@ -43,8 +39,6 @@ class CMakeExtension(Extension):
 
 class CMakeBuild(build_ext):
     def build_extension(self, ext: CMakeExtension) -> None:
-        if ext.name == "compass_kernels._C_emu":
-            return  # a target of the same CMake project, built with _C into the same folder
         import pybind11
 
         t0 = time.perf_counter()
@@ -68,7 +62,6 @@ class CMakeBuild(build_ext):
             f"-DCOMPASS_CUDA={'ON' if nvcc else 'OFF'}",
             f"-DCOMPASS_CUDA_ARCHS={os.environ.get('COMPASS_CUDA_ARCHS', '80;90a')}",
             f"-DCOMPASS_VERSION={self.distribution.get_version()}",
-            f"-DCOMPASS_EMU={'ON' if _with_emu() else 'OFF'}",
         ]
         if nvcc:
             args.append(f"-DCMAKE_CUDA_COMPILER={nvcc}")
@@ -89,14 +82,10 @@ class CMakeBuild(build_ext):
 
         subprocess.check_call([cmake, str(ROOT), *args], cwd=build_temp)
         subprocess.check_call([cmake, "--build", ".", "--parallel", jobs], cwd=build_temp)
-        # Copy out what this configuration builds (_C_emu only when the emulation
-        # tier is on: an older _C_emu left in lib_dir must not reach a wheel).
-        built = [ext.name] + (["compass_kernels._C_emu"] if _with_emu() else [])
         out_dir.mkdir(parents=True, exist_ok=True)
-        for name in built:
-            so = Path(self.get_ext_fullpath(name)).name
-            if (lib_dir / so).resolve() != (out_dir / so).resolve():
-                shutil.copy2(lib_dir / so, out_dir / so)
+        so = Path(self.get_ext_fullpath(ext.name)).name
+        if (lib_dir / so).resolve() != (out_dir / so).resolve():
+            shutil.copy2(lib_dir / so, out_dir / so)
         _check_shared_libstdcxx(Path(self.get_ext_fullpath(ext.name)))
         print(
             f"[compass_kernels] built {ext.name} in {time.perf_counter() - t0:.1f} s "
@@ -173,15 +162,7 @@ def _py_tool(module: str, bin_dir: str, name: str) -> str | None:
     return path if os.path.exists(path) else None
 
 
-def _with_emu() -> bool:
-    value = os.environ.get("COMPASS_EMU", "OFF").upper()
-    if value not in ("ON", "OFF"):
-        raise RuntimeError(f"COMPASS_EMU must be ON or OFF, got {value!r}")
-    return value == "ON"
-
-
 setup(
-    ext_modules=[CMakeExtension("compass_kernels._C")]
-    + ([CMakeExtension("compass_kernels._C_emu")] if _with_emu() else []),
+    ext_modules=[CMakeExtension("compass_kernels._C")],
     cmdclass={"build_ext": CMakeBuild},
 )

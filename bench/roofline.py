@@ -306,9 +306,9 @@ def _no_issue(model: Model) -> Callable[[], tuple[Model, str]]:
 
 # SASS specs: key -> (module, kernel, constexpr overrides; "=KEY" selects the entry)
 SASS_SPECS: dict[str, tuple[str, str, dict]] = {
-    "permute_scatter": ("fp8.triton", "_permute_scatter_kernel", {"NG": 16}),
+    "permute_scatter": ("fp8.triton", "_permute_scatter_kernel", {"GB": 16}),
     "permute_rank": ("fp8.triton", "_permute_rank_kernel", {}),
-    "quantize_groups": ("fp8.triton", "_quantize_groups_kernel", {"=UE8M0": False, "NG": 64}),
+    "quantize_groups": ("fp8.triton", "_quantize_groups_kernel", {"=UE8M0": False}),
     "quantize_block": ("fp8.triton", "_quantize_block_kernel", {"=UE8M0": False}),
     "unpermute": ("fp8.triton", "_unpermute_kernel", {}),
     "logprobs_fwd": ("espo.triton_logprobs", "_fwd_kernel", {"=ENT": True, "=VEC": 8}),
@@ -331,14 +331,25 @@ def _permute_quantize():
     M, k, K = 131_072, 8, 2048  # E = 256
     slots = M * k
     moved = M * K * 2 + slots * K + slots * (K // 128) * 4 + slots * (4 + 4 + 4 + 8 + 8)
-    scat, src = _warp_instructions("permute_scatter", slots, 4, 1)
+    # the scatter: a grid-stride loop over the tokens. ptxas puts the token
+    # loop's back-edge after the last EXIT, so "main" is one token's trip (its
+    # k slot rows as one vector, one 2048-wide step of 16 groups quantized and
+    # stored to all k rows) plus the ~64-instruction prologue: counted per token
+    # (an upper bound); wider rows add trips of the step loop (the largest).
+    row = _sass_counts().get("permute_scatter")
+    if row is None:
+        return Model(bytes=moved, kernels=4), "no SASS count for permute_scatter"
+    prof = row["profile"]
+    step = max((b for *_, b in prof["loops"]), default=0)
+    scat = M * 4 * (prof["main"] + step * (K // 2048 - 1))
     rank, _ = _warp_instructions("permute_rank", slots / 256, 4, 256 / 16)
-    return Model(bytes=moved, kernels=4, instructions=scat + rank), src
+    return Model(bytes=moved, kernels=4, instructions=scat + rank), row["source"]
 
 
 def _quantize_1x128():
     R, C = 16_384, 7168
-    ins, src = _warp_instructions("quantize_groups", R, 4, 1)
+    # one program per 32 rows x one 128-wide group (GROUP_ROWS = 32)
+    ins, src = _warp_instructions("quantize_groups", (R // 32) * (C // 128), 4, 1)
     return Model(bytes=R * C * 2 + R * C + R * (C // 128) * 4, instructions=ins), src
 
 
@@ -365,7 +376,8 @@ def _logprobs(key: str, passes: int, rows: int = 4096, V: int = 151_936):
 def _replay(key: str, fwd: bool):
     T, E, K = 65_536, 256, 8
     bt = max(1, min(64, 1024 // E))
-    # the forward's K rounds (the routing map, weights and ids: 3 loops of K trips)
+    # the forward's K rounds (top-k argmax, replay-id checks: 2 loops of K trips;
+    # the routing map is a clear + scatter of the K used ids, no loop)
     ins, src = _warp_instructions(key, T / bt, 4, K if fwd else 1, loops="all")
     if fwd:  # fp32 logits + int64 ids in; weights, int64 ids used, bool map out
         moved = T * E * 4 + T * K * 8 + T * K * 4 + T * K * 8 + T * E
@@ -386,9 +398,16 @@ def _espo_loss():
     T, n = 65_536, 8
     # sums: 3 fp32 in; forward: 4 fp32 in + fp32 grad out; reduce; backward: 1 in + 1 out
     moved = T * 4 * (3 + 4 + 1 + 2) + T  # + the bool mask
-    steps = 2 * math.ceil(T / n / 256)  # sums + forward: one program per sequence
-    ins, src = _warp_instructions("loss_forward", n, 4, math.ceil(T / n / 256))
-    return Model(bytes=moved, kernels=4, instructions=ins, serial_steps=steps), src
+    from compass_kernels.espo.triton_loss import _splits
+
+    s = _splits(T, n)  # programs per sequence (triton_loss: a (sequence, split) grid)
+    trips = math.ceil(T / n / 256 / s)
+    # sums + forward: trips chunks per program; each combine one step of 32 partials;
+    # the reduce: one step of 32 sequences
+    steps = 2 * trips + 2 * math.ceil(s / 32) + 1
+    ins, src = _warp_instructions("loss_forward", n * s, 4, trips)
+    # sums, combine, forward, combine, reduce, backward
+    return Model(bytes=moved, kernels=6, instructions=ins, serial_steps=steps), src
 
 
 def _advantages():
@@ -598,11 +617,20 @@ def model_for_timing_op(op: str, device: Device) -> float | None:
     return None
 
 
-def _write_sass_counts() -> None:
+def _write_sass_counts(keys: list[str] | None = None) -> None:
+    """Recompile the SASS_SPECS kernels (``keys``: only those, the other entries
+    kept) and rewrite SASS_COUNTS."""
     import triton
 
-    kernels = {}
+    unknown = sorted(set(keys or ()) - set(SASS_SPECS))
+    if unknown:
+        raise ValueError(
+            f"--sass-only: unknown keys {unknown}; expected some of {sorted(SASS_SPECS)}"
+        )
+    kernels = _sass_counts() if keys else {}
     for key, (module, kernel, over) in SASS_SPECS.items():
+        if keys and key not in keys:
+            continue
         prof, src = _compile(module, kernel, over)
         kernels[key] = {"module": module, "kernel": kernel, "profile": prof, "source": src}
         print(f"{key}: main {prof['main']}, loops {[b for *_, b in prof['loops']]}, "
@@ -654,9 +682,12 @@ def main(argv=None) -> int:
     p.add_argument("--sass", action="store_true",
                    help="recompile the counted kernels (sm_90a, tests/aot.py) and rewrite "
                         f"{SASS_COUNTS.name} first")  # fmt: skip
+    p.add_argument("--sass-only", metavar="KEY", nargs="+",
+                   help=f"as --sass for these SASS_SPECS keys only ({SASS_COUNTS.name}'s other "
+                        "entries kept)")  # fmt: skip
     a = p.parse_args(argv)
-    if a.sass:
-        _write_sass_counts()
+    if a.sass or a.sass_only:
+        _write_sass_counts(a.sass_only)
     rows = kernel_rows()
     if a.json:
         devices = {n: {"hbm_bytes_per_s": d.hbm_bytes_per_s, "flops_per_s": d.flops_per_s,

@@ -9,8 +9,6 @@
 - "triton" on CPU tensors runs only under the Triton interpreter
   (TRITON_INTERPRET=1 set before triton is imported): that is how the Triton
   kernels are tested without a GPU.
-- Test-only backends (e.g. "cuda-emulated": the CUDA kernels' source run on the
-  CPU by the SIMT emulator) are chosen only by name, never by default.
 
 Each op declares which backends it has (compass_kernels._op.Op); a backend the
 op lacks, or one that was not built or cannot run here, raises
@@ -33,8 +31,6 @@ from compass_kernels._ext import (
 )
 
 BACKENDS = ("torch", "cpp", "cuda", "triton")
-# Backends that run on CPU tensors and are only ever chosen by name (tests).
-TEST_BACKENDS = ("cuda-emulated",)
 
 
 def default_cuda_backend() -> str:
@@ -73,9 +69,8 @@ def resolve(
 
 
 def _resolve(dev_type, dev_index, backend, op, available) -> str:
-    known = BACKENDS + TEST_BACKENDS
-    if backend is not None and backend not in known:
-        raise ValueError(f"backend: expected one of {known} or None, got {backend!r}")
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS} or None, got {backend!r}")
     if backend is not None and backend not in available:
         raise BackendUnavailableError(
             f"{op} has no {backend!r} backend (it has {', '.join(available)})"
@@ -95,8 +90,6 @@ def _resolve(dev_type, dev_index, backend, op, available) -> str:
             backend = gpu[0] if len(gpu) == 1 else default_cuda_backend()
         if backend in ("cpp", "torch"):
             raise ValueError(f"backend={backend!r} needs CPU tensors, got tensors on cuda")
-        if backend in TEST_BACKENDS:
-            raise ValueError(f"backend={backend!r} runs on CPU tensors (tests only)")
     else:
         raise ValueError(f"unsupported device {dev_type}: expected cpu or cuda tensors")
     if backend not in available:  # the default for this device

@@ -31,13 +31,12 @@ _STATIC_EVIDENCE = {
     "cpp": ["reference-tested on CPU"],
     "triton": ["interpreter-run on CPU", "AOT-compiled for sm_90 (ptxas spills checked)"],
     "cuda": ["compiled for {archs} (SASS and ptxas resources checked)"],
-    "cuda-emulated": ["emulated on CPU (SIMT emulation of the .cu source)"],
 }
 
 
 def evidence() -> dict[str, dict[str, list[str]]]:
     """Per registered op and backend, the evidence that it computes the right thing:
-    reference-tested on CPU, interpreter-run, emulated, compiled for an arch, or
+    reference-tested on CPU, interpreter-run, compiled for an arch, or
     run on a GPU (date, device, tests passed: from docs/gpu_runs via
     compass_kernels/gpu_evidence.json)."""
     from compass_kernels._ext import compiled_cuda_archs, has_cuda_kernels
@@ -54,8 +53,6 @@ def evidence() -> dict[str, dict[str, list[str]]]:
             levels = [lv.format(archs=archs) for lv in _STATIC_EVIDENCE.get(backend, [])]
             if backend == "cuda" and archs is None:
                 levels = ["not built (COMPASS_CUDA=OFF or no nvcc)"]
-            if backend == "cuda" and "cuda-emulated" in op.backends:
-                levels += _STATIC_EVIDENCE["cuda-emulated"]
             for run in gpu.get(name, {}).get(backend, []):
                 tests = f"{run['passed']} passed / {run['failed']} failed"
                 levels.append(
@@ -211,12 +208,9 @@ def _backend_lines(d: dict[str, Any]) -> list[str]:
         "triton": "CPU tensors, interpreter (TRITON_INTERPRET=1)"
         if triton["interpreting"] and not gpu["usable"]
         else "CUDA tensors",
-        "cuda-emulated": "tests only (_C_emu)",
     }
     lines = []
     for name, ok in backends.items():
-        if name == "cuda-emulated" and not ok:
-            continue  # a development build's test module; an install has none
         state = (
             f"yes: {how.get(name, 'usable')}" if ok else f"no: {why_not.get(name, 'unavailable')}"
         )
@@ -267,7 +261,7 @@ def _format_all(d: dict[str, Any]) -> str:
 
 
 #: Column order of the README's status matrix (backends present in some op's evidence;
-#: others follow by name; "cuda-emulated" is evidence of the cuda column, not a column).
+#: others follow by name).
 MATRIX_BACKENDS = ("torch", "cpp", "cuda", "triton")
 _GPU_RUN = re.compile(
     r"run on a GPU: (?:NVIDIA )?(\S+).*?, (\d{4}-\d\d-\d\d), (\d+) passed / (\d+) failed"
@@ -276,7 +270,7 @@ _GPU_RUN = re.compile(
 
 def _status_cell(levels: list[str] | None) -> str:
     """The strongest evidence of one (op, backend), in one word or phrase: a passing
-    GPU run ("ran on H100 2026-11-23", the latest), "emulated", "interpreter",
+    GPU run ("ran on H100 2026-11-23", the latest), "interpreter",
     "compiled", "reference-tested", "not built"; "-" where the op has no such backend."""
     if levels is None:
         return "-"
@@ -285,7 +279,6 @@ def _status_cell(levels: list[str] | None) -> str:
         latest = max(runs, key=lambda m: m[2])
         return f"ran on {latest[1]} {latest[2]}"
     for word, key in (
-        ("emulated", "emulated on CPU"),
         ("interpreter", "interpreter-run"),
         ("compiled", "compiled for"),
         ("reference-tested", "reference-tested"),
@@ -305,7 +298,7 @@ def status_matrix(evidence: dict[str, dict[str, list[str]]] | None = None) -> st
     ``scripts/readme_matrix.py --write`` puts it in README.md; tests/test_readme.py
     checks the two agree."""
     evidence = evidence if evidence is not None else globals()["evidence"]()
-    present = {b for per in evidence.values() for b in per} - {"cuda-emulated"}
+    present = {b for per in evidence.values() for b in per}
     columns = [b for b in MATRIX_BACKENDS if b in present]
     columns += sorted(present - set(MATRIX_BACKENDS))
     lines = [

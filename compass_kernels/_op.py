@@ -163,9 +163,9 @@ class Op:
     def add_backend(
         self, backend: str, kernel: str | Callable[..., Any], *, positional: bool = False
     ) -> None:
-        """Register one more backend (e.g. the test-only "cuda-emulated"); a
-        ``positional`` kernel takes the arguments, then the outputs, in order (as
-        the compiled entry points do)."""
+        """Register one more backend, or replace one (tests plant bugs this way:
+        tests/mutants.py); a ``positional`` kernel takes the arguments, then the
+        outputs, in order (as the compiled entry points do)."""
         if positional and callable(kernel):
             kernel = self._positional(kernel, stream=False)
         self._specs[backend] = kernel

@@ -14,10 +14,9 @@ WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-# The emulation module (_C_emu) is a test tier, not shipped: COMPASS_EMU=OFF.
 # build/lib.* is what setuptools packs: clear what an earlier wheel left there.
 rm -rf build/lib.*
-COMPASS_EMU=OFF "$PY" -m pip wheel -q --no-deps --no-build-isolation . -w "$WORK/raw"
+"$PY" -m pip wheel -q --no-deps --no-build-isolation . -w "$WORK/raw"
 RAW=$(ls "$WORK"/raw/compass_kernels-*.whl)
 # The module in the wheel is the one the tests imported (same build dir).
 "$PY" - "$RAW" <<'PY'
@@ -25,15 +24,13 @@ import hashlib, sys, zipfile
 from pathlib import Path
 import compass_kernels
 # Test and development tooling lives in tests/ and bench/, never in the package.
-DEV_ONLY = ("aot.py", "triton_interpreter.py", "_emu.py", "emu.py", "fp8_quality.py")
+DEV_ONLY = ("aot.py", "triton_interpreter.py", "mutants.py", "fp8_quality.py")
 with zipfile.ZipFile(sys.argv[1]) as z:
     for name in z.namelist():
         if name.startswith("compass_kernels/") and name.rsplit("/", 1)[-1] in DEV_ONLY:
             sys.exit(f"{name}: development tooling must not ship in the wheel (tests/, bench/)")
         if not name.startswith(("compass_kernels/", "compass_kernels-")):
             sys.exit(f"{name}: the wheel holds the compass_kernels package only")
-        if name.startswith("compass_kernels/_C_emu"):
-            sys.exit(f"{name}: the test-only emulation module must not ship in the wheel")
         if name.startswith("compass_kernels/_C") and name.endswith(".so"):
             tested = Path(compass_kernels.__file__).parent / Path(name).name
             same = hashlib.sha256(z.read(name)).digest() == hashlib.sha256(tested.read_bytes()).digest()
@@ -52,8 +49,6 @@ import sys, zipfile
 names = zipfile.ZipFile(sys.argv[1]).namelist()
 if not any(n.startswith("compass_kernels/_C.") and n.endswith(".so") for n in names):
     sys.exit("wheel has no compiled module compass_kernels/_C")
-if any(n.startswith("compass_kernels/_C_emu") for n in names):
-    sys.exit("the repaired wheel ships the test-only emulation module compass_kernels/_C_emu")
 PY
 [ -z "${WHEELHOUSE:-}" ] || { mkdir -p "$WHEELHOUSE"; cp "$WHEEL" "$WHEELHOUSE/"; }
 
@@ -66,9 +61,6 @@ import compass_kernels as ck, torch
 d = ck.info()
 assert d["compiled"]["loaded"], d
 assert "site-packages" in ck.__file__, ck.__file__
-from pathlib import Path
-emu = sorted(p.name for p in Path(ck.__file__).parent.glob("_C_emu*"))
-assert not emu, f"the install ships the test-only emulation module: {emu}"
 adv, zv, _ = ck.advantages.group_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0]), group_size=2)
 assert zv.tolist() == [False, False, True, True], zv
 print("wheel ok:", ck.__file__, "cuda kernels compiled:", d["compiled"]["cuda"],

@@ -164,7 +164,7 @@ run_phase() {
 }
 
 export COMPASS_REQUIRE_ALL_TIERS=1
-export COMPASS_CUDA=ON COMPASS_EMU=OFF MAX_JOBS=${MAX_JOBS:-$(nproc)}
+export COMPASS_CUDA=ON MAX_JOBS=${MAX_JOBS:-$(nproc)}
 # The GPU image's CXX/CUDAHOSTCXX (/opt/gcc wrapper) links libstdc++ statically,
 # which makes C++ errors crash Python (setup.py refuses such a module): build
 # with the system compiler when there is one.
@@ -177,10 +177,9 @@ command -v nvcc >/dev/null || export PATH="$PATH:/usr/local/cuda/bin"
 # method (a signal cannot interrupt a test stuck in a CUDA call; the thread method
 # dumps the stacks and ends the process: under xdist only that worker, which xdist
 # reports as a crashed test while the phase goes on). Left out by path: the engines
-# (tests/integration, the Megatron ESPO test: not installable on a bare host) and the
-# emulated tier's module (the emulator is a CPU tier, not built here).
+# (tests/integration, the Megatron ESPO test: not installable on a bare host).
 PYTEST=("$PY" -m pytest tests --ignore=tests/integration --ignore=tests/test_espo_loss_megatron.py
-  --ignore=tests/test_fp8_gemm_args.py -v -rfE --tb=short -p no:cacheprovider --durations=15
+  -v -rfE --tb=short -p no:cacheprovider --durations=15
   --timeout "${GPU_CHECK_TEST_TIMEOUT:-60}" -o timeout_method=thread)
 XDIST=()
 if [ "$DRY" != 1 ]; then

@@ -4,8 +4,8 @@
     python scripts/readme_matrix.py           # print it
     python scripts/readme_matrix.py --write   # replace README.md's matrix in place
 
-Run it from a development build with the CUDA kernels and the emulation module
-(`make build` on a machine with nvcc, as CI builds): the matrix states what that
+Run it from a development build with the CUDA kernels (`make build` on a
+machine with nvcc, as CI builds): the matrix states what that
 build and the committed GPU runs verify. tests/test_readme.py checks that README.md
 holds exactly this output.
 """
@@ -23,34 +23,12 @@ END = "<!-- /status-matrix -->"
 SECTION = re.compile(re.escape(BEGIN) + r"\n(.*?)\n" + re.escape(END), re.S)
 
 
-def _emulation() -> bool:
-    """Register the test-only "cuda-emulated" backend (its evidence is part of the
-    matrix) and say whether _C_emu is built. The module lives in the repo (tests/emu.py,
-    or compass_kernels/_emu.py in older trees), not in an install."""
-    import importlib
-
-    sys.path.insert(0, str(README.parent))
-    try:
-        for name in ("tests.emu", "compass_kernels._emu"):
-            try:
-                emu = importlib.import_module(name)
-            except ImportError:
-                continue
-            emu.install()
-            return emu.available()
-        return False
-    finally:
-        sys.path.remove(str(README.parent))
-
-
 def complete_build() -> str | None:
     """None when this build gives the full evidence, else why not."""
     from compass_kernels._ext import has_cuda_kernels
 
     if not has_cuda_kernels():
         return "compass_kernels._C has no CUDA kernels (build with nvcc: make build)"
-    if not _emulation():
-        return "compass_kernels._C_emu is not built (make build turns COMPASS_EMU on)"
     return None
 
 

@@ -174,16 +174,14 @@ install_rest() {
 }
 phase packages install_rest
 
-# The verl drop-in's test dependency (pyproject's `verl` extra), --no-deps so
-# that verl's requirements cannot replace torch / vllm / transformers; skip
-# with COMPASS_VERL=0. verl's wheel ships a top-level `tests` package: ours is
-# a regular package too (tests/__init__.py) and comes first on pytest's path.
+# The verl drop-in's test dependency: scripts/install_verl.sh, also the one command for a
+# user's own environment (pyproject's `verl` extra, exact pins, --no-deps so that verl's
+# requirements cannot replace torch / vllm / transformers; its verl-deps came with the
+# resolve above); skip with COMPASS_VERL=0. verl's wheel ships a top-level `tests`
+# package: ours is a regular package too (tests/__init__.py) and comes first on pytest's path.
 install_verl() {
-  if "$PY" -c "import verl" 2>/dev/null; then NOTE="already installed"; return; fi
-  # shellcheck disable=SC2046
-  pip install --no-deps $("$PY" -c "import tomllib; \
-print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['verl']))")
-  NOTE="the verl extra (--no-deps)"
+  PATH="$(dirname "$PY"):$PATH" COMPASS_PIP="$PY -m pip" COMPASS_VERL_DEPS=0 scripts/install_verl.sh
+  NOTE="the verl extra's exact pins (--no-deps)"
 }
 [ "${COMPASS_VERL:-1}" = 1 ] && phase verl install_verl
 
@@ -191,14 +189,13 @@ print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-d
 # came with the dev extra): the same interpreter and pybind11 as `make build`, so
 # they share setup.py's persistent build folder and later builds are incremental.
 # csrc needs no torch headers. pip's isolated build env cannot import the CUTLASS
-# wheel, so its path is handed to the build. Development builds include the
-# test-only CUDA emulation module (_C_emu; an install never builds it).
+# wheel, so its path is handed to the build.
 build() {
   local inc
   inc=$("$PY" -c "import importlib.util as u; s = u.find_spec('cutlass_library'); \
 print(s.submodule_search_locations[0] + '/source/include' if s else '')")
   if [ -n "$inc" ]; then export COMPASS_CUTLASS_INCLUDE="$inc"; fi
-  COMPASS_EMU=${COMPASS_EMU:-ON} pip install -v --no-build-isolation --no-deps -e .
+  pip install -v --no-build-isolation --no-deps -e .
   # setup.py's own lines: what was built, and what was left out and how to get it
   # (pip -v indents the build's output)
   NOTE=$(grep -a '^ *\[compass_kernels\] built' "$LOG" | tail -n 1 | sed 's/^ *\[compass_kernels\] //' || true)

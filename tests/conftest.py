@@ -3,9 +3,8 @@
 - TRITON_INTERPRET=1 is set here, before anything imports triton, when no CUDA
   device is present: Triton kernels then run on CPU tensors in the interpreter,
   and the test-only fix of the interpreter's dot/cast builders is applied.
-- Markers (pyproject.toml): gpu (auto-skipped without a device), triton,
-  emulated (the CUDA kernels under the SIMT emulator), sm90, integration,
-  slow. Select tiers with -m, e.g. `-m "not integration"`.
+- Markers (pyproject.toml): gpu (auto-skipped without a device), triton, sm90,
+  integration, slow. Select tiers with -m, e.g. `-m "not integration"`.
 - COMPASS_REQUIRE_ALL_TIERS=1 (`make test`, CI): every skip, of a test or of a
   whole module (a module-level ``pytest.importorskip``), fails the run unless
   tests/tiers.py allows its reason on this machine ("no CUDA device" on a CPU
@@ -59,17 +58,11 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError("COMPASS_REQUIRE_ALL_TIERS=1 but triton is not installed")
     skip_gpu = pytest.mark.skip(reason=NO_CUDA_DEVICE)
     skip_triton = pytest.mark.skip(reason="triton is not installed: pip install -e '.[triton]'")
-    from tests import emu as _emu
-
-    _emu.install()  # the "cuda-emulated" backend of every op whose CUDA kernels it has
-    skip_emulated = pytest.mark.skip(reason="compass_kernels._C_emu is not built (COMPASS_EMU=OFF)")
     for item in items:
         if "gpu" in item.keywords and not HAS_GPU:
             item.add_marker(skip_gpu)
         if "triton" in item.keywords and not HAS_TRITON:
             item.add_marker(skip_triton)
-        if "emulated" in item.keywords and not _emu.available():
-            item.add_marker(skip_emulated)
     # Engines last: a live vLLM engine pins the process's threads and turns
     # torch.compile off until it shuts down, which must not leak into unit tests.
     items.sort(key=lambda item: "integration" in item.keywords)

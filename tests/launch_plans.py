@@ -21,7 +21,12 @@ META = torch.device("meta")
 
 
 def _run(op, *args) -> None:
-    op.kernel("triton")(*args, *op.outputs(*args))
+    """The op's Triton kernel on ``args`` (the op's parameters in order) and its
+    outputs, all by name (kernels take their arguments by name)."""
+    out = op.outputs(*args)
+    out = out if isinstance(out, tuple) else (out,)
+    op.kernel("triton")(**dict(zip(op.params, args, strict=False)),
+                        **dict(zip(op.returns, out, strict=True)))  # fmt: skip
 
 
 def espo_logprobs() -> Plan:
@@ -187,6 +192,51 @@ def packing() -> Plan:
     yield f"positions {t} cp=2", lambda: _run(thd_positions_op, oo, 2, 1, t // 2)
 
 
+def routing_setcode() -> Plan:
+    import math
+
+    from compass_kernels.routing import _setcode
+    from compass_kernels.routing import triton_setcode as ts
+
+    # a step's trace: 61 MoE layers x 8k tokens; DeepSeek-V3 (E 256, top-8, uint8
+    # ids, missing rows), Kimi-K2 (E 384: int16 ids), Qwen3-MoE (E 128), and a
+    # G > 1 layout (E 8, top-2: 13 rows per pack). The checks are C++ on real
+    # tensors: the launches alone here, with the layout they return.
+    rows = 61 * 8192
+    for e, k, dt, miss in ((256, 8, torch.uint8, True), (384, 8, torch.int16, False),
+                           (128, 8, torch.uint8, False), (8, 2, torch.uint8, False)):  # fmt: skip
+        ids = torch.empty(rows, k, dtype=dt, device=META)
+        missing = torch.empty(rows, dtype=torch.bool, device=META) if miss else None
+        outs = _setcode.encode_sets_op.outputs(ids, e, missing)
+        layout = (*_setcode.layout(e, k), math.comb(e, k))
+        yield (
+            f"set encode E={e} K={k} rows={rows} missing={miss}",
+            (lambda i=ids, e=e, m=missing, o=outs, lay=layout: ts.launch_encode(i, e, m, *o, lay)),
+        )
+
+
+def fp8_gemm_args() -> Plan:
+    from compass_kernels.fp8.grouped_gemm import grouped_args_op
+    from compass_kernels.fp8.triton_args import launch_grouped_args
+
+    f8 = torch.float8_e4m3fn
+    # the CUTLASS path's argument builder at DeepSeek-V3 (E 256), Kimi-K2 (E 384)
+    # and a small-E model (E 8); the checks are C++ on real tensors: the launch alone
+    for m, e, n, k in ((65536, 256, 4096, 7168), (16384, 384, 4096, 7168), (8192, 8, 7168, 2048)):
+        kb, nb = -(-k // 128), -(-n // 128)
+        args = (
+            torch.empty(m, k, dtype=f8, device=META), torch.empty(m, kb, device=META),
+            torch.empty(e, n, k, dtype=f8, device=META), torch.empty(e, nb, kb, device=META),
+            torch.empty(e + 1, dtype=torch.int64, device=META),
+            torch.empty(m, n, dtype=torch.bfloat16, device=META),
+        )  # fmt: skip
+        outs = grouped_args_op.outputs(*args)
+        yield (
+            f"grouped GEMM args M={m} E={e} N={n} K={k}",
+            (lambda a=args, o=outs: launch_grouped_args(*a, *o)),
+        )
+
+
 PLANS: dict[str, Callable[[], Plan]] = {
     "espo.triton_logprobs": espo_logprobs,
     "routing.triton": routing,
@@ -195,4 +245,6 @@ PLANS: dict[str, Callable[[], Plan]] = {
     "espo.triton_loss": espo_loss,
     "advantages.triton": advantages,
     "packing.triton": packing,
+    "routing.triton_setcode": routing_setcode,
+    "fp8.triton_args": fp8_gemm_args,
 }

@@ -64,10 +64,15 @@ def test_libstdcxx_is_shared():
 @pytest.mark.sm90
 @needs_cuda_build
 def test_sm90a_kernels_are_built_without_spills():
+    if not _C.build_info()["cutlass_include"]:  # a failure under COMPASS_REQUIRE_ALL_TIERS=1
+        pytest.skip("built without CUTLASS headers (pip install --no-deps nvidia-cutlass)")
     usage = aot.resource_usage(_C.__file__, arch="sm_90a")
     aot.assert_no_spills(usage)  # every kernel of _C (per-kernel budgets: each capability's tests)
     names = " ".join(usage)
-    assert "encode_kernel" in names and "grouped_args_kernel" in names, sorted(usage)
+    # _C's device code is the CUTLASS grouped GEMM (its layout kernel and the GEMM);
+    # every other GPU kernel is Triton
+    assert "fill_group_layouts" in names, sorted(usage)
+    assert not any("encode_kernel" in k or "grouped_args_kernel" in k for k in usage), sorted(usage)
 
 
 @pytest.mark.sm90
@@ -75,8 +80,8 @@ def test_sm90a_kernels_are_built_without_spills():
 def test_sm90a_kernels_have_no_device_asserts():
     """-DNDEBUG always: a device assert makes ptxas serialize wgmma (C7510)."""
     usage = aot.resource_usage(_C.__file__, arch="sm_90a")
-    enc = next(k for k in usage if "encode_kernel" in k)
-    assert "__assertfail" not in aot.sass_of(_C.__file__, function=enc)
+    for name in usage:
+        assert "__assertfail" not in aot.sass_of(_C.__file__, function=name), name
 
 
 def _nvcc() -> str | None:
@@ -111,16 +116,3 @@ def test_cutlass_headers_from_the_wheel_compile_for_sm90a(tmp_path):
            "-o", str(cubin), str(src)]  # fmt: skip
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     aot.assert_sass_contains(aot.sass_of(cubin), r"F2FP\.SATFINITE\.E4M3", kernel="to_e4m3")
-
-
-@pytest.mark.sm90
-@needs_cuda_build
-def test_fp8_gemm_argument_builder_is_built_without_spills():
-    """ck.fp8.grouped_gemm's device-side argument builder: in the sm_90a build,
-    no spills or stack, registers reported."""
-    usage = aot.resource_usage(_C.__file__, arch="sm_90a")
-    mine = {k: v for k, v in usage.items() if "grouped_args_kernel" in k}
-    assert len(mine) == 1, sorted(usage)
-    aot.assert_no_spills(mine)
-    aot.assert_registers_at_most(mine, 64)
-    print({k: v["registers"] for k, v in mine.items()})

@@ -27,9 +27,15 @@ def artifacts():
 
 
 def test_every_variant_compiles_for_sm90a(artifacts):
-    assert len(artifacts) == 10
+    assert len(artifacts) == 12
     names = {a.name for a in artifacts}
-    assert names == {"_sums_kernel", "_forward_kernel", "_reduce_kernel", "_backward_kernel"}
+    assert names == {
+        "_sums_kernel",
+        "_forward_kernel",
+        "_combine_kernel",
+        "_reduce_kernel",
+        "_backward_kernel",
+    }
     for art in artifacts:
         assert art.arch == 90 and ".target sm_90a" in art.ptx
 

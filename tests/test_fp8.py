@@ -331,3 +331,54 @@ def test_registered_op_traces_under_torch_compile():
     rq, rs = quantize_reference(x * 2.0, 1, 128, eps=1e-10, use_div=True)
     assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
     assert s.stride() == (1, 36)
+
+
+# ------------------------------------------- division without a division
+
+
+def division_rows(seed: int) -> torch.Tensor:
+    """float32 rows of 128 whose x / s lands on an e4m3 midpoint and one ulp
+    either side of it (x = RN(m * s), its neighbours; random signs), the row's
+    amax first: amaxes spread over 2^-100..2^100, and rows 40..47 tiny (amax
+    1e-30..1e-18 with eps 1e-30: scales below 2^-64, the rescaled path), in
+    the middle 32-row tile (mixed) while the other tiles are all normal."""
+    g = make_generator(seed)
+    e4 = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    e4 = e4[torch.isfinite(e4) & (e4 > 0)].unique()
+    mid = ((e4[1:].double() + e4[:-1].double()) / 2).float()
+    rows = []
+    for i in range(72):
+        if 40 <= i < 48:
+            amax = 10.0 ** (-30 + 12 * torch.rand((), generator=g).item())
+        else:
+            amax = 2.0 ** (200 * torch.rand((), generator=g).item() - 100)
+        a = torch.tensor(amax, dtype=torch.float32)
+        s = a / 448
+        v = mid * s
+        up = torch.nextafter(v, torch.tensor(float("inf")))
+        cand = torch.cat([v, up, torch.nextafter(v, torch.tensor(0.0))])
+        cand = cand[cand.abs() < a]
+        pick = cand[torch.randint(0, cand.numel(), (127,), generator=g)]
+        sign = torch.where(torch.rand(127, generator=g) < 0.5, -1.0, 1.0)
+        rows.append(torch.cat([a.reshape(1), pick * sign]))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_quotient_without_division_is_div_rn(backend, backend_device):
+    """The kernels' x / s from one reciprocal per group and two fma corrections
+    gives the correctly rounded quotient's e4m3 bytes at every midpoint and its
+    neighbours, at scales from 2^-108 to 2^91 (the reference divides)."""
+    x = division_rows(41)
+    q, s = run_quantize(x.to(backend_device), 1, 1e-30, False, True, "k_major", backend)
+    rq, rs = quantize_reference(x, 1, 128, eps=1e-30, use_div=True)
+    assert_bitwise_equal(dense(s), rs, name="scales")
+    assert_bitwise_equal(bits(q), rq.view(torch.uint8), name="q")
+    # the same rows as one 128-wide block column of 128 x 128 blocks, both conventions
+    w = torch.cat([x, division_rows(42)[:56]])
+    w[64:] /= 2.0**40  # the second block: scale < 2^-64
+    for use_div in (True, False):
+        q, s = run_quantize(w.to(backend_device), 128, 1e-30, False, use_div, "k_major", backend)
+        rq, rs = quantize_reference(w, 128, 128, eps=1e-30, use_div=use_div)
+        assert_bitwise_equal(dense(s), rs, name="scales")
+        assert_bitwise_equal(bits(q), rq.view(torch.uint8), name=f"q use_div={use_div}")

@@ -57,3 +57,29 @@ def test_cutlass_cpp_checks_misaligned_views():
         grouped_gemm_op.run(a_q=shifted, a_scales=a_s, b_q=b_q, b_scales=b_s, expert_offsets=off,
                             out_dtype=0, backend="cuda", out=out)  # fmt: skip
     torch.cuda.synchronize()  # the context is still usable
+
+
+def test_cutlass_path_is_sync_free_and_replays_in_a_cuda_graph():
+    """The Triton argument builder + the GEMM: no host sync (sync debug mode
+    "error"), and captured once in a CUDA graph, a replay with new offsets
+    (same E, M) computes the new grouping (the builder reads them on the device)."""
+    a, b = make_problem((5, 64, 3), 256, 512, seed=4), make_problem((0, 70, 2), 256, 512, seed=4)
+    dev = [t.cuda() for t in a]
+    out = torch.empty(a[0].shape[0], 256, dtype=torch.bfloat16, device="cuda")
+    grouped_gemm_op.run((*dev, 0), "cuda", (out,))  # warm: compile, caches
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        grouped_gemm_op.run((*dev, 0), "cuda", (out,))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        grouped_gemm_op.run((*dev, 0), "cuda", (out,))
+    for args in (b, a):
+        for t, src in zip(dev, args, strict=True):
+            t.copy_(src)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check_close(out.cpu(), args, rel_err=GPU_REL_ERR)

@@ -244,3 +244,36 @@ def test_gpu_permute_and_quantize(backend):
     rq, rs = ck.fp8.quantize_blockwise(x)
     assert_bitwise_equal(q.cpu().view(torch.uint8), rq.view(torch.uint8))
     assert_bitwise_equal(s.cpu(), rs)
+
+
+@pytest.mark.triton
+def test_triton_scatter_grid_stride_over_tokens():
+    """Fewer scatter programs than tokens (each loops over its tokens, 2048-wide
+    steps of a 2100-wide row: two steps, the second ragged): the same bits as
+    the torch backend, every slot's row written (outputs poisoned)."""
+    from compass_kernels.fp8.triton import permute_quantize_triton
+    from tests.triton_tier import DEVICE
+
+    g = make_generator(77)
+    x = (torch.randn(23, 2100, generator=g) * 3).to(torch.bfloat16)
+    ids = make_routing(23, 3, 5, seed=78, dtype=torch.int32, distinct=False)
+    args = dict(x=x, topk_ids=ids, num_experts=5, eps=1e-10, ue8m0=False,
+                scale_layout=SCALE_LAYOUTS["mn_major"])  # fmt: skip
+    want = permute_op.run(**args, backend="torch", out=permute_op.outputs(**args))
+    dargs = args | {"x": x.to(DEVICE), "topk_ids": ids.to(DEVICE)}
+    out = permute_op.outputs(**dargs)
+    for t in out[:5]:
+        poison_(t)
+    permute_quantize_triton(**dargs, **out._asdict(), num_programs=2)
+    for name, a, b in zip(("q", "scales", "offsets", "src", "dst"), out[:5], want[:5], strict=True):
+        a = a.cpu()
+        a, b = (
+            (a.view(torch.uint8), b.view(torch.uint8))
+            if a.is_floating_point() and a.element_size() == 1
+            else (a, b)
+        )
+        assert_bitwise_equal(
+            torch.empty(a.shape, dtype=a.dtype).copy_(a),
+            torch.empty(b.shape, dtype=b.dtype).copy_(b),
+            name=name,
+        )

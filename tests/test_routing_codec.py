@@ -261,14 +261,15 @@ def test_decode_impl_argument_is_checked():
 
 
 # ------------------------------------------------- the encode op, every backend
-# csrc/routing/codec.cu (the CUDA encoder) runs here as "cuda-emulated": the
-# payload must equal the pure-Python format and the C++ encoder byte for byte.
+# The GPU encoder (Triton, compass_kernels/routing/triton_setcode.py) runs here
+# in the interpreter on CPU tensors: the payload must equal the pure-Python
+# format and the C++ encoder byte for byte.
 from compass_kernels.routing.codec import encode as encode_trace  # noqa: E402
 from compass_kernels.testing import empty_poisoned  # noqa: E402
-from tests import emu as _emu  # noqa: E402
+from tests.tiers import device_for  # noqa: E402
 
-EMULATED = pytest.param("cuda-emulated", marks=pytest.mark.emulated)
-ENCODE_BACKENDS = ["cpp", EMULATED]
+TRITON = pytest.param("triton", marks=pytest.mark.triton)
+ENCODE_BACKENDS = ["cpp", TRITON]
 
 
 def ref_table(e: int, k: int) -> torch.Tensor:
@@ -278,23 +279,28 @@ def ref_table(e: int, k: int) -> torch.Tensor:
 
 
 def run_encode_op(backend, ids, e, missing=None):
-    """The op with poisoned outputs: every byte must be written."""
+    """The op with poisoned outputs (every byte must be written), on the
+    backend's device; the outputs come back on the CPU."""
     rows, k = ids.shape
+    dev = device_for(backend)
     outs = (
-        empty_poisoned(_setcode.payload_bytes(rows, e, k), torch.uint8),
-        empty_poisoned(2, torch.int64),
-        empty_poisoned(k * e, torch.int64),
+        empty_poisoned(_setcode.payload_bytes(rows, e, k), torch.uint8, device=dev),
+        empty_poisoned(2, torch.int64, device=dev),
+        empty_poisoned(k * e, torch.int64, device=dev),
     )
-    return _setcode.encode_sets_op.run(ids=ids, num_experts=e, missing=missing, backend=backend,
-                                       out=outs)  # fmt: skip
+    missing = missing.to(dev) if missing is not None else None
+    res = _setcode.encode_sets_op.run(ids=ids.to(dev), num_experts=e, missing=missing,
+                                      backend=backend, out=outs)  # fmt: skip
+    return tuple(t.cpu() for t in res)
 
 
-# (E, K, rows): G = 1 over several blocks of 256 packs with a partial last word;
-# G > 1 (E=8, K=2: 13 rows per 63-bit pack) over 2 blocks; B = 0 (K == E);
-# int16 ids; K without a specialization (generic kernel); K = 1.
+# (E, K, rows): G = 1 over several programs of 64 packs with a partial last
+# word; G > 1 (E=8, K=2: 13 rows per 63-bit pack) over several programs; B = 0
+# (K == E); int16 ids; K = 50 (a 64-wide id tile); K = 1; E past one chunk of
+# the table scan (1024).
 ENCODE_CASES = [(256, 8, 601), (128, 8, 257), (8, 2, 3401), (20, 20, 37), (300, 3, 515),
                 (67, 50, 70), (64, 10, 299), (16, 1, 1031), (12, 4, 777), (200, 7, 263),
-                (384, 8, 255), (3, 1, 100)]  # fmt: skip
+                (384, 8, 255), (3, 1, 100), (2000, 2, 130)]  # fmt: skip
 
 
 @pytest.mark.parametrize("backend", ENCODE_BACKENDS)
@@ -321,12 +327,12 @@ def test_encode_op_codes_missing_rows_as_rank_0_without_reading_them(backend):
     assert status.tolist() == [0, -1]
 
 
-@pytest.mark.emulated
+@pytest.mark.triton
 @pytest.mark.parametrize("e,k,dtype", [(128, 6, torch.uint8), (300, 3, torch.int16),
                                        (8, 2, torch.uint8), (67, 50, torch.uint8)])  # fmt: skip
-def test_cuda_encoder_flags_bad_rows_on_the_device(e, k, dtype):
-    """Status counts every bad row and keeps the first (atomicMin over blocks run
-    in shuffled order); check_status names it as the C++ encoder does."""
+def test_gpu_encoder_flags_bad_rows_on_the_device(e, k, dtype):
+    """Status counts every bad row and keeps the first (an unsigned atomic min
+    over programs); check_status names it as the C++ encoder does."""
     rows = 1500
     ids = random_sets(rows, e, k, seed=e + k).to(dtype)
     bad = ids.clone()
@@ -335,7 +341,8 @@ def test_cuda_encoder_flags_bad_rows_on_the_device(e, k, dtype):
     bad[1400, 0] = e + 1 if dtype == torch.int16 else 255
     if dtype == torch.int16:
         bad[1450, 0] = -3  # negative
-    payload, status = _setcode.encode_device(bad, e, backend="cuda-emulated")
+    dev = device_for("triton")
+    payload, status = _setcode.encode_device(bad.to(dev), e, backend="triton")
     assert status.tolist() == [4 if dtype == torch.int16 else 3, 911]
     with pytest.raises(ValueError, match=rf"ids: expert id {e} out of range \[0, {e}\) at row 911"):
         _setcode.check_status(status, bad, e)
@@ -343,19 +350,19 @@ def test_cuda_encoder_flags_bad_rows_on_the_device(e, k, dtype):
         _setcode.encode_sets(bad, e)  # the C++ encoder names the same row
     only_dup = ids.clone()
     only_dup[1203, 1] = only_dup[1203, 0]
-    _, status = _setcode.encode_device(only_dup, e, backend="cuda-emulated")
+    _, status = _setcode.encode_device(only_dup.to(dev), e, backend="triton")
     assert status.tolist() == [1, 1203]
     with pytest.raises(ValueError, match=rf"ids: expert {int(ids[1203, 0])} twice in row 1203"):
         _setcode.check_status(status, only_dup, e)
     # a bad row in a missing row is not read
-    _, status = _setcode.encode_device(only_dup, e, missing=torch.arange(rows) == 1203,
-                                       backend="cuda-emulated")  # fmt: skip
+    _, status = _setcode.encode_device(only_dup.to(dev), e, backend="triton",
+                                       missing=(torch.arange(rows) == 1203).to(dev))  # fmt: skip
     assert status.tolist() == [0, -1]
 
 
 @pytest.mark.parametrize("backend", ENCODE_BACKENDS)
 def test_encode_op_argument_errors_name_the_argument(backend):
-    ids = random_sets(10, 64, 4, seed=1)
+    ids = random_sets(10, 64, 4, seed=1).to(device_for(backend))
     op = _setcode.encode_sets_op
     outs = op.outputs(ids=ids, num_experts=64, missing=None)
     good = dict(ids=ids, num_experts=64, missing=None, backend=backend)
@@ -366,29 +373,30 @@ def test_encode_op_argument_errors_name_the_argument(backend):
     with pytest.raises(ValueError, match=r"ids: expected dtype uint8 \| int16, got int32"):
         op.run(**(good | {"ids": ids.int()}), out=outs)
     with pytest.raises(ValueError, match="missing: expected size 10"):
-        op.run(**(good | {"missing": torch.zeros(9, dtype=torch.bool)}), out=outs)
+        bad = torch.zeros(9, dtype=torch.bool, device=ids.device)
+        op.run(**(good | {"missing": bad}), out=outs)
     with pytest.raises(ValueError, match=r"C\(num_experts, top_k\) < 2\^64"):
-        big = outs._replace(payload=torch.empty(0, dtype=torch.uint8),
-                            table=torch.empty(16 * 1024, dtype=torch.int64))  # fmt: skip
-        op.run(ids=torch.zeros(2, 16, dtype=torch.int16), num_experts=1024, missing=None,
+        big = outs._replace(payload=ids.new_empty(0, dtype=torch.uint8),
+                            table=ids.new_empty(16 * 1024, dtype=torch.int64))  # fmt: skip
+        op.run(ids=ids.new_zeros(2, 16, dtype=torch.int16), num_experts=1024, missing=None,
                backend=backend, out=big)  # fmt: skip
     with pytest.raises(ValueError, match=r"ids: expected a 2-d tensor"):
         _setcode.encode_device(ids.view(-1), 64, backend=backend)
 
 
-@pytest.mark.parametrize("backend", ["cpp", EMULATED])
+@pytest.mark.parametrize("backend", ["cpp", TRITON])
 def test_trace_encoded_on_the_device_path_decodes_bit_exact(backend):
     """codec.encode's device path (the op where the ids live, one copy of
     status | cu_seqlens | missing | reasons | payload, CRC on the host) writes
     the same bytes as the CPU path, missing rows included."""
     from tests.test_routing_trace import skewed_trace
 
-    t = skewed_trace(211, 3, 256, 8, seed=5)
+    t = skewed_trace(211, 3, 256, 8, seed=5).to(device_for(backend))
     assert t.missing is not None
     data = encode_trace(t, codec="set", backend=backend)
     assert data == t.encode(codec="set")  # the CPU path
     d = type(t).decode(data)
-    assert torch.equal(d.expert_ids, t.canonical(sort=True).expert_ids)
+    assert torch.equal(d.expert_ids, t.canonical(sort=True).expert_ids.cpu())
     bad = t.expert_ids.clone()
     row = int((~t.missing[:, 1]).nonzero()[5, 0])
     bad[row, 1, 3] = bad[row, 1, 0]
@@ -398,26 +406,65 @@ def test_trace_encoded_on_the_device_path_decodes_bit_exact(backend):
         encode_trace(t_bad, codec="set", backend=backend)
 
 
-# Planted bugs in csrc/routing/codec.cu (tests/test_routing_codec.mutants.cmake): each must
-# fail a test above.
+# Planted bugs in the Triton encoder (tests/mutants.py): each must fail a test above.
 CODEC_MUTANTS = {
-    "codec_vals_no_barrier": "format",
-    "codec_table_scan_inclusive": "format",
-    "codec_tail_word_dropped": "format",
-    "codec_dup_check_off": "bad_rows",
+    # the table as an inclusive scan: C(a, m) off by one level
+    "table_scan_inclusive": (
+        "format",
+        "tl.load(prev + a - 1, mask=(a >= 1) & (a < E)",
+        "tl.load(prev + a, mask=(a < E)",
+    ),
+    # the high part of a pack that straddles two words dropped
+    "straddling_pack_high_part_dropped": (
+        "format",
+        "words = tl.sum(low + high, 0)",
+        "words = tl.sum(low, 0)",
+    ),
+    # the last word of each program's block not written (left poisoned)
+    "last_word_dropped": (
+        "format",
+        "mask=(w[:, None] < B) & (at < nbytes)",
+        "mask=(w[:, None] < B - 1) & (at < nbytes)",
+    ),
+    # a row with an expert twice passes as valid
+    "dup_check_off": (
+        "bad_rows",
+        "ok = in_range & (below_sum == K * (K - 1) // 2)",
+        "ok = in_range",
+    ),
+    # a signed atomic min on status[1] = -1 (no bad row) never moves
+    "first_bad_row_signed_min": (
+        "bad_rows",
+        "tl.atomic_min(st + 1, first_bad.to(tl.uint64)",
+        "tl.atomic_min(status_ptr + 1, first_bad",
+    ),
+    # missing rows read (their junk ids flagged, their ranks coded)
+    "missing_rows_read": (
+        "missing",
+        "live &= tl.load(missing_ptr + r, mask=live, other=1) == 0",
+        "live &= live",
+    ),
 }
 
 
-@pytest.mark.emulated
+@pytest.mark.triton
 @pytest.mark.parametrize("mutant", list(CODEC_MUTANTS))
-def test_emulated_encoder_catches_planted_bugs(mutant):
-    built = [m for m in _emu.mutants().get("routing", []) if m.startswith("codec_")]
-    assert sorted(built) == sorted(CODEC_MUTANTS)
-    with _emu.mutant(mutant), pytest.raises((AssertionError, _emu.EmulationError)):
-        if CODEC_MUTANTS[mutant] == "format":
-            test_encode_op_matches_the_format_byte_for_byte("cuda-emulated", 256, 8, 601)
-        else:
-            test_cuda_encoder_flags_bad_rows_on_the_device(128, 6, torch.uint8)
+def test_triton_encoder_catches_planted_bugs(mutant):
+    from compass_kernels.routing import triton_setcode
+    from tests.mutants import planted
+
+    test, old, new = CODEC_MUTANTS[mutant]
+    op = _setcode.encode_sets_op
+    with planted(op, "triton", triton_setcode, "encode_sets_triton", old=old, new=new):
+        with pytest.raises(AssertionError):
+            if test == "format":
+                test_encode_op_matches_the_format_byte_for_byte("triton", 256, 8, 601)
+                test_encode_op_matches_the_format_byte_for_byte("triton", 8, 2, 3401)
+            elif test == "bad_rows":
+                test_gpu_encoder_flags_bad_rows_on_the_device(128, 6, torch.uint8)
+            else:
+                test_encode_op_codes_missing_rows_as_rank_0_without_reading_them("triton")
+    test_encode_op_matches_the_format_byte_for_byte("triton", 8, 2, 3401)  # restored
 
 
 @pytest.mark.gpu

@@ -34,7 +34,7 @@ ALLOWED_SKIPS = {
 }
 
 #: Tier of a test: its first marker in this order, else "other".
-TIERS = ("gpu", "triton", "emulated", "sm90", "integration", "slow")
+TIERS = ("gpu", "triton", "sm90", "integration", "slow")
 OUTCOMES = ("passed", "skipped", "failed")
 
 

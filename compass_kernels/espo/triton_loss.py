@@ -6,11 +6,14 @@ They run on CUDA tensors, on CPU tensors under ``TRITON_INTERPRET=1`` (tests),
 and compile ahead of time for sm_90a (tests/test_aot.py via
 :func:`aot_variants`).
 
-One program per sequence for both phases, looping over BLOCK-token chunks with
-int64 offsets (a 64k-token sequence is 64 iterations, no grid or int32
-limit); per-group accumulators are [BLOCK, KP] tiles selected by a one-hot of
-the token's bucket (KP: K rounded up to a power of two). Float64 arithmetic
-throughout, as in the torch backend: the clip decision compares ratios
+A grid of (sequence, split) for both phases: program (i, j) takes the
+BLOCK-token chunks j, j + S, j + 2S, ... of sequence i with int64 offsets (S
+from the token count per sequence, known on the host: 64k tokens in 8
+sequences is 8 x 32 programs of one chunk, not 8 of 32; no grid or int32
+limit) and writes a partial row; :func:`_combine_kernel` folds the S partial
+rows of each sequence in a fixed order. Per-group accumulators are [BLOCK, KP]
+tiles selected by a one-hot of the token's bucket (KP: K rounded up to a power
+of two). Float64 arithmetic throughout, as in the torch backend: the clip decision compares ratios
 against 1 +- 3e-4 (GSPO), where float32 rounding would flip tokens. Fixed
 reduction trees: deterministic, no atomics.
 """
@@ -81,7 +84,7 @@ def _bucket(e, thr_ptr, row, Q: tl.constexpr):
 
 @triton.jit
 def _sums_kernel(
-    e_ptr, l_ptr, lo_ptr, cu_ptr, mask_ptr, thr_ptr, sums_ptr,
+    e_ptr, l_ptr, lo_ptr, cu_ptr, mask_ptr, thr_ptr, sums_ptr, S,
     K: tl.constexpr, KP: tl.constexpr, PER_SEQ: tl.constexpr, HAS_MASK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):  # fmt: skip
@@ -94,7 +97,8 @@ def _sums_kernel(
     acc_c = tl.zeros([BLOCK, KP], dtype=tl.float64)
     acc_d = tl.zeros([BLOCK, KP], dtype=tl.float64)
     acc_e = tl.zeros([BLOCK, KP], dtype=tl.float64)
-    for base in range(start, end, BLOCK):
+    j = tl.program_id(1).to(tl.int64)
+    for base in range(start + j * BLOCK, end, S * BLOCK):
         idx = base + lanes
         m = idx < end
         if HAS_MASK:
@@ -108,7 +112,7 @@ def _sums_kernel(
         acc_c += tl.where(hit, 1.0, 0.0)
         acc_d += tl.where(hit, d[:, None], 0.0)
         acc_e += tl.where(hit, e[:, None], 0.0)
-    out = sums_ptr + i * (K * 3) + ks * 3
+    out = sums_ptr + (i * S + j) * (K * 3) + ks * 3
     keep = ks < K
     tl.store(out, tl.sum(acc_c, axis=0), mask=keep)
     tl.store(out + 1, tl.sum(acc_d, axis=0), mask=keep)
@@ -117,7 +121,7 @@ def _sums_kernel(
 
 @triton.jit
 def _forward_kernel(
-    l_ptr, lo_ptr, e_ptr, adv_ptr, cu_ptr, mask_ptr, thr_ptr, sums_ptr, grad_ptr, rows_ptr,
+    l_ptr, lo_ptr, e_ptr, adv_ptr, cu_ptr, mask_ptr, thr_ptr, sums_ptr, grad_ptr, rows_ptr, S,
     eps_low_bits, eps_high_bits, eps_scale_bits, dual_bits, log_lo_bits, log_hi_bits, inv_g_bits,
     K: tl.constexpr, KP: tl.constexpr, FLAGS: tl.constexpr, HAS_MASK: tl.constexpr,
     NEED_GRAD: tl.constexpr, BLOCK: tl.constexpr,
@@ -159,7 +163,8 @@ def _forward_kernel(
     acc_low = tl.zeros([BLOCK, KP], dtype=tl.float64)
     acc_high = tl.zeros([BLOCK, KP], dtype=tl.float64)
     acc_dual = tl.zeros([BLOCK, KP], dtype=tl.float64)
-    for base in range(start, end, BLOCK):
+    j = tl.program_id(1).to(tl.int64)
+    for base in range(start + j * BLOCK, end, S * BLOCK):
         idx = base + lanes
         inside = idx < end
         valid = inside
@@ -243,7 +248,7 @@ def _forward_kernel(
         if NEED_GRAD:
             gt = tl.where(in_loss, -w * g, 0.0)
             tl.store(grad_ptr + idx, gt.to(grad_ptr.dtype.element_ty), mask=inside)
-    out = rows_ptr + i * W
+    out = rows_ptr + (i * S + j) * W
     keep = ks < K
     tl.store(out + ks, tl.sum(acc_low, axis=0), mask=keep)
     tl.store(out + K + ks, tl.sum(acc_high, axis=0), mask=keep)
@@ -255,6 +260,38 @@ def _forward_kernel(
     tl.store(out + 3 * K + 4, tl.sum(acc_big, axis=0))
     tl.store(out + 3 * K + 5, tl.reduce(acc_min, 0, _min_nan))
     tl.store(out + 3 * K + 6, tl.reduce(acc_max, 0, _max_nan))
+
+
+@triton.jit
+def _combine_kernel(
+    part_ptr, out_ptr, S, W: tl.constexpr, WP: tl.constexpr, MINMAX: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    # Program i: row i of out from the S partial rows i*S .. i*S+S-1, summed in a
+    # fixed order (the last two columns NaN-propagating min / max with MINMAX).
+    i = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, WP)
+    parts = tl.arange(0, BLOCK_S).to(tl.int64)
+    acc_sum = tl.zeros([BLOCK_S, WP], dtype=tl.float64)
+    acc_min = tl.full([BLOCK_S, WP], float("inf"), dtype=tl.float64)
+    acc_max = tl.full([BLOCK_S, WP], float("-inf"), dtype=tl.float64)
+    for base in range(0, S, BLOCK_S):
+        p = base + parts
+        m = (p < S)[:, None] & (cols < W)[None, :]
+        x = tl.load(part_ptr + (i * S + p)[:, None] * W + cols[None, :], mask=m, other=0.0)
+        acc_sum += x
+        if MINMAX:
+            acc_min = tl.minimum(
+                acc_min, tl.where(m, x, float("inf")), propagate_nan=tl.PropagateNan.ALL
+            )
+            acc_max = tl.maximum(
+                acc_max, tl.where(m, x, float("-inf")), propagate_nan=tl.PropagateNan.ALL
+            )
+    out = tl.sum(acc_sum, axis=0)
+    if MINMAX:
+        out = tl.where(cols == W - 2, tl.reduce(acc_min, 0, _min_nan),
+                       tl.where(cols == W - 1, tl.reduce(acc_max, 0, _max_nan), out))  # fmt: skip
+    tl.store(out_ptr + i * W + cols, out, mask=cols < W)
 
 
 @triton.jit
@@ -320,6 +357,24 @@ def _pow2(k: int) -> int:
     return 1 << max(k - 1, 0).bit_length()
 
 
+#: Programs the split aims for (about 4 per SM of an H100 / H200: 132 SMs).
+SPLIT_PROGRAMS = 512
+#: Partial rows per step of _combine_kernel.
+COMBINE_BLOCK = 32
+
+
+def _splits(total: int, n: int) -> int:
+    """Programs per sequence: one per BLOCK-token chunk of the mean sequence,
+    capped so the grid is about SPLIT_PROGRAMS (host ints only: no sync)."""
+    chunks = -(-total // (max(n, 1) * BLOCK))
+    return max(1, min(chunks, -(-SPLIT_PROGRAMS // max(n, 1))))
+
+
+def _combine(part, out, n, s, width, minmax) -> None:
+    _combine_kernel[(n,)](part, out, s, W=width, WP=_pow2(width), MINMAX=minmax,
+                          BLOCK_S=COMBINE_BLOCK, **LAUNCH)  # fmt: skip
+
+
 def _common(ref, cu_seqlens, mask, thresholds, num_groups, flags):
     device, total = ref.device, ref.shape[0]
     _check("cu_seqlens", cu_seqlens, (torch.int64,), device)
@@ -351,11 +406,15 @@ def espo_group_sums_triton(
     _check("out", out, (torch.float64,), device, n * num_groups * 3, "n x K x 3")
     if n == 0:
         return
-    _sums_kernel[(n,)](
+    s = _splits(total, n)
+    part = out if s == 1 else torch.empty(n * s * num_groups * 3, dtype=out.dtype, device=device)
+    _sums_kernel[(n, s)](
         entropy, logprobs, old_logprobs, cu_seqlens, mask if mask is not None else cu_seqlens,
-        thresholds, out, K=num_groups, KP=_pow2(num_groups),
+        thresholds, part, s, K=num_groups, KP=_pow2(num_groups),
         PER_SEQ=bool(flags & _FLAG_PER_SEQ), HAS_MASK=mask is not None, BLOCK=BLOCK, **LAUNCH,
     )  # fmt: skip
+    if s > 1:
+        _combine(part, out, n, s, num_groups * 3, False)
 
 
 def espo_loss_forward_triton(*, logprobs, old_logprobs, entropy, advantages, cu_seqlens, mask,
@@ -385,12 +444,17 @@ def espo_loss_forward_triton(*, logprobs, old_logprobs, entropy, advantages, cu_
     if n > 0:
         bits = [_f64_bits(x) for x in (eps_low, eps_high, eps_scale, dual_clip, log_lo, log_hi,
                                         inv_num_seqs)]  # fmt: skip
-        _forward_kernel[(n,)](
+        s = _splits(total, n)
+        part = seq_stats if s == 1 else torch.empty(n * s * width, dtype=seq_stats.dtype,
+                                                    device=device)  # fmt: skip
+        _forward_kernel[(n, s)](
             logprobs, old_logprobs, entropy, advantages, cu_seqlens,
-            mask if mask is not None else cu_seqlens, thresholds, sums, grad_arg, seq_stats,
+            mask if mask is not None else cu_seqlens, thresholds, sums, grad_arg, part, s,
             *bits, K=K, KP=_pow2(K), FLAGS=int(flags), HAS_MASK=mask is not None,
             NEED_GRAD=bool(need_grad), BLOCK=BLOCK, **LAUNCH,
         )  # fmt: skip
+        if s > 1:
+            _combine(part, seq_stats, n, s, width, True)
     _reduce_kernel[(1,)](
         seq_stats, cu_seqlens, stats, loss, grad_arg, n, total, K=K, WP=_pow2(width),
         NEED_GRAD=bool(need_grad), BLOCK=REDUCE_BLOCK, TAIL_BLOCK=BACKWARD_BLOCK, **LAUNCH,
@@ -420,14 +484,16 @@ def aot_variants() -> Sequence[
     float32 (tests/test_aot.py compiles exactly these)."""
     sums_sig = {
         "e_ptr": "*fp32", "l_ptr": "*fp32", "lo_ptr": "*fp32", "cu_ptr": "*i64",
-        "mask_ptr": "*i1", "thr_ptr": "*fp64", "sums_ptr": "*fp64", "K": "constexpr",
-        "KP": "constexpr", "PER_SEQ": "constexpr", "HAS_MASK": "constexpr", "BLOCK": "constexpr",
+        "mask_ptr": "*i1", "thr_ptr": "*fp64", "sums_ptr": "*fp64", "S": "i32",
+        "K": "constexpr", "KP": "constexpr", "PER_SEQ": "constexpr", "HAS_MASK": "constexpr",
+        "BLOCK": "constexpr",
     }  # fmt: skip
     fwd_sig = {
         "l_ptr": "*fp32", "lo_ptr": "*fp32", "e_ptr": "*fp32", "adv_ptr": "*fp32",
         "cu_ptr": "*i64", "mask_ptr": "*i1", "thr_ptr": "*fp64", "sums_ptr": "*fp64",
-        "grad_ptr": "*fp32", "rows_ptr": "*fp64", "eps_low_bits": "i64", "eps_high_bits": "i64",
-        "eps_scale_bits": "i64", "dual_bits": "i64", "log_lo_bits": "i64", "log_hi_bits": "i64",
+        "grad_ptr": "*fp32", "rows_ptr": "*fp64", "S": "i32", "eps_low_bits": "i64",
+        "eps_high_bits": "i64", "eps_scale_bits": "i64", "dual_bits": "i64",
+        "log_lo_bits": "i64", "log_hi_bits": "i64",
         "inv_g_bits": "i64", "K": "constexpr", "KP": "constexpr", "FLAGS": "constexpr",
         "HAS_MASK": "constexpr", "NEED_GRAD": "constexpr", "BLOCK": "constexpr",
     }  # fmt: skip
@@ -436,6 +502,8 @@ def aot_variants() -> Sequence[
         "grad_ptr": "*fp32", "n": "i32", "T": "i64", "K": "constexpr", "WP": "constexpr",
         "NEED_GRAD": "constexpr", "BLOCK": "constexpr", "TAIL_BLOCK": "constexpr",
     }  # fmt: skip
+    comb_sig = {"part_ptr": "*fp64", "out_ptr": "*fp64", "S": "i32", "W": "constexpr",
+                "WP": "constexpr", "MINMAX": "constexpr", "BLOCK_S": "constexpr"}  # fmt: skip
     bwd_sig = {"g_ptr": "*fp32", "coef_ptr": "*fp32", "out_ptr": "*fp32", "T": "i64",
                "BLOCK": "constexpr"}  # fmt: skip
     out = []
@@ -447,5 +515,8 @@ def aot_variants() -> Sequence[
                     "HAS_MASK": True, "NEED_GRAD": True, "BLOCK": BLOCK}, LAUNCH))  # fmt: skip
         out.append((_reduce_kernel, red_sig, {"K": K, "WP": _pow2(3 * K + 7), "NEED_GRAD": True,
                     "BLOCK": REDUCE_BLOCK, "TAIL_BLOCK": BACKWARD_BLOCK}, LAUNCH))  # fmt: skip
+    for w, minmax in ((6, False), (13, True)):  # K = 2: group sums, forward rows
+        out.append((_combine_kernel, comb_sig, {"W": w, "WP": _pow2(w), "MINMAX": minmax,
+                    "BLOCK_S": COMBINE_BLOCK}, LAUNCH))  # fmt: skip
     out.append((_backward_kernel, bwd_sig, {"BLOCK": BACKWARD_BLOCK}, LAUNCH))
     return out

@@ -42,7 +42,8 @@ def _sm_count(index: int) -> int:
 
 @functools.cache
 def _cutlass_entry_points():
-    """(argument builder, GEMM, tile heuristic) of _C, looked up once."""
+    """(argument builder, GEMM, tile heuristic), looked up once: the builder is
+    Triton (triton_args.py), the GEMM and the heuristic are in _C."""
     ext = load().fp8
     if not hasattr(ext, "grouped_gemm_sm90_cuda"):
         raise BackendUnavailableError(
@@ -51,7 +52,14 @@ def _cutlass_entry_points():
             "isolation (`pip install --force-reinstall --no-deps .` adds nvidia-cutlass to the "
             "build), or set COMPASS_CUTLASS_INCLUDE; or pass backend='triton'"
         )
-    return ext.grouped_args_cuda, ext.grouped_gemm_sm90_cuda, ext.choose_sm90_tile
+    try:
+        from compass_kernels.fp8.triton_args import launch_grouped_args
+    except ImportError as err:
+        raise BackendUnavailableError(
+            "fp8_grouped_gemm: the CUTLASS backend builds its per-expert arguments with a Triton "
+            f"kernel, and triton is not importable ({err}): pip install 'compass_kernels[triton]'"
+        ) from None
+    return launch_grouped_args, ext.grouped_gemm_sm90_cuda, ext.choose_sm90_tile
 
 
 @functools.lru_cache(maxsize=1024)
@@ -90,18 +98,21 @@ def cutlass_launch_args(a_q, b_q, stream, sms):
 def grouped_gemm_cutlass(*, a_q, a_scales, b_q, b_scales, expert_offsets, out_dtype, out, stream):
     """The ``cuda`` backend: CUTLASS sm_90a (csrc/fp8/grouped_gemm_sm90.cuh).
 
-    Two launches on ``stream``, no host sync: the argument builder (problem
-    shapes and pointer arrays from the offsets, on the device), then the
+    Two launches on ``stream``, no host sync: the argument builder (Triton,
+    triton_args.py: problem shapes and pointer arrays from the offsets, on the
+    device), then the
     grouped GEMM in the tile configuration ``fp8.choose_sm90_tile`` picks
     from shapes (64-row pingpong tiles for decode-sized groups, 128-row
     cooperative tiles for prefill). Needs K % 16 == 0, N % 8 == 0, bf16 output
     and K-major contiguous scales (checked, with a clear error, at the C++
-    boundary). Host side per call: two C++ entries; the builder's outputs, the
-    workspace and the tile choice come from per-shape caches."""
+    boundary). Host side per call: one Triton launch and one C++ entry; the
+    builder's outputs, the workspace and the tile choice come from per-shape
+    caches. The Triton launch goes to torch's current stream: ``stream`` is
+    that stream's handle (``_op`` passes ``cuda_stream``)."""
     build_args, gemm, _ = _cutlass_entry_points()
     sms = _sm_count(a_q.device.index or 0)
     shapes, ptrs, ws, tile = cutlass_launch_args(a_q, b_q, stream, sms)
-    build_args(a_q, a_scales, b_q, b_scales, expert_offsets, out, shapes, ptrs, stream)
+    build_args(a_q, a_scales, b_q, b_scales, expert_offsets, out, shapes, ptrs)
     gemm(a_q, a_scales, b_q, b_scales, expert_offsets, out_dtype, out, tile, shapes, ptrs, ws, sms,
          stream)  # fmt: skip
 
@@ -145,9 +156,10 @@ class GroupedArgs(NamedTuple):
 
 # The device-side argument builder of a pointer-array grouped GEMM (CUTLASS's
 # problem shapes and ptr_A/B/SFA/SFB/D arrays) from the expert offsets: no
-# host sync, CUDA-graph safe. Internal; tested on CPU (cpp) and under the CUDA
-# emulation (tests/test_fp8_gemm_args.py).
-@op(kernels={"cpp": "fp8.grouped_args_cpu", "cuda": "fp8.grouped_args_cuda"},
+# host sync, CUDA-graph safe. Internal; the cpp backend is the reference the
+# triton one (triton_args.py) is held to (tests/test_fp8_gemm_args.py).
+@op(kernels={"cpp": "fp8.grouped_args_cpu",
+             "triton": "compass_kernels.fp8.triton_args:grouped_args_triton"},
     name="fp8_grouped_gemm_args")  # fmt: skip
 def grouped_args_op(
     a_q: torch.Tensor,

@@ -6,13 +6,17 @@ CUDA tensors, on CPU tensors under ``TRITON_INTERPRET=1`` (tests), and
 compile ahead of time for sm_90a (tests/test_aot.py).
 
 Bit-exactness choices:
-- fp32 -> e4m3 is integer bit arithmetic (:func:`_e4m3_bits`, the same
-  round-to-nearest-even as torch's cast after a clamp to +-448), not ``.to(tl.float8e4nv)``: the
-  hardware cast (cvt.rn.satfinite) gives the same bits on sm_90, but the
-  interpreter's cast does not, and the bit form is what can be tested here.
-- divisions are ``tl.math.div_rn`` (IEEE); Triton's ``/`` lowers to the
-  approximate div.full.f32 on the GPU, which can move a value across an e4m3
-  rounding boundary.
+- fp32 -> e4m3: on sm_89+ the hardware cast (``.to(tl.float8e4nv)``:
+  cvt.rn.satfinite.e4m3x2.f32, RNE, saturating at +-448, NaN -> 0x7F: the
+  reference's bits), chosen per device by :func:`hw_e4m3`; elsewhere, and in the
+  interpreter (whose cast is not the hardware's), integer bit arithmetic
+  (:func:`_e4m3_bits`, torch's RNE after a clamp to +-448), which the CPU tests
+  check on every tie.
+- IEEE divisions (``tl.math.div_rn``; Triton's ``/`` lowers to the approximate
+  div.full.f32) only per group: the scale amax / 448 and its reciprocal r.
+  ``x * (1/s)`` is then one multiply; ``x / s`` is x r plus two fma
+  corrections by the residual x - s q (:func:`_quotient`), the correctly
+  rounded quotient, bit for bit (tests/test_fp8_quotient.py).
 - every kernel compiles with ``enable_fp_fusion=False``: a contracted
   multiply-add (unpermute's combine) would round differently from the CPU.
 - bf16 outputs are rounded by bit arithmetic too (round to nearest even).
@@ -20,6 +24,7 @@ Bit-exactness choices:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -50,6 +55,13 @@ TILE = 128
 BLOCK_ROWS_PER_STEP = 32
 #: Columns per program of the unpermute kernel.
 UNPERMUTE_BLOCK = 512
+#: Rows per program of the 1 x 128 kernel (one group wide: 32 x 128 = 32 per thread).
+GROUP_ROWS = 32
+#: Groups of 128 per step of the permute scatter (2048 columns: 16 per thread).
+SCATTER_GROUPS = 16
+#: Scatter programs per SM (grid-stride over the tokens) and on the interpreter.
+SCATTER_PER_SM = 8
+INTERPRETER_PROGRAMS = 3
 
 
 @triton.jit
@@ -66,6 +78,17 @@ def _e4m3_bits(y):
     r = tl.where(a >= 0x43E00000, 0x7E, r)
     r = tl.where(a > 0x7F800000, 0x7F, r)
     return sign | r
+
+
+@triton.jit
+def _to_e4m3(y, HW_E4M3: tl.constexpr):
+    """fp32 -> e4m3fn bytes (uint8): RNE, saturating at +-448, subnormals kept.
+    HW_E4M3: the hardware conversion (cvt.rn.satfinite.e4m3x2.f32, two values
+    per instruction, sm_89+: the same bits; NaN -> 0x7F); else bit arithmetic."""
+    if HW_E4M3:
+        return y.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+    else:
+        return _e4m3_bits(y).to(tl.uint8)
 
 
 @triton.jit
@@ -92,23 +115,60 @@ def _block_scale(amax, eps, UE8M0: tl.constexpr):
 
 
 @triton.jit
-def _quantize_values(x, s, USE_DIV: tl.constexpr):
-    if USE_DIV:
-        y = tl.math.div_rn(x, s)
+def _div_by(x, s, r):
+    """x / s rounded to nearest even (= div_rn) from r = div_rn(1, s), with no
+    division: q0 = x * r is within 1.5 ulp; a residual x - s * q (exact in one
+    fma) times r corrects it to a faithful q1, a second step to the correctly
+    rounded quotient (Markstein's theorem: r correctly rounded, q1 faithful).
+    Holds while the residuals do not underflow: s >= 2^-64 (smaller scales
+    are rescaled, see _quantize_bytes); s = inf / NaN (a non-finite block)
+    gives unspecified bytes, as the NaN policy allows. The sign is x's: the
+    quotient's sign, a zero's included."""
+    q = x * r
+    q = tl.fma(tl.fma(-s, q, x), r, q)
+    q = tl.fma(tl.fma(-s, q, x), r, q)
+    # the sign of x (s > 0): x = -0 gives -0 + (+0) = +0 above, div_rn gives -0
+    qb = q.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    return (qb | (x.to(tl.int32, bitcast=True) & -0x80000000)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _quotient(x, s):
+    """div_rn(x, s[:, None]) for x [A, B] fp32, s [A] > 0, with one division per row.
+    A scale below 2^-64 (eps < ~1e-17, an all-tiny group): x and s scaled by
+    2^64 (exact: the same quotient) so the residuals of _div_by stay normal;
+    one multiply per element, no branch (a tile-uniform branch would double
+    the code for a case of tiny eps only)."""
+    k = tl.where(s < 5.421010862427522e-20, 1.8446744073709552e19, 1.0)
+    sk = s * k
+    r = tl.math.div_rn(tl.full(sk.shape, 1.0, tl.float32), sk)
+    return _div_by(x * k[:, None], sk[:, None], r[:, None])
+
+
+@triton.jit
+def _quantize_bytes(x, s, UE8M0: tl.constexpr, USE_DIV: tl.constexpr, HW_E4M3: tl.constexpr):
+    """e4m3 bytes of x [A, B] fp32 with per-row scales s [A]: e4m3(x * div_rn(1, s))
+    (USE_DIV=False) or e4m3(div_rn(x, s)) (USE_DIV=True), the reference's bits;
+    one IEEE division per row (the reciprocal), none per element."""
+    if USE_DIV and not UE8M0:
+        y = _quotient(x, s)
     else:
-        y = x * tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
-    return _e4m3_bits(y).to(tl.uint8)
+        # a power-of-two scale (UE8M0): 1 / s is exact, x * (1 / s) == x / s
+        r = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+        y = x * r[:, None]
+    return _to_e4m3(y, HW_E4M3)
 
 
 @triton.jit
 def _quantize_block_kernel(
     x_ptr, q_ptr, s_ptr, rows, cols, xs, qs, ss0, ss1, eps,
-    UE8M0: tl.constexpr, USE_DIV: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
-    RB: tl.constexpr,
+    UE8M0: tl.constexpr, USE_DIV: tl.constexpr, HW_E4M3: tl.constexpr, BR: tl.constexpr,
+    BC: tl.constexpr, RB: tl.constexpr,
 ):  # fmt: skip
     """One program per BR x BC block (weights: 128 x 128), RB rows at a time: a
     whole block live at once spills (ptxas: 2 KB with 4 warps); the second
-    pass re-reads the block from L2 (32 KB of bf16), not HBM."""
+    pass re-reads the block from L2 (32 KB of bf16), not HBM. The scale and its
+    reciprocal once per block."""
     i = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1).to(tl.int64)
     c = j * BC + tl.arange(0, BC).to(tl.int64)
@@ -120,38 +180,33 @@ def _quantize_block_kernel(
         amax = tl.maximum(amax, _amax(x, 0), propagate_nan=tl.PropagateNan.ALL)
     s = _block_scale(tl.reduce(amax, 0, _max_nan), eps, UE8M0)
     tl.store(s_ptr + i * ss0 + j * ss1, s)
-    sb = tl.full([RB, BC], 0.0, tl.float32) + s
+    sv = tl.zeros([RB], tl.float32) + s
     for r0 in range(0, BR, RB):
         r = i * BR + r0 + tl.arange(0, RB).to(tl.int64)
         m = (r[:, None] < rows) & (c[None, :] < cols)
         x = tl.load(x_ptr + r[:, None] * xs + c[None, :], mask=m, other=0.0).to(tl.float32)
-        tl.store(q_ptr + r[:, None] * qs + c[None, :], _quantize_values(x, sb, USE_DIV), mask=m)
-
-
-@triton.jit
-def _quantize_row_groups(x_ptr, row, cols, q_ptr, qrow, s_ptr, srow, ss1, eps,
-                         UE8M0: tl.constexpr, USE_DIV: tl.constexpr, NG: tl.constexpr,
-                         BC: tl.constexpr):  # fmt: skip
-    """Row ``row`` of x in groups of BC columns -> row ``qrow`` of q / ``srow`` of scales."""
-    g = tl.arange(0, NG).to(tl.int64)
-    c = g[:, None] * BC + tl.arange(0, BC).to(tl.int64)[None, :]
-    m = c < cols
-    x = tl.load(x_ptr + row + c, mask=m, other=0.0).to(tl.float32)
-    s = _block_scale(_amax(x, 1), eps, UE8M0)
-    tl.store(s_ptr + srow + g * ss1, s, mask=g * BC < cols)
-    sb = tl.zeros([NG, BC], tl.float32) + s[:, None]
-    tl.store(q_ptr + qrow + c, _quantize_values(x, sb, USE_DIV), mask=m)
+        qb = _quantize_bytes(x, sv, UE8M0, USE_DIV, HW_E4M3)
+        tl.store(q_ptr + r[:, None] * qs + c[None, :], qb, mask=m)
 
 
 @triton.jit
 def _quantize_groups_kernel(
     x_ptr, q_ptr, s_ptr, rows, cols, xs, qs, ss0, ss1, eps,
-    UE8M0: tl.constexpr, USE_DIV: tl.constexpr, NG: tl.constexpr, BC: tl.constexpr,
+    UE8M0: tl.constexpr, USE_DIV: tl.constexpr, HW_E4M3: tl.constexpr, RT: tl.constexpr,
+    BC: tl.constexpr,
 ):  # fmt: skip
-    """One program per row (activations: 1 x 128 groups, NG >= groups per row)."""
-    r = tl.program_id(0).to(tl.int64)
-    _quantize_row_groups(x_ptr, r * xs, cols, q_ptr, r * qs, s_ptr, r * ss0, ss1, eps,
-                         UE8M0, USE_DIV, NG, BC)  # fmt: skip
+    """One program per RT rows x one group of BC columns (activations: 1 x 128
+    groups): each tile row is a group, 128-bit loads of 8 bf16 per thread, the
+    group's amax in-thread + 4 shuffles, one scale and reciprocal per group."""
+    r = tl.program_id(0).to(tl.int64) * RT + tl.arange(0, RT).to(tl.int64)
+    j = tl.program_id(1).to(tl.int64)
+    c = j * BC + tl.arange(0, BC).to(tl.int64)
+    m = (r[:, None] < rows) & (c[None, :] < cols)
+    x = tl.load(x_ptr + r[:, None] * xs + c[None, :], mask=m, other=0.0).to(tl.float32)
+    s = _block_scale(_amax(x, 1), eps, UE8M0)
+    tl.store(s_ptr + r * ss0 + j * ss1, s, mask=r < rows)
+    tl.store(q_ptr + r[:, None] * qs + c[None, :], _quantize_bytes(x, s, UE8M0, USE_DIV, HW_E4M3),
+             mask=m)  # fmt: skip
 
 
 @triton.jit
@@ -213,26 +268,48 @@ def _permute_offsets_kernel(offsets_ptr, experts, EP: tl.constexpr):
 
 @triton.jit
 def _permute_scatter_kernel(
-    x_ptr, xs, cols, ids_ptr, k, experts, rank_ptr, base_ptr, offsets_ptr,
+    x_ptr, xs, cols, ids_ptr, tokens, k, experts, rank_ptr, base_ptr, offsets_ptr,
     q_ptr, qs, s_ptr, ss0, ss1, src_ptr, dst_ptr, eps,
-    UE8M0: tl.constexpr, NG: tl.constexpr, BC: tl.constexpr, CHUNK: tl.constexpr,
+    UE8M0: tl.constexpr, HW_E4M3: tl.constexpr, KP: tl.constexpr, GB: tl.constexpr,
+    BC: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
-    """One program per slot: its row, the index maps, the quantized row."""
-    slot = tl.program_id(0).to(tl.int64)
-    e = tl.load(ids_ptr + slot).to(tl.int64)
-    if (e >= 0) & (e < experts):
-        chunk = slot // CHUNK
+    """Token rows t = pid, pid + programs, ... (a grid sized for the GPU): the
+    rows of its k slots (KP >= k lanes at once), then per GB groups of its row:
+    read and quantize once, store the fp8 bytes and scales to all k rows (one
+    [KP, GB, BC] store)."""
+    pid = tl.program_id(0).to(tl.int64)
+    nprog = tl.num_programs(0).to(tl.int64)
+    g = tl.arange(0, GB).to(tl.int64)
+    lane = tl.arange(0, BC).to(tl.int64)
+    j = tl.arange(0, KP).to(tl.int64)
+    for t in range(pid, tokens, nprog):
+        slot = t * k + j
+        e = tl.load(ids_ptr + slot, mask=j < k, other=-1).to(tl.int64)
+        ok = (e >= 0) & (e < experts)
         p = (
-            tl.load(offsets_ptr + e)
-            + tl.load(base_ptr + chunk * experts + e)
-            + tl.load(rank_ptr + slot)
+            tl.load(offsets_ptr + e, mask=ok, other=0)
+            + tl.load(base_ptr + (slot // CHUNK) * experts + e, mask=ok, other=0)
+            + tl.load(rank_ptr + slot, mask=ok, other=0)
         )
-        tl.store(src_ptr + p, slot)
-        tl.store(dst_ptr + slot, p)
-        _quantize_row_groups(x_ptr, (slot // k) * xs, cols, q_ptr, p * qs, s_ptr, p * ss0, ss1,
-                             eps, UE8M0, True, NG, BC)  # fmt: skip
-    else:  # unchecked bad id: dropped, no row written
-        tl.store(dst_ptr + slot, -1)
+        tl.store(src_ptr + p, slot, mask=ok)
+        # an unchecked bad id: dropped (dst -1), no row written
+        tl.store(dst_ptr + slot, tl.where(ok, p, -1), mask=j < k)
+        for c0 in range(0, cols, GB * BC):
+            gc = c0 // BC + g
+            c = gc[:, None] * BC + lane[None, :]
+            m = c < cols
+            x = tl.load(x_ptr + t * xs + c, mask=m, other=0.0).to(tl.float32)
+            s = _block_scale(_amax(x, 1), eps, UE8M0)
+            qb = _quantize_bytes(x, s, UE8M0, True, HW_E4M3)
+            sm = ok[:, None] & (gc * BC < cols)[None, :]
+            tl.store(
+                s_ptr + p[:, None] * ss0 + gc[None, :] * ss1,
+                s[None, :] + tl.zeros([KP, GB], tl.float32),
+                mask=sm,
+            )
+            qm = ok[:, None, None] & m[None, :, :]
+            tl.store(q_ptr + p[:, None, None] * qs + c[None, :, :],
+                     qb[None, :, :] + tl.zeros([KP, GB, BC], tl.uint8), mask=qm)  # fmt: skip
 
 
 @triton.jit
@@ -261,8 +338,26 @@ def _unpermute_kernel(y_ptr, ys, cols, dst_ptr, w_ptr, k, out_ptr,
 # ------------------------------------------------------------------ wrappers
 
 
-def _groups_pow2(cols: int) -> int:
-    return triton.next_power_of_2(max(1, triton.cdiv(cols, TILE)))
+def hw_e4m3(device: torch.device) -> bool:
+    """Whether kernels on ``device`` convert to e4m3 with the hardware instruction
+    (sm_89+; ``meta``: the sm_90a code tests/aot.py compiles); the interpreter
+    (CPU tensors) takes the bit arithmetic, whose bits the tests check."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "meta"
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _programs(device: torch.device, per_sm: int) -> int:
+    """Programs of a grid-stride launch: ``per_sm`` per SM (H100 SXM's 132 for meta
+    tensors, the sm_90a plans; INTERPRETER_PROGRAMS on the CPU)."""
+    if device.type == "cuda":
+        return _sm_count(device.index or 0) * per_sm
+    return 132 * per_sm if device.type == "meta" else INTERPRETER_PROGRAMS
 
 
 def quantize_triton(
@@ -292,25 +387,27 @@ def quantize_triton(
         raise ValueError(f"x: expected unit stride along the last dim, got strides {x.stride()}")
     qb = q.view(torch.uint8)
     args = (x, qb, scales, rows, cols, x.stride(0), q.stride(0), scales.stride(0), scales.stride(1))
+    flags = {"UE8M0": bool(ue8m0), "USE_DIV": bool(use_div), "HW_E4M3": hw_e4m3(x.device)}
     if block_rows == TILE:
         grid = (triton.cdiv(rows, TILE), triton.cdiv(cols, TILE))
         _quantize_block_kernel[grid](
-            *args, float(eps), UE8M0=bool(ue8m0), USE_DIV=bool(use_div), BR=TILE, BC=TILE,
-            RB=BLOCK_ROWS_PER_STEP, **LAUNCH,
+            *args, float(eps), **flags, BR=TILE, BC=TILE, RB=BLOCK_ROWS_PER_STEP, **LAUNCH,
         )  # fmt: skip
     else:
-        _quantize_groups_kernel[(rows,)](
-            *args, float(eps), UE8M0=bool(ue8m0), USE_DIV=bool(use_div),
-            NG=_groups_pow2(cols), BC=TILE, **LAUNCH,
+        # row tiles on grid axis 0 (up to 2^31 - 1; axis 1 stops at 65,535)
+        grid = (triton.cdiv(rows, GROUP_ROWS), triton.cdiv(cols, TILE))
+        _quantize_groups_kernel[grid](
+            *args, float(eps), **flags, RT=GROUP_ROWS, BC=TILE, **LAUNCH,
         )  # fmt: skip
 
 
 def permute_quantize_triton(
     *, x, topk_ids, num_experts, eps, ue8m0, scale_layout, q, scales, expert_offsets, src_index,
-    dst_index, workspace,
+    dst_index, workspace, num_programs=None,
 ) -> None:  # fmt: skip
     """The fused permutation + 1x128 quantization (argument contract:
-    reference.py, permute_quantize_torch)."""
+    reference.py, permute_quantize_torch). ``num_programs``: the scatter's
+    grid (default: SCATTER_PER_SM per SM; tests force a grid-stride loop)."""
     m, k = topk_ids.shape
     slots, cols = m * k, x.shape[1]
     chunks = triton.cdiv(slots, CHUNK)
@@ -333,11 +430,15 @@ def permute_quantize_triton(
     permute_offsets_triton(counts, chunks, num_experts, base, expert_offsets)
     if slots == 0:
         return
-    _permute_scatter_kernel[(slots,)](
-        x, x.stride(0), cols, topk_ids, k, num_experts, rank, base, expert_offsets,
+    if num_programs is None:
+        num_programs = _programs(x.device, SCATTER_PER_SM)
+    gb = min(SCATTER_GROUPS, triton.next_power_of_2(max(1, triton.cdiv(cols, TILE))))
+    _permute_scatter_kernel[(max(1, min(num_programs, m)),)](
+        x, x.stride(0), cols, topk_ids, m, k, num_experts, rank, base, expert_offsets,
         q.view(torch.uint8), q.stride(0), scales, scales.stride(0), scales.stride(1),
         src_index, dst_index, float(eps),
-        UE8M0=bool(ue8m0), NG=_groups_pow2(cols), BC=TILE, CHUNK=CHUNK, **LAUNCH,
+        UE8M0=bool(ue8m0), HW_E4M3=hw_e4m3(x.device), KP=triton.next_power_of_2(k), GB=gb,
+        BC=TILE, CHUNK=CHUNK, **LAUNCH,
     )  # fmt: skip
 
 
@@ -381,17 +482,18 @@ def aot_variants() -> Sequence[
     quant = {
         "x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp32", "rows": "i64", "cols": "i64",
         "xs": "i64", "qs": "i64", "ss0": "i64", "ss1": "i64", "eps": "fp32",
-        "UE8M0": "constexpr", "USE_DIV": "constexpr",
+        "UE8M0": "constexpr", "USE_DIV": "constexpr", "HW_E4M3": "constexpr",
     }  # fmt: skip
     out = []
     for ue8m0 in (False, True):  # the weight sync's scales, DeepGEMM's UE8M0 scales
         block = quant | {"BR": "constexpr", "BC": "constexpr", "RB": "constexpr"}
-        const = {"UE8M0": ue8m0, "USE_DIV": False, "BR": TILE, "BC": TILE,
+        const = {"UE8M0": ue8m0, "USE_DIV": False, "HW_E4M3": True, "BR": TILE, "BC": TILE,
                  "RB": BLOCK_ROWS_PER_STEP}  # fmt: skip
         out.append((_quantize_block_kernel, block, const, LAUNCH))
-        groups = quant | {"NG": "constexpr", "BC": "constexpr"}
+        groups = quant | {"RT": "constexpr", "BC": "constexpr"}
         out.append((_quantize_groups_kernel, groups,
-                    {"UE8M0": ue8m0, "USE_DIV": True, "NG": 64, "BC": TILE}, LAUNCH))  # fmt: skip
+                    {"UE8M0": ue8m0, "USE_DIV": True, "HW_E4M3": True, "RT": GROUP_ROWS,
+                     "BC": TILE}, LAUNCH))  # fmt: skip
     rank = {"ids_ptr": "*i32", "slots": "i64", "experts": "i64", "rank_ptr": "*i32",
             "counts_ptr": "*i32", "CHUNK": "constexpr", "EP": "constexpr",
             "SUB": "constexpr"}  # fmt: skip
@@ -401,15 +503,17 @@ def aot_variants() -> Sequence[
     out.append((_permute_scan_kernel, scan, {"CB": SCAN_CHUNKS, "EB": SCAN_EXPERTS}, LAUNCH))
     offs = {"offsets_ptr": "*i64", "experts": "i64", "EP": "constexpr"}
     out.append((_permute_offsets_kernel, offs, {"EP": 256}, LAUNCH))
-    scatter = {
-        "x_ptr": "*bf16", "xs": "i64", "cols": "i64", "ids_ptr": "*i32", "k": "i64",
-        "experts": "i64", "rank_ptr": "*i32", "base_ptr": "*i32", "offsets_ptr": "*i64",
-        "q_ptr": "*u8", "qs": "i64", "s_ptr": "*fp32", "ss0": "i64", "ss1": "i64",
-        "src_ptr": "*i64", "dst_ptr": "*i64", "eps": "fp32", "UE8M0": "constexpr",
-        "NG": "constexpr", "BC": "constexpr", "CHUNK": "constexpr",
+    scatter = {  # i32 sizes and strides, as launched (tests/launch_plans.py)
+        "x_ptr": "*bf16", "xs": "i32", "cols": "i32", "ids_ptr": "*i32", "tokens": "i32",
+        "k": "i32", "experts": "i32", "rank_ptr": "*i32", "base_ptr": "*i32",
+        "offsets_ptr": "*i64", "q_ptr": "*u8", "qs": "i32", "s_ptr": "*fp32", "ss0": "i32",
+        "ss1": "i32", "src_ptr": "*i64", "dst_ptr": "*i64", "eps": "fp32", "UE8M0": "constexpr",
+        "HW_E4M3": "constexpr", "KP": "constexpr", "GB": "constexpr", "BC": "constexpr",
+        "CHUNK": "constexpr",
     }  # fmt: skip
     out.append((_permute_scatter_kernel, scatter,
-                {"UE8M0": False, "NG": 64, "BC": TILE, "CHUNK": CHUNK}, LAUNCH))  # fmt: skip
+                {"UE8M0": False, "HW_E4M3": True, "KP": 8, "GB": SCATTER_GROUPS, "BC": TILE,
+                 "CHUNK": CHUNK}, LAUNCH))  # fmt: skip
     unperm = {
         "y_ptr": "*bf16", "ys": "i64", "cols": "i64", "dst_ptr": "*i64", "w_ptr": "*fp32",
         "k": "i64", "out_ptr": "*i16", "OUT_BF16": "constexpr", "BLOCK": "constexpr",

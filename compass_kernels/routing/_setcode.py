@@ -10,7 +10,7 @@ x86-64 baseline (tests run both).
 :func:`decode_path` names the unrank a decode runs.
 
 The encode op (:data:`encode_sets_op`, ``torch.ops.compass.encode_sets``) has a
-"cpp" and a "cuda" backend (csrc/routing/codec.cu) writing the same payload
+"cpp" and a "triton" backend (routing/triton_setcode.py) writing the same payload
 bytes; :func:`encode_device` runs it where the ids live (on a GPU: no host
 sync, checks on the device), :func:`check_status` raises on a bad row.
 """
@@ -103,10 +103,11 @@ class Encoded(NamedTuple):
     table: torch.Tensor  # [K * E] int64: the binomial workspace C(a, m) at (m - 1) * E + a
 
 
-@op(kernels={"cpp": "routing.encode_sets_op_cpu", "cuda": "routing.encode_sets_cuda"})
+@op(kernels={"cpp": "routing.encode_sets_op_cpu",
+             "triton": "compass_kernels.routing.triton_setcode:encode_sets_triton"})  # fmt: skip
 def encode_sets_op(ids: torch.Tensor, num_experts: int, missing: torch.Tensor | None) -> Encoded:
     """Set-code ids [rows, K] uint8 | int16 (missing [rows] bool or None). The cpp
-    backend raises on a bad row (naming it); the cuda one counts it in status, on
+    backend raises on a bad row (naming it); the triton one counts it in status, on
     the device."""
     rows, k = ids.shape
     return Encoded(

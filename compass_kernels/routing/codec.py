@@ -122,9 +122,9 @@ def _payload_raw(ids: np.ndarray) -> bytes:
 
 
 def encode(trace: RoutingTrace, *, codec: str = "raw", backend: str | None = None) -> bytes:
-    """``backend``: None = where the trace lives (codec "set" on a GPU: the CUDA
-    encoder, :func:`_encode_set_on_device`); "cpp" / "cuda" / "cuda-emulated"
-    (tests) force the set encoder's backend. Raises ``ValueError`` (a
+    """``backend``: None = where the trace lives (codec "set" on a GPU: the Triton
+    encoder, :func:`_encode_set_on_device`); "cpp" / "triton" (on CPU tensors:
+    the interpreter, tests) force the set encoder's backend. Raises ``ValueError`` (a
     :class:`TraceError` for the ids) naming the first bad row."""
     code = CODECS.get(codec)
     if code is None:
@@ -209,8 +209,8 @@ def _seal(buf: bytearray, t: RoutingTrace, code: int, n_rows: int, k: int, n_pay
 
 
 def _encode_set_on_device(t: RoutingTrace, backend: str | None) -> bytes:
-    """Codec "set" where the ids live: the encode op's kernel (on a GPU,
-    csrc/routing/codec.cu: ranks, packing and the id checks on the device), then
+    """Codec "set" where the ids live: the encode op's kernel (on a GPU, Triton,
+    routing/triton_setcode.py: ranks, packing and the id checks on the device), then
     ONE device-to-host copy of status | cu_seqlens | missing | reasons | payload
     (the sync that returning bytes needs); the CRC32 on the host."""
     from compass_kernels.routing import _setcode

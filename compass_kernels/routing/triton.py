@@ -168,14 +168,16 @@ def _replay_fwd_kernel(
     out_k = rows[:, None] * K + kk[None, :]
     tl.store(w_ptr + out_k, w.to(w_ptr.dtype.element_ty), mask=mk)
     tl.store(used_ptr + out_k, u, mask=mk)
-    hit = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.int1)
-    for q in range(0, K):
-        uq = tl.sum(tl.where(kk[None, :] == q, u, 0), axis=1)
-        hit = hit | (cols[None, :].to(tl.int64) == uq[:, None])
-    hit = hit & m2
-    tl.store(map_ptr + rows[:, None] * E + cols[None, :], hit, mask=m2)
-    hist = tl.sum(hit.to(tl.int64), axis=0)
-    tl.atomic_add(tpe_ptr + cols, hist, mask=cmask & (hist > 0))
+    # The routing map by scatter: the tile cleared, then True stored at the K used
+    # ids of each row (distinct: a replay with a repeated id is rejected above).
+    # The barrier orders the two stores within the program (bar.sync makes the
+    # clear visible to every thread first); tokens_per_expert takes one integer
+    # atomic per (row, slot): exact, so deterministic.
+    tl.store(map_ptr + rows[:, None] * E + cols[None, :], tl.zeros_like(m2), mask=m2)
+    tl.debug_barrier()
+    mu = mk & (u < E)  # an id past E (only a -inf bias can pick one) stays in its row
+    tl.store(map_ptr + rows[:, None] * E + u, tl.full([BLOCK_T, BLOCK_K], 1, tl.int1), mask=mu)
+    tl.atomic_add(tpe_ptr + u, tl.full([BLOCK_T, BLOCK_K], 1, tl.int64), mask=mu)
     n_rows = tl.sum(rmask.to(tl.int64), axis=0)
     n_cand = tl.sum(ok.to(tl.int64), axis=0)
     n_overlap = tl.sum(tl.where(ok, overlap, 0), axis=0)

@@ -1,5 +1,5 @@
-// Host entry points of the FP8 grouped expert GEMM's CUDA side (the argument
-// builder, CPU twin and CUDA kernel; the CUTLASS sm_90a GEMM), bound one line
+// Host entry points of the FP8 grouped expert GEMM (the argument builder's
+// CPU backend; the CUTLASS sm_90a GEMM), bound one line
 // each in bindings.cpp. Arguments are borrowed views; outputs are written in
 // place. check_grouped_gemm_args runs every dtype/shape/device check before
 // any launch. Spec: compass_kernels/fp8/reference_gemm.py (the CPU backend is
@@ -26,8 +26,8 @@ namespace fp8 {
   TensorView a_q, TensorView a_scales, TensorView b_q, TensorView b_scales,             \
       TensorView expert_offsets, int64_t out_dtype, TensorView out
 
-// The device-side argument builder (grouped_args.cu; CPU twin in
-// grouped_args_cpu.cpp): the GEMM's operands as above (out_dtype implied by
+// The argument builder (CPU: grouped_args_cpu.cpp; GPU: Triton,
+// compass_kernels/fp8/triton_args.py): the GEMM's operands as above (out_dtype implied by
 // out), plus outputs shapes [E, 3] int32 (M_e, N, K) and ptrs [5, E] int64
 // (rows PtrRow: A, B, SFA, SFB, D addresses per expert).
 #define COMPASS_FP8_GROUPED_ARGS_ARGS                                                   \
@@ -44,15 +44,12 @@ void check_grouped_gemm_args(COMPASS_FP8_GROUPED_GEMM_ARGS);
 void check_offsets_data(const TensorView& expert_offsets, int64_t rows);
 
 // Checks of the builder's arguments, and the layout (base addresses, byte
-// strides) it reads: shared by the CPU and CUDA entry points.
+// strides) it reads: shared by the CPU builder and the CUTLASS entry point.
 void check_grouped_args(COMPASS_FP8_GROUPED_ARGS_ARGS);
 GroupedLayout grouped_layout(const TensorView& a_q, const TensorView& a_scales,
                              const TensorView& b_q, const TensorView& b_scales,
                              const TensorView& out);
 void grouped_args_cpu(COMPASS_FP8_GROUPED_ARGS_ARGS);
-#if defined(COMPASS_WITH_CUDA) || defined(COMPASS_EMULATION)  // emulated: csrc/emu
-void grouped_args_cuda(COMPASS_FP8_GROUPED_ARGS_ARGS, uintptr_t stream);
-#endif
 // The tile configuration heuristic (sm90_tiles.h), bound for the CPU tests
 // and used by the CUDA entry point below.
 int64_t choose_sm90_tile_binding(int64_t rows, int64_t experts, int64_t n, int64_t sm_count);
@@ -67,7 +64,7 @@ int64_t grouped_gemm_sm90_workspace(int64_t tile, int64_t experts, int64_t sm_co
 // Dynamic shared memory per CTA of a configuration (GemmKernel::SharedStorageSize).
 int64_t grouped_gemm_sm90_shared_bytes(int64_t tile);
 // The GEMM's arguments, then the tile configuration, the builder's shapes /
-// ptrs (already filled on the device by grouped_args_cuda), a uint8 workspace,
+// ptrs (already filled on the device by the Triton builder), a uint8 workspace,
 // the SM count, the stream.
 void grouped_gemm_sm90_cuda(COMPASS_FP8_GROUPED_GEMM_ARGS, int64_t tile, TensorView shapes,
                             TensorView ptrs, TensorView workspace, int64_t sm_count,

@@ -1,8 +1,8 @@
 // Host side of the grouped-GEMM argument builder: the GEMM's argument checks
 // (shared with the CUTLASS entry point), the layout (base addresses and byte
-// strides) both builders read, and the CPU builder, which runs the same
-// per-expert function (compass::fp8::group_args) as the CUDA kernel in
-// grouped_args.cu.
+// strides) the builder reads, and the CPU builder (compass::fp8::group_args per
+// expert), the reference the GPU builder (compass_kernels/fp8/triton_args.py)
+// is tested against.
 #include "fp8/fp8_api.h"
 
 namespace compass {

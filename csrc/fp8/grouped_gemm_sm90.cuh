@@ -9,7 +9,7 @@
 // Token-packed: group e is rows [off[e], off[e+1]) of A and D, M_e as is (TMA
 // bounds the last tile; nothing is padded); an expert with M_e = 0 has no tiles.
 // Problem shapes and pointer arrays come from the device-side builder
-// (grouped_args.cu); this file fills the per-group strides and scale layouts on
+// (Triton: compass_kernels/fp8/triton_args.py); this file fills the per-group strides and scale layouts on
 // the device and launches: no host sync.
 //
 // Scale layouts: K-major (a_scales [M, ceil(K/128)] and b_scales [E,

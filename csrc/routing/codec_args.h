@@ -1,6 +1,5 @@
-// Argument checks of the set codec shared by its CPU (codec_cpu.cpp) and CUDA
-// (codec.cu) entry points: the (num_experts, top_k) layout and the encode op's
-// views. Header-only so the emulated build (cmake/emu.cmake) needs no CPU codec.
+// Argument checks of the set codec's CPU entry points (codec_cpu.cpp): the
+// (num_experts, top_k) layout and the encode op's views.
 #pragma once
 
 #include <cmath>

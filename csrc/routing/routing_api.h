@@ -1,5 +1,6 @@
-// Host entry points of the route set codec (CPU in codec_cpu.cpp, CUDA in
-// codec.cu), bound one line each in bindings.cpp. Arguments are borrowed
+// Host entry points of the route set codec (CPU in codec_cpu.cpp; the GPU
+// encoder is Triton: compass_kernels/routing/triton_setcode.py), bound one
+// line each in bindings.cpp. Arguments are borrowed
 // views; outputs are written in place. (Router replay is Python: the torch
 // reference on CPU, Triton on GPU.)
 #pragma once
@@ -38,13 +39,9 @@ std::string set_code_decode_path(int64_t num_experts, int64_t top_k, bool uint8_
 // (checks: codec_args.h): ids [rows, K] uint8 | int16 contiguous; missing [rows] bool or
 // None; all on ids' device. Outputs: payload; status int64 [2] =
 // (bad rows, first bad row or -1); table int64 [K * E] = C(a, m) at (m - 1) * E + a
-// (saturated at 2^64 - 1), the workspace of the CUDA kernel. The CPU entry raises
+// (saturated at 2^64 - 1), the workspace of the GPU kernel. The CPU entry raises
 // on a bad row instead (naming it) and fills status with (0, -1).
 void encode_sets_op_cpu(COMPASS_ENCODE_SETS_ARGS);
-
-#if defined(COMPASS_WITH_CUDA) || defined(COMPASS_EMULATION)  // emulated: csrc/emu
-void encode_sets_cuda(COMPASS_ENCODE_SETS_ARGS, uintptr_t stream);  // codec.cu
-#endif
 
 }  // namespace routing
 }  // namespace compass

@@ -30,6 +30,8 @@ import torch
 
 import compass_kernels as ck
 
+from . import probe
+
 __all__ = ["ADV_OPTIONS", "AdvOptions", "compute_compass_grpo_advantage", "configure", "last_stats"]
 
 
@@ -110,6 +112,7 @@ def compute_compass_grpo_advantage(
     -------
     (advantages, returns): [B, L] float32, equal (verl's grpo returns both).
     """
+    probe.hit("advantage")
     if token_level_rewards.dim() != 2 or response_mask.shape != token_level_rewards.shape:
         raise ValueError(
             f"token_level_rewards, response_mask: expected two [B, L] tensors of one shape, got "

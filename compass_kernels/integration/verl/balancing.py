@@ -26,7 +26,7 @@ import torch
 
 import compass_kernels as ck
 
-from . import _pin
+from . import _pin, probe
 
 __all__ = [
     "applied",
@@ -57,6 +57,7 @@ def get_seqlen_balanced_partitions(seqlen_list, k_partitions: int, equal_size: b
         seqlen_list.tolist() if isinstance(seqlen_list, torch.Tensor) else seqlen_list
     )
     n = values.size
+    probe.hit("partitions")
     if not isinstance(k_partitions, int | np.integer) or k_partitions < 1:
         raise ValueError(f"k_partitions: expected a positive int, got {k_partitions!r}")
     if n < k_partitions:
@@ -132,6 +133,7 @@ def rearrange_micro_batches(
     (list of TensorDict, list of list of int): the micro-batches and, for each,
     the ascending indices of its samples in ``batch``.
     """
+    probe.hit("micro_batches")
     import torch.distributed as dist
     from verl.utils import tensordict_utils as tu
     from verl.utils.seqlen_balancing import calculate_workload

@@ -31,11 +31,12 @@ the valid tokens' entropy) per step on the driver.
 from __future__ import annotations
 
 import threading
+import warnings
 from typing import Any, cast
 
 import torch
 
-from . import _pin
+from . import _pin, probe
 
 __all__ = ["OLD_ENTROPY_KEY", "THRESHOLD_KEY", "applied", "patch_old_entropy", "revert_old_entropy"]
 
@@ -56,6 +57,55 @@ def _levels() -> tuple[float, ...]:
                               # the levels only: a placeholder clip spares the vocab check
                               clip=o.clip if o.clip is not None else 0.2)  # fmt: skip
     return cfg.levels
+
+
+_LOW_PRECISION = ("bfloat16", "bf16", "float16", "fp16", "half")
+
+
+def _node(config: Any, *keys: str) -> Any:
+    """``config[k0][k1]...`` of a (partial) verl config; ``{}`` where a key is absent."""
+    for key in keys:
+        config = (config.get(key) if config is not None else None) or {}
+    return config
+
+
+def actor_dtype_option(config: Any) -> tuple[str, str] | None:
+    """(option, value) of the actor's compute dtype in a verl trainer config, if it is a
+    16-bit one (None otherwise): the dtype the old entropy is computed in."""
+    actor = _node(config, "actor_rollout_ref", "actor")
+    strategy = str(actor.get("strategy") or "fsdp")
+    if strategy == "megatron":
+        option = "actor_rollout_ref.actor.megatron.dtype"
+        value = _node(actor, "megatron").get("dtype") or "bfloat16"
+    else:  # verl's FSDP engine computes in mixed_precision.param_dtype (bf16 when unset)
+        option = "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype"
+        value = _node(actor, "fsdp_config", "mixed_precision").get("param_dtype") or "bf16"
+    return (option, str(value)) if str(value) in _LOW_PRECISION else None
+
+
+def warn_low_precision_entropy(config: Any) -> bool:
+    """Warn (True) when ``compass_espo`` runs on an old entropy computed in 16 bits: its
+    entropy groups then fall on ties (bf16 puts ~0.93 / 0.07 of the tokens in the groups of
+    rho = 0.2 instead of 0.80 / 0.20). The warning names the option that fixes it."""
+    if str(_node(config, "actor_rollout_ref", "actor", "policy_loss").get("loss_mode")) != (
+        "compass_espo"
+    ):
+        return False
+    low = actor_dtype_option(config)
+    if low is None:
+        return False
+    if low[0].endswith("megatron.dtype"):  # verl/workers/config/engine.py:218
+        fix = ("verl's Megatron engine accepts only bfloat16 / float16; the FSDP engine with "
+               "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32 computes "
+               "it in float32")  # fmt: skip
+    else:
+        fix = f"set {low[0]}=fp32 (and reduce_dtype / buffer_dtype fp32)"
+    warnings.warn(
+        f"compass_espo: the old entropy is computed in {low[1]} ({low[0]}), whose ties skew "
+        f"ESPO's entropy groups; {fix}",
+        stacklevel=2,
+    )
+    return True
 
 
 def add_old_entropy(batch: Any, entropy: torch.Tensor, response_mask: torch.Tensor) -> None:
@@ -98,7 +148,11 @@ def patch_old_entropy() -> bool:
         orig_loss = verl_losses.ppo_loss
 
         def _compute_old_log_prob(self, batch):
+            if not getattr(self, "_compass_dtype_checked", False):
+                self._compass_dtype_checked = True
+                warn_low_precision_entropy(self.config)
             old_log_prob, mfu = orig_old(self, batch)
+            probe.hit("old_entropy", str(old_log_prob.batch["entropys"].dtype))
             add_old_entropy(old_log_prob.batch, old_log_prob.batch["entropys"],
                             batch.batch["response_mask"])  # fmt: skip
             return old_log_prob, mfu
@@ -109,6 +163,7 @@ def patch_old_entropy() -> bool:
             keys = [OLD_ENTROPY_KEY] + ([THRESHOLD_KEY] if THRESHOLD_KEY in data.keys() else [])
             padded = data.select(*keys).to_padded_tensor()
             threshold = padded[THRESHOLD_KEY] if THRESHOLD_KEY in keys else None
+            probe.hit("old_entropy_loss")
             with old_entropy_context(padded[OLD_ENTROPY_KEY], threshold):
                 return orig_loss(config, model_output, data, dp_group)
 

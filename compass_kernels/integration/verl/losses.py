@@ -49,6 +49,8 @@ import compass_kernels as ck
 from compass_kernels._validate import FLOAT_DTYPES, describe
 from compass_kernels.espo import loss_config
 
+from . import probe
+
 __all__ = [
     "AGG_MODES",
     "EspoOptions",
@@ -230,6 +232,7 @@ def _metrics(m, mode: str, K: int, counts: torch.Tensor | None) -> dict[str, flo
 def _run(mode, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
          rollout_is_weights, old_entropy=None, espo: EspoOptions | None = None,
          entropy_threshold=None, vocab_size=None):  # fmt: skip
+    probe.hit(f"loss_{mode}")
     extra = () if old_entropy is None else (("old_entropy", old_entropy),)
     _check_padded(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights, extra)
     B, L = log_prob.shape

@@ -72,6 +72,7 @@ __all__ = [
     "WeightSyncReport",
     "checkpoint_shapes",
     "engine_derived_state",
+    "reload_on_worker",
     "sync_parts_to_vllm",
     "sync_to_vllm",
 ]
@@ -237,9 +238,11 @@ def _ordered(state_dict: Mapping[str, torch.Tensor]) -> list[str]:
     return sorted(state_dict, key=_layer_key)  # stable: keeps the order within a layer
 
 
-def _reload_on_worker(worker: Any, weights: Iterator[tuple[str, torch.Tensor]]) -> int:
-    """Runs on the worker (in this process): vLLM's layerwise in-place reload,
-    with each MoE method's kernel cleared so its experts are re-prepacked."""
+def reload_on_worker(worker: Any, weights: Iterator[tuple[str, torch.Tensor]]) -> int:
+    """vLLM's layerwise in-place reload on ``worker`` (a vLLM ``Worker``, in its own
+    process), with each MoE method's kernel cleared so its experts are re-prepacked;
+    returns how many MoE layers were rebuilt. Also what the CPU platform for verl
+    (:mod:`compass_kernels.integration.cpu.verl_platform`) runs in verl's weight update."""
     model = worker.model_runner.get_model()
     cleared = []
     for module in model.modules():
@@ -439,7 +442,7 @@ def _load_stream(llm: Any, stream: Iterator[tuple[str, torch.Tensor]], fp8: bool
             report.per_layer_bytes[group] = report.per_layer_bytes.get(group, 0) + nbytes
             yield name, t
 
-    (reset,) = llm.collective_rpc(_reload_on_worker, args=(counted(),))
+    (reset,) = llm.collective_rpc(reload_on_worker, args=(counted(),))
     report.reset_moe_layers = int(reset)
     report.layers = sum(1 for g in groups if g.startswith("layer"))
     report.peak_layer_bytes = max(report.per_layer_bytes.values(), default=0)

@@ -1,6 +1,6 @@
-// FP8 grouped expert GEMM: the scale block and the argument layout shared by
-// the CUDA argument builder and its CPU twin, so the CPU tests run the lines
-// the GPU runs.
+// FP8 grouped expert GEMM: the scale block and the argument layout the CPU
+// argument builder writes (the GPU builder, compass_kernels/fp8/triton_args.py,
+// writes the same and is tested against it).
 // Spec: compass_kernels/fp8/reference_gemm.py; contract: docs/design.md (FP8 grouped GEMM).
 #pragma once
 
@@ -23,9 +23,9 @@ COMPASS_HD int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // Per-expert problem shapes and pointer arrays of a pointer-array grouped GEMM
 // (CUTLASS's GroupProblemShape<Shape<int,int,int>> and its ptr_A / ptr_B /
 // ptr_SFA / ptr_SFB / ptr_D arrays), built from the expert offsets on the
-// device (csrc/fp8/grouped_args.cu) so the launch needs no host sync and
-// can be captured in a CUDA graph; the CPU builds the same with the same
-// function (tests, and the host-side plan).
+// device (a Triton kernel: compass_kernels/fp8/triton_args.py) so the launch
+// needs no host sync and can be captured in a CUDA graph; the CPU builds the
+// same with this function.
 enum PtrRow : int { kPtrA = 0, kPtrB, kPtrSFA, kPtrSFB, kPtrD, kNumPtrRows };
 
 // Base addresses and element strides (in bytes: the builder only adds).
