@@ -8,8 +8,8 @@ PY := $(VENV)/bin/python
 # runs again (the script is idempotent).
 STAMP := $(VENV)/.compass-setup.stamp
 
-.PHONY: env build test test-fast test-ranks test-triton36 test-py312 bench rl wheel info lint gpu-check \
-	gpu-check-dry vllm-pins gpu-resolve
+.PHONY: env build test test-fast test-ranks test-triton36 test-py312 bench rl wheel info lint typecheck \
+	gpu-check gpu-check-dry vllm-pins gpu-resolve
 
 $(STAMP): pyproject.toml scripts/setup_env.sh scripts/install_verl.sh
 	COMPASS_VENV=$(VENV) bash scripts/setup_env.sh
@@ -90,6 +90,10 @@ info: build
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+# mypy in its default (basic) mode over the package ([tool.mypy] in pyproject.toml)
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy compass_kernels
 
 # The vLLM source pins against the 0.32 / 0.33 / 0.34 wheels and the newest vLLM on
 # the registry (read from the wheels, not installed; cached in build/vllm-wheels)

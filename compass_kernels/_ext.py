@@ -22,7 +22,7 @@ class BackendUnavailableError(RuntimeError):
 def load() -> ModuleType:
     """Import compass_kernels._C, or raise with how to build it."""
     try:
-        from compass_kernels import _C
+        from compass_kernels import _C  # type: ignore[attr-defined]  # compiled, no stub
     except ImportError as err:
         raise BackendUnavailableError(
             "compass_kernels._C (the C++/CUDA kernels) is not built or failed to load "

@@ -169,7 +169,8 @@ _OPENMP = {201511: "4.5", 201811: "5.0", 202011: "5.1", 202111: "5.2"}
 def _build_lines(c: dict[str, Any]) -> list[str]:
     if not c.get("loaded"):
         return [f"  not loaded: {c.get('error')}"]
-    omp = _OPENMP.get(c.get("openmp"), c.get("openmp"))
+    openmp = c.get("openmp")
+    omp = None if openmp is None else _OPENMP.get(openmp, openmp)
     lines = [f"  C++       {c['cxx_compiler']}, OpenMP {omp}, {c['omp_max_threads']} threads"]
     if c["cuda"]:
         archs = ", ".join(f"sm_{a}" for a in c["cuda_archs"].split(",") if a)

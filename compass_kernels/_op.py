@@ -54,9 +54,10 @@ from __future__ import annotations
 import importlib
 import inspect
 import sys
+import types
 import typing
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -77,6 +78,12 @@ class Op:
     Attributes: ``name``, ``qualname``, ``params`` (argument names in order),
     ``returns`` (output names), ``defaults``, ``backends``, ``schema``.
     """
+
+    if TYPE_CHECKING:  # generated per op from its signature (_compile_call)
+
+        def __call__(self, **kwargs: Any) -> Any: ...
+
+        def run(self, **kwargs: Any) -> Any: ...
 
     def __init__(
         self,
@@ -115,12 +122,12 @@ class Op:
         ret = hints.get("return")
         if ret is torch.Tensor:
             self.returns: tuple[str, ...] = (output,)
-            self._result = None  # one output: the tensor itself
+            self._result: Any = None  # one output: the tensor itself; else its NamedTuple
             ret_type: Any = torch.Tensor
         elif isinstance(ret, type) and issubclass(ret, tuple) and hasattr(ret, "_fields"):
             self.returns = tuple(ret._fields)
             self._result = ret
-            ret_type = tuple[(torch.Tensor,) * len(self.returns)]
+            ret_type = types.GenericAlias(tuple, (torch.Tensor,) * len(self.returns))
         else:
             raise TypeError(
                 f"{self.qualname}: return annotation must be torch.Tensor or a "
@@ -133,7 +140,9 @@ class Op:
         def proto(*args, **kwargs):  # a prototype carrying the signature for infer_schema
             raise NotImplementedError
 
-        proto.__signature__ = sig.replace(parameters=[*params, backend], return_annotation=ret_type)
+        cast(Any, proto).__signature__ = sig.replace(
+            parameters=[*params, backend], return_annotation=ret_type
+        )
         self.schema = torch.library.infer_schema(proto, mutates_args=())
         self._schema_names = (*self.params, "backend")
         _lib.define(self.name + self.schema)
@@ -213,7 +222,7 @@ class Op:
                 args.append(cuda_stream(kw[first]))
             return entry(*args)
 
-        call.__wrapped__ = entry
+        cast(Any, call).__wrapped__ = entry
         return call
 
     # ---------------------------------------------------------------- calls
@@ -279,7 +288,7 @@ class Op:
             + f"\n\ndef run(_op, *, {sig}, backend=None, out=None):\n"
             + body
         )
-        env = {
+        env: dict[str, Any] = {
             "_D": self.defaults,
             "_R": self._result,
             "_symbolic": is_symbolic,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
@@ -155,11 +156,12 @@ def _scalar(name: str, v: object, what: str) -> object:
             raise OptionTypeError(f"{name}: expected {what}, got a bool tensor")
         return v.item()
     if type(v).__module__ == "numpy":  # NumPy scalar or array (NumPy not imported here)
-        if getattr(v, "ndim", 0) != 0:
-            raise ValueError(f"{name}: expected {what}, got an array of shape {list(v.shape)}")
-        if v.dtype.kind == "b":
+        a: Any = v  # a NumPy value: no NumPy types without importing NumPy
+        if getattr(a, "ndim", 0) != 0:
+            raise ValueError(f"{name}: expected {what}, got an array of shape {list(a.shape)}")
+        if a.dtype.kind == "b":
             raise OptionTypeError(f"{name}: expected {what}, got a NumPy bool")
-        return v.item()
+        return a.item()
     return v
 
 
@@ -174,6 +176,7 @@ def as_int(name: str, v: object, *, lo: int | None = None, hi: int | None = None
         v = s
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         if hi is None:
+            assert lo is not None  # one of the bounds is set here
             want = {0: "a non-negative int", 1: "a positive int"}.get(lo, f"an int >= {lo}")
         else:
             want = f"an int in [{'-inf' if lo is None else lo}, {hi}]"
@@ -199,11 +202,12 @@ def as_float_tuple(name: str, v: object, *, length: int | None = None) -> tuple[
     """A sequence of reals (tuple, list, 1-d NumPy array or tensor) as a tuple of
     finite Python floats; ``length``: the exact count expected."""
     if isinstance(v, torch.Tensor) or type(v).__module__ == "numpy":
-        if getattr(v, "ndim", None) != 1:
+        arr: Any = v  # a tensor or a NumPy array (NumPy not imported here)
+        if getattr(arr, "ndim", None) != 1:
             raise ValueError(
-                f"{name}: expected a 1-d sequence of numbers, got shape {list(v.shape)}"
+                f"{name}: expected a 1-d sequence of numbers, got shape {list(arr.shape)}"
             )
-        v = v.tolist()
+        v = arr.tolist()
     if isinstance(v, str | bytes) or not isinstance(v, Sequence):
         raise OptionTypeError(f"{name}: expected a sequence of numbers, got {type(v).__name__}")
     if length is not None and len(v) != length:
@@ -224,6 +228,7 @@ def as_bool(name: str, v: object) -> bool:
         return v
     if isinstance(v, torch.Tensor) and v.dim() == 0 and v.dtype == torch.bool:
         return bool(v.item())
-    if type(v).__module__ == "numpy" and getattr(v, "ndim", 1) == 0 and v.dtype.kind == "b":
+    a: Any = v  # maybe a NumPy value (NumPy not imported here)
+    if type(a).__module__ == "numpy" and getattr(a, "ndim", 1) == 0 and a.dtype.kind == "b":
         return bool(v)
     raise OptionTypeError(f"{name}: expected a bool, got {v!r} ({type(v).__name__})")

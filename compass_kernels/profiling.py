@@ -32,7 +32,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 __all__ = [
     "ENV_VAR",
@@ -209,6 +209,10 @@ def nvtx_range(name: str | None = None) -> _Range | _NullRange:
     return _Range(name if name is not None else _caller_name(1))
 
 
+@overload
+def nvtx_decorator(name: F) -> F: ...
+@overload
+def nvtx_decorator(name: str | None = None) -> Callable[[F], F]: ...
 def nvtx_decorator(name: str | F | None = None) -> Callable[[F], F] | F:
     """Decorate a function so each call runs inside an NVTX range.
 

@@ -225,7 +225,9 @@ def assert_verbose_allclose(
     a = a.to(torch.float64)
     e = e.to(torch.float64)
     close = (
-        int_close if exact_ints else torch.isclose(a, e, rtol=rtol, atol=atol, equal_nan=equal_nan)
+        int_close
+        if int_close is not None  # exact_ints
+        else torch.isclose(a, e, rtol=rtol, atol=atol, equal_nan=equal_nan)
     )
     if bool(close.all()):
         return

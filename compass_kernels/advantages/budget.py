@@ -131,7 +131,7 @@ def allocate_rollouts(
     min_n: int = 2,
     max_n: int = 64,
     cost: torch.Tensor | None = None,
-    prior: tuple[float, float] = (1.0, 1.0),
+    prior: Sequence[float] = (1.0, 1.0),
     allow_skip: bool = True,
     required: torch.Tensor | None = None,
     return_stats: bool = False,

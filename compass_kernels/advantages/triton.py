@@ -14,6 +14,7 @@ segment of any length works, no atomics.
 from __future__ import annotations
 
 import struct
+from collections.abc import Mapping, Sequence
 
 import torch
 import triton
@@ -316,7 +317,9 @@ def rl_zvp_triton(
     )  # fmt: skip
 
 
-def aot_variants() -> list[tuple[object, dict[str, str], dict[str, object], dict[str, int]]]:
+def aot_variants() -> Sequence[
+    tuple[object, Mapping[str, str], Mapping[str, object], Mapping[str, object]]
+]:
     """(kernel, signature, constexprs, launch options) of each variant the wrappers
     above launch, for ahead-of-time compilation (tests/test_aot.py compiles
     exactly these, with the options the launcher uses)."""

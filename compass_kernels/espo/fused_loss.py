@@ -327,9 +327,11 @@ def fused_linear_espo_loss(
                                   cp_group=cp_group, **common)  # fmt: skip
         if entropy_coef:
             _, _, _, ent_w = _token_weights(cu, mask, total, G)
+            assert ent is not None  # with_entropy defaults to True
             term = (ent * ent_w).sum()
             loss = loss - entropy_coef * term
             metrics = _with_entropy_term(metrics, term)
+        assert ent is not None  # with_entropy defaults to True
         return loss, metrics, logp.detach(), ent.detach()
 
     grad_on = torch.is_grad_enabled()

@@ -156,6 +156,7 @@ def resolve(
                 "quantiles and drop_low apply to mode='espo' only"
             )
         pair = _clip_pair(clip, (3e-4, 4e-4) if mode == "gspo" else 0.2)
+        assert pair is not None  # the default is a number
         grpo = mode == "grpo"
         return LossConfig(
             mode=mode, ratio_form="gspo_token", token_groups=grpo, levels=(),

@@ -108,11 +108,11 @@ def espo_loss_reference(
                 e, cu_seqlens, mask, cfg.levels, per_sequence=cfg.per_sequence
             )  # fmt: skip
         )
-    f64 = dict(dtype=torch.float64)
-    loss = torch.zeros((), **f64)
-    tokens_k = torch.zeros(K, **f64)
-    entropy_k = torch.zeros(K, **f64)
-    clip_low_k, clip_high_k, dual_k = (torch.zeros(K, **f64) for _ in range(3))
+    f64 = torch.float64
+    loss = torch.zeros((), dtype=f64)
+    tokens_k = torch.zeros(K, dtype=f64)
+    entropy_k = torch.zeros(K, dtype=f64)
+    clip_low_k, clip_high_k, dual_k = (torch.zeros(K, dtype=f64) for _ in range(3))
     ratios: list[torch.Tensor] = []
     d_all = (dev_l.detach() - lo)[valid]
     for i in range(n):
@@ -145,6 +145,7 @@ def espo_loss_reference(
             if cfg.adaptive:
                 el = eh = cfg.alpha * float(e[tok].mean()) / cfg.log_vocab
             else:
+                assert cfg.eps_low is not None and cfg.eps_high is not None  # fixed clip
                 el, eh = cfg.eps_low, cfg.eps_high
             adv = a[tok] if per_token else a[i].expand(tok.numel())
             o1, o2 = s * adv, torch.clamp(s, 1.0 - el, 1.0 + eh) * adv
@@ -159,14 +160,14 @@ def espo_loss_reference(
                 f = torch.where(adv < 0, torch.maximum(f, floor), f)
             loss = loss - f.sum() / (G * len(groups) * tok.numel())
             ratios.append(s.detach())
-    ratio = torch.cat(ratios) if ratios else torch.zeros(0, **f64)
+    ratio = torch.cat(ratios) if ratios else torch.zeros(0, dtype=f64)
     valid_n = max(int(valid.sum()), 1)
     in_loss = max(ratio.numel(), 1)
     frac = lambda x, c: x / torch.clamp(c, min=1.0)  # noqa: E731
     metrics = {
         "loss": loss.detach(),
         "tokens": tokens_k.sum(),
-        "loss_tokens": torch.tensor(float(ratio.numel()), **f64),
+        "loss_tokens": torch.tensor(float(ratio.numel()), dtype=f64),
         "group_token_frac": tokens_k / max(float(tokens_k.sum()), 1.0),
         "entropy_mean": entropy_k.sum() / valid_n,
         "group_entropy_mean": frac(entropy_k, tokens_k),
@@ -175,8 +176,8 @@ def espo_loss_reference(
         "clip_frac_high": frac(clip_high_k, tokens_k),
         "dual_clip_frac": dual_k.sum() / in_loss,
         "ratio_mean": ratio.sum() / in_loss,
-        "ratio_min": ratio.min() if ratio.numel() else torch.zeros((), **f64),
-        "ratio_max": ratio.max() if ratio.numel() else torch.zeros((), **f64),
+        "ratio_min": ratio.min() if ratio.numel() else torch.zeros((), dtype=f64),
+        "ratio_max": ratio.max() if ratio.numel() else torch.zeros((), dtype=f64),
         "kl_k3": (torch.exp(d_all) - 1.0 - d_all).sum() / valid_n,
         "ppo_kl": -d_all.sum() / valid_n,
         "log_ratio_gt_ln2_frac": (d_all.abs() > math.log(2.0)).sum().double() / valid_n,
@@ -277,8 +278,8 @@ def espo_loss_forward_torch(*, logprobs, old_logprobs, entropy, advantages, cu_s
     s = torch.where(clamped, torch.exp(log_s.clamp(log_lo, log_hi)), value)
     a = advantages.to(F64)
     a = a if flags & _ADV_PER_TOKEN else a[i]
-    el = eps[i, b] if adaptive else torch.full_like(s, eps_low)
-    eh = eps[i, b] if adaptive else torch.full_like(s, eps_high)
+    el = eps[i, b] if eps is not None else torch.full_like(s, eps_low)  # None: fixed clip
+    eh = eps[i, b] if eps is not None else torch.full_like(s, eps_high)
     c = torch.minimum(torch.maximum(s, 1.0 - el), 1.0 + eh)
     o1, o2 = s * a, c * a
     clipped = o2 < o1

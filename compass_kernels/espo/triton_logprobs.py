@@ -18,6 +18,8 @@ stride) and a masked tail (docs/design.md, "ESPO log-probs and entropy").
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -326,7 +328,9 @@ def token_logprobs_entropy_bwd_triton(
     )  # fmt: skip
 
 
-def aot_variants() -> list[tuple[object, dict[str, str], dict[str, object], dict[str, int]]]:
+def aot_variants() -> Sequence[
+    tuple[object, Mapping[str, str], Mapping[str, object], Mapping[str, object]]
+]:
     """(kernel, signature, constexprs, launch options) of every variant the wrappers
     launch, for ahead-of-time compilation for sm_90. The logits / grad pointers are
     compiled 16-byte aligned (what Triton specializes for a torch allocation); the
@@ -334,7 +338,7 @@ def aot_variants() -> list[tuple[object, dict[str, str], dict[str, object], dict
     128-bit from the kernel's own split, not from a lucky V % 16 == 0."""
     aligned = LAUNCH | {"divisible_by_16": ("logits_ptr",)}
     aligned_bwd = LAUNCH | {"divisible_by_16": ("logits_ptr", "grad_ptr")}
-    out = []
+    out: list[tuple[object, Mapping[str, str], Mapping[str, object], Mapping[str, object]]] = []
     for dt in ("fp32", "bf16"):
         fwd = {
             "logits_ptr": f"*{dt}", "targets_ptr": "*i64", "logp_ptr": "*fp32",

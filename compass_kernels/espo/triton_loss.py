@@ -21,6 +21,7 @@ reduction trees: deterministic, no atomics.
 from __future__ import annotations
 
 import struct
+from collections.abc import Mapping, Sequence
 
 import torch
 import triton
@@ -475,7 +476,9 @@ def espo_loss_backward_triton(*, grad_loss, grad_coef, out) -> None:
     )
 
 
-def aot_variants() -> list[tuple[object, dict[str, str], dict[str, object], dict[str, int]]]:
+def aot_variants() -> Sequence[
+    tuple[object, Mapping[str, str], Mapping[str, object], Mapping[str, object]]
+]:
     """(kernel, signature, constexprs, launch options) of the variants the
     wrappers launch for the default ESPO, GSPO and GRPO configurations in
     float32 (tests/test_aot.py compiles exactly these)."""

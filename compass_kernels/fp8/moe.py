@@ -183,6 +183,7 @@ def moe_mlp(
     res = _fp8.unpermute_op(y=y, dst_index=p.dst_index, topk_weights=w, backend=_stage(backend),
                             out=out if direct else None)  # fmt: skip
     if direct:
+        assert out is not None  # direct: out was given
         return out
     if out is not None:
         return out.copy_(res)

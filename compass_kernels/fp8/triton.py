@@ -25,6 +25,7 @@ Bit-exactness choices:
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping, Sequence
 
 import torch
 import triton
@@ -473,7 +474,9 @@ def unpermute_triton(*, y, dst_index, topk_weights, out) -> None:
     )  # fmt: skip
 
 
-def aot_variants() -> list[tuple[object, dict[str, str], dict[str, object], dict[str, object]]]:
+def aot_variants() -> Sequence[
+    tuple[object, Mapping[str, str], Mapping[str, object], Mapping[str, object]]
+]:
     """(kernel, signature, constexprs, launch options) of each variant the wrappers
     launch with bf16 inputs and the default flags (tests/test_aot.py compiles them)."""
     quant = {

@@ -142,6 +142,7 @@ class Plan:
         self.num_micro_batches = num_micro_batches
         self.max_tokens = max_tokens
         self._lower_bound = lower_bound
+        self.empty_micro_batches = 0  # padding micro-batches a caller added (rl/shares.py)
 
     @cached_property
     def order(self) -> torch.Tensor:
@@ -309,7 +310,7 @@ def _scaled(L: np.ndarray, pad: int, max_tokens: int, cost_b: float):
 
 
 def plan(
-    lengths: torch.Tensor | Sequence[int],
+    lengths: torch.Tensor | np.ndarray | Sequence[int],
     *,
     dp_size: int,
     max_tokens: int,

@@ -14,6 +14,8 @@ torch backend (CPU tensors).
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -44,7 +46,7 @@ DISTRIBUTIONS = {"lognormal": lognormal_lengths, "bimodal": bimodal_lengths}
 # Karmarkar-Karp (largest differencing method, k-way)
 
 
-def karmarkar_karp(values: list[float], k: int, equal_size: bool) -> list[list[int]]:
+def karmarkar_karp(values: Sequence[float], k: int, equal_size: bool) -> list[list[int]]:
     """Partition indices of ``values`` into k lists with balanced sums.
 
     The largest differencing method as verl's seqlen_balancing runs it: values
@@ -75,7 +77,7 @@ def karmarkar_karp(values: list[float], k: int, equal_size: bool) -> list[list[i
         if n % k:
             raise ValueError(f"equal_size: {n} values do not split into {k} equal parts")
         for sid, start in enumerate(range(0, n, k)):
-            sets = [[v, 1, [i]] for v, i in reversed(ordered[start : start + k])]
+            sets: list[list[Any]] = [[v, 1, [i]] for v, i in reversed(ordered[start : start + k])]
             sets.sort(key=key, reverse=True)
             top = sets[0]
             heap.append((sets[-1][0] - top[0], -top[0], -top[1], -top[2][0], sid, sets))
@@ -213,7 +215,9 @@ def pack_reference(x: torch.Tensor, lengths, indices, *, pad_multiple: int = 1, 
     cu_seqlens_padded (int32, whole sequences) and max_seqlen."""
     lengths = [int(v) for v in lengths]
     starts = [sum(lengths[:i]) for i in range(len(lengths))]
-    parts, pos, cu, cu_pad = [], [], [0], [0]
+    parts: list[torch.Tensor] = []
+    pos: list[int] = []
+    cu, cu_pad = [0], [0]
     for i in indices:
         i = int(i)
         L = lengths[i]
@@ -240,11 +244,11 @@ def unpack_reference(per_rank: list[torch.Tensor], lengths, indices, *, pad_mult
     micro-batch's sequences, unpadded, concatenated in ``indices`` order."""
     lengths = [int(v) for v in lengths]
     cursor = [0] * cp_size
-    out = []
+    out: list[torch.Tensor] = []
     for i in indices:
         L = lengths[int(i)]
         P = -(-L // pad_multiple) * pad_multiple
-        seq = [None] * P
+        seq: list[Any] = [None] * P  # every slot is set to a row below
         for r in range(cp_size):
             for a, b in _zigzag_chunks(P, cp_size, r):
                 for p in range(a, b):

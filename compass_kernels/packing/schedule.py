@@ -22,7 +22,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -85,7 +85,7 @@ class LengthPredictor:
         self._all: deque = deque(maxlen=4096)
         self._fallback: float | None = None
 
-    def observe(self, prompt: Hashable, length: int) -> None:
+    def observe(self, prompt: Hashable, length: float) -> None:
         """A response to ``prompt`` finished with ``length`` tokens in this step (a
         finite number >= 1: NaN / Inf would poison every later prediction)."""
         length = as_float("length", length)
@@ -101,7 +101,7 @@ class LengthPredictor:
         """Fold this step's lengths into each prompt's history."""
         for prompt, (total, count) in self._step.items():
             past = self._past.setdefault(prompt, deque(maxlen=self.history))
-            past.extend([total / count] * count)
+            past.extend([total / count] * int(count))  # count: an int kept as a float
             self._past_mean[prompt] = float(np.mean(past))
         self._step.clear()
 
@@ -136,12 +136,12 @@ class LengthPredictor:
 # ------------------------------------------------------------------- policies
 
 
-def longest_first(predicted: Sequence[float]) -> np.ndarray:
+def longest_first(predicted: Sequence[float] | np.ndarray) -> np.ndarray:
     """Submission order: longest predicted first (stable for ties)."""
     return np.argsort(-np.asarray(predicted, dtype=np.float64), kind="stable")
 
 
-def lpt_assign(predicted: Sequence[float], num_engines: int) -> list[list[int]]:
+def lpt_assign(predicted: Sequence[float] | np.ndarray, num_engines: int) -> list[list[int]]:
     """Requests -> engines: longest predicted first onto the engine with the least
     predicted work (LPT); each engine's list is in submission order (longest first)."""
     if num_engines < 1:
@@ -329,12 +329,13 @@ def simulate(requests: Sequence[Request], assignment: Sequence[Sequence[int]],
                 f"{model.kv_tokens}, got prompt_len {r.prompt_len}, length {r.length}"
             )
     done_at = np.zeros(len(requests))
-    finish, pre = [], 0
+    finished: list[float] = []
+    pre = 0
     for queue in assignment:
         f, p = _run_engine(list(queue), requests, model, done_at, reorder)
-        finish.append(f)
+        finished.append(f)
         pre += p
-    finish = np.array(finish)
+    finish = np.array(finished)
     makespan = float(finish.max())
     total = sum(r.length for r in requests)
     best_rate = model.max_seqs / model.step_time(model.max_seqs)
@@ -344,7 +345,7 @@ def simulate(requests: Sequence[Request], assignment: Sequence[Sequence[int]],
     return SimResult(makespan, finish, idle, lb, pre, done_at)
 
 
-def round_robin(order: Sequence[int], num_engines: int) -> list[list[int]]:
+def round_robin(order: Iterable[int], num_engines: int) -> list[list[int]]:
     """Request i of ``order`` to engine i % num_engines (how a FIFO front end spreads load)."""
     out: list[list[int]] = [[] for _ in range(num_engines)]
     for k, i in enumerate(order):

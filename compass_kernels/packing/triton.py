@@ -14,6 +14,8 @@ No host sync: every size arrives from the host plan.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -207,7 +209,9 @@ def thd_positions_triton(*, out_offsets, cp_size, cp_rank, total, out, block=BLO
                             **LAUNCH)  # fmt: skip
 
 
-def aot_variants() -> list[tuple[object, dict[str, str], dict[str, object], dict[str, int]]]:
+def aot_variants() -> Sequence[
+    tuple[object, Mapping[str, str], Mapping[str, object], Mapping[str, object]]
+]:
     """(kernel, signature, constexprs, launch options) of each variant the wrappers
     launch, for ahead-of-time compilation (tests/test_aot.py)."""
     out = []

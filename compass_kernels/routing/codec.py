@@ -181,6 +181,7 @@ def _prefix_parts(t: RoutingTrace, cu_host: np.ndarray, missing_parts=None) -> l
     if t.has_token_lens:
         parts.append(np.asarray(t.token_lens, dtype="<i8").tobytes())
     if t.missing is not None:
+        assert t.missing_reason is not None  # set whenever missing is
         if missing_parts is None:
             bits = t.missing.cpu().numpy().reshape(-1)
             missing_parts = [
@@ -216,11 +217,11 @@ def _encode_set_on_device(t: RoutingTrace, backend: str | None) -> bytes:
 
     n_rows, n_cols, k = t.expert_ids.shape
     ids = t.expert_ids.reshape(-1, k)
-    has_missing = t.missing is not None
-    missing = t.missing.reshape(-1) if has_missing else None
+    missing = t.missing.reshape(-1) if t.missing is not None else None
     payload, status = _setcode.encode_device(ids, t.num_experts, missing=missing, backend=backend)
     parts = [status.view(torch.uint8), t.cu_seqlens.to(torch.int64).contiguous().view(torch.uint8)]
-    if has_missing:
+    if missing is not None:
+        assert t.missing_reason is not None  # set whenever missing is
         parts += [missing.contiguous().view(torch.uint8), t.missing_reason.contiguous()]
     parts.append(payload)
     host = torch.cat(parts).cpu().numpy()  # the one sync
@@ -230,7 +231,7 @@ def _encode_set_on_device(t: RoutingTrace, backend: str | None) -> bytes:
     off = 16 + 8 * (t.num_sequences + 1)
     cu_host = host[16:off].view("<i8")
     missing_parts = None
-    if has_missing:
+    if missing is not None:
         nbits = n_rows * n_cols
         missing_parts = [
             np.packbits(host[off : off + nbits], bitorder="little").tobytes(),
@@ -244,7 +245,7 @@ def _encode_set_on_device(t: RoutingTrace, backend: str | None) -> bytes:
     return bytes(buf)
 
 
-def decode(data: bytes, *, device=None) -> RoutingTrace:
+def decode(data: bytes | bytearray | memoryview, *, device=None) -> RoutingTrace:
     """bytes (format version 1 or 2) -> RoutingTrace; :class:`TraceError` naming the
     field on any bad byte (the CRC first: a tampered header fails it in version 2)."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
@@ -378,7 +379,8 @@ def decode(data: bytes, *, device=None) -> RoutingTrace:
         at = torch.device("cpu") if device is None else torch.device(device)
         ids = torch.arange(k, dtype=dt, device=at).expand(n_rows, n_cols, k)
         if at.type != "cpu":
-            cu, missing, reason = (None if x is None else x.to(at) for x in (cu, missing, reason))
+            cu = cu.to(at)
+            missing, reason = (None if x is None else x.to(at) for x in (missing, reason))
     elif code == 0:
         npdt = np.dtype(np.uint8) if dt == torch.uint8 else np.dtype("<i2")
         ids_np = np.frombuffer(payload, npdt).astype(npdt.newbyteorder("="))

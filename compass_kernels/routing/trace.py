@@ -549,6 +549,7 @@ class RoutingTrace:
             dup = zero
         if self.missing is not None:
             reason = self.missing_reason
+            assert reason is not None  # set whenever missing is (__init__)
             any_missing = self.missing.any(1)
             bad_reason = (((reason != 0) != any_missing) | (reason >= len(MissingReason))).sum()
         else:
@@ -615,6 +616,7 @@ class RoutingTrace:
                 f"({int(counts[2])} bad rows)"
             )
         if counts[3]:
+            assert self.missing is not None and self.missing_reason is not None  # counted
             reason = self.missing_reason.cpu()
             anym = self.missing.cpu().any(1)
             bad = ((reason != 0) != anym) | (reason >= len(MissingReason))
@@ -649,6 +651,7 @@ class RoutingTrace:
                     "(a short capture, or a later turn's omitted prefix: stitch the turns); "
                     "pass max_missing_fraction= to accept them"
                 )
+            assert self.missing_reason is not None  # counted: missing is set
             reason = self.missing_reason.cpu()
             short = (reason == int(MissingReason.SHORT)).nonzero()
             t = int(short[0, 0]) if short.numel() else self._extra_no_row(reason)
@@ -720,6 +723,8 @@ class RoutingTrace:
         ids = torch.cat([t.expert_ids for t in traces])
         lens = [n for t in traces for n in t.seq_lens()]
         cu = _cu_from_lens(lens, first.device)
+        missing: torch.Tensor | None
+        reason: torch.Tensor | None
         if any(t.missing is not None for t in traces):
             missing = torch.cat([t._missing_mask() for t in traces])
             reason = torch.cat([t._reasons() for t in traces])
@@ -894,6 +899,8 @@ class RoutingTrace:
                         f"stitch: sequence {i}: {lens[i]} rows after stitching, expected "
                         f"{exp[i]} (prompt + generated - 1 of the whole conversation)"
                     )
+        missing: torch.Tensor | None
+        reason: torch.Tensor | None
         missing = torch.cat(out_m)
         reason = torch.cat(out_r)
         if max_missing_fraction is not None:
@@ -1167,6 +1174,7 @@ class RoutingTrace:
             if missing is None:
                 missing = torch.zeros(nrows, ncols, dtype=torch.bool, device=dev)
                 reason = torch.zeros(nrows, dtype=torch.uint8, device=dev)
+            assert reason is not None  # set with missing
             missing = missing | synth[:, None]
             reason = torch.where(synth, kind.to(dev), reason)
             # a token whose missing columns were all dropped is present now

@@ -15,6 +15,8 @@ indexed loads.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -323,7 +325,9 @@ def replay_topk_backward_triton(
     )  # fmt: skip
 
 
-def aot_variants() -> list[tuple[object, dict[str, str], dict[str, object], dict[str, int]]]:
+def aot_variants() -> Sequence[
+    tuple[object, Mapping[str, str], Mapping[str, object], Mapping[str, object]]
+]:
     """(kernel, signature, constexprs, launch options) of the variants the wrappers
     launch for DeepSeek-V3 (E=256, K=8) and Qwen3-MoE (E=128, K=8) shapes, float32
     logits and uint8 ids (tests/test_aot.py compiles exactly these)."""

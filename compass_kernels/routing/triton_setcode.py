@@ -32,6 +32,8 @@ sm_90a (tests/test_routing_codec.py::test_triton_encoder_compiles_for_sm90).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import triton
 import triton.language as tl
 
@@ -199,7 +201,9 @@ def encode_sets_triton(*, ids, num_experts, missing, payload, status, table) -> 
     launch_encode(ids, num_experts, missing, payload, status, table, layout)
 
 
-def aot_variants() -> list[tuple[object, dict[str, str], dict[str, object], dict[str, int]]]:
+def aot_variants() -> Sequence[
+    tuple[object, Mapping[str, str], Mapping[str, object], Mapping[str, object]]
+]:
     """(kernel, signature, constexprs, launch options) of the variants the wrapper
     launches for DeepSeek-V3 (E=256, K=8, uint8 ids, missing rows), Qwen3-MoE
     (E=128, K=8) and int16 ids with G > 1 (E=300, K=3): the table kernel, then

@@ -286,8 +286,8 @@ class _CpuTorch:
         return torch.empty(*args, device=_cpu_device(device), **kwargs)
 
     @staticmethod
-    def tensor(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
-        return torch.tensor(*args, device=_cpu_device(device), **kwargs)
+    def tensor(data: Any, *, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        return torch.tensor(data, device=_cpu_device(device), **kwargs)
 
     def __repr__(self) -> str:
         return "<compass CPU stand-in for torch (megatron_cpu)>"
@@ -680,7 +680,7 @@ def _locate(patch: _Patch) -> tuple[Any, Any]:
         module = importlib.import_module(patch.module)
     except ImportError as exc:
         raise ShimError(f"patch {patch.name}: cannot import {patch.module}: {exc}") from exc
-    owner = module
+    owner: Any = module
     if patch.owner is not None:
         owner = getattr(module, patch.owner, None)
         if owner is None:

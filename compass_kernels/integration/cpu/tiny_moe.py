@@ -319,7 +319,8 @@ def make_tiny_qwen3_moe(path: str | os.PathLike, *, seed: int = 0, **overrides: 
     config.dtype = torch.float32
     config.architectures = ["Qwen3MoeForCausalLM"]
 
-    model = Qwen3MoeForCausalLM(config).to(torch.float32)
+    # transformers wraps PreTrainedModel.to (functools.wraps): mypy reads it as unbound
+    model = Qwen3MoeForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]
     _init_weights(model, seed, float(gen_opts["weight_scale"]), float(gen_opts["norm_noise"]))
     model.generation_config = GenerationConfig(
         eos_token_id=eos_id, pad_token_id=eos_id, do_sample=False

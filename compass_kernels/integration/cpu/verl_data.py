@@ -22,6 +22,7 @@ from __future__ import annotations
 import random
 import sys
 from pathlib import Path
+from typing import Any
 
 __all__ = ["CHAT_TEMPLATE", "DATA_SOURCE", "compute_score", "prepare"]
 
@@ -52,7 +53,7 @@ def _chat_model(src: Path, out: Path, seed: int) -> None:
     tok = AutoTokenizer.from_pretrained(src)
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     tok.chat_template = CHAT_TEMPLATE
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    model: Any = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)  # loosely typed
     old = model.get_input_embeddings().weight.shape[0]
     model.resize_token_embeddings(len(tok), mean_resizing=False)
     g = torch.Generator().manual_seed(seed)

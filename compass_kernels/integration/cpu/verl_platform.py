@@ -66,7 +66,7 @@ import os
 import sys
 import threading
 import types
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -195,7 +195,8 @@ def _platform_class() -> type:
         def is_platform_available(self, use_smi_check: bool = False) -> bool:
             return not torch.cuda.is_available()
 
-        def current_device(self) -> str:  # verl builds torch.device(current_device())
+        # verl's base says int; verl builds torch.device(current_device()): "cpu" is meant
+        def current_device(self) -> str:  # type: ignore[override]
             return "cpu"
 
         def device_count(self) -> int:
@@ -408,9 +409,9 @@ def _patch_process_group() -> None:
         # cpu:gloo,cpu:gloo (the platform's device and backend) is refused by torch
         return original(timeout_second=timeout_second, backend=backend or "cpu:gloo")
 
-    initialize_global_process_group_ray.__wrapped_by_compass__ = original
+    cast(Any, initialize_global_process_group_ray).__wrapped_by_compass__ = original
     _STATE["process_group"] = original
-    vd.initialize_global_process_group_ray = initialize_global_process_group_ray
+    cast(Any, vd).initialize_global_process_group_ray = initialize_global_process_group_ray
     # modules that bound the name before activate() (none in verl 0.9.1's import order)
     for mod_name in ("verl.workers.engine_workers", "verl.checkpoint_engine.base"):
         mod = sys.modules.get(mod_name)
@@ -418,7 +419,7 @@ def _patch_process_group() -> None:
             mod is not None
             and getattr(mod, "initialize_global_process_group_ray", None) is original
         ):
-            mod.initialize_global_process_group_ray = initialize_global_process_group_ray
+            cast(Any, mod).initialize_global_process_group_ray = initialize_global_process_group_ray
             _STATE.setdefault("process_group_bound", []).append(mod)
 
 
@@ -439,7 +440,7 @@ def _patch_weight_update(module: types.ModuleType) -> None:
             return original(self, peft_config, base_sync_done, use_shm)
         return _cpu_update_weights(self, peft_config, base_sync_done, use_shm)
 
-    update_weights_from_ipc.__wrapped_by_compass__ = original
+    cast(Any, update_weights_from_ipc).__wrapped_by_compass__ = original
     update_weights_from_ipc.__doc__ = original.__doc__
     cls.update_weights_from_ipc = update_weights_from_ipc
     _STATE["weight_update"] = (cls, original)
@@ -484,7 +485,7 @@ def _cpu_update_weights(worker: Any, peft_config: Any, base_sync_done: bool, use
 
 
 def _set_env() -> None:
-    prev = {}
+    prev: dict[str, str | None] = {}
     for key, value in ENVIRONMENT.items():
         if key not in os.environ:
             prev[key] = None

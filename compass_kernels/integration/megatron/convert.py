@@ -300,7 +300,8 @@ class _Reader:
     def __init__(self, sd: Mapping[str, torch.Tensor], arg: str) -> None:
         if not isinstance(sd, Mapping):
             raise TypeError(f"{arg} must be a mapping, got {type(sd).__name__}")
-        self.sd, self.arg, self.used = sd, arg, set()
+        self.used: set[str] = set()
+        self.sd, self.arg = sd, arg
 
     def __contains__(self, key: str) -> bool:
         return key in self.sd

@@ -33,7 +33,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -213,7 +213,7 @@ class SequenceParallelRMSNorm:
     gradient is summed over TP, as Megatron's own norms)."""
 
     def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **kwargs: Any):
-        norm = TorchRMSNorm(config, hidden_size, eps)
+        norm: Any = TorchRMSNorm(config, hidden_size, eps)  # __new__: a torch.nn.RMSNorm
         norm.weight.sequence_parallel = bool(config.sequence_parallel)
         return norm
 
@@ -238,11 +238,12 @@ def global_name(model: torch.nn.Module, name: str) -> str:
     m = _LAYER.match(name)
     if m is None:
         return name
-    layer = model.decoder.layers[int(m.group(1))]
+    gpt: Any = model  # a Megatron GPTModel (megatron-core is untyped)
+    layer = gpt.decoder.layers[int(m.group(1))]
     out = f"decoder.layers.{int(layer.layer_number) - 1}." + name[m.end() :]
     e = _EXPERT.search(out)
     if e is not None:
-        n_local = int(model.config.num_moe_experts) // ps.get_expert_model_parallel_world_size()
+        n_local = int(gpt.config.num_moe_experts) // ps.get_expert_model_parallel_world_size()
         g = ps.get_expert_model_parallel_rank() * n_local + int(e.group(1))
         out = out[: e.start()] + f".mlp.experts.local_experts.{g}." + out[e.end() :]
     return out
@@ -464,7 +465,7 @@ def gathered_megatron_params(model: torch.nn.Module, part: str | int | None = No
             if ws > 1:
                 parts = [torch.empty_like(t) for _ in range(ws)]
                 dist.all_gather(parts, t.contiguous(), group=group)
-                t = torch.cat(parts, dim=int(p.partition_dim))
+                t = torch.cat(parts, dim=int(cast(Any, p).partition_dim))  # set by Megatron
         if _is_expert(p):
             owner = ps.get_expert_data_parallel_rank() == 0
         else:

@@ -555,7 +555,8 @@ class TraceReplay:
             ids[layer], valid[layer] = trace.layer(layer)  # by global number, never position
             if perm is not None:
                 ids[layer] = ids[layer][perm]
-                valid[layer] = None if valid[layer] is None else valid[layer][perm]
+                v = valid[layer]
+                valid[layer] = None if v is None else v[perm]
         key = self._next_key
         self._next_key += 1
         return _MicroBatch(key=key, ids=ids, valid=valid, num_tokens=n)

@@ -199,6 +199,7 @@ class DistributedTrainer:
         plan = data.plan
         if self._kept.get(keep) is not plan:
             raise ValueError(f"token_advantages: keep={keep!r} names no forward of this plan")
+        assert plan is not None  # a kept forward's plan
         n = data.batch.num_sequences
         for name, t in (("rewards", rewards), ("zero_var", zero_var),
                         ("advantages", advantages)):  # fmt: skip
@@ -322,7 +323,7 @@ class DistributedTrainer:
         norms = {round(r["grad_norm"], 9) for r in results}
         if len(norms) != 1:
             raise RankError(f"ranks disagree on the global grad norm: {sorted(norms)}")
-        out = {k: v / max(tokens, 1) for k, v in sums.items()}
+        out: dict[str, Any] = {k: v / max(tokens, 1) for k, v in sums.items()}
         out["loss"] = loss
         out["grad_norm"] = results[0]["grad_norm"]
         # the entropy-group boundaries the loss used ([Q]; None: one group)

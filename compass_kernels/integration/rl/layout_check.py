@@ -156,6 +156,7 @@ def driver_bytes(model_dir: Any, layout: Layout, batch: Any, *, max_tokens: int 
         trainer.train_step(pack, num_sequences=n)
         kept = dict(trainer.rx_bytes)
         r, data = trainer.distributed, trainer._data  # reply sizes do not depend on the weights
+        assert data is not None  # set by pack()
         start = dict(r.reply_bytes_total)
         rep = r.forward(data, replay=True)
         r.forward(data, replay=False)

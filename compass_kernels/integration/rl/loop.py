@@ -50,7 +50,7 @@ __all__ = ["COLUMNS", "build_parser", "main", "run"]
 
 #: Every column of steps.csv, in order (each defined in docs/rl_columns.md; the terminal
 #: table and steps.md show some of them: console.TERMINAL_COLUMNS, MARKDOWN_COLUMNS).
-COLUMNS = (
+COLUMNS: tuple[str, ...] = (
     "step", "prompts", "samples", "resampled_prompts", "resampled_samples", "reward_mean",
     "reward_naive_mean", "accuracy", "zv_initial", "zv_resample", "zv_penalty", "zv_rlzvp",
     "guard_capped", "inversions_naive", "inversions_guard", "tokens", "response_tokens",
@@ -306,7 +306,7 @@ def engine_weight_check(llm: Any, parts: Any, *, skip: Any = None) -> dict[str, 
     checked, max_diff = 0, 0.0
     for part in parts:
         got = _compare_params(params, part, skip)
-        checked += got["checked"]
+        checked += int(got["checked"])  # a count (the dict's values are numbers)
         max_diff = max(max_diff, got["max_diff"])
     return {"checked": checked, "max_diff": max_diff}
 

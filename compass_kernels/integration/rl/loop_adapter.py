@@ -66,6 +66,7 @@ class LoopAdapter:
         ranks. Returns {"replay": replay stats per MoE layer, "gap_replay" /
         "gap_native": GapStats against the engine's log-probs, reduced from the
         ranks' sums}."""
+        assert self._data is not None, "pack() first"
         rep = self.distributed.forward(self._data, replay=True, keep="replay")
         nat = self.distributed.forward(self._data, replay=False, keep="native")
         self.bytes_forward = self.distributed.last_bytes["forward_stats"]
@@ -75,12 +76,14 @@ class LoopAdapter:
                          advantages: torch.Tensor, *, alpha: float) -> torch.Tensor:  # fmt: skip
         """RL-ZVP token advantages on the ranks from the old policy's kept entropy
         (:meth:`DistributedTrainer.token_advantages`); returns [n] bool per sequence."""
+        assert self._data is not None, "pack() first"
         return self.distributed.token_advantages(self._data, self._old, rewards, zero_var,
                                             advantages, alpha=alpha)  # fmt: skip
 
     def train_step(self, pack: Any, *, num_sequences: int, **espo_kwargs: Any) -> dict:
         """One optimizer step on the old policy's kept log-probs, entropy and token
         advantages (nothing per-token is sent)."""
+        assert self._data is not None, "pack() first"
         out = self.distributed.train(self._data, num_sequences=num_sequences, use_kept=self._old,
                                 **espo_kwargs)  # fmt: skip
         sent = self.distributed.last_bytes["train"]

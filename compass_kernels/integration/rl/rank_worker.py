@@ -376,6 +376,7 @@ def _forward_stats(mb: RankMicroBatch, lp: torch.Tensor, ent: torch.Tensor,
     holds none)."""
     from compass_kernels.integration.rl.batch import GapSums
 
+    assert mb.mask is not None and mb.infer_logprobs is not None  # the last stage holds them
     m = mb.mask & real
     n = mb.lengths.numel()
     e = ent.double()

@@ -83,7 +83,7 @@ def get_seqlen_balanced_partitions(seqlen_list, k_partitions: int, equal_size: b
     # kept: never worse than verl by construction. verl's trainer balances ranks
     # in equal mode; its unequal caller (rearrange_micro_batches) is replaced by
     # rearrange_micro_batches below, which does not come here.
-    rank_cost = plan.stats["rank_cost"]
+    rank_cost = np.asarray(plan.stats["rank_cost"])  # an array (no copy)
     if rank_cost.max() > max(-(-int(values.sum()) // k), int(values.max())):
         from verl.utils.seqlen_balancing import karmarkar_karp
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -167,10 +167,10 @@ def patch_old_entropy() -> bool:
             with old_entropy_context(padded[OLD_ENTROPY_KEY], threshold):
                 return orig_loss(config, model_output, data, dp_group)
 
-        _compute_old_log_prob.__wrapped_by_compass__ = orig_old
-        ppo_loss.__wrapped_by_compass__ = orig_loss
+        cast(Any, _compute_old_log_prob).__wrapped_by_compass__ = orig_old
+        cast(Any, ppo_loss).__wrapped_by_compass__ = orig_loss
         _ORIGINAL.update(old=orig_old, loss=orig_loss)
-        ray_trainer.RayPPOTrainer._compute_old_log_prob = _compute_old_log_prob
+        ray_trainer.RayPPOTrainer._compute_old_log_prob = _compute_old_log_prob  # type: ignore[method-assign]  # the patch (reverted below)
         verl_losses.ppo_loss = ppo_loss
         if engine_workers.ppo_loss is orig_loss:
             engine_workers.ppo_loss = ppo_loss
@@ -187,7 +187,7 @@ def revert_old_entropy() -> bool:
         from verl.workers.utils import losses as verl_losses
 
         patched = verl_losses.ppo_loss
-        ray_trainer.RayPPOTrainer._compute_old_log_prob = _ORIGINAL["old"]
+        ray_trainer.RayPPOTrainer._compute_old_log_prob = _ORIGINAL["old"]  # type: ignore[method-assign]  # the revert
         verl_losses.ppo_loss = _ORIGINAL["loss"]
         if engine_workers.ppo_loss is patched:
             engine_workers.ppo_loss = _ORIGINAL["loss"]

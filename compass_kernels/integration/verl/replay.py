@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -63,7 +63,9 @@ class ReplayConflict(RuntimeError):
 def _packed(routed_experts: torch.Tensor, attention_mask: torch.Tensor | None):
     """(rows [T, layers, k], lens [n]) from verl's padded or nested routes."""
     if routed_experts.is_nested:
-        lens = routed_experts.offsets().diff().to(torch.int64).cpu()
+        lens = (
+            cast(Any, routed_experts).offsets().diff()
+        )  # a nested tensor's (untyped).to(torch.int64).cpu()
         return routed_experts.values(), lens
     if routed_experts.dim() != 4:
         raise ValueError(
@@ -249,9 +251,9 @@ def patch_megatron_engine(*, num_experts: int | None = None, moe_layer_ids=None)
                 return orig(self, iter([batch]), model, logits_processor_func,
                             postprocess_micro_batch_func)  # fmt: skip
 
-        forward_step.__wrapped_by_compass__ = orig
+        cast(Any, forward_step).__wrapped_by_compass__ = orig
         _ORIGINAL["forward_step"] = orig
-        ti.MegatronEngine.forward_step = forward_step
+        ti.MegatronEngine.forward_step = forward_step  # type: ignore[method-assign]  # the patch (reverted below)
         return True
 
 
@@ -262,6 +264,6 @@ def revert_megatron_engine() -> bool:
             return False
         from verl.workers.engine.megatron import transformer_impl as ti
 
-        ti.MegatronEngine.forward_step = _ORIGINAL.pop("forward_step")
+        ti.MegatronEngine.forward_step = _ORIGINAL.pop("forward_step")  # type: ignore[method-assign]  # the revert
         _REPLAYS.clear()
         return True

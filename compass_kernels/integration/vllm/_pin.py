@@ -567,9 +567,9 @@ def release(read: Sources) -> str:
     return m.group(1).split("+", 1)[0]
 
 
-def _find(tree: ast.Module, qualname: str) -> ast.AST | None:
+def _find(tree: ast.Module, qualname: str) -> ast.stmt | None:
     body: list[ast.stmt] = tree.body
-    node: ast.AST | None = None
+    node: ast.stmt | None = None
     for part in qualname.split("."):
         node = next(
             (
@@ -586,7 +586,7 @@ def _find(tree: ast.Module, qualname: str) -> ast.AST | None:
     return node
 
 
-def _segment(text: str, node: ast.AST) -> str:
+def _segment(text: str, node: ast.stmt) -> str:
     lines = text.splitlines()
     start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
     return "\n".join(lines[start - 1 : node.end_lineno])

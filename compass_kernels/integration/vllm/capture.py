@@ -61,7 +61,7 @@ import os
 import re
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -215,6 +215,7 @@ class _WorkerCapture:
             routers[layer] = router
         if not routers:
             raise CaptureError("the model has no MoE layer with a router to capture")
+        assert top_k is not None and num_experts is not None  # set by the first router
         self.runner = runner
         self.layers = sorted(routers)
         self.routers = routers
@@ -437,7 +438,8 @@ def _rpc_moe_layers(worker: Any) -> dict[str, Any]:
     for module in _runner_of(worker).get_model().modules():
         if isinstance(module, MoERunner):
             layers.append(int(module.layer_id))
-            top_k, experts = int(module.router.top_k), int(module.router.global_num_experts)
+            router: Any = module.router  # a BaseRouter (the annotation names its base)
+            top_k, experts = int(router.top_k), int(router.global_num_experts)
     return {"layers": sorted(layers), "top_k": top_k, "num_experts": experts}
 
 
@@ -460,8 +462,8 @@ def _wrap_load_model(cls: type) -> bool:
         return out
 
     setattr(load_model, _PLUGIN_MARK, True)
-    load_model.__wrapped_original__ = original
-    cls.load_model = load_model
+    cast(Any, load_model).__wrapped_original__ = original
+    cast(Any, cls).load_model = load_model
     return True
 
 
@@ -508,7 +510,7 @@ def unregister_plugin() -> list[str]:
     for cls in classes:
         current = cls.__dict__.get("load_model")
         if current is not None and getattr(current, _PLUGIN_MARK, False):
-            cls.load_model = current.__wrapped_original__
+            cast(Any, cls).load_model = current.__wrapped_original__
             undone.append(cls.__name__)
     return undone
 
