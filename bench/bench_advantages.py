@@ -87,8 +87,9 @@ def _device() -> str:
 Adv = tuple[torch.Tensor, torch.Tensor]
 
 
-def _finish(d: torch.Tensor, std: torch.Tensor, count: Any, zero: torch.Tensor, mode: str,
-            eps: float) -> torch.Tensor:  # fmt: skip
+def _finish(
+    d: torch.Tensor, std: torch.Tensor, count: Any, zero: torch.Tensor, mode: str, eps: float
+) -> torch.Tensor:
     """Advantages from deviations ``d = r - mean`` (per sample), zero-variance masked."""
     if mode == "grpo":
         adv = d / (std + eps)

@@ -45,13 +45,24 @@ POPULATIONS = {  # name: (difficulty sampler, skill at step 0, skill gain over t
     "uniform_p": (lambda g, n: g.normal(0.0, 2.5, n), 0.0, 0.0),
     "early": (lambda g, n: g.normal(2.5, 1.5, n), 0.0, 1.5),
     "mid": (lambda g, n: g.normal(0.0, 2.0, n), 0.0, 1.5),
-    "late": (lambda g, n: np.where(g.random(n) < 0.5, g.normal(-5.0, 1.5, n),
-                                   g.normal(5.0, 1.5, n)), 0.0, 1.0),
-}  # fmt: skip
+    "late": (
+        lambda g, n: np.where(g.random(n) < 0.5, g.normal(-5.0, 1.5, n), g.normal(5.0, 1.5, n)),
+        0.0,
+        1.0,
+    ),
+}
 
 
-def simulate(population: str, policy: str, *, seed: int = 0, prompts: int = 512,
-             batch: int = 128, n: int = 8, steps: int = STEPS) -> dict[str, float]:  # fmt: skip
+def simulate(
+    population: str,
+    policy: str,
+    *,
+    seed: int = 0,
+    prompts: int = 512,
+    batch: int = 128,
+    n: int = 8,
+    steps: int = STEPS,
+) -> dict[str, float]:
     """One run: totals of samples, tokens and informative groups over ``steps``."""
     import compass_kernels as ck
     from compass_kernels.packing.schedule import LengthPredictor
@@ -110,8 +121,9 @@ def simulate(population: str, policy: str, *, seed: int = 0, prompts: int = 512,
 POLICIES = ("uniform", "resample", "alloc", "alloc_tok")
 
 
-def table(seeds=(0, 1, 2), steps: int = STEPS, csv_path: Path | None = None,
-          plot_path: Path | None = None) -> str:  # fmt: skip
+def table(
+    seeds=(0, 1, 2), steps: int = STEPS, csv_path: Path | None = None, plot_path: Path | None = None
+) -> str:
     """Every population x policy, mean over seeds; ratios to uniform. Writes the rows
     to ``csv_path`` and the chart (:func:`plot`) to ``plot_path`` when given."""
     rows = []
@@ -121,16 +133,29 @@ def table(seeds=(0, 1, 2), steps: int = STEPS, csv_path: Path | None = None,
             runs = [simulate(pop, pol, seed=s, steps=steps) for s in seeds]
             r = {k: float(np.mean([x[k] for x in runs])) for k in runs[0]}
             base = base or r
-            r.update(population=pop, policy=pol,
-                     vs_uniform=r["informative"] / base["informative"],
-                     per_token_vs_uniform=r["per_1k_tokens"] / base["per_1k_tokens"])  # fmt: skip
+            r.update(
+                population=pop,
+                policy=pol,
+                vs_uniform=r["informative"] / base["informative"],
+                per_token_vs_uniform=r["per_1k_tokens"] / base["per_1k_tokens"],
+            )
             rows.append(r)
-    cols = ("population", "policy", "samples", "tokens", "informative", "per_sample",
-            "per_1k_tokens", "vs_uniform", "per_token_vs_uniform")  # fmt: skip
+    cols = (
+        "population",
+        "policy",
+        "samples",
+        "tokens",
+        "informative",
+        "per_sample",
+        "per_1k_tokens",
+        "vs_uniform",
+        "per_token_vs_uniform",
+    )
     lines = [" ".join(f"{c:>20}" for c in cols)]
     for r in rows:
-        lines.append(" ".join(f"{r[c]:>20.4g}" if isinstance(r[c], float) else f"{r[c]:>20}"
-                              for c in cols))  # fmt: skip
+        lines.append(
+            " ".join(f"{r[c]:>20.4g}" if isinstance(r[c], float) else f"{r[c]:>20}" for c in cols)
+        )
     if csv_path is not None:
         csv_path.parent.mkdir(parents=True, exist_ok=True)
         with open(csv_path, "w", newline="") as f:
@@ -155,12 +180,15 @@ def plot(rows: list[dict], path: Path, *, steps: int = STEPS) -> Path:
     pols = [p for p in POLICIES if p != "uniform"]
     width = 0.8 / len(pols)
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-    for ax, key, title in ((axes[0], "vs_uniform", "informative groups vs uniform N"),
-                           (axes[1], "per_token_vs_uniform",
-                            "informative groups per token vs uniform N")):  # fmt: skip
+    for ax, key, title in (
+        (axes[0], "vs_uniform", "informative groups vs uniform N"),
+        (axes[1], "per_token_vs_uniform", "informative groups per token vs uniform N"),
+    ):
         for j, pol in enumerate(pols):
-            ys = [next(r[key] for r in rows if r["population"] == pop and r["policy"] == pol)
-                  for pop in pops]  # fmt: skip
+            ys = [
+                next(r[key] for r in rows if r["population"] == pop and r["policy"] == pol)
+                for pop in pops
+            ]
             xs = [i + (j - (len(pols) - 1) / 2) * width for i in range(len(pops))]
             bars = ax.bar(xs, ys, width, label=pol)
             ax.bar_label(bars, fmt="%.2f", fontsize=7)
@@ -181,8 +209,11 @@ def plot(rows: list[dict], path: Path, *, steps: int = STEPS) -> Path:
 
 def _inputs(P: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
-    p = torch.where(torch.rand(P, generator=g) < 0.8, torch.rand(P, generator=g) * 0.04,
-                    torch.rand(P, generator=g))  # fmt: skip
+    p = torch.where(
+        torch.rand(P, generator=g) < 0.8,
+        torch.rand(P, generator=g) * 0.04,
+        torch.rand(P, generator=g),
+    )
     p = torch.where(torch.rand(P, generator=g) < 0.5, p, 1 - p)
     att = torch.rand(P, generator=g, dtype=torch.float64) * 24  # decayed counts
     s = att * p.double()
@@ -193,15 +224,17 @@ def _late_inputs(P: int, seed: int = 0, attempts: int = 16):
     """Late-training histories: ``attempts`` samples each, 80% of pass rates within
     0.04 of 0 or 1 (integer counts)."""
     g = torch.Generator().manual_seed(seed)
-    p = torch.where(torch.rand(P, generator=g) < 0.8, torch.rand(P, generator=g) * 0.04,
-                    torch.rand(P, generator=g))  # fmt: skip
+    p = torch.where(
+        torch.rand(P, generator=g) < 0.8,
+        torch.rand(P, generator=g) * 0.04,
+        torch.rand(P, generator=g),
+    )
     p = torch.where(torch.rand(P, generator=g) < 0.5, p, 1 - p)
     att = torch.full((P,), float(attempts), dtype=torch.float64)
     return torch.binomial(att, p.double()), att
 
 
-def speed_table(P: int = 10000, max_n: int = 64, budgets=(2, 4, 8, 16, 32),
-                reps: int = 300) -> str:  # fmt: skip
+def speed_table(P: int = 10000, max_n: int = 64, budgets=(2, 4, 8, 16, 32), reps: int = 300) -> str:
     """Best and median time of the raw C++ entry point (no argument checks), unit
     costs, on late-training and decayed histories, per budget (samples per prompt).
     The host is shared: report both, and compare only runs of one session."""
@@ -224,8 +257,10 @@ def speed_table(P: int = 10000, max_n: int = 64, budgets=(2, 4, 8, 16, 32),
                 t0 = time.perf_counter()
                 f(s, att, c, req, bpp * P, 2, max_n, 1.0, 1.0, out)
                 ts.append(time.perf_counter() - t0)
-            lines.append(f"{name:8s} budget {bpp:3d} / prompt: best {min(ts) * 1e3:.3f} ms, "
-                         f"median {statistics.median(ts) * 1e3:.3f} ms")  # fmt: skip
+            lines.append(
+                f"{name:8s} budget {bpp:3d} / prompt: best {min(ts) * 1e3:.3f} ms, "
+                f"median {statistics.median(ts) * 1e3:.3f} ms"
+            )
     return "\n".join(lines)
 
 
@@ -237,16 +272,21 @@ def cases(quick: bool) -> list:
     for P in (64, 300) if quick else (1000, 10000):
         s, att = _inputs(P)
         budget = 8 * P
-        out.append(Case(
-            name=OP, shape={"prompts": P, "budget": budget},
-            providers={
-                "reference": lambda s=s, a=att, b=budget: allocate_rollouts_reference(
-                    s, a, b, min_n=2, max_n=64)[0],
-                "compass": lambda s=s, a=att, b=budget: ck.advantages.allocate_rollouts(
-                    s, a, b, min_n=2, max_n=64),
-            },
-            baseline="reference",
-        ))  # fmt: skip
+        out.append(
+            Case(
+                name=OP,
+                shape={"prompts": P, "budget": budget},
+                providers={
+                    "reference": lambda s=s, a=att, b=budget: allocate_rollouts_reference(
+                        s, a, b, min_n=2, max_n=64
+                    )[0],
+                    "compass": lambda s=s, a=att, b=budget: ck.advantages.allocate_rollouts(
+                        s, a, b, min_n=2, max_n=64
+                    ),
+                },
+                baseline="reference",
+            )
+        )
     return out
 
 
@@ -256,8 +296,11 @@ def main() -> None:
     ap.add_argument("--csv", type=Path, default=Path(__file__).parent / "results" / "budget.csv")
     ap.add_argument("--plot", type=Path, default=Path(__file__).parent / "results" / "budget.png")
     ap.add_argument("--no-plot", action="store_true", help="skip the PNG chart")
-    ap.add_argument("--speed", action="store_true",
-                    help="time allocate_rollouts at 10,000 prompts (speed_table)")  # fmt: skip
+    ap.add_argument(
+        "--speed",
+        action="store_true",
+        help="time allocate_rollouts at 10,000 prompts (speed_table)",
+    )
     args = ap.parse_args()
     if args.speed:
         print(speed_table())

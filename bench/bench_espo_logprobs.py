@@ -133,10 +133,19 @@ class _Problem:
         def run():
             hq, wq = self.leaves()
             loss, _, _, _ = ck.espo.fused_linear_espo_loss(
-                hq, wq, self.y, self.old.view(-1), self.old_ent, self.adv, self.cu,
-                self.mask.view(-1).bool(), mode=mode, clip=EPS, strategy=strategy,
+                hq,
+                wq,
+                self.y,
+                self.old.view(-1),
+                self.old_ent,
+                self.adv,
+                self.cu,
+                self.mask.view(-1).bool(),
+                mode=mode,
+                clip=EPS,
+                strategy=strategy,
                 cu_seqlens_host=cu_host,
-            )  # fmt: skip
+            )
             loss.backward()
             return loss.detach(), hq.grad, wq.grad
 
@@ -155,9 +164,15 @@ class _Problem:
                 loss = _grpo_loss(logp.view(seqs, seq_len), self.old, self.adv, self.mask)
             else:  # logits materialised, then the same loss op as ours
                 loss, _ = ck.espo.espo_loss(
-                    logp, self.old.view(-1), self.old_ent, self.adv, self.cu,
-                    self.mask.view(-1).bool(), mode=mode, clip=EPS,
-                )  # fmt: skip
+                    logp,
+                    self.old.view(-1),
+                    self.old_ent,
+                    self.adv,
+                    self.cu,
+                    self.mask.view(-1).bool(),
+                    mode=mode,
+                    clip=EPS,
+                )
             loss.backward()
             del entropy
             return loss.detach(), hq.grad, wq.grad
@@ -179,16 +194,25 @@ class _Problem:
 
             return unavailable
         liger_loss = LigerFusedLinearGRPOLoss(
-            beta=0.0, use_ref_model=False, compiled=False, loss_type="grpo",
-            epsilon_low=EPS, epsilon_high=EPS, chunk_size=1,
-        )  # fmt: skip
+            beta=0.0,
+            use_ref_model=False,
+            compiled=False,
+            loss_type="grpo",
+            epsilon_low=EPS,
+            epsilon_high=EPS,
+            chunk_size=1,
+        )
 
         def run():
             hq, wq = self.leaves()
             loss, _ = liger_loss(
-                hq.view(seqs, seq_len, hidden), wq, self.y.view(seqs, seq_len), self.mask,
-                self.adv, old_per_token_logps=self.old,
-            )  # fmt: skip
+                hq.view(seqs, seq_len, hidden),
+                wq,
+                self.y.view(seqs, seq_len),
+                self.mask,
+                self.adv,
+                old_per_token_logps=self.old,
+            )
             loss.backward()
             return loss.detach(), hq.grad, wq.grad
 
@@ -202,8 +226,10 @@ class _Problem:
         logits = hq @ wq.T
         loss = _grpo_loss(
             torch.log_softmax(logits, -1).gather(-1, self.y[:, None]).view(self.old.shape),
-            self.old, self.adv, self.mask,
-        )  # fmt: skip
+            self.old,
+            self.adv,
+            self.mask,
+        )
         (grad,) = torch.autograd.grad(loss, logits)
         loss = loss.detach()
         del logits
@@ -302,11 +328,19 @@ def gpu_model(rows: int = 8192, hidden: int = 7168, vocab: int = 151936) -> str:
     w2, w4 = vocab * hidden * 2, vocab * hidden * 4  # weight bf16 / a float32 [V, H]
     h2 = rows * hidden * 2
     lines += [
-        _model_line("token_logprobs_entropy fwd+bwd (1 read fwd, 1 read + 1 write bwd)",
-                    3 * tv * 2, {"fp32": 12 * tv}, 2),
-        _model_line("eager log_softmax+gather+entropy fwd+bwd (fp32 [T,V] temporaries)",
-                    tv * (2 + 4 * 2 + 4 * 3 + 4 * 3), {"fp32": 12 * tv}, 8),
-    ]  # fmt: skip
+        _model_line(
+            "token_logprobs_entropy fwd+bwd (1 read fwd, 1 read + 1 write bwd)",
+            3 * tv * 2,
+            {"fp32": 12 * tv},
+            2,
+        ),
+        _model_line(
+            "eager log_softmax+gather+entropy fwd+bwd (fp32 [T,V] temporaries)",
+            tv * (2 + 4 * 2 + 4 * 3 + 4 * 3),
+            {"fp32": 12 * tv},
+            8,
+        ),
+    ]
     # Gradient GEMMs as implemented with grad_gemm_dtype="auto" on CUDA ("input":
     # bf16 operands; the fp32 d-logits tile rounded once to a bf16 copy; the GEMM
     # writes fp32 through torch.mm(out_dtype=float32), assumed present in CUDA
@@ -327,16 +361,33 @@ def gpu_model(rows: int = 8192, hidden: int = 7168, vocab: int = 151936) -> str:
     hf = rows * hidden * 4  # a float32 [T, H]
     tiles = 4 * tc * vc
     rec32 = 2 * tc * w2 + 2 * tc * w4 + 2 * tc * w4 + 4 * h2 + 2 * 4 * tv * 4
-    rec16 = (4 * tc * w2 + vc * h2 + 4 * tv * 4 + tv * (4 + 2) + 2 * tv * 2
-             + (4 * tc - 2) * w4 + (4 * vc - 2) * hf)  # fmt: skip
-    lines.append(_model_line(
-        f"fused_linear recompute, grad_gemm_dtype='fp32' (before; 4 GEMMs, {tc} token chunks: "
-        "2 bf16, 2 fp32)", rec32, {"bf16": 2 * gemm, "fp32": 2 * gemm}, tiles,
-    ))  # fmt: skip
-    lines.append(_model_line(
-        f"fused_linear recompute as implemented, CUDA auto = 'input' (4 bf16 GEMMs, {tc} token "
-        "chunks)", rec16, {"bf16": 4 * gemm}, tiles + 3 * tc * vc,
-    ))  # fmt: skip
+    rec16 = (
+        4 * tc * w2
+        + vc * h2
+        + 4 * tv * 4
+        + tv * (4 + 2)
+        + 2 * tv * 2
+        + (4 * tc - 2) * w4
+        + (4 * vc - 2) * hf
+    )
+    lines.append(
+        _model_line(
+            f"fused_linear recompute, grad_gemm_dtype='fp32' (before; 4 GEMMs, {tc} token chunks: "
+            "2 bf16, 2 fp32)",
+            rec32,
+            {"bf16": 2 * gemm, "fp32": 2 * gemm},
+            tiles,
+        )
+    )
+    lines.append(
+        _model_line(
+            f"fused_linear recompute as implemented, CUDA auto = 'input' (4 bf16 GEMMs, {tc} token "
+            "chunks)",
+            rec16,
+            {"bf16": 4 * gemm},
+            tiles + 3 * tc * vc,
+        )
+    )
     # grad-in-forward, per chunk of r rows (default_rows of fp32 logits): the tile
     # written by the logits GEMM, read by the statistics, read + written by the
     # d-logits pass (+ ~2 passes of the small per-token work: ~6 r V fp32 passes).
@@ -346,21 +397,36 @@ def gpu_model(rows: int = 8192, hidden: int = 7168, vocab: int = 151936) -> str:
     # bf16 GEMMs reading the bf16 weight; d_weight's fp32 product written + read
     # and the fp32 accumulator read + written per chunk, but the first chunk's
     # product written into the zero-filled accumulator (2 passes).
-    for r, label in ((default_rows(vocab, torch.device("cpu")), "CPU default chunk"),
-                     (default_rows(vocab, torch.device("cuda")), "GPU default chunk")):  # fmt: skip
+    for r, label in (
+        (default_rows(vocab, torch.device("cpu")), "CPU default chunk"),
+        (default_rows(vocab, torch.device("cuda")), "GPU default chunk"),
+    ):
         c = math.ceil(rows / r)
         gif32 = (w2 + w4 + 3 * h2) + c * (3 * w4 + 2 * w4) + 6 * 4 * tv
         gif16 = c * 3 * w2 + (4 * c - 2) * w4 + 3 * h2 + hf + 6 * 4 * tv + (4 + 2) * tv + 2 * 2 * tv
-        lines.append(_model_line(
-            f"fused grad-in-forward, grad_gemm_dtype='fp32' (before), {label} ({r} rows x {c}: "
-            "3 fp32 GEMMs each)", gif32, {"fp32": 3 * gemm}, c * 5,
-        ))  # fmt: skip
-        lines.append(_model_line(
-            f"fused grad-in-forward as implemented, CUDA auto = 'input', {label} ({r} rows x {c}: "
-            "3 bf16 GEMMs each)", gif16, {"bf16": 3 * gemm}, c * 7,
-        ))  # fmt: skip
-    lines.append(_model_line("3-GEMM floor (bf16, each operand read once)", 3 * (w2 + h2),
-                             {"bf16": 3 * gemm}, 3))  # fmt: skip
+        lines.append(
+            _model_line(
+                f"fused grad-in-forward, grad_gemm_dtype='fp32' (before), {label} ({r} rows x {c}: "
+                "3 fp32 GEMMs each)",
+                gif32,
+                {"fp32": 3 * gemm},
+                c * 5,
+            )
+        )
+        lines.append(
+            _model_line(
+                "fused grad-in-forward as implemented, CUDA auto = 'input', "
+                f"{label} ({r} rows x {c}: 3 bf16 GEMMs each)",
+                gif16,
+                {"bf16": 3 * gemm},
+                c * 7,
+            )
+        )
+    lines.append(
+        _model_line(
+            "3-GEMM floor (bf16, each operand read once)", 3 * (w2 + h2), {"bf16": 3 * gemm}, 3
+        )
+    )
     lines.append(f"  [T,V] fp32 logits that the fused path never holds: {tv * 4 / 2**30:.1f} GiB")
     return "\n".join(lines)
 
@@ -384,8 +450,13 @@ def runq_wait_s() -> float:
 def proc_snapshot() -> tuple[float, float, float, int, float]:
     """(wall, CPU user + system of all threads, system, minor faults, run-queue wait)."""
     ru = resource.getrusage(resource.RUSAGE_SELF)
-    return (time.perf_counter(), ru.ru_utime + ru.ru_stime, ru.ru_stime, ru.ru_minflt,
-            runq_wait_s())  # fmt: skip
+    return (
+        time.perf_counter(),
+        ru.ru_utime + ru.ru_stime,
+        ru.ru_stime,
+        ru.ru_minflt,
+        runq_wait_s(),
+    )
 
 
 def recorded(fn, log: list):
@@ -412,10 +483,23 @@ def fused_table(shape: tuple[int, int, int, int], reps: int) -> str:
     case.providers = {p: recorded(fn, logs[p]) for p, fn in case.providers.items()}
     rows = run_case(case, reps=reps, warmup=1, target_sample_s=0.0)
     med = {r.provider: r.median_s for r in rows if not r.error}
-    ref = {"eager": med.get("torch eager"), "liger": med.get("liger GRPO (no entropy)"),
-           "floor": med.get(FLOOR)}  # fmt: skip
-    head = ("provider", "wall", "vs eager", "vs liger", "floor/this", "cpu s", "sys s",
-            "runq wait", "minflt", "peak mem")  # fmt: skip
+    ref = {
+        "eager": med.get("torch eager"),
+        "liger": med.get("liger GRPO (no entropy)"),
+        "floor": med.get(FLOOR),
+    }
+    head = (
+        "provider",
+        "wall",
+        "vs eager",
+        "vs liger",
+        "floor/this",
+        "cpu s",
+        "sys s",
+        "runq wait",
+        "minflt",
+        "peak mem",
+    )
     body = []
     for r in rows:
         if r.error:
@@ -424,23 +508,41 @@ def fused_table(shape: tuple[int, int, int, int], reps: int) -> str:
         timed = logs[r.provider][1 : 1 + reps]  # after the first (warmup) call
         cpu, sys_s, flt, wait = (statistics.median(c[i] for c in timed) for i in (1, 2, 3, 4))
         ratio = {k: f"{v / r.median_s:.2f}x" if v else "-" for k, v in ref.items()}
-        body.append((r.provider, f"{r.median_s:.2f} s", ratio["eager"], ratio["liger"],
-                     ratio["floor"], f"{cpu:.2f}", f"{sys_s:.2f}", f"{wait:.2f} s",
-                     f"{int(flt)}", f"{r.peak_mem_bytes / 2**20:.0f} MiB"))  # fmt: skip
+        body.append(
+            (
+                r.provider,
+                f"{r.median_s:.2f} s",
+                ratio["eager"],
+                ratio["liger"],
+                ratio["floor"],
+                f"{cpu:.2f}",
+                f"{sys_s:.2f}",
+                f"{wait:.2f} s",
+                f"{int(flt)}",
+                f"{r.peak_mem_bytes / 2**20:.0f} MiB",
+            )
+        )
     widths = [max(len(str(x[i])) for x in [head, *body]) for i in range(len(head))]
-    lines = ["  ".join(str(c).rjust(w) if i else str(c).ljust(w)
-                       for i, (c, w) in enumerate(zip(x, widths, strict=True)))
-             for x in [head, *body]]  # fmt: skip
+    lines = [
+        "  ".join(
+            str(c).rjust(w) if i else str(c).ljust(w)
+            for i, (c, w) in enumerate(zip(x, widths, strict=True))
+        )
+        for x in [head, *body]
+    ]
     rows_, hidden, vocab = shape[0] * shape[1], shape[2], shape[3]
-    return "\n".join([
-        format_table(rows), "",
-        f"espo_fused_linear T={rows_} H={hidden} V={vocab}, {torch.get_num_threads()} threads, "
-        f"{reps} interleaved samples, medians; load1 at the end {os.getloadavg()[0]:.2f}",
-        *lines,
-        "vs X: X's median / this median (> 1: faster than X); floor/this: the fraction of "
-        "the 3-GEMM floor's speed; cpu s: process CPU (all threads); runq wait: time runnable "
-        "while other processes held the cores (wall ~ (cpu + wait) / threads)",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            format_table(rows),
+            "",
+            f"espo_fused_linear T={rows_} H={hidden} V={vocab}, {torch.get_num_threads()} threads, "
+            f"{reps} interleaved samples, medians; load1 at the end {os.getloadavg()[0]:.2f}",
+            *lines,
+            "vs X: X's median / this median (> 1: faster than X); floor/this: the fraction of "
+            "the 3-GEMM floor's speed; cpu s: process CPU (all threads); runq wait: time runnable "
+            "while other processes held the cores (wall ~ (cpu + wait) / threads)",
+        ]
+    )
 
 
 if __name__ == "__main__":

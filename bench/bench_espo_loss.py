@@ -126,8 +126,9 @@ def espo_torch_padded(lp, old, ent, idx, mask, adv, *, mode="espo", clip=0.2):
         return ((pg * m).sum(-1) / m.sum(-1)).mean()
     if mode == "gspo":  # verl compute_policy_loss_gspo
         kl_seq = (d * m).sum(-1) / m.sum(-1).clamp(min=1)
-        ratio = torch.exp(torch.clamp(log_prob - log_prob.detach() + kl_seq.detach()[:, None],
-                                      max=10.0))  # fmt: skip
+        ratio = torch.exp(
+            torch.clamp(log_prob - log_prob.detach() + kl_seq.detach()[:, None], max=10.0)
+        )
         pg = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - 3e-4, 1 + 4e-4))
         return ((pg * m).sum(-1) / m.sum(-1)).mean()
     thr = torch.quantile(entropy[mask].double(), 1.0 - RHO).float()
@@ -186,7 +187,7 @@ def loss_case(mode: str, sequences: int, tokens: int, device: str) -> Case:
                 lambda x: espo_torch_padded(x, old, ent, idx, mask, adv_p, mode=mode), lp
             ),
             "compass": _fwd_bwd(lambda x: espo_loss(x, old, ent, adv, cu, **kw)[0], lp),
-        },  # fmt: skip
+        },
         baseline="torch (packed)",
         device=device,
         atol=ATOL,

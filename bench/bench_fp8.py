@@ -107,10 +107,15 @@ def weight_case(name: str, n: int, k: int, device: str, with_vllm: bool) -> Case
             providers["vllm"] = lambda: _as_bytes(fn(w, [128, 128], use_ue8m0=False))
     scales = -(-n // 128) * -(-k // 128)
     return Case(
-        name=f"quantize_blockwise_{name}", shape={"N": n, "K": k}, providers=providers,
-        baseline="torch", device=device, atol=0.0, rtol=0.0,
+        name=f"quantize_blockwise_{name}",
+        shape={"N": n, "K": k},
+        providers=providers,
+        baseline="torch",
+        device=device,
+        atol=0.0,
+        rtol=0.0,
         model=Model(bytes=n * k * (2 + 1) + 4 * scales),
-    )  # fmt: skip
+    )
 
 
 def act_case(m: int, k: int, device: str) -> Case:
@@ -121,11 +126,15 @@ def act_case(m: int, k: int, device: str) -> Case:
         return q.view(torch.uint8), s
 
     return Case(
-        name="quantize_token_groups", shape={"M": m, "K": k},
+        name="quantize_token_groups",
+        shape={"M": m, "K": k},
         providers={"torch": lambda: act_quant_torch(x), "compass": ours},
-        baseline="torch", device=device, atol=0.0, rtol=0.0,
+        baseline="torch",
+        device=device,
+        atol=0.0,
+        rtol=0.0,
         model=Model(bytes=m * k * (2 + 1) + 4 * m * (k // 128)),
-    )  # fmt: skip
+    )
 
 
 def permute_case(m: int, hidden: int, experts: int, top_k: int, device: str) -> Case:
@@ -140,15 +149,24 @@ def permute_case(m: int, hidden: int, experts: int, top_k: int, device: str) -> 
     slots = m * top_k
     # read x once (k rows per token come from cache), ids; write rows, scales, indices.
     model = Model(
-        bytes=m * hidden * 2 + slots * 8 + slots * hidden + slots * (hidden // 128) * 4
-        + slots * 16 + (experts + 1) * 8,
+        bytes=m * hidden * 2
+        + slots * 8
+        + slots * hidden
+        + slots * (hidden // 128) * 4
+        + slots * 16
+        + (experts + 1) * 8,
         kernels=3,
-    )  # fmt: skip
+    )
     return Case(
-        name="permute_quantize", shape={"M": m, "K": hidden, "E": experts, "k": top_k},
+        name="permute_quantize",
+        shape={"M": m, "K": hidden, "E": experts, "k": top_k},
         providers={"torch": lambda: permute_torch(x, ids, experts), "compass": ours},
-        baseline="torch", device=device, atol=0.0, rtol=0.0, model=model,
-    )  # fmt: skip
+        baseline="torch",
+        device=device,
+        atol=0.0,
+        rtol=0.0,
+        model=model,
+    )
 
 
 def unpermute_case(m: int, hidden: int, experts: int, top_k: int, device: str) -> Case:
@@ -158,12 +176,16 @@ def unpermute_case(m: int, hidden: int, experts: int, top_k: int, device: str) -
     y = torch.randn(m * top_k, hidden, generator=g).to(torch.bfloat16).to(device)
     w = torch.rand(m, top_k, generator=g).to(device)
     return Case(
-        name="unpermute", shape={"M": m, "N": hidden, "k": top_k},
-        providers={"torch": lambda: unpermute_torch(y, dst, w),
-                   "compass": lambda: ck.fp8.unpermute(y, dst, w)},
-        baseline="torch", device=device,
+        name="unpermute",
+        shape={"M": m, "N": hidden, "k": top_k},
+        providers={
+            "torch": lambda: unpermute_torch(y, dst, w),
+            "compass": lambda: ck.fp8.unpermute(y, dst, w),
+        },
+        baseline="torch",
+        device=device,
         model=Model(bytes=m * top_k * (hidden * 2 + 12) + m * hidden * 2),
-    )  # fmt: skip
+    )
 
 
 def _as_bytes(out):
@@ -182,8 +204,10 @@ def _vllm_block_cast():
 def cases(quick: bool) -> list[Case]:
     """All cases of this bench; `quick` keeps one small shape per op (CI, ``--check``)."""
     device = _device()
-    out = [weight_case(n, a, b, device, not quick)
-           for n, a, b in (QUICK_WEIGHT_SHAPES if quick else WEIGHT_SHAPES)]  # fmt: skip
+    out = [
+        weight_case(n, a, b, device, not quick)
+        for n, a, b in (QUICK_WEIGHT_SHAPES if quick else WEIGHT_SHAPES)
+    ]
     out += [act_case(m, k, device) for m, k in (QUICK_ACT_SHAPES if quick else ACT_SHAPES)]
     perm = QUICK_PERMUTE_SHAPES if quick else PERMUTE_SHAPES
     out += [permute_case(*s, device) for s in perm]

@@ -51,8 +51,9 @@ SIGMA = 1.0
 SEED = 0
 
 
-def route_counts(tokens: int, experts: int, top_k: int, *, sigma: float = SIGMA,
-                 seed: int = SEED) -> torch.Tensor:  # fmt: skip
+def route_counts(
+    tokens: int, experts: int, top_k: int, *, sigma: float = SIGMA, seed: int = SEED
+) -> torch.Tensor:
     """Tokens per expert [E] (int64) after top-k routing with skewed popularity."""
     g = torch.Generator().manual_seed(seed)
     probs = torch.softmax(torch.randn(experts, generator=g, dtype=torch.float64) * sigma, 0)
@@ -85,26 +86,37 @@ def model_rows() -> list[dict]:
             for gemm, n, k in (("gate_up", 2 * ffn, hidden), ("down", hidden, ffn)):
                 m = gemm_model(rows, n, k, used)
                 pad128 = padded_rows(counts, 128)
-                out.append({
-                    "model": name, "gemm": gemm, "tokens": tokens, "rows": rows,
-                    "experts_used": used, "max_rows": int(counts.max()),
-                    "gflop": m.flops / 1e9, "mbytes": m.bytes / 1e6,
-                    "h100_us": m.seconds(H100_SXM) * 1e6, "bound": m.bound(H100_SXM),
-                    "pad128_rows": pad128, "pad128_pct": 100.0 * pad128 / rows,
-                    "tile_rows_computed": rows + padded_rows(counts, block_m),
-                    "block_m": block_m,
-                    # Padding to 128 rows costs its extra MMA work and its extra
-                    # activation / output bytes (a model, like the rest).
-                    "pad128_h100_us": gemm_model(rows + pad128, n, k, used).seconds(H100_SXM)
-                    * 1e6,
-                })  # fmt: skip
+                out.append(
+                    {
+                        "model": name,
+                        "gemm": gemm,
+                        "tokens": tokens,
+                        "rows": rows,
+                        "experts_used": used,
+                        "max_rows": int(counts.max()),
+                        "gflop": m.flops / 1e9,
+                        "mbytes": m.bytes / 1e6,
+                        "h100_us": m.seconds(H100_SXM) * 1e6,
+                        "bound": m.bound(H100_SXM),
+                        "pad128_rows": pad128,
+                        "pad128_pct": 100.0 * pad128 / rows,
+                        "tile_rows_computed": rows + padded_rows(counts, block_m),
+                        "block_m": block_m,
+                        # Padding to 128 rows costs its extra MMA work and its extra
+                        # activation / output bytes (a model, like the rest).
+                        "pad128_h100_us": gemm_model(rows + pad128, n, k, used).seconds(H100_SXM)
+                        * 1e6,
+                    }
+                )
     return out
 
 
 def model_table() -> str:
-    head = (f"{'model':<16}{'gemm':<8}{'tokens':>7}{'rows':>8}{'used':>5}{'max':>6}"
-            f"{'GFLOP':>9}{'MB':>9}{'H100 us':>9}{'bound':>8}{'pad128':>8}{'pad %':>7}"
-            f"{'pad us':>8}{'BM':>4}{'tile rows':>10}")  # fmt: skip
+    head = (
+        f"{'model':<16}{'gemm':<8}{'tokens':>7}{'rows':>8}{'used':>5}{'max':>6}"
+        f"{'GFLOP':>9}{'MB':>9}{'H100 us':>9}{'bound':>8}{'pad128':>8}{'pad %':>7}"
+        f"{'pad us':>8}{'BM':>4}{'tile rows':>10}"
+    )
     lines = [
         "FP8 grouped GEMM: H100-SXM roofline MODEL (not measured); skewed routing "
         f"(sigma={SIGMA}, seed={SEED}); pad128 = rows added by 128-row padding (exact)",

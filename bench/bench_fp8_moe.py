@@ -35,8 +35,9 @@ from bench.roofline import H100_SXM, Model
 OP = "fp8_moe_mlp"
 
 
-def layer_model(tokens: int, hidden: int, ffn: int, counts: torch.Tensor, *,
-                extra_rows: int = 0) -> Model:  # fmt: skip
+def layer_model(
+    tokens: int, hidden: int, ffn: int, counts: torch.Tensor, *, extra_rows: int = 0
+) -> Model:
     """Bytes and FLOPs of the layer for routed ``counts`` (+ ``extra_rows`` of
     padding computed and moved as if real): the two GEMMs (``gemm_model``),
     plus the activation stages: permute + quantize reads bf16 x and writes fp8
@@ -51,8 +52,12 @@ def layer_model(tokens: int, hidden: int, ffn: int, counts: torch.Tensor, *,
     permute = tokens * hidden * 2 + rows * (hidden + hb * 4)
     silu = rows * 2 * ffn * 2 + rows * ffn * 4 * 2 + rows * (ffn + ib * 4)
     unpermute = rows * hidden * 2 + tokens * hidden * 2
-    return Model(bytes=up.bytes + down.bytes + permute + silu + unpermute,
-                 flops=up.flops + down.flops, precision="fp8", kernels=6)  # fmt: skip
+    return Model(
+        bytes=up.bytes + down.bytes + permute + silu + unpermute,
+        flops=up.flops + down.flops,
+        precision="fp8",
+        kernels=6,
+    )
 
 
 def model_rows() -> list[dict]:
@@ -64,23 +69,33 @@ def model_rows() -> list[dict]:
             pad = padded_rows(counts, 128)
             m = layer_model(tokens, hidden, ffn, counts)
             mp = layer_model(tokens, hidden, ffn, counts, extra_rows=pad)
-            out.append({
-                "model": name, "tokens": tokens, "rows": rows,
-                "experts_used": int((counts > 0).sum()), "max_rows": int(counts.max()),
-                "gflop": m.flops / 1e9, "mbytes": m.bytes / 1e6,
-                "weight_mb": int((counts > 0).sum()) * 3 * hidden * ffn / 1e6,
-                "h100_us": m.seconds(H100_SXM) * 1e6, "bound": m.bound(H100_SXM),
-                "pad128_rows": pad, "pad128_pct": 100.0 * pad / rows,
-                "pad128_gflop": 2.0 * pad * 3 * hidden * ffn / 1e9,
-                "pad128_h100_us": mp.seconds(H100_SXM) * 1e6,
-            })  # fmt: skip
+            out.append(
+                {
+                    "model": name,
+                    "tokens": tokens,
+                    "rows": rows,
+                    "experts_used": int((counts > 0).sum()),
+                    "max_rows": int(counts.max()),
+                    "gflop": m.flops / 1e9,
+                    "mbytes": m.bytes / 1e6,
+                    "weight_mb": int((counts > 0).sum()) * 3 * hidden * ffn / 1e6,
+                    "h100_us": m.seconds(H100_SXM) * 1e6,
+                    "bound": m.bound(H100_SXM),
+                    "pad128_rows": pad,
+                    "pad128_pct": 100.0 * pad / rows,
+                    "pad128_gflop": 2.0 * pad * 3 * hidden * ffn / 1e9,
+                    "pad128_h100_us": mp.seconds(H100_SXM) * 1e6,
+                }
+            )
     return out
 
 
 def model_table() -> str:
-    head = (f"{'model':<16}{'tokens':>7}{'rows':>8}{'used':>5}{'max':>6}{'GFLOP':>9}"
-            f"{'MB':>9}{'wt MB':>8}{'H100 us':>9}{'bound':>8}{'pad128':>8}{'pad %':>7}"
-            f"{'pad GF':>8}{'pad us':>8}")  # fmt: skip
+    head = (
+        f"{'model':<16}{'tokens':>7}{'rows':>8}{'used':>5}{'max':>6}{'GFLOP':>9}"
+        f"{'MB':>9}{'wt MB':>8}{'H100 us':>9}{'bound':>8}{'pad128':>8}{'pad %':>7}"
+        f"{'pad GF':>8}{'pad us':>8}"
+    )
     lines = [
         "FP8 MoE layer (moe_mlp: permute+quant, gate/up, SiLU-mul+quant, down, unpermute): "
         f"H100-SXM roofline MODEL (not measured); skewed routing (sigma={SIGMA}, seed={SEED}); "

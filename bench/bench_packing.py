@@ -189,8 +189,9 @@ class _Times(dict):
     once: list[str]
 
 
-def _cpu_times(fns: dict, reps: int, min_sample_s: float = 2e-3,
-               once_s: float | None = None) -> _Times:  # fmt: skip
+def _cpu_times(
+    fns: dict, reps: int, min_sample_s: float = 2e-3, once_s: float | None = None
+) -> _Times:
     """Median thread CPU seconds per call of each fn, interleaved repetitions,
     garbage collector paused (the harness's method, CPU time instead of wall
     time: on a shared host whose load average is several times its core count,
@@ -233,8 +234,11 @@ def _cpu_times(fns: dict, reps: int, min_sample_s: float = 2e-3,
 # What seqlen_balancing.py imports at module level from verl besides its own
 # code: verl.protocol (pulls in ray and tensordict), verl.utils (its package
 # __init__ pulls in more) and two helpers. karmarkar_karp touches none of them.
-_VERL_STUBBED = ("verl.protocol.DataProto", "verl.utils.tensordict_utils",
-                 "verl.utils.device.get_device_name")  # fmt: skip
+_VERL_STUBBED = (
+    "verl.protocol.DataProto",
+    "verl.utils.tensordict_utils",
+    "verl.utils.device.get_device_name",
+)
 
 
 def _verl_names(code) -> set[str]:

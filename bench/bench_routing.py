@@ -68,8 +68,9 @@ def make_inputs(t: int, e: int, k: int, seed: int, device: str, *, drift: float 
     return z.to(device), ids.to(torch.uint8).to(device), valid.to(device), bias.to(device)
 
 
-def torch_replay(z, ids, *, score_function, normalize, scaling, bias=None, valid=None,
-                 agreement=False):  # fmt: skip
+def torch_replay(
+    z, ids, *, score_function, normalize, scaling, bias=None, valid=None, agreement=False
+):
     """The unfused torch path. Returns (weights, routing_map, tokens_per_expert)."""
     t, e = z.shape
     k = ids.shape[1]
@@ -96,8 +97,15 @@ def torch_replay(z, ids, *, score_function, normalize, scaling, bias=None, valid
 def _compass(z, ids, *, score_function, normalize, scaling, bias=None, valid=None):
     from compass_kernels.routing import replay_topk
 
-    r = replay_topk(z, ids, score_function=score_function, normalize=normalize, scaling=scaling,
-                    expert_bias=bias, valid=valid)  # fmt: skip
+    r = replay_topk(
+        z,
+        ids,
+        score_function=score_function,
+        normalize=normalize,
+        scaling=scaling,
+        expert_bias=bias,
+        valid=valid,
+    )
     return r.weights, r.routing_map, r.tokens_per_expert
 
 
@@ -112,8 +120,7 @@ def _model(t: int, e: int, k: int, backward: bool) -> Model:
 def replay_case(model: str, t: int, device: str, backward: bool) -> Case:
     e, k, sf, norm, scaling, has_bias = MODELS[model]
     z, ids, valid, bias = make_inputs(t, e, k, seed=t + e, device=device)
-    kw = dict(score_function=sf, normalize=norm, scaling=scaling,
-              bias=bias if has_bias else None)  # fmt: skip
+    kw = dict(score_function=sf, normalize=norm, scaling=scaling, bias=bias if has_bias else None)
     g = torch.randn(t, k, device=device)
 
     def fwd(fn: Callable[..., Any], **extra: Any) -> Callable[[], Any]:
@@ -134,9 +141,7 @@ def replay_case(model: str, t: int, device: str, backward: bool) -> Case:
         shape={"model": model, "tokens": t, "experts": e, "top_k": k},  # type: ignore[dict-item]
         providers={
             "torch (unfused replay)": fwd(torch_replay),
-            "torch (+ native top-k, agreement)": fwd(
-                torch_replay, agreement=True, valid=valid_all
-            ),  # fmt: skip
+            "torch (+ native top-k, agreement)": fwd(torch_replay, agreement=True, valid=valid_all),
             "compass": fwd(_compass, valid=valid_all),
         },
         baseline="torch (unfused replay)",
@@ -153,8 +158,16 @@ def overhead_case() -> Case:
 
     t, e, k = OVERHEAD
     z, ids, valid, _ = make_inputs(t, e, k, seed=1, device="cpu")
-    args = dict(logits=z, expert_ids=ids, expert_bias=None, valid=valid, score_function=0,
-                normalize=True, scaling=1.0, min_score_ratio=-1.0)  # fmt: skip
+    args = dict(
+        logits=z,
+        expert_ids=ids,
+        expert_bias=None,
+        valid=valid,
+        score_function=0,
+        normalize=True,
+        scaling=1.0,
+        min_score_ratio=-1.0,
+    )
     outs = replay_topk_op.outputs(**args)._asdict()
     raw = replay_topk_op.kernel("torch")
 
@@ -213,8 +226,9 @@ def synthetic_trace(tokens: int, e: int, k: int, layers: int, seed: int):
     tok = torch.rand(tokens, generator=g) < 0.01
     missing = tok[:, None].expand(tokens, layers).clone()
     reason = tok.to(torch.uint8) * int(MissingReason.PREFIX_CACHE)
-    return RoutingTrace(ids, cu, e, layer_ids=range(3, 3 + layers), missing=missing,
-                        missing_reason=reason)  # fmt: skip
+    return RoutingTrace(
+        ids, cu, e, layer_ids=range(3, 3 + layers), missing=missing, missing_reason=reason
+    )
 
 
 def tiny_model_trace(tokens: int, seed: int = 0):
@@ -311,8 +325,9 @@ def codec_cases(model: str, tokens: int) -> list[Case]:
 
     def enc_zlib():
         z2 = zlib.compress(ids.numpy().tobytes(), 1)
-        return _Encoded(lambda: torch.frombuffer(bytearray(zlib.decompress(z2)),
-                                                 dtype=ids.dtype).view(rows, k))  # fmt: skip
+        return _Encoded(
+            lambda: torch.frombuffer(bytearray(zlib.decompress(z2)), dtype=ids.dtype).view(rows, k)
+        )
 
     def enc_set():
         _setcode.encode_into(ids, e, payload)
@@ -334,21 +349,29 @@ def codec_cases(model: str, tokens: int) -> list[Case]:
         return call
 
     enc_case = Case(
-        name="trace codec encode", shape=shape,
+        name="trace codec encode",
+        shape=shape,
         providers={"zlib -1 (uint8 ids)": enc_zlib, "compass set": enc_set},
-        baseline="zlib -1 (uint8 ids)", device="cpu", model=ids_bytes,
-    )  # fmt: skip
+        baseline="zlib -1 (uint8 ids)",
+        device="cpu",
+        model=ids_bytes,
+    )
     dec_case = Case(
-        name="trace codec decode", shape=shape,
+        name="trace codec decode",
+        shape=shape,
         providers={"zlib -1 (uint8 ids)": dec_zlib, "compass set": dec_set},
-        baseline="zlib -1 (uint8 ids)", device="cpu", model=ids_bytes,
-    )  # fmt: skip
+        baseline="zlib -1 (uint8 ids)",
+        device="cpu",
+        model=ids_bytes,
+    )
     rt_case = Case(
-        name="trace codec round trip (RoutingTrace.encode+decode)", shape=shape,
+        name="trace codec round trip (RoutingTrace.encode+decode)",
+        shape=shape,
         providers={"raw uint8": rt("raw"), "set": rt("set")},
-        baseline="raw uint8", device="cpu",
+        baseline="raw uint8",
+        device="cpu",
         model=Model(bytes=2 * rows * k * ids.element_size(), kernels=2),
-    )  # fmt: skip
+    )
     return [enc_case, dec_case, rt_case]
 
 
@@ -400,11 +423,17 @@ def codec_report(tokens: int = CODEC_TOKENS, repeat: int = 7, threads=(1, 2)) ->
         nbytes = ids.numel() * ids.element_size()
         payload = torch.empty(_setcode.payload_bytes(rows, e, k), dtype=torch.uint8)
         back = torch.empty_like(ids)
-        row = {"model": model, "E": e, "K": k, "rows": rows,
-               "bound_B_per_row": math.log2(math.comb(e, k)) / 8,
-               "set_B_per_row": payload.numel() / rows,
-               "trace_B_per_row": len(tr.encode(codec="set")) / rows,
-               "uint8_B_per_row": k, "int16_B_per_row": 2 * k}  # fmt: skip
+        row = {
+            "model": model,
+            "E": e,
+            "K": k,
+            "rows": rows,
+            "bound_B_per_row": math.log2(math.comb(e, k)) / 8,
+            "set_B_per_row": payload.numel() / rows,
+            "trace_B_per_row": len(tr.encode(codec="set")) / rows,
+            "uint8_B_per_row": k,
+            "int16_B_per_row": 2 * k,
+        }
         row["set_vs_bound"] = row["set_B_per_row"] / row["bound_B_per_row"] - 1
         for nt in threads:
             prev = _setcode.set_threads(nt)

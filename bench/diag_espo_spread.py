@@ -34,8 +34,15 @@ def measure(name: str, fn) -> dict:
     fn()
     b = proc_snapshot()
     wall, cpu, sys_s, minflt, wait = (y - x for x, y in zip(a, b, strict=True))
-    row = dict(provider=name, wall=wall, cpu=cpu, sys=sys_s, minflt=int(minflt), runq_wait=wait,
-               load1=os.getloadavg()[0])  # fmt: skip
+    row = dict(
+        provider=name,
+        wall=wall,
+        cpu=cpu,
+        sys=sys_s,
+        minflt=int(minflt),
+        runq_wait=wait,
+        load1=os.getloadavg()[0],
+    )
     print(
         f"{name:12s} wall {wall:6.2f} s  cpu {cpu:6.2f} s (sys {sys_s:5.2f})  "
         f"minflt {int(minflt):8d}  runq wait {wait:6.2f} s  load1 {row['load1']:.2f}",

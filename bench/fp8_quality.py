@@ -82,10 +82,13 @@ def fp8_dequantized(model):
     layout = megatron_to_hf(hf_to_megatron(bf16, cfg), cfg)
     out = FP8WeightSync().convert(layout)
     deq = {
-        k: (ck.fp8.dequantize(out[k], out[k[:-6] + "weight_scale_inv"]) if is_block_fp8_weight(k)
-            else v.float())
+        k: (
+            ck.fp8.dequantize(out[k], out[k[:-6] + "weight_scale_inv"])
+            if is_block_fp8_weight(k)
+            else v.float()
+        )
         for k, v in layout.items()
-    }  # fmt: skip
+    }
     m_bf16 = copy.deepcopy(model)
     m_bf16.load_state_dict({k: v.float() for k, v in bf16.items()})
     m_fp8 = copy.deepcopy(model)
@@ -182,9 +185,16 @@ def gate(
         torch.manual_seed(seed)
         prompts = torch.randint(0, min(vocab, 1000), (n_seq, 1))
         with torch.no_grad():
-            tokens = m_bf16.generate(prompts, do_sample=True, max_new_tokens=seq_len, top_k=0,
-                                     top_p=1.0, temperature=1.0, min_new_tokens=seq_len,
-                                     pad_token_id=0)  # fmt: skip
+            tokens = m_bf16.generate(
+                prompts,
+                do_sample=True,
+                max_new_tokens=seq_len,
+                top_k=0,
+                top_p=1.0,
+                temperature=1.0,
+                min_new_tokens=seq_len,
+                pad_token_id=0,
+            )
     inp, tgt = tokens[:, :-1], tokens[:, 1:].reshape(-1)
     with torch.no_grad():
         ref = m_bf16(inp).logits.reshape(-1, vocab)
@@ -211,11 +221,17 @@ def linear_errors(m_bf16, m_fp8, tokens: torch.Tensor) -> dict[str, float]:
     hooks = []
     for name, mod in m_bf16.named_modules():
         if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")):
-            hooks.append(mod.register_forward_hook(
-                lambda _m, i, _o, name=name: inputs.setdefault(name, []).append(i[0])))  # fmt: skip
+            hooks.append(
+                mod.register_forward_hook(
+                    lambda _m, i, _o, name=name: inputs.setdefault(name, []).append(i[0])
+                )
+            )
         if name.endswith("mlp.experts"):
-            hooks.append(mod.register_forward_hook(
-                lambda _m, i, _o, name=name: inputs.setdefault(name, []).append(i)))  # fmt: skip
+            hooks.append(
+                mod.register_forward_hook(
+                    lambda _m, i, _o, name=name: inputs.setdefault(name, []).append(i)
+                )
+            )
     with torch.no_grad():
         m_bf16(tokens)
     for h in hooks:
@@ -244,8 +260,16 @@ def linear_errors(m_bf16, m_fp8, tokens: torch.Tensor) -> dict[str, float]:
     return {"gemm_rel_err": sum(out_err) / len(out_err), "weight_rel_err": sum(w_err) / len(w_err)}
 
 
-def train_on_corpus(model, tokenizer_path, *, steps: int = 300, lr: float = 3e-3,
-                    batch: int = 16, seq_len: int = 64, seed: int = 0):  # fmt: skip
+def train_on_corpus(
+    model,
+    tokenizer_path,
+    *,
+    steps: int = 300,
+    lr: float = 3e-3,
+    batch: int = 16,
+    seq_len: int = 64,
+    seed: int = 0,
+):
     """Adam steps of next-token loss on the tiny tokenizer's generated text.
 
     Returns (model, held-out token batch [16, seq_len + 1])."""
@@ -303,9 +327,12 @@ def _main() -> None:
     for h in (128, 256, 512, 1024):
         scale = h // 128
         model = random_model(
-            hidden_size=h, num_attention_heads=4 * scale, num_key_value_heads=2 * scale,
-            moe_intermediate_size=64 * scale, intermediate_size=256 * scale,
-        )  # fmt: skip
+            hidden_size=h,
+            num_attention_heads=4 * scale,
+            num_key_value_heads=2 * scale,
+            moe_intermediate_size=64 * scale,
+            intermediate_size=256 * scale,
+        )
         row(f"random, hidden {h}", model)
     path = cached_tiny_qwen3_moe()
     model = random_model()

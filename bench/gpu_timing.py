@@ -67,8 +67,9 @@ class Timer:
 
     def __call__(self, fn) -> float:
         fn()
-        samples = _interleaved_samples({"fn": fn}, {"fn": 1}, self.reps, self.cuda,
-                                       {"fn": "gpu_timing"})["fn"]  # fmt: skip
+        samples = _interleaved_samples(
+            {"fn": fn}, {"fn": 1}, self.reps, self.cuda, {"fn": "gpu_timing"}
+        )["fn"]
         return statistics.median(samples)
 
 
@@ -79,8 +80,7 @@ def _gpu_backends(op, dev):
     return tuple(b for b in op.backends if b not in ("torch", "cpp"))
 
 
-def row(op, backend, seconds, *, bytes_=None, flops=None, precision="bf16", model=True,
-        **extra):  # fmt: skip
+def row(op, backend, seconds, *, bytes_=None, flops=None, precision="bf16", model=True, **extra):
     """One timing row; ``of_peak`` against this device's ceiling, ``model_ms`` and
     ``measured_over_model`` where bench/roofline.py models ``op`` (``model``)."""
     r = {"op": op, "backend": backend, "ms": round(seconds * 1e3, 4)}
@@ -112,16 +112,25 @@ def logprobs_rows(t: Timer, dev: str, small: bool):
     out = []
     for backend in _gpu_backends(token_logprobs_entropy_op, dev):
         s = t(lambda b=backend: ck.espo.token_logprobs_entropy(logits, y, backend=b))
-        out.append(row("logprobs_fwd", backend or "default", s, bytes_=T * V * 2, shape=f"{T}x{V}",
-                       model=not small))  # fmt: skip
+        out.append(
+            row(
+                "logprobs_fwd",
+                backend or "default",
+                s,
+                bytes_=T * V * 2,
+                shape=f"{T}x{V}",
+                model=not small,
+            )
+        )
 
     def torch_fwd():
         lp = torch.log_softmax(logits.float(), -1)
         return lp.gather(1, y[:, None]), -(lp.exp() * lp).sum(-1)
 
     s = t(torch_fwd)
-    out.append(row("logprobs_fwd", "torch fp32", s, bytes_=T * V * 2, shape=f"{T}x{V}",
-                   model=not small))  # fmt: skip
+    out.append(
+        row("logprobs_fwd", "torch fp32", s, bytes_=T * V * 2, shape=f"{T}x{V}", model=not small)
+    )
     lg = logits.clone().requires_grad_()
     gl, gh = torch.randn(T, device=dev), torch.randn(T, device=dev)
     for backend in _gpu_backends(token_logprobs_entropy_op, dev):
@@ -131,8 +140,16 @@ def logprobs_rows(t: Timer, dev: str, small: bool):
             torch.autograd.grad((lp, ent), lg, (gl, gh), retain_graph=True)
 
         s = t(bwd)
-        out.append(row("logprobs_bwd", backend or "default", s, bytes_=T * V * 4,
-                       shape=f"{T}x{V}", model=not small))  # fmt: skip
+        out.append(
+            row(
+                "logprobs_bwd",
+                backend or "default",
+                s,
+                bytes_=T * V * 4,
+                shape=f"{T}x{V}",
+                model=not small,
+            )
+        )
     return out
 
 
@@ -146,8 +163,16 @@ def permute_rows(t: Timer, dev: str, small: bool):
     out = []
     for backend in _gpu_backends(permute_op, dev):
         s = t(lambda b=backend: ck.fp8.permute_quantize(x, ids, E, backend=b))
-        out.append(row("permute_quantize", backend or "default", s, bytes_=moved,
-                       shape=f"{M}x{k} K={K} E={E}", model=not small))  # fmt: skip
+        out.append(
+            row(
+                "permute_quantize",
+                backend or "default",
+                s,
+                bytes_=moved,
+                shape=f"{M}x{k} K={K} E={E}",
+                model=not small,
+            )
+        )
 
     def torch_permute():  # what a user writes otherwise: sort the slots, gather, quantize
         order = ids.flatten().argsort(stable=True)
@@ -156,16 +181,32 @@ def permute_rows(t: Timer, dev: str, small: bool):
         return (g / sc).to(torch.float8_e4m3fn), sc, order
 
     s = t(torch_permute)
-    out.append(row("permute_quantize", "torch sort + gather + quantize", s, bytes_=moved,
-                   shape=f"{M}x{k} K={K} E={E}", model=not small))  # fmt: skip
+    out.append(
+        row(
+            "permute_quantize",
+            "torch sort + gather + quantize",
+            s,
+            bytes_=moved,
+            shape=f"{M}x{k} K={K} E={E}",
+            model=not small,
+        )
+    )
     dst = ck.fp8.permute_quantize(x, ids, E).dst_index
     y = torch.randn(M * k, K, device=dev).to(torch.bfloat16)
     w = torch.rand(M, k, device=dev)
     un_moved = M * k * K * 2 + M * K * 2 + M * k * 12
     for backend in _gpu_backends(unpermute_op, dev):
         s = t(lambda b=backend: ck.fp8.unpermute(y, dst, w, backend=b))
-        out.append(row("unpermute", backend or "default", s, bytes_=un_moved,
-                       shape=f"{M}x{k} K={K}", model=not small))  # fmt: skip
+        out.append(
+            row(
+                "unpermute",
+                backend or "default",
+                s,
+                bytes_=un_moved,
+                shape=f"{M}x{k} K={K}",
+                model=not small,
+            )
+        )
     return out
 
 
@@ -178,10 +219,21 @@ def routing_rows(t: Timer, dev: str, small: bool):
     moved = T * E * 4 + T * K * 8 + T * K * 4 + T * K * 8 + T * E
     out = []
     for backend in _gpu_backends(replay_topk_op, dev):
-        s = t(lambda b=backend: ck.routing.replay_topk(logits, ids, score_function="sigmoid",
-                                                       expert_bias=bias, backend=b))  # fmt: skip
-        out.append(row("routing_replay_fwd", backend or "default", s, bytes_=moved,
-                       shape=f"T={T} E={E} K={K}", model=not small))  # fmt: skip
+        s = t(
+            lambda b=backend: ck.routing.replay_topk(
+                logits, ids, score_function="sigmoid", expert_bias=bias, backend=b
+            )
+        )
+        out.append(
+            row(
+                "routing_replay_fwd",
+                backend or "default",
+                s,
+                bytes_=moved,
+                shape=f"T={T} E={E} K={K}",
+                model=not small,
+            )
+        )
 
     def torch_replay():  # Megatron's sigmoid router at fixed experts
         sc = torch.sigmoid(logits)
@@ -191,8 +243,16 @@ def routing_rows(t: Timer, dev: str, small: bool):
         return wsel, rmap, rmap.sum(0)
 
     s = t(torch_replay)
-    out.append(row("routing_replay_fwd", "torch", s, bytes_=moved, shape=f"T={T} E={E} K={K}",
-                   model=not small))  # fmt: skip
+    out.append(
+        row(
+            "routing_replay_fwd",
+            "torch",
+            s,
+            bytes_=moved,
+            shape=f"T={T} E={E} K={K}",
+            model=not small,
+        )
+    )
     return out
 
 
@@ -202,8 +262,16 @@ def advantages_rows(t: Timer, dev: str, small: bool):
     out = []
     for backend in _gpu_backends(group_advantages_op, dev):
         s = t(lambda b=backend: ck.advantages.group_advantages(r, group_size=S, backend=b))
-        out.append(row("group_advantages", backend or "default", s, bytes_=G * S * 8 + G * 16,
-                       shape=f"{G} groups x {S}", model=not small))  # fmt: skip
+        out.append(
+            row(
+                "group_advantages",
+                backend or "default",
+                s,
+                bytes_=G * S * 8 + G * 16,
+                shape=f"{G} groups x {S}",
+                model=not small,
+            )
+        )
 
     def torch_adv():
         v = r.view(G, S).double()
@@ -211,8 +279,16 @@ def advantages_rows(t: Timer, dev: str, small: bool):
         return ((v - m) / (sd + 1e-6)).float(), sd.squeeze(1) < 1e-6
 
     s = t(torch_adv)
-    out.append(row("group_advantages", "torch", s, bytes_=G * S * 8 + G * 16,
-                   shape=f"{G} groups x {S}", model=not small))  # fmt: skip
+    out.append(
+        row(
+            "group_advantages",
+            "torch",
+            s,
+            bytes_=G * S * 8 + G * 16,
+            shape=f"{G} groups x {S}",
+            model=not small,
+        )
+    )
     return out
 
 
@@ -232,8 +308,16 @@ def espo_loss_rows(t: Timer, dev: str, small: bool):
             loss.backward()
 
         s = t(step)
-        out.append(row("espo_loss", backend or "default", s, bytes_=T * 4 * 10,
-                       shape=f"{T} tokens in {n} sequences", model=not small))  # fmt: skip
+        out.append(
+            row(
+                "espo_loss",
+                backend or "default",
+                s,
+                bytes_=T * 4 * 10,
+                shape=f"{T} tokens in {n} sequences",
+                model=not small,
+            )
+        )
     return out
 
 
@@ -244,8 +328,16 @@ def quantize_rows(t: Timer, dev: str, small: bool):
     out = []
     for backend in _gpu_backends(quantize_op, dev):
         s = t(lambda b=backend: ck.fp8.quantize_token_groups(x, backend=b))
-        out.append(row("quantize_1x128", backend or "default", s, bytes_=moved,
-                       shape=f"{R}x{C}", model=not small))  # fmt: skip
+        out.append(
+            row(
+                "quantize_1x128",
+                backend or "default",
+                s,
+                bytes_=moved,
+                shape=f"{R}x{C}",
+                model=not small,
+            )
+        )
 
     def torch_q():
         g = x.float().view(R, C // 128, 128)
@@ -269,35 +361,64 @@ def pack_rows(t: Timer, dev: str, small: bool):
     out = []
     for backend in _gpu_backends(thd_pack_op, dev):
         s = t(lambda b=backend: ck.packing.pack(x, lengths, idx, pad_multiple=8, backend=b))
-        out.append(row("thd_pack", backend or "default", s, bytes_=2 * total * H * 2,
-                       shape=f"{len(lengths)} seqs, {total * H * 2 / 2**30:.2f} GiB",
-                       model=not small))  # fmt: skip
+        out.append(
+            row(
+                "thd_pack",
+                backend or "default",
+                s,
+                bytes_=2 * total * H * 2,
+                shape=f"{len(lengths)} seqs, {total * H * 2 / 2**30:.2f} GiB",
+                model=not small,
+            )
+        )
     starts = torch.tensor([0] + lengths[:-1]).cumsum(0)
     gather = torch.cat([torch.arange(int(starts[i]), int(starts[i]) + lengths[i]) for i in idx])
     gather = gather.to(dev)
     s = t(lambda: x.index_select(0, gather))
-    out.append(row("thd_pack", "torch index_select", s, bytes_=2 * total * H * 2,
-                   shape=f"{len(lengths)} seqs", model=not small))  # fmt: skip
+    out.append(
+        row(
+            "thd_pack",
+            "torch index_select",
+            s,
+            bytes_=2 * total * H * 2,
+            shape=f"{len(lengths)} seqs",
+            model=not small,
+        )
+    )
     return out
 
 
 #: DeepGEMM's README, "Grouped GEMMs for MoE models (contiguous layout)": groups, M per
 #: group, N, K (it reports TFLOP/s and GB/s; so does this row).
-DEEPGEMM_SHAPES = ((4, 8192, 4096, 7168), (4, 8192, 7168, 2048), (8, 4096, 4096, 7168),
-                   (8, 4096, 7168, 2048))  # fmt: skip
+DEEPGEMM_SHAPES = (
+    (4, 8192, 4096, 7168),
+    (4, 8192, 7168, 2048),
+    (8, 4096, 4096, 7168),
+    (8, 4096, 7168, 2048),
+)
 
 
 def gemm_rows(t: Timer, dev: str, small: bool):
-    out = _gemm_rows(t, dev, *((4, 256, 256, 300) if small else (64, 4096, 7168, 16_384)),
-                     model=False)  # fmt: skip
+    out = _gemm_rows(
+        t, dev, *((4, 256, 256, 300) if small else (64, 4096, 7168, 16_384)), model=False
+    )
     for groups, m, n, k in ((2, 128, 256, 256),) if small else DEEPGEMM_SHAPES:
-        out += _gemm_rows(t, dev, groups, n, k, groups * m, model=not small,
-                          layout=f"DeepGEMM contiguous {groups}x{m}")  # fmt: skip
+        out += _gemm_rows(
+            t,
+            dev,
+            groups,
+            n,
+            k,
+            groups * m,
+            model=not small,
+            layout=f"DeepGEMM contiguous {groups}x{m}",
+        )
     return out
 
 
-def _gemm_rows(t: Timer, dev: str, E: int, N: int, K: int, rows: int, *, model: bool,
-               layout: str = ""):  # fmt: skip
+def _gemm_rows(
+    t: Timer, dev: str, E: int, N: int, K: int, rows: int, *, model: bool, layout: str = ""
+):
     x = torch.randn(rows, K, device=dev)
     w = torch.randn(E, N, K, device=dev)
     a_q, a_s = ck.fp8.quantize_token_groups(x)
@@ -326,9 +447,17 @@ def _gemm_rows(t: Timer, dev: str, E: int, N: int, K: int, rows: int, *, model: 
             host.append(time.perf_counter() - t0)
         if dev == "cuda":
             torch.cuda.synchronize()
-        r = row("fp8_grouped_gemm", backend or "default", s, flops=flops, precision="fp8",
-                model=False, host_us=round(statistics.median(host) * 1e6, 1),
-                shape=f"E={E} rows={rows} N={N} K={K}", layout=layout)  # fmt: skip
+        r = row(
+            "fp8_grouped_gemm",
+            backend or "default",
+            s,
+            flops=flops,
+            precision="fp8",
+            model=False,
+            host_us=round(statistics.median(host) * 1e6, 1),
+            shape=f"E={E} rows={rows} N={N} K={K}",
+            layout=layout,
+        )
         r["GB/s"] = round(moved / s / 1e9, 1)
         if model and DEVICE is not None:
             mod = roofline._grouped_gemm(E, rows // E, N, K).seconds(DEVICE)
@@ -345,9 +474,17 @@ def _gemm_rows(t: Timer, dev: str, E: int, N: int, K: int, rows: int, *, model: 
                 torch.mm(a16[offs[e] : offs[e + 1]], w16[e].T)
 
         s = t(per_group)
-        out.append(row("fp8_grouped_gemm", "torch bf16 mm per group", s, flops=flops,
-                       model=False, shape=f"E={E} rows={rows} N={N} K={K}",
-                       layout=layout))  # fmt: skip
+        out.append(
+            row(
+                "fp8_grouped_gemm",
+                "torch bf16 mm per group",
+                s,
+                flops=flops,
+                model=False,
+                shape=f"E={E} rows={rows} N={N} K={K}",
+                layout=layout,
+            )
+        )
     return out
 
 
@@ -364,8 +501,9 @@ def espo_rows(t: Timer, dev: str, small: bool):
     adv = torch.randn(S, device=dev)
 
     def loss_step():
-        loss, *_ = ck.espo.fused_linear_espo_loss(h, w, y, old_lp, old_ent, adv, cu,
-                                                  cu_seqlens_host=cu_host)  # fmt: skip
+        loss, *_ = ck.espo.fused_linear_espo_loss(
+            h, w, y, old_lp, old_ent, adv, cu, cu_seqlens_host=cu_host
+        )
         loss.backward()
 
     s = t(loss_step)
@@ -381,10 +519,18 @@ def espo_rows(t: Timer, dev: str, small: bool):
     shape = f"T={T} H={H} V={V}"
     model = not small and (T, H, V) == (roofline.LM_T, roofline.LM_H, roofline.LM_V)
     out = [
-        row("espo_fused_fwd_bwd", "default", s, flops=flops, floor_ms=round(f * 1e3, 4),
-            over_floor=round(s / f, 2), shape=shape, model=model),
+        row(
+            "espo_fused_fwd_bwd",
+            "default",
+            s,
+            flops=flops,
+            floor_ms=round(f * 1e3, 4),
+            over_floor=round(s / f, 2),
+            shape=shape,
+            model=model,
+        ),
         row("espo_3gemm_floor", "torch.mm", f, flops=flops, shape=shape, model=False),
-    ]  # fmt: skip
+    ]
     # The peer: Liger-Kernel's fused linear cross entropy (the same 3 GEMMs + softmax
     # gradient in place; a cross-entropy loss, not ESPO's, so the comparison is of cost).
     try:
@@ -402,9 +548,17 @@ def espo_rows(t: Timer, dev: str, small: bool):
             lce(ww, hh, y).backward()
 
         p = t(peer)
-        out.append(row("liger_flce_fwd_bwd", f"liger {'fp32' if accum else 'bf16'} accum", p,
-                       flops=flops, over_floor=round(p / f, 2), shape=shape,
-                       model=False))  # fmt: skip
+        out.append(
+            row(
+                "liger_flce_fwd_bwd",
+                f"liger {'fp32' if accum else 'bf16'} accum",
+                p,
+                flops=flops,
+                over_floor=round(p / f, 2),
+                shape=shape,
+                model=False,
+            )
+        )
     return out
 
 
@@ -422,19 +576,24 @@ SECTIONS = {
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--out", default=None, help="write the rows as JSON here")
-    p.add_argument("--jsonl", default=None,
-                   help="append each row here as a JSON line when measured")  # fmt: skip
+    p.add_argument(
+        "--jsonl", default=None, help="append each row here as a JSON line when measured"
+    )
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--small", action="store_true", help="toy sizes (a check of the script)")
     p.add_argument("--reps", type=int, default=10, help="timed samples per row")
     p.add_argument("--only", nargs="*", choices=sorted(SECTIONS), help="sections to run")
     a = p.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
-        print("gpu_timing: FAIL: torch sees no CUDA device (use --small --device cpu to check "
-              "the script on a CPU)", file=sys.stderr)  # fmt: skip
+        print(
+            "gpu_timing: FAIL: torch sees no CUDA device (use --small --device cpu to check "
+            "the script on a CPU)",
+            file=sys.stderr,
+        )
         return 2
     global DEVICE, DEVICE_NOTE
     name = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
@@ -465,8 +624,16 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"device": name, "ceilings": DEVICE.name if DEVICE else DEVICE_NOTE,
-                       "rows": rows, "failed": failed}, f, indent=1)  # fmt: skip
+            json.dump(
+                {
+                    "device": name,
+                    "ceilings": DEVICE.name if DEVICE else DEVICE_NOTE,
+                    "rows": rows,
+                    "failed": failed,
+                },
+                f,
+                indent=1,
+            )
     if failed:
         print(f"gpu_timing: FAILED sections: {failed}", file=sys.stderr)
     return 1 if failed else 0

@@ -573,8 +573,17 @@ def format_table(rows: Sequence[Row]) -> str:
     """Return an aligned text table of `rows` (one line per provider)."""
     devices = {r.device.split(":")[0] for r in rows}
     mem_head = "peak mem" if devices == {"cuda"} else "peak mem (cpu: rss delta (approx))"
-    head = ("op", "shape", "provider", "median", "IQR", "vs base", "speedup", mem_head,
-            "H100 model")  # fmt: skip
+    head = (
+        "op",
+        "shape",
+        "provider",
+        "median",
+        "IQR",
+        "vs base",
+        "speedup",
+        mem_head,
+        "H100 model",
+    )
     body = []
     for r in rows:
         if r.error:

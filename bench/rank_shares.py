@@ -51,12 +51,21 @@ def main(argv: list[str] | None = None) -> None:
     lengths = np.full(n, s, dtype=np.int64)
     mask = torch.ones(T, dtype=torch.bool)
     zeros = torch.zeros(T, dtype=torch.int64)
-    batch = Batch(lengths=lengths, prompt_lens=np.ones(n, dtype=np.int64), tokens=zeros,
-                  targets=zeros, mask=mask, infer_logprobs=torch.zeros(T),
-                  seq_index=torch.arange(T) // s, trace=trace)  # fmt: skip
+    batch = Batch(
+        lengths=lengths,
+        prompt_lens=np.ones(n, dtype=np.int64),
+        tokens=zeros,
+        targets=zeros,
+        mask=mask,
+        infer_logprobs=torch.zeros(T),
+        seq_index=torch.arange(T) // s,
+        trace=trace,
+    )
     print(f"DeepSeek-V3-shaped trace: {n} x {s} tokens, 58 MoE layers x top-8 (uint8)")
-    print(f"{'layout':30}{'ranks':>6}{'full MB':>10}{'max rank MB':>13}{'ratio':>8}"
-          f"{'kept MB':>9}{'fwd reply KB':>14}{'kept reply KB':>15}")  # fmt: skip
+    print(
+        f"{'layout':30}{'ranks':>6}{'full MB':>10}{'max rank MB':>13}{'ratio':>8}"
+        f"{'kept MB':>9}{'fwd reply KB':>14}{'kept reply KB':>15}"
+    )
     for name, lay in LAYOUTS.items():
         plan = ck.packing.plan(lengths, dp_size=lay.dp, max_tokens=4 * s)
         data = StepData(batch, plan, torch.zeros(T), torch.zeros(T), torch.zeros(T))
@@ -74,14 +83,19 @@ def main(argv: list[str] | None = None) -> None:
         # what a last-stage rank sends back from the no-grad pass: every token's
         # log-prob and entropy (float32), or the sums (5 numbers per micro-batch) and
         # per-sequence entropy max / min (2 float64) of the kept forward
-        reply = [sum(8 * mb.targets.numel() for mb in mbs) if i.last_stage and i.tp == 0
-                 else 0 for i, mbs in zip(infos, shares, strict=True)]  # fmt: skip
-        reply_kept = [sum(40 + 16 * mb.lengths.numel() for mb in mbs)
-                      if i.last_stage and i.tp == 0 else 0
-                      for i, mbs in zip(infos, shares, strict=True)]  # fmt: skip
-        print(f"{name:30}{lay.world_size:>6}{full / 1e6:>10.1f}{max(sent) / 1e6:>13.2f}"
-              f"{full / max(sent):>8.1f}{max(sent_kept) / 1e6:>9.2f}"
-              f"{max(reply) / 1e3:>14.1f}{max(reply_kept) / 1e3:>15.2f}")  # fmt: skip
+        reply = [
+            sum(8 * mb.targets.numel() for mb in mbs) if i.last_stage and i.tp == 0 else 0
+            for i, mbs in zip(infos, shares, strict=True)
+        ]
+        reply_kept = [
+            sum(40 + 16 * mb.lengths.numel() for mb in mbs) if i.last_stage and i.tp == 0 else 0
+            for i, mbs in zip(infos, shares, strict=True)
+        ]
+        print(
+            f"{name:30}{lay.world_size:>6}{full / 1e6:>10.1f}{max(sent) / 1e6:>13.2f}"
+            f"{full / max(sent):>8.1f}{max(sent_kept) / 1e6:>9.2f}"
+            f"{max(reply) / 1e3:>14.1f}{max(reply_kept) / 1e3:>15.2f}"
+        )
 
 
 if __name__ == "__main__":

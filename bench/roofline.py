@@ -141,8 +141,12 @@ class Model:
     def bound(self, device: Device = H100_SXM) -> str:
         """Which resource binds: memory, compute (math), issue, latency, or launch."""
         t = self.times(device)
-        work = {"memory": t["memory"], "compute": t["math"], "issue": t["issue"],
-                "latency": t["latency"]}  # fmt: skip
+        work = {
+            "memory": t["memory"],
+            "compute": t["math"],
+            "issue": t["issue"],
+            "latency": t["latency"],
+        }
         name = max(work, key=work.get)
         return "launch" if work[name] < t["launch"] else name
 
@@ -263,8 +267,9 @@ def _sass_counts() -> dict:
     return json.loads(SASS_COUNTS.read_text())["kernels"]
 
 
-def _warp_instructions(key: str, programs: float, warps: int, trips: float,
-                       loops: str = "largest") -> tuple[float, str]:  # fmt: skip
+def _warp_instructions(
+    key: str, programs: float, warps: int, trips: float, loops: str = "largest"
+) -> tuple[float, str]:
     """Warp instructions a launch issues, from the stored SASS counts of ``key``:
     programs x warps x (main + hot-loop body x (trips - 1)); the hot loop is the
     largest back-edge (the kernel's main loop), or with ``loops="all"`` every
@@ -317,7 +322,7 @@ SASS_SPECS: dict[str, tuple[str, str, dict]] = {
         "espo.triton_logprobs",
         "_bwd_kernel",
         {"=HAS_GL": True, "=HAS_GH": True, "=VEC": 8},
-    ),  # fmt: skip
+    ),
     "replay_fwd": ("routing.triton", "_replay_fwd_kernel", {"=SCORE": 1}),
     "replay_bwd": ("routing.triton", "_replay_bwd_kernel", {"=SCORE": 1}),
     "pack": ("packing.triton", "_pack_kernel", {"=ROWS": 1}),
@@ -355,8 +360,9 @@ def _quantize_1x128():
 
 def _quantize_128x128():
     R, C = 7168, 2048  # a weight [N, K] of the MoE FFN
-    ins, src = _warp_instructions("quantize_block", (R // 128) * (C // 128), 4, 128 / 32,
-                                  loops="all")  # fmt: skip
+    ins, src = _warp_instructions(
+        "quantize_block", (R // 128) * (C // 128), 4, 128 / 32, loops="all"
+    )
     # the second pass re-reads the 128 x 128 block from L2, not HBM
     return Model(bytes=R * C * 2 + R * C + (R // 128) * (C // 128) * 4, instructions=ins), src
 
@@ -414,8 +420,7 @@ def _advantages():
     groups, size = 8192, 16
     n = groups * size
     ins, src = _warp_instructions("group_advantages", groups, 4, 1)
-    return Model(bytes=n * 4 * 2 + groups * 8 * 2, kernels=1, instructions=ins,
-                 serial_steps=2), src  # fmt: skip
+    return Model(bytes=n * 4 * 2 + groups * 8 * 2, kernels=1, instructions=ins, serial_steps=2), src
 
 
 def _rl_zvp():
@@ -501,8 +506,9 @@ def _lm_head():
     _lm_gemms_compute_bound()
     model = Model(bytes=_lm_extra_bytes(), precision="bf16", kernels=_lm_chunks() * 7 + 8)
     peak, was = _lm_peak_extra() / 1e9, _lm_peak_extra(before=True) / 1e9
-    return model, (f"passes are memory-bound (no count needed); extra peak {peak:.2f} GB "
-                   f"(was {was:.2f} GB)")  # fmt: skip
+    return model, (
+        f"passes are memory-bound (no count needed); extra peak {peak:.2f} GB (was {was:.2f} GB)"
+    )
 
 
 def _grouped_gemm(groups: int, m: int, n: int, k: int):
@@ -513,11 +519,14 @@ def _grouped_gemm(groups: int, m: int, n: int, k: int):
 
 
 def _gg(groups, m, n, k):
-    return Kernel(f"fp8_grouped_gemm {groups}x{m}", "fp8.triton_gemm:_grouped_gemm_kernel / "
-                  "CUTLASS sm90 grouped GEMM", f"groups={groups} m/group={m} N={n} K={k} "
-                  "(DeepGEMM's contiguous-layout shape)",
-                  _no_issue(_grouped_gemm(groups, m, n, k)), judged="compute",
-                  timing_op="fp8_grouped_gemm")  # fmt: skip
+    return Kernel(
+        f"fp8_grouped_gemm {groups}x{m}",
+        "fp8.triton_gemm:_grouped_gemm_kernel / CUTLASS sm90 grouped GEMM",
+        f"groups={groups} m/group={m} N={n} K={k} (DeepGEMM's contiguous-layout shape)",
+        _no_issue(_grouped_gemm(groups, m, n, k)),
+        judged="compute",
+        timing_op="fp8_grouped_gemm",
+    )
 
 
 KERNELS: list[Kernel] = [
@@ -527,26 +536,26 @@ KERNELS: list[Kernel] = [
         "128k tokens x top-8, K=2048, E=256, bf16 -> e4m3 1x128",
         _permute_quantize,
         timing_op="permute_quantize",
-    ),  # fmt: skip
+    ),
     Kernel(
         "fp8_quantize_1x128",
         "fp8.triton:_quantize_groups_kernel",
         "16384 x 7168 bf16 -> e4m3, 1x128 groups",
         _quantize_1x128,
         timing_op="quantize_1x128",
-    ),  # fmt: skip
+    ),
     Kernel(
         "fp8_quantize_128x128",
         "fp8.triton:_quantize_block_kernel",
         "7168 x 2048 bf16 weight -> e4m3, 128x128 blocks",
         _quantize_128x128,
-    ),  # fmt: skip
+    ),
     Kernel(
         "fp8_unpermute",
         "fp8.triton:_unpermute_kernel",
         "128k tokens x top-8, K=2048 bf16",
         _unpermute,
-    ),  # fmt: skip
+    ),
     Kernel(
         "routing_replay_fwd",
         "routing.triton:_replay_fwd_kernel",
@@ -558,58 +567,58 @@ KERNELS: list[Kernel] = [
         "routing.triton:_replay_bwd_kernel",
         "T=64k, E=256, K=8",
         lambda: _replay("replay_bwd", False),
-    ),  # fmt: skip
+    ),
     Kernel(
         "logprobs_fwd",
         "espo.triton_logprobs:_fwd_kernel",
         "4096 x 151,936 bf16, entropy",
         lambda: _logprobs("logprobs_fwd", 1),
         timing_op="logprobs_fwd",
-    ),  # fmt: skip
+    ),
     Kernel(
         "logprobs_bwd",
         "espo.triton_logprobs:_bwd_kernel",
         "4096 x 151,936 bf16",
         lambda: _logprobs("logprobs_bwd", 2),
         timing_op="logprobs_bwd",
-    ),  # fmt: skip
+    ),
     Kernel(
         "logprobs_tile_stats",
         "espo.triton_logprobs:_tile_kernel",
         "1766 x 151,936 fp32 tile (the fused path's chunk)",
         lambda: _logprobs("logprobs_tile", 2, rows=1766),
-    ),  # fmt: skip
+    ),
     Kernel(
         "espo_loss",
         "espo.triton_loss:_sums/_forward/_reduce/_backward_kernel",
         "64k tokens in 8 sequences, K=2 groups, fwd + bwd",
         _espo_loss,
-    ),  # fmt: skip
+    ),
     Kernel(
         "group_advantages",
         "advantages.triton:_group_advantages_kernel",
         "8192 groups x 16 rewards",
         _advantages,
-    ),  # fmt: skip
+    ),
     Kernel(
         "rl_zvp",
         "advantages.triton:_rl_zvp_kernel",
         "8192 sequences, 3.4M tokens",
         _no_issue(_rl_zvp()),
-    ),  # fmt: skip
+    ),
     Kernel(
         "thd_pack",
         "packing.triton:_pack_kernel",
         "1 GiB of bf16 rows, H=4096",
         lambda: _pack("pack"),
         timing_op="thd_pack",
-    ),  # fmt: skip
+    ),
     Kernel(
         "thd_unpack",
         "packing.triton:_unpack_kernel",
         "1 GiB of bf16 rows, H=4096",
         lambda: _pack("unpack"),
-    ),  # fmt: skip
+    ),
     Kernel(
         "fused_lmhead_logprobs_entropy",
         "torch.mm x 2 + addmm(out_dtype=fp32) per chunk + _tile_kernel + _bwd_kernel (bf16 store)",
@@ -633,10 +642,18 @@ def kernel_rows(devices: dict[str, Device] | None = None) -> list[dict]:
     out = []
     for k in KERNELS:
         model, source = k.build()
-        row = {"kernel": k.name, "launches": k.kernels, "shape": k.shape,
-               "bytes": model.bytes, "flops": model.flops, "precision": model.precision,
-               "warp_instructions": model.instructions, "instruction_source": source,
-               "timing_op": k.timing_op, "devices": {}}  # fmt: skip
+        row = {
+            "kernel": k.name,
+            "launches": k.kernels,
+            "shape": k.shape,
+            "bytes": model.bytes,
+            "flops": model.flops,
+            "precision": model.precision,
+            "warp_instructions": model.instructions,
+            "instruction_source": source,
+            "timing_op": k.timing_op,
+            "devices": {},
+        }
         if k.floor is not None:
             row["flops"] = 3 * 2 * LM_T * LM_H * LM_V
         for name, d in (devices or DEVICES).items():
@@ -644,9 +661,14 @@ def kernel_rows(devices: dict[str, Device] | None = None) -> list[dict]:
             if k.floor is not None:
                 fl = k.floor(d)
                 s = fl + model.seconds(d)
-                dev = {"model_us": s * 1e6, "floor_us": fl * 1e6, "over_floor": s / fl,
-                       "share": fl / s, "bound": f"GEMMs at {d.gemm_bf16_per_s / 1e12:.0f} "
-                       f"TFLOP/s + {t['memory'] * 1e3:.1f} ms of passes"}  # fmt: skip
+                dev = {
+                    "model_us": s * 1e6,
+                    "floor_us": fl * 1e6,
+                    "over_floor": s / fl,
+                    "share": fl / s,
+                    "bound": f"GEMMs at {d.gemm_bf16_per_s / 1e12:.0f} "
+                    f"TFLOP/s + {t['memory'] * 1e3:.1f} ms of passes",
+                }
             else:
                 s = model.seconds(d)
                 dev = {"model_us": s * 1e6, "share": model.share(d), "bound": model.bound(d)}
@@ -681,10 +703,13 @@ def _write_sass_counts(keys: list[str] | None = None) -> None:
             continue
         prof, src = _compile(module, kernel, over)
         kernels[key] = {"module": module, "kernel": kernel, "profile": prof, "source": src}
-        print(f"{key}: main {prof['main']}, loops {[b for *_, b in prof['loops']]}, "
-              f"{prof['ops']}", file=sys.stderr)  # fmt: skip
-    SASS_COUNTS.write_text(json.dumps({"triton": triton.__version__, "kernels": kernels},
-                                      indent=1) + "\n")  # fmt: skip
+        print(
+            f"{key}: main {prof['main']}, loops {[b for *_, b in prof['loops']]}, {prof['ops']}",
+            file=sys.stderr,
+        )
+    SASS_COUNTS.write_text(
+        json.dumps({"triton": triton.__version__, "kernels": kernels}, indent=1) + "\n"
+    )
 
 
 def _table(rows: list[dict]) -> str:
@@ -712,38 +737,58 @@ def _table(rows: list[dict]) -> str:
         ]
         for n in names:
             d = r["devices"][n]
-            share = (f"{d['over_floor']:.2f}x floor" if "over_floor" in d
-                     else f"{d['share']:.0%}")  # fmt: skip
+            share = f"{d['over_floor']:.2f}x floor" if "over_floor" in d else f"{d['share']:.0%}"
             cells += [f"{d['model_us']:,.1f}", share, d["bound"]]
         lines.append("| " + " | ".join(cells) + " |")
     counted = [r for r in rows if r["warp_instructions"]]
     launched = sum(r["instruction_source"].startswith("launched") for r in counted)
-    lines += ["", f"instruction counts (SASS, sm_90a; {SASS_COUNTS.name}): {launched} of "
-              f"{len(counted)} from launched variants, the rest from aot_variants() entries "
-              "(i64 strides unspecialized); each row's source: --json"]  # fmt: skip
+    lines += [
+        "",
+        f"instruction counts (SASS, sm_90a; {SASS_COUNTS.name}): {launched} of "
+        f"{len(counted)} from launched variants, the rest from aot_variants() entries "
+        "(i64 strides unspecialized); each row's source: --json",
+    ]
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
-    p.add_argument("--sass", action="store_true",
-                   help="recompile the counted kernels (sm_90a, tests/aot.py) and rewrite "
-                        f"{SASS_COUNTS.name} first")  # fmt: skip
-    p.add_argument("--sass-only", metavar="KEY", nargs="+",
-                   help=f"as --sass for these SASS_SPECS keys only ({SASS_COUNTS.name}'s other "
-                        "entries kept)")  # fmt: skip
+    p.add_argument(
+        "--sass",
+        action="store_true",
+        help="recompile the counted kernels (sm_90a, tests/aot.py) and rewrite "
+        f"{SASS_COUNTS.name} first",
+    )
+    p.add_argument(
+        "--sass-only",
+        metavar="KEY",
+        nargs="+",
+        help=f"as --sass for these SASS_SPECS keys only ({SASS_COUNTS.name}'s other entries kept)",
+    )
     a = p.parse_args(argv)
     if a.sass or a.sass_only:
         _write_sass_counts(a.sass_only)
     rows = kernel_rows()
     if a.json:
-        devices = {n: {"hbm_bytes_per_s": d.hbm_bytes_per_s, "flops_per_s": d.flops_per_s,
-                       "issue_per_s": d.issue_per_s, "latency_s": d.latency_s,
-                       "launch_s": d.launch_s, "gemm_bf16_per_s": d.gemm_bf16_per_s,
-                       "measured": d.measured} for n, d in DEVICES.items()}  # fmt: skip
-        print(json.dumps({"model": "roofline model, not a measurement", "devices": devices,
-                          "kernels": rows}, indent=1))  # fmt: skip
+        devices = {
+            n: {
+                "hbm_bytes_per_s": d.hbm_bytes_per_s,
+                "flops_per_s": d.flops_per_s,
+                "issue_per_s": d.issue_per_s,
+                "latency_s": d.latency_s,
+                "launch_s": d.launch_s,
+                "gemm_bf16_per_s": d.gemm_bf16_per_s,
+                "measured": d.measured,
+            }
+            for n, d in DEVICES.items()
+        }
+        print(
+            json.dumps(
+                {"model": "roofline model, not a measurement", "devices": devices, "kernels": rows},
+                indent=1,
+            )
+        )
     else:
         print(_table(rows))
     return 0

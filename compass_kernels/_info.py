@@ -127,8 +127,7 @@ def _driver() -> dict[str, Any]:
     devices = ctypes.c_int(0)
     if init == 0:
         lib.cuDeviceGetCount(ctypes.byref(devices))
-    return {"loaded": True, "cuda": _version(version.value), "init": init,
-            "devices": devices.value}  # fmt: skip
+    return {"loaded": True, "cuda": _version(version.value), "init": init, "devices": devices.value}
 
 
 def _no_gpu_reason(build: dict, driver: dict, torch_cuda: bool, runtime_reason: str) -> str:

@@ -64,11 +64,15 @@ def main() -> None:
     # grouped_args_cpu with one expert: 8 views converted and checked, no work
     m, k, n = 16, 128, 128
     views = (
-        torch.zeros(m, k, dtype=torch.float8_e4m3fn), torch.ones(m, 1),
-        torch.zeros(1, n, k, dtype=torch.float8_e4m3fn), torch.ones(1, 1, 1),
-        torch.tensor([0, m]), torch.empty(m, n, dtype=torch.bfloat16),
-        torch.empty(1, 3, dtype=torch.int32), torch.empty(5, 1, dtype=torch.int64),
-    )  # fmt: skip
+        torch.zeros(m, k, dtype=torch.float8_e4m3fn),
+        torch.ones(m, 1),
+        torch.zeros(1, n, k, dtype=torch.float8_e4m3fn),
+        torch.ones(1, 1, 1),
+        torch.tensor([0, m]),
+        torch.empty(m, n, dtype=torch.bfloat16),
+        torch.empty(1, 3, dtype=torch.int32),
+        torch.empty(5, 1, dtype=torch.int64),
+    )
 
     rows = {
         "prep_before": per_call_us(prep_before),

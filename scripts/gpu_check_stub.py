@@ -23,8 +23,10 @@ elif phase in ("triton", "cutlass", "cuda", "full"):
     time.sleep(secs)
     name = {"cuda": "gpu"}.get(phase, phase)
     with open(f"{d}/junit_{name}.xml", "w") as f:
-        f.write(f'<testsuites><testsuite name="dry"><testcase classname="dry.{phase}" '
-                f'name="test_stub" time="{secs}"/></testsuite></testsuites>\n')  # fmt: skip
+        f.write(
+            f'<testsuites><testsuite name="dry"><testcase classname="dry.{phase}" '
+            f'name="test_stub" time="{secs}"/></testsuite></testsuites>\n'
+        )
 elif phase == "facts":
     time.sleep(secs)
     with open(f"{d}/facts.json", "w") as f:

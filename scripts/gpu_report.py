@@ -31,8 +31,12 @@ def _device() -> dict:
         info["torch_cuda"] = torch.version.cuda
         if torch.cuda.is_available():
             p = torch.cuda.get_device_properties(0)
-            info.update(gpu=p.name, sm=f"{p.major}.{p.minor}", sms=p.multi_processor_count,
-                        memory_gib=round(p.total_memory / 2**30, 1))  # fmt: skip
+            info.update(
+                gpu=p.name,
+                sm=f"{p.major}.{p.minor}",
+                sms=p.multi_processor_count,
+                memory_gib=round(p.total_memory / 2**30, 1),
+            )
     except Exception as e:  # the report must still be written
         info["torch_error"] = repr(e)
     try:
@@ -43,8 +47,12 @@ def _device() -> dict:
         info["triton"] = None
     try:
         q = "driver_version,clocks.max.sm,clocks.max.mem,power.limit"
-        out = subprocess.run(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30).stdout.strip()  # fmt: skip
+        out = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.strip()
         info["nvidia_smi"] = dict(
             zip(q.split(","), (s.strip() for s in out.split(",")), strict=False)
         )
@@ -74,8 +82,14 @@ def _tests(junit: Path) -> list[dict]:
                 msg = el.get("message") or ""
                 message = msg.splitlines()[0][:300] if msg else ""
                 break
-        rows.append({"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
-                     "seconds": float(case.get("time") or 0), "message": message})  # fmt: skip
+        rows.append(
+            {
+                "test": f"{case.get('classname')}::{case.get('name')}",
+                "outcome": outcome,
+                "seconds": float(case.get("time") or 0),
+                "message": message,
+            }
+        )
     return rows
 
 
@@ -104,9 +118,16 @@ def main(folder: str) -> int:
     d = Path(folder)
     steps = []
     for r in _jsonl(d / "results.jsonl"):
-        steps.append({"step": r.get("phase"), "status": r.get("status"), "rc": r.get("rc"),
-                      "seconds": r.get("seconds"), "timeout_s": r.get("timeout_s"),
-                      "dry": r.get("dry", False)})  # fmt: skip
+        steps.append(
+            {
+                "step": r.get("phase"),
+                "status": r.get("status"),
+                "rc": r.get("rc"),
+                "seconds": r.get("seconds"),
+                "timeout_s": r.get("timeout_s"),
+                "dry": r.get("dry", False),
+            }
+        )
     if not steps and (d / "steps.txt").exists():
         for line in (d / "steps.txt").read_text().splitlines():
             name, rc, secs = line.split()
@@ -127,11 +148,18 @@ def main(folder: str) -> int:
     counts: dict[str, int] = {}
     for t in tests:
         counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1
-    report = {"device": device, "steps": steps, "test_counts": counts, "tests": tests,
-              "bench": bench, "timing": timing}  # fmt: skip
+    report = {
+        "device": device,
+        "steps": steps,
+        "test_counts": counts,
+        "tests": tests,
+        "bench": bench,
+        "timing": timing,
+    }
     report["dry"] = dry
     report["failed"] = any(s["rc"] != 0 for s in steps) or any(
-        t["outcome"] in ("failed", "error") for t in tests)  # fmt: skip
+        t["outcome"] in ("failed", "error") for t in tests
+    )
     tmp = d / ".report.json.tmp"  # whole or absent: a cut never leaves half a report
     tmp.write_text(json.dumps(report, indent=1))
     tmp.replace(d / "report.json")
@@ -142,10 +170,18 @@ def main(folder: str) -> int:
     md = [title, ""]
     md += ["| fact | value |", "|---|---|"]
     md += [f"| {k} | {v} |" for k, v in device.items()]
-    md += ["", "## Phases (in the order they ran)", "",
-           "| phase | status | rc | seconds | timeout s |", "|---|---|---|---|---|"]  # fmt: skip
-    md += [f"| {s['step']} | {s.get('status', '')} | {s['rc']} | {s['seconds']} | "
-           f"{s.get('timeout_s', '')} |" for s in steps]  # fmt: skip
+    md += [
+        "",
+        "## Phases (in the order they ran)",
+        "",
+        "| phase | status | rc | seconds | timeout s |",
+        "|---|---|---|---|---|",
+    ]
+    md += [
+        f"| {s['step']} | {s.get('status', '')} | {s['rc']} | {s['seconds']} | "
+        f"{s.get('timeout_s', '')} |"
+        for s in steps
+    ]
     md += ["", "## Tests", "", ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())), ""]
     bad = [t for t in tests if t["outcome"] in ("failed", "error")]
     gpu_tests = [t for t in tests if "gpu" in t["test"] and t["outcome"] != "skipped"]
@@ -156,19 +192,35 @@ def main(folder: str) -> int:
     if skipped:
         md += ["Skipped:", ""] + [f"- `{t['test']}`: {t['message']}" for t in skipped] + [""]
     if bench:
-        cols = ["op", "provider", "shape", "median_s", "iqr_s", "ratio_vs_baseline",
-                "peak_mem_bytes", "h100_model_s"]  # fmt: skip
-        md += ["## Bench (measured on this GPU, CUDA events)", "", "| " + " | ".join(cols) + " |",
-               "|" + "---|" * len(cols)]  # fmt: skip
+        cols = [
+            "op",
+            "provider",
+            "shape",
+            "median_s",
+            "iqr_s",
+            "ratio_vs_baseline",
+            "peak_mem_bytes",
+            "h100_model_s",
+        ]
+        md += [
+            "## Bench (measured on this GPU, CUDA events)",
+            "",
+            "| " + " | ".join(cols) + " |",
+            "|" + "---|" * len(cols),
+        ]
         md += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in bench]
     if timing:
         cols = sorted(
             {k for r in timing for k in r},
             key=lambda k: (_FIRST.index(k) if k in _FIRST else len(_FIRST), k),
         )
-        md += ["", "## Timing (measured on this GPU, CUDA events, L2 flushed; "
-               "bench/gpu_timing.py)", "", "| " + " | ".join(cols) + " |",
-               "|" + "---|" * len(cols)]  # fmt: skip
+        md += [
+            "",
+            "## Timing (measured on this GPU, CUDA events, L2 flushed; bench/gpu_timing.py)",
+            "",
+            "| " + " | ".join(cols) + " |",
+            "|" + "---|" * len(cols),
+        ]
         md += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in timing]
     tmp = d / ".report.md.tmp"
     tmp.write_text("\n".join(md) + "\n")

@@ -440,8 +440,14 @@ def _interpreter_leftovers() -> list[str]:
         code = getattr(value, "__code__", None)
         return code is not None and code.co_filename == source
 
-    holders = {"tl": tl, "tl.core": tl.core, "tl.math": tl.math, "tl.tensor": tl.core.tensor,
-               "tl.dtype": tl.core.dtype, "tl.condition": tl.core.condition}  # fmt: skip
+    holders = {
+        "tl": tl,
+        "tl.core": tl.core,
+        "tl.math": tl.math,
+        "tl.tensor": tl.core.tensor,
+        "tl.dtype": tl.core.dtype,
+        "tl.condition": tl.core.condition,
+    }
     return [
         f"{label}.{name}"
         for label, holder in holders.items()
@@ -737,8 +743,9 @@ def specialization_of(launch: Launch, *, arch: int = 90) -> tuple[dict, dict, di
         binder = create_function_from_signature(jit.signature, jit.params, backend)
         kwargs = dict(launch.kwargs)
         bound, spec, options = binder(*launch.args, **kwargs)
-        options, signature, constexprs, attrs = jit._pack_args(backend, kwargs, bound, spec,
-                                                               options)  # fmt: skip
+        options, signature, constexprs, attrs = jit._pack_args(
+            backend, kwargs, bound, spec, options
+        )
     return signature, constexprs, attrs, options
 
 

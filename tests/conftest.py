@@ -162,5 +162,8 @@ def pytest_terminal_summary(terminalreporter):
     path = os.environ.get("COMPASS_TIER_REPORT")
     if path:
         with open(path, "w") as f:
-            json.dump({"require_all_tiers": REQUIRE_ALL_TIERS, "gpu": HAS_GPU,
-                       "tiers": counts}, f, indent=1)  # fmt: skip
+            json.dump(
+                {"require_all_tiers": REQUIRE_ALL_TIERS, "gpu": HAS_GPU, "tiers": counts},
+                f,
+                indent=1,
+            )

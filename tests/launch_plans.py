@@ -25,8 +25,9 @@ def _run(op, *args) -> None:
     outputs, all by name (kernels take their arguments by name)."""
     out = op.outputs(*args)
     out = out if isinstance(out, tuple) else (out,)
-    op.kernel("triton")(**dict(zip(op.params, args, strict=False)),
-                        **dict(zip(op.returns, out, strict=True)))  # fmt: skip
+    op.kernel("triton")(
+        **dict(zip(op.params, args, strict=False)), **dict(zip(op.returns, out, strict=True))
+    )
 
 
 def espo_logprobs() -> Plan:
@@ -34,20 +35,39 @@ def espo_logprobs() -> Plan:
 
     # (tokens, vocab): Qwen3 / Qwen2.5 (151,936; 16 x 9,496), an odd vocab
     # (GPT-2's 50,257), and T x V past 2^31 (the int32 -> int64 switch of T * V)
-    for t, v, dt in ((4096, 151936, torch.bfloat16), (4096, 50257, torch.bfloat16),
-                     (16384, 151936, torch.bfloat16), (4096, 151936, torch.float32)):  # fmt: skip
+    for t, v, dt in (
+        (4096, 151936, torch.bfloat16),
+        (4096, 50257, torch.bfloat16),
+        (16384, 151936, torch.bfloat16),
+        (4096, 151936, torch.float32),
+    ):
         z = torch.empty(t, v, dtype=dt, device=META)
         y = torch.empty(t, dtype=torch.int64, device=META)
         rows = [torch.empty(t, dtype=torch.float32, device=META) for _ in range(3)]
         name = f"T={t} V={v} {str(dt).removeprefix('torch.')}"
         for ent in (True, False):
-            yield f"forward {name} entropy={ent}", lambda z=z, y=y, e=ent: _run(
-                lp.token_logprobs_entropy_op, z, y, 1.0, e)  # fmt: skip
+            yield (
+                f"forward {name} entropy={ent}",
+                lambda z=z, y=y, e=ent: _run(lp.token_logprobs_entropy_op, z, y, 1.0, e),
+            )
         for gl, gh in ((True, True), (True, False), (False, True)):
-            yield f"backward {name} grad_logprob={gl} grad_entropy={gh}", (
-                lambda z=z, y=y, r=rows, gl=gl, gh=gh: _run(
-                    lp.token_logprobs_entropy_bwd_op, z, y, r[0], r[1], r[2],
-                    r[0] if gl else None, r[1] if gh else None, 1.0, 0))  # fmt: skip
+            yield (
+                f"backward {name} grad_logprob={gl} grad_entropy={gh}",
+                (
+                    lambda z=z, y=y, r=rows, gl=gl, gh=gh: _run(
+                        lp.token_logprobs_entropy_bwd_op,
+                        z,
+                        y,
+                        r[0],
+                        r[1],
+                        r[2],
+                        r[0] if gl else None,
+                        r[1] if gh else None,
+                        1.0,
+                        0,
+                    )
+                ),
+            )
     # the fused linear path: [token_chunk, vocab_chunk] fp32 tiles of logits
     from compass_kernels.espo.logprobs import TOKEN_CHUNK, VOCAB_CHUNK
 
@@ -59,9 +79,21 @@ def espo_logprobs() -> Plan:
             f"tile stats {TOKEN_CHUNK}x{VOCAB_CHUNK} fp32 entropy={ent}",
             (lambda e=ent: _run(lp.logprobs_tile_stats_op, tile, y, VOCAB_CHUNK, 1.0, e, st)),
         )
-    yield (f"fused backward tile {TOKEN_CHUNK}x{VOCAB_CHUNK} fp32", lambda: _run(
-        lp.token_logprobs_entropy_bwd_op, tile, y, st[0], st[1], st[2], st[0], st[1], 1.0,
-        VOCAB_CHUNK))  # fmt: skip
+    yield (
+        f"fused backward tile {TOKEN_CHUNK}x{VOCAB_CHUNK} fp32",
+        lambda: _run(
+            lp.token_logprobs_entropy_bwd_op,
+            tile,
+            y,
+            st[0],
+            st[1],
+            st[2],
+            st[0],
+            st[1],
+            1.0,
+            VOCAB_CHUNK,
+        ),
+    )
 
 
 def routing() -> Plan:
@@ -75,12 +107,18 @@ def routing() -> Plan:
         ids = torch.empty(t, 8, dtype=torch.uint8 if e <= 256 else torch.int16, device=META)
         b = torch.empty(e, dtype=torch.float32, device=META) if bias else None
         valid = torch.empty(t, dtype=torch.bool, device=META)
-        yield f"replay E={e} K=8 T={t}", lambda z=z, ids=ids, b=b, v=valid, s=score: _run(
-            replay_topk_op, z, ids, b, v, s, True, 2.5, -1.0)  # fmt: skip
+        yield (
+            f"replay E={e} K=8 T={t}",
+            lambda z=z, ids=ids, b=b, v=valid, s=score: _run(
+                replay_topk_op, z, ids, b, v, s, True, 2.5, -1.0
+            ),
+        )
         g = torch.empty(t, 8, dtype=torch.float32, device=META)
         used = torch.empty(t, 8, dtype=torch.int64, device=META)
-        yield f"replay backward E={e} K=8 T={t}", lambda g=g, z=z, u=used, s=score: _run(
-            replay_topk_backward_op, g, z, u, s, True, 2.5)  # fmt: skip
+        yield (
+            f"replay backward E={e} K=8 T={t}",
+            lambda g=g, z=z, u=used, s=score: _run(replay_topk_backward_op, g, z, u, s, True, 2.5),
+        )
 
 
 def fp8_gemm() -> Plan:
@@ -89,15 +127,23 @@ def fp8_gemm() -> Plan:
     f8 = torch.float8_e4m3fn
     # DeepSeek-V3 MoE GEMMs (E 256, N x K = 4096 x 7168 and 7168 x 2048), the
     # decode-sized 64-row tile, and K past 16,384 (256 K-groups of 128)
-    for m, e, n, k in ((65536, 256, 4096, 7168), (65536, 256, 7168, 2048),
-                       (8192, 256, 4096, 7168), (16384, 32, 4096, 32768),
-                       (65536, 256, 4096, 32768), (16384, 32, 4096, 16448)):  # fmt: skip
+    for m, e, n, k in (
+        (65536, 256, 4096, 7168),
+        (65536, 256, 7168, 2048),
+        (8192, 256, 4096, 7168),
+        (16384, 32, 4096, 32768),
+        (65536, 256, 4096, 32768),
+        (16384, 32, 4096, 16448),
+    ):
         kb, nb = -(-k // 128), -(-n // 128)
         args = (
-            torch.empty(m, k, dtype=f8, device=META), torch.empty(m, kb, device=META),
-            torch.empty(e, n, k, dtype=f8, device=META), torch.empty(e, nb, kb, device=META),
-            torch.empty(e + 1, dtype=torch.int64, device=META), 0,
-        )  # fmt: skip
+            torch.empty(m, k, dtype=f8, device=META),
+            torch.empty(m, kb, device=META),
+            torch.empty(e, n, k, dtype=f8, device=META),
+            torch.empty(e, nb, kb, device=META),
+            torch.empty(e + 1, dtype=torch.int64, device=META),
+            0,
+        )
         yield f"grouped GEMM M={m} E={e} N={n} K={k}", lambda a=args: _run(grouped_gemm_op, *a)
 
 
@@ -113,15 +159,43 @@ def espo_loss() -> Plan:
     adv = torch.empty(n, **f32)
     cu = torch.empty(n + 1, dtype=torch.int64, device=META)
     mask = torch.empty(t, dtype=torch.bool, device=META)
-    for name, k, flags in (("espo", 2, tk._FLAG_ADAPTIVE), ("gspo", 1, tk._FLAG_GSPO),
-                           ("grpo", 1, tk._FLAG_GSPO | tk._FLAG_TOKEN)):  # fmt: skip
+    for name, k, flags in (
+        ("espo", 2, tk._FLAG_ADAPTIVE),
+        ("gspo", 1, tk._FLAG_GSPO),
+        ("grpo", 1, tk._FLAG_GSPO | tk._FLAG_TOKEN),
+    ):
         thr = torch.empty(k - 1, dtype=torch.float64, device=META)
         sums = torch.empty(n * k * 3, dtype=torch.float64, device=META)
-        yield f"{name} group sums n={n} T={t}", lambda k=k, f=flags, thr=thr: _run(
-            lo.espo_group_sums_op, ent, lp, old, cu, mask, thr, k, f)  # fmt: skip
-        yield f"{name} forward n={n} T={t}", lambda k=k, f=flags, thr=thr, sums=sums: _run(
-            lo.espo_loss_forward_op, lp, old, ent, adv, cu, mask, thr, sums, k, f, 0.2, 0.28,
-            1.0, 0.0, -20.0, 20.0, 1.0 / n, 1)  # fmt: skip
+        yield (
+            f"{name} group sums n={n} T={t}",
+            lambda k=k, f=flags, thr=thr: _run(
+                lo.espo_group_sums_op, ent, lp, old, cu, mask, thr, k, f
+            ),
+        )
+        yield (
+            f"{name} forward n={n} T={t}",
+            lambda k=k, f=flags, thr=thr, sums=sums: _run(
+                lo.espo_loss_forward_op,
+                lp,
+                old,
+                ent,
+                adv,
+                cu,
+                mask,
+                thr,
+                sums,
+                k,
+                f,
+                0.2,
+                0.28,
+                1.0,
+                0.0,
+                -20.0,
+                20.0,
+                1.0 / n,
+                1,
+            ),
+        )
     g = torch.empty((), **f32)
     yield f"backward T={t}", lambda: _run(lo.espo_loss_backward_op, g, lp)
 
@@ -136,9 +210,14 @@ def advantages() -> Plan:
         order = torch.empty(n, dtype=torch.int64, device=META)
         offsets = torch.empty(g + 1, dtype=torch.int64, device=META)
         for mode in (0, 1, 2):
-            yield f"group advantages mode={mode} {dt}", (
-                lambda r=r, o=order, f=offsets, m=mode: _run(
-                    group_advantages_op, r, o, f, m, 1e-6, 1e-6))  # fmt: skip
+            yield (
+                f"group advantages mode={mode} {dt}",
+                (
+                    lambda r=r, o=order, f=offsets, m=mode: _run(
+                        group_advantages_op, r, o, f, m, 1e-6, 1e-6
+                    )
+                ),
+            )
         h = torch.empty(t, dtype=torch.float32, device=META)
         cu = torch.empty(n + 1, dtype=torch.int64, device=META)
         zv = torch.empty(n, dtype=torch.bool, device=META)
@@ -159,13 +238,19 @@ def fp8_quant() -> Plan:
     w = torch.empty(7168, 2048, **bf16)
     x = torch.empty(16384, 7168, **bf16)
     for ue8m0 in (False, True):
-        yield f"quantize weight 7168x2048 ue8m0={ue8m0}", lambda u=ue8m0: _run(
-            quantize_op, w, 128, 128, 1e-4, u, False, 0)  # fmt: skip
-        yield f"quantize activations 16384x7168 ue8m0={ue8m0}", lambda u=ue8m0: _run(
-            quantize_op, x, 1, 128, 1e-10, u, True, 0)  # fmt: skip
+        yield (
+            f"quantize weight 7168x2048 ue8m0={ue8m0}",
+            lambda u=ue8m0: _run(quantize_op, w, 128, 128, 1e-4, u, False, 0),
+        )
+        yield (
+            f"quantize activations 16384x7168 ue8m0={ue8m0}",
+            lambda u=ue8m0: _run(quantize_op, x, 1, 128, 1e-10, u, True, 0),
+        )
     ids = torch.empty(16384, 8, dtype=torch.int32, device=META)
-    yield "permute + quantize 16384 x top-8, E=256", lambda: _run(
-        permute_op, x, ids, 256, 1e-10, False, 0)  # fmt: skip
+    yield (
+        "permute + quantize 16384 x top-8, E=256",
+        lambda: _run(permute_op, x, ids, 256, 1e-10, False, 0),
+    )
     y = torch.empty(16384 * 8, 2048, **bf16)
     dst = torch.empty(16384 * 8, dtype=torch.int64, device=META)
     tw = torch.empty(16384, 8, dtype=torch.float32, device=META)
@@ -185,10 +270,16 @@ def packing() -> Plan:
     for w in (14336, 8, 24):
         src = torch.empty(t, w, dtype=torch.uint8, device=META)
         for cp, rank in ((1, 0), (2, 1)):
-            yield f"pack {t} x {w} B cp={cp}", lambda src=src, cp=cp, r=rank: _run(
-                thd_pack_op, src, ss, sl, oo, cp, r, 0, t // cp)  # fmt: skip
-            yield f"unpack {t} x {w} B cp={cp}", lambda src=src, cp=cp: _run(
-                thd_unpack_op, src, sl, cu, oo, cp, t)  # fmt: skip
+            yield (
+                f"pack {t} x {w} B cp={cp}",
+                lambda src=src, cp=cp, r=rank: _run(
+                    thd_pack_op, src, ss, sl, oo, cp, r, 0, t // cp
+                ),
+            )
+            yield (
+                f"unpack {t} x {w} B cp={cp}",
+                lambda src=src, cp=cp: _run(thd_unpack_op, src, sl, cu, oo, cp, t),
+            )
     yield f"positions {t} cp=2", lambda: _run(thd_positions_op, oo, 2, 1, t // 2)
 
 
@@ -203,8 +294,12 @@ def routing_setcode() -> Plan:
     # G > 1 layout (E 8, top-2: 13 rows per pack). The checks are C++ on real
     # tensors: the launches alone here, with the layout they return.
     rows = 61 * 8192
-    for e, k, dt, miss in ((256, 8, torch.uint8, True), (384, 8, torch.int16, False),
-                           (128, 8, torch.uint8, False), (8, 2, torch.uint8, False)):  # fmt: skip
+    for e, k, dt, miss in (
+        (256, 8, torch.uint8, True),
+        (384, 8, torch.int16, False),
+        (128, 8, torch.uint8, False),
+        (8, 2, torch.uint8, False),
+    ):
         ids = torch.empty(rows, k, dtype=dt, device=META)
         missing = torch.empty(rows, dtype=torch.bool, device=META) if miss else None
         outs = _setcode.encode_sets_op.outputs(ids, e, missing)
@@ -225,11 +320,13 @@ def fp8_gemm_args() -> Plan:
     for m, e, n, k in ((65536, 256, 4096, 7168), (16384, 384, 4096, 7168), (8192, 8, 7168, 2048)):
         kb, nb = -(-k // 128), -(-n // 128)
         args = (
-            torch.empty(m, k, dtype=f8, device=META), torch.empty(m, kb, device=META),
-            torch.empty(e, n, k, dtype=f8, device=META), torch.empty(e, nb, kb, device=META),
+            torch.empty(m, k, dtype=f8, device=META),
+            torch.empty(m, kb, device=META),
+            torch.empty(e, n, k, dtype=f8, device=META),
+            torch.empty(e, nb, kb, device=META),
             torch.empty(e + 1, dtype=torch.int64, device=META),
             torch.empty(m, n, dtype=torch.bfloat16, device=META),
-        )  # fmt: skip
+        )
         outs = grouped_args_op.outputs(*args)
         yield (
             f"grouped GEMM args M={m} E={e} N={n} K={k}",

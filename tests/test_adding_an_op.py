@@ -73,8 +73,9 @@ def _scratch_copy(tmp: Path) -> Path:
     shutil.copy(ROOT / "pyproject.toml", tmp / "pyproject.toml")
     patch = tmp / "worked_example.patch"
     patch.write_text(_patch())
-    proc = subprocess.run(["git", "apply", "-C1", str(patch)], cwd=tmp, capture_output=True,
-                          text=True)  # fmt: skip
+    proc = subprocess.run(
+        ["git", "apply", "-C1", str(patch)], cwd=tmp, capture_output=True, text=True
+    )
     assert proc.returncode == 0, f"the worked example no longer applies:\n{proc.stderr}"
     return tmp
 
@@ -101,12 +102,21 @@ def test_worked_example_touches_at_most_five_places(tmp_path):
 def test_worked_example_passes_the_ops_tests(tmp_path):
     root = _scratch_copy(tmp_path)
     env = dict(os.environ, PYTHONPATH=str(root))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
-           "tests/test_advantages.py"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-x",
+        "tests/test_advantages.py",
+    ]
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=1200)
     tail = proc.stdout[-3000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, tail
     assert "test_clip_bounds_the_advantages" not in tail  # ran and passed (no failure line)
-    collected = subprocess.run(cmd + ["--collect-only", "-k", "clip"], cwd=root, env=env,
-                               capture_output=True, text=True)  # fmt: skip
+    collected = subprocess.run(
+        cmd + ["--collect-only", "-k", "clip"], cwd=root, env=env, capture_output=True, text=True
+    )
     assert "test_clip_bounds_the_advantages" in collected.stdout, "the example's test is missing"

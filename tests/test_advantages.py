@@ -119,16 +119,27 @@ def test_group_stats_per_group_with_shuffled_ids(backend, seed, backend_device):
     samples: ids are shuffled, sparse, negative, and groups come in every kind."""
     rewards, ids = make_groups(41, seed=100 + seed, device=backend_device)
     tol = 1e-6
-    _, zero_var, stats = ck.advantages.group_advantages(rewards, ids, zero_var_tol=tol,
-                                                        backend=backend)  # fmt: skip
+    _, zero_var, stats = ck.advantages.group_advantages(
+        rewards, ids, zero_var_tol=tol, backend=backend
+    )
     rows = _per_group_by_hand(rewards.cpu(), ids.cpu(), tol)
     assert len(rows) == stats.num_groups == 41
     assert stats.group_ids.tolist() == [r[0] for r in rows]
     assert stats.counts.dtype == torch.int64 and stats.counts.tolist() == [r[1] for r in rows]
-    assert_verbose_allclose(stats.group_mean.cpu(), torch.tensor([r[2] for r in rows],
-                            dtype=torch.float64), atol=1e-12, rtol=1e-12, name="mean")  # fmt: skip
-    assert_verbose_allclose(stats.group_std.cpu(), torch.tensor([r[3] for r in rows],
-                            dtype=torch.float64), atol=1e-12, rtol=1e-12, name="std")  # fmt: skip
+    assert_verbose_allclose(
+        stats.group_mean.cpu(),
+        torch.tensor([r[2] for r in rows], dtype=torch.float64),
+        atol=1e-12,
+        rtol=1e-12,
+        name="mean",
+    )
+    assert_verbose_allclose(
+        stats.group_std.cpu(),
+        torch.tensor([r[3] for r in rows], dtype=torch.float64),
+        atol=1e-12,
+        rtol=1e-12,
+        name="std",
+    )
     flags = [r[4] for r in rows]
     assert 0 < sum(flags) < len(flags), "need both kinds of group"
     assert stats.group_zero_var.tolist() == flags
@@ -189,8 +200,7 @@ def test_group_ids_path_rejects_non_finite_rewards(layout, bad):
 def test_num_groups_is_checked(backend, layout):
     rewards, ids = _ids_layout(layout, seed=9)
     groups = int(torch.unique(ids).numel())
-    adv, _, stats = ck.advantages.group_advantages(rewards, ids, num_groups=groups,
-                                                   backend=backend)  # fmt: skip
+    adv, _, stats = ck.advantages.group_advantages(rewards, ids, num_groups=groups, backend=backend)
     assert stats.num_groups == groups
     assert_verbose_allclose(adv, group_advantages_reference(rewards, ids)[0].float())
     for wrong in (groups - 1, groups + 1):
@@ -279,7 +289,8 @@ def test_groups_of_one_and_empty_batch():
     assert adv.tolist() == [0.0, 0.0] and zero_var.all()
     assert stats.group_std.tolist() == [0.0, 0.0]
     adv, zero_var, stats = ck.advantages.group_advantages(
-        torch.zeros(0), torch.zeros(0, dtype=torch.int64))  # fmt: skip
+        torch.zeros(0), torch.zeros(0, dtype=torch.int64)
+    )
     assert adv.shape == (0,) and zero_var.shape == (0,) and stats.num_groups == 0
 
 
@@ -399,11 +410,17 @@ def test_rl_zvp_bad_input():
     with pytest.raises(ValueError, match="zero_var: expected dtype bool"):
         ck.advantages.rl_zvp(torch.rand(5), cu, torch.ones(2), torch.ones(2))
     with pytest.raises(ValueError, match="alpha: expected >= 0"):
-        ck.advantages.rl_zvp(torch.rand(5), cu, torch.ones(2), torch.ones(2, dtype=torch.bool),
-                             alpha=float("nan"))  # fmt: skip
+        ck.advantages.rl_zvp(
+            torch.rand(5), cu, torch.ones(2), torch.ones(2, dtype=torch.bool), alpha=float("nan")
+        )
     with pytest.raises(ValueError, match="advantages: expected 2 elements"):
-        ck.advantages.rl_zvp(torch.rand(5), cu, torch.ones(2), torch.ones(2, dtype=torch.bool),
-                             advantages=torch.ones(3))  # fmt: skip
+        ck.advantages.rl_zvp(
+            torch.rand(5),
+            cu,
+            torch.ones(2),
+            torch.ones(2, dtype=torch.bool),
+            advantages=torch.ones(3),
+        )
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=str)
@@ -412,8 +429,11 @@ def test_rl_zvp_rejects_non_finite_entropy_and_rewards(bad):
     end = int(cu[-1])
     h = entropy.clone()
     h[end - 2] = bad
-    with pytest.raises(ValueError, match=rf"entropy: expected finite values, got {bad} at index "
-                       rf"{end - 2}"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=rf"entropy: expected finite values, got {bad} at index "
+        rf"{end - 2}",
+    ):
         ck.advantages.rl_zvp(h, cu, rewards, zero_var)
     r = rewards.clone()
     r[5] = bad
@@ -483,8 +503,9 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
 def test_opcheck_registered_ops():
     rewards, ids = make_groups(13, seed=8)
     order, offsets, _ = _groups_from_ids(ids)
-    torch.library.opcheck(torch.ops.compass.group_advantages.default,
-                          (rewards, order, offsets, 0, 1e-6, 1e-6))  # fmt: skip
+    torch.library.opcheck(
+        torch.ops.compass.group_advantages.default, (rewards, order, offsets, 0, 1e-6, 1e-6)
+    )
     entropy, cu, r, zv, adv = make_sequences(11, seed=8)
     torch.library.opcheck(torch.ops.compass.rl_zvp.default, (entropy, cu, r, zv, adv, 0.1))
     torch.library.opcheck(torch.ops.compass.rl_zvp.default, (entropy, cu, r, zv, None, 0.1))
@@ -495,8 +516,9 @@ def test_registered_op_traces_under_torch_compile():
 
     assert not torch._dynamo.config.disable, "dynamo is off here (a live vLLM engine?)"
     entropy, cu, r, zv, adv = make_sequences(11, seed=9)
-    fn = torch.compile(lambda *a: torch.ops.compass.rl_zvp(*a, 0.1) * 2.0, backend="eager",
-                       fullgraph=True)  # fmt: skip
+    fn = torch.compile(
+        lambda *a: torch.ops.compass.rl_zvp(*a, 0.1) * 2.0, backend="eager", fullgraph=True
+    )
     ref = rl_zvp_reference(entropy, cu, r, zv, advantages=adv) * 2.0
     assert_verbose_allclose(fn(entropy, cu, r, zv, adv), ref.float())
 

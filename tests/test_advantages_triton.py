@@ -102,8 +102,9 @@ def _check_groups(rewards, ids, mode_name, outs, *, eps=1e-6, tol=1e-6):
     # The kernel and the reference both compute in float64 and round once to the
     # output dtype: equal up to one unit in the last place of that dtype.
     ulp = torch.finfo(adv.dtype).eps
-    assert_verbose_allclose(adv, r_adv.to(adv.dtype), name=f"adv ({mode_name})",
-                            atol=1e-12, rtol=2 * ulp)  # fmt: skip
+    assert_verbose_allclose(
+        adv, r_adv.to(adv.dtype), name=f"adv ({mode_name})", atol=1e-12, rtol=2 * ulp
+    )
     # Zero-variance members get exactly +0.0.
     zeros = torch.zeros(int(r_zero.sum()), dtype=adv.dtype)
     assert_bitwise_equal(adv[r_zero], zeros, name="adv of zero-variance groups")
@@ -294,8 +295,15 @@ def test_rl_zvp_tail_and_no_sequences():
     assert_bitwise_equal(out[int(cu[-1]) :], torch.zeros(70))
     # n = 0: every token is tail.
     empty = torch.zeros(0)
-    out = _run_zvp(torch.rand(19), torch.zeros(1, dtype=torch.int64), empty,
-                   torch.zeros(0, dtype=torch.bool), None, 0.1, block=16)  # fmt: skip
+    out = _run_zvp(
+        torch.rand(19),
+        torch.zeros(1, dtype=torch.int64),
+        empty,
+        torch.zeros(0, dtype=torch.bool),
+        None,
+        0.1,
+        block=16,
+    )
     assert_bitwise_equal(out, torch.zeros(19))
 
 

@@ -137,8 +137,9 @@ def test_fp32_to_fp8_converts_with_satfinite():
 
 def test_signature_must_cover_every_parameter():
     with pytest.raises(ValueError, match=r"lacks parameters \['n', 'BLOCK'\]"):
-        aot.compile_triton(_axpy_kernel, {"x_ptr": "*fp32", "y_ptr": "*fp32", "out_ptr": "*fp32",
-                                          "a": "fp32"})  # fmt: skip
+        aot.compile_triton(
+            _axpy_kernel, {"x_ptr": "*fp32", "y_ptr": "*fp32", "out_ptr": "*fp32", "a": "fp32"}
+        )
 
 
 def test_compile_under_interpreter_leaves_it_working():
@@ -228,9 +229,19 @@ def fatbin_library(tmp_path_factory):
         pytest.skip("cuobjdump not found: pip install nvidia-cuda-cuobjdump")
     tmp = tmp_path_factory.mktemp("fatbin")
     (tmp / "k.cu").write_text(_CU_SOURCE)
-    cmd = [nvcc, "-gencode", "arch=compute_80,code=sm_80", "-gencode",
-           "arch=compute_90a,code=sm_90a", "-Xcompiler", "-fPIC", "-shared",
-           str(tmp / "k.cu"), "-o", str(tmp / "libk.so")]  # fmt: skip
+    cmd = [
+        nvcc,
+        "-gencode",
+        "arch=compute_80,code=sm_80",
+        "-gencode",
+        "arch=compute_90a,code=sm_90a",
+        "-Xcompiler",
+        "-fPIC",
+        "-shared",
+        str(tmp / "k.cu"),
+        "-o",
+        str(tmp / "libk.so"),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     return tmp / "libk.so"
@@ -267,9 +278,16 @@ def test_parse_resource_usage_of_a_bare_cubin():
         "  REG:63 STACK:8 SHARED:1024 LOCAL:4 CONSTANT[0]:568 TEXTURE:0 SURFACE:0 SAMPLER:0\n"
     )
     assert aot.parse_resource_usage(text) == [
-        {"name": "k", "arch": None, "registers": 63, "stack": 8, "shared": 1024, "local": 4,
-         "constant": 568}
-    ]  # fmt: skip
+        {
+            "name": "k",
+            "arch": None,
+            "registers": 63,
+            "stack": 8,
+            "shared": 1024,
+            "local": 4,
+            "constant": 568,
+        }
+    ]
 
 
 # ------------------------------------------------------------------ tool finder

@@ -112,13 +112,15 @@ def _group(**opt):
 def _rl_zvp(**opt):
     ent = torch.rand(10, generator=torch.Generator().manual_seed(0))
     cu = torch.tensor([0, 4, 10])
-    return ck.advantages.rl_zvp(ent, cu, torch.tensor([1.0, -1.0]), torch.tensor([True, True]),
-                                **opt)  # fmt: skip
+    return ck.advantages.rl_zvp(
+        ent, cu, torch.tensor([1.0, -1.0]), torch.tensor([True, True]), **opt
+    )
 
 
 def _overlong(**opt):
-    return ck.advantages.overlong_penalty(torch.arange(0, 20), **{"max_len": 16,
-                                          "cache_len": 4, **opt})  # fmt: skip
+    return ck.advantages.overlong_penalty(
+        torch.arange(0, 20), **{"max_len": 16, "cache_len": 4, **opt}
+    )
 
 
 def _alloc(**opt):
@@ -216,8 +218,7 @@ def _forms(value, is_int):
     if isinstance(value, tuple):
         forms = dict(SEQ_FORMS)
         if is_int:  # integer pairs: integer arrays
-            forms = {"tuple": tuple, "list": list, "np_1d": np.array,
-                     "torch_1d": torch.tensor}  # fmt: skip
+            forms = {"tuple": tuple, "list": list, "np_1d": np.array, "torch_1d": torch.tensor}
         return forms
     return SCALAR_FORMS
 
@@ -234,8 +235,7 @@ def _same(a, b):
 @pytest.mark.parametrize("name, call, option, value, is_int, base", OPTIONS, ids=IDS)
 @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
-def test_every_option_accepts_numpy_and_torch_forms(name, call, option, value, is_int, base,
-                                                    data):  # fmt: skip
+def test_every_option_accepts_numpy_and_torch_forms(name, call, option, value, is_int, base, data):
     """Property: every public option gives the same result from each Python form of
     the same value (Python number, NumPy scalar of any width, 0-d array, 0-d tensor;
     for pairs / tuples: list, 1-d array, 1-d tensor)."""
@@ -253,8 +253,9 @@ def test_every_option_accepts_numpy_and_torch_forms(name, call, option, value, i
 INT_OPTIONS = [o for o in OPTIONS if o[4] and not isinstance(o[3], tuple)]
 
 
-@pytest.mark.parametrize("name, call, option, value, is_int, base", INT_OPTIONS,
-                         ids=[o[0] for o in INT_OPTIONS])  # fmt: skip
+@pytest.mark.parametrize(
+    "name, call, option, value, is_int, base", INT_OPTIONS, ids=[o[0] for o in INT_OPTIONS]
+)
 @pytest.mark.parametrize("bad", [True, np.bool_(True), torch.tensor(True)], ids=str)
 def test_bool_is_refused_where_an_int_is_meant(name, call, option, value, is_int, base, bad):
     if option in ("budget", "length"):  # numbers, not counts: bool still refused
@@ -276,8 +277,9 @@ def test_allocate_huge_float_budget_clamps_to_the_full_spend():
     s, a = torch.tensor([1.0, 2.0, 0.0]), torch.tensor([3.0, 4.0, 1.0])
     cost = torch.tensor([10, 20, 5])
     for budget in (1e30, 1.7e308, 2**70, np.float64(1e300), torch.tensor(1e30)):
-        n, st_ = ck.advantages.allocate_rollouts(s, a, budget, max_n=8, cost=cost,
-                                                 return_stats=True)  # fmt: skip
+        n, st_ = ck.advantages.allocate_rollouts(
+            s, a, budget, max_n=8, cost=cost, return_stats=True
+        )
         assert n.tolist() == [8, 8, 8] and st_.spent == 8 * 35
 
 
@@ -296,8 +298,7 @@ def test_allocate_large_costs_never_overspend(scale):
     s, a = torch.rand(6, generator=g) * 4, torch.full((6,), 4.0)
     cost = torch.randint(1, 9, (6,), generator=g) * scale
     budget = int(cost.sum()) * 5
-    n, st_ = ck.advantages.allocate_rollouts(s, a, budget, max_n=16, cost=cost,
-                                             return_stats=True)  # fmt: skip
+    n, st_ = ck.advantages.allocate_rollouts(s, a, budget, max_n=16, cost=cost, return_stats=True)
     spent = sum(int(x) * int(c) for x, c in zip(n.tolist(), cost.tolist(), strict=True))
     assert st_.spent == spent and 0 < spent <= budget
 
@@ -337,8 +338,9 @@ def test_group_sums_near_float64_max_refused_naming_rewards(backend):
     with pytest.raises(ValueError, match=r"rewards: \|rewards\[0\]\| = 1e\+308 overflows"):
         ck.advantages.group_advantages(r, group_size=2, backend=backend)
     big = torch.tensor([1e150, -1e150, 3e150, 1e150], dtype=torch.float64)
-    adv, _, stats = ck.advantages.group_advantages(big, group_size=2, mode="dr_grpo",
-                                                   backend=backend)  # fmt: skip
+    adv, _, stats = ck.advantages.group_advantages(
+        big, group_size=2, mode="dr_grpo", backend=backend
+    )
     assert torch.isfinite(adv).all() and torch.isfinite(stats.group_std).all()
     torch.testing.assert_close(adv / 1e150, torch.tensor([1.0, -1, 1, -1], dtype=torch.float64))
 
@@ -372,8 +374,9 @@ def test_espo_numpy_options_issue_cases():
     ref = _espo(quantiles=(0.25, 0.75), vocab_size=100)
     _same(ref, _espo(quantiles=np.array([0.25, 0.75]), vocab_size=np.int64(100)))
     _same(_espo(clip=(0.1, 0.2)), _espo(clip=np.array([0.1, 0.2])))
-    _same(_espo(num_groups=3, vocab_size=100), _espo(num_groups=np.int64(3),
-                                                     vocab_size=np.int64(100)))  # fmt: skip
+    _same(
+        _espo(num_groups=3, vocab_size=100), _espo(num_groups=np.int64(3), vocab_size=np.int64(100))
+    )
     _same(_espo(clip=float(np.float32(0.2))), _espo(clip=np.float32(0.2)))
     with pytest.raises((TypeError, ValueError), match="num_groups"):
         _espo(num_groups=True, vocab_size=100)

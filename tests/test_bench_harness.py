@@ -184,8 +184,18 @@ def test_csv_refuses_foreign_header(tmp_path):
 
 
 def _row(op: str, provider: str, shape: str, ratio: float, error: str = "") -> harness.Row:
-    return harness.Row(op, provider, shape, "cpu", 1e-3 / ratio, 1e-5, ratio, 0,
-                       is_baseline=provider == "base", error=error)  # fmt: skip
+    return harness.Row(
+        op,
+        provider,
+        shape,
+        "cpu",
+        1e-3 / ratio,
+        1e-5,
+        ratio,
+        0,
+        is_baseline=provider == "base",
+        error=error,
+    )
 
 
 def test_plot_one_png_per_op(tmp_path):

@@ -17,8 +17,9 @@ from compass_kernels.advantages.reference import (
 alloc = ck.advantages.allocate_rollouts
 
 
-def dp_optimum(g: torch.Tensor, cost: list[int], budget: int, m: int, M: int,
-               required: list[bool]) -> float:  # fmt: skip
+def dp_optimum(
+    g: torch.Tensor, cost: list[int], budget: int, m: int, M: int, required: list[bool]
+) -> float:
     """Exact optimum by dynamic programming over the budget: best[b] = the most
     expected informative groups of the prompts so far with total cost <= b."""
     neg = float("-inf")
@@ -112,9 +113,17 @@ def test_matches_reference(integer):
             required[:] = False
         out = torch.full((P,), -7, dtype=torch.int64)  # poisoned: every entry must be written
         res = ck._ext.load().advantages.allocate_rollouts_cpu(
-            s, att, torch.ones(P, dtype=torch.int64) if unit else cost, required, budget, m,
-            M, 1.0, 1.0, out,
-        )  # fmt: skip
+            s,
+            att,
+            torch.ones(P, dtype=torch.int64) if unit else cost,
+            required,
+            budget,
+            m,
+            M,
+            1.0,
+            1.0,
+            out,
+        )
         n_ref, v_ref, ub_ref = allocate_rollouts_reference(
             s, att, budget, min_n=m, max_n=M, cost=cost, required=required
         )
@@ -125,16 +134,20 @@ def test_matches_reference(integer):
         assert bool(((out == 0) | ((out >= m) & (out <= M))).all())
 
 
-@pytest.mark.parametrize("unit, per_prompt, M", [(True, 1.5, 37), (False, 6.0, 64)],
-                         ids=["unit_cost", "token_cost"])  # fmt: skip
+@pytest.mark.parametrize(
+    "unit, per_prompt, M", [(True, 1.5, 37), (False, 6.0, 64)], ids=["unit_cost", "token_cost"]
+)
 def test_matches_reference_large(unit, per_prompt, M):
     """At a size where the fast path's bulk phases run (lockstep generation, rounds of
     extension against a rising crossing, the crossing bucket split on 12 more bits,
     the arena): the same allocation as the spec (decayed float counts, no ties)."""
     P = 1001
     g = torch.Generator().manual_seed(3 if unit else 4)
-    p = torch.where(torch.rand(P, generator=g) < 0.8, torch.rand(P, generator=g) * 0.04,
-                    torch.rand(P, generator=g)).double()  # fmt: skip
+    p = torch.where(
+        torch.rand(P, generator=g) < 0.8,
+        torch.rand(P, generator=g) * 0.04,
+        torch.rand(P, generator=g),
+    ).double()
     p = torch.where(torch.rand(P, generator=g) < 0.5, p, 1 - p)  # late training: mostly settled
     att = torch.rand(P, generator=g, dtype=torch.float64) * 24  # decayed counts
     s = att * p
@@ -142,8 +155,9 @@ def test_matches_reference_large(unit, per_prompt, M):
     budget = int(per_prompt * (P if unit else int(cost.sum())))
     required = torch.rand(P, generator=torch.Generator().manual_seed(2)) < 0.05
     n, st = alloc(s, att, budget, max_n=M, cost=cost, required=required, return_stats=True)
-    n_ref, v_ref, ub_ref = allocate_rollouts_reference(s, att, budget, max_n=M, cost=cost,
-                                                       required=required)  # fmt: skip
+    n_ref, v_ref, ub_ref = allocate_rollouts_reference(
+        s, att, budget, max_n=M, cost=cost, required=required
+    )
     assert torch.equal(n, n_ref), int((n != n_ref).sum())
     assert abs(st.expected - v_ref) <= 1e-9 * v_ref
     assert abs(st.upper_bound - ub_ref) <= 1e-9 * ub_ref
@@ -154,8 +168,11 @@ def test_properties_large():
     the budget, at a size where the histogram / extension / heap phases all run."""
     g = torch.Generator().manual_seed(0)
     P = 3001
-    p = torch.where(torch.rand(P, generator=g) < 0.7, torch.rand(P, generator=g) * 0.05,
-                    torch.rand(P, generator=g))  # fmt: skip
+    p = torch.where(
+        torch.rand(P, generator=g) < 0.7,
+        torch.rand(P, generator=g) * 0.05,
+        torch.rand(P, generator=g),
+    )
     att = torch.randint(0, 33, (P,), generator=g)
     s = torch.binomial(att.double(), p.double()).to(torch.int64)
     cost = torch.randint(20, 4000, (P,), generator=g)
@@ -163,8 +180,9 @@ def test_properties_large():
     prev = -1.0
     for scale in (0.0, 0.5, 2.0, 5.0, 9.0, 40.0, 100.0):
         budget = int(scale * float(cost.sum())) + int((2 * cost)[required].sum())
-        n, st = alloc(s, att, budget, min_n=2, max_n=37, cost=cost, required=required,
-                      return_stats=True)  # fmt: skip
+        n, st = alloc(
+            s, att, budget, min_n=2, max_n=37, cost=cost, required=required, return_stats=True
+        )
         assert int((n * cost).sum()) == st.spent <= budget
         assert bool(((n == 0) | ((n >= 2) & (n <= 37))).all())
         assert bool((n[required] >= 2).all())
@@ -215,7 +233,7 @@ def test_informative_probability_closed_form():
         (
             dict(successes=torch.tensor([1.0, float("nan")]), attempts=torch.tensor([2, 2])),
             "successes",
-        ),  # fmt: skip
+        ),
         (dict(attempts=torch.tensor([2.0, float("inf")])), "attempts"),
         (dict(cost=torch.tensor([1.0, float("nan")])), "cost"),
         (dict(cost=torch.tensor([0.5, 3.0])), "cost"),

@@ -56,8 +56,9 @@ def test_cuda_runtime_is_static():
 def test_libstdcxx_is_shared():
     """A statically linked libstdc++ makes every C++ argument error crash Python in a
     process that also loads torch's (seen on a GPU image; setup.py refuses such a build)."""
-    dyn = subprocess.run(["readelf", "-d", _C.__file__], capture_output=True, text=True,
-                         check=True).stdout  # fmt: skip
+    dyn = subprocess.run(
+        ["readelf", "-d", _C.__file__], capture_output=True, text=True, check=True
+    ).stdout
     assert "libstdc++.so" in dyn, dyn
 
 
@@ -85,8 +86,11 @@ def test_sm90a_kernels_have_no_device_asserts():
 
 
 def _nvcc() -> str | None:
-    for cand in (shutil.which("nvcc"), os.path.join(os.environ.get("CUDA_HOME", ""), "bin/nvcc"),
-                 "/usr/local/cuda/bin/nvcc"):  # fmt: skip
+    for cand in (
+        shutil.which("nvcc"),
+        os.path.join(os.environ.get("CUDA_HOME", ""), "bin/nvcc"),
+        "/usr/local/cuda/bin/nvcc",
+    ):
         if cand and os.access(cand, os.X_OK):
             return cand
     return None
@@ -112,7 +116,16 @@ def test_cutlass_headers_from_the_wheel_compile_for_sm90a(tmp_path):
         "}\n"
     )
     cubin = tmp_path / "probe.cubin"
-    cmd = [nvcc, "-std=c++17", "-DNDEBUG", "-arch=sm_90a", "-cubin", f"-I{include}",
-           "-o", str(cubin), str(src)]  # fmt: skip
+    cmd = [
+        nvcc,
+        "-std=c++17",
+        "-DNDEBUG",
+        "-arch=sm_90a",
+        "-cubin",
+        f"-I{include}",
+        "-o",
+        str(cubin),
+        str(src),
+    ]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     aot.assert_sass_contains(aot.sass_of(cubin), r"F2FP\.SATFINITE\.E4M3", kernel="to_e4m3")

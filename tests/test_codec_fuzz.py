@@ -30,17 +30,46 @@ from compass_kernels.routing.trace import TraceError
 
 # header fields: (index in _HEADER, name, bits)
 FIELDS = [
-    (1, "version", 16), (2, "codec", 8), (3, "flags", 8), (4, "num_experts", 32),
-    (5, "top_k", 16), (7, "num_moe_layers", 32), (8, "num_mtp_layers", 32),
-    (9, "num_sequences", 64), (10, "num_rows", 64), (11, "body_bytes", 64),
+    (1, "version", 16),
+    (2, "codec", 8),
+    (3, "flags", 8),
+    (4, "num_experts", 32),
+    (5, "top_k", 16),
+    (7, "num_moe_layers", 32),
+    (8, "num_mtp_layers", 32),
+    (9, "num_sequences", 64),
+    (10, "num_rows", 64),
+    (11, "body_bytes", 64),
     (12, "payload_bytes", 64),
-]  # fmt: skip
+]
 
 
 def extremes(bits: int) -> list[int]:
     top = 2**bits - 1
-    vals = {0, 1, 2, 3, 7, 8, 63, 64, 255, 256, 2**16 - 1, 2**31, 2**32 - 1, 2**32, 2**53 + 1,
-            2**61, 2**62, 2**63 - 8, 2**63 - 1, 2**63, 2**64 - 8, top}  # fmt: skip
+    vals = {
+        0,
+        1,
+        2,
+        3,
+        7,
+        8,
+        63,
+        64,
+        255,
+        256,
+        2**16 - 1,
+        2**31,
+        2**32 - 1,
+        2**32,
+        2**53 + 1,
+        2**61,
+        2**62,
+        2**63 - 8,
+        2**63 - 1,
+        2**63,
+        2**64 - 8,
+        top,
+    }
     return sorted(v for v in vals if v <= top)
 
 
@@ -65,8 +94,9 @@ def sample_blobs() -> list[bytes]:
         cu = torch.tensor([0, rows // 2, rows], dtype=torch.int64)
         m = (torch.arange(rows) % 3 == 0) if missing else None
         tl = [rows // 2 + 1, rows - rows // 2 + 1] if token_lens else None
-        return RoutingTrace(ids, cu, e, missing=m, token_lens=tl,
-                            mtp_layer_ids=list(range(mtp)) or None)  # fmt: skip
+        return RoutingTrace(
+            ids, cu, e, missing=m, token_lens=tl, mtp_layer_ids=list(range(mtp)) or None
+        )
 
     out = []
     for codec in ("raw", "set"):
@@ -155,8 +185,9 @@ def test_fuzz_header_fields_bounded_time_and_memory():
     a bounded trace, within seconds, under a 1 GiB address-space cap."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
-                       timeout=120)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=120
+    )
     took = time.perf_counter() - t0
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "fuzz ok" in r.stdout

@@ -20,8 +20,13 @@ def _full(rows, *, e=16, k=4, layers=(1, 3), seed=0):
 
 
 def _part(full, lo, hi, token_lens=None):
-    return RoutingTrace(full.expert_ids[lo:hi].clone(), torch.tensor([0, hi - lo]), 16,
-                        layer_ids=full.layer_ids, token_lens=token_lens)  # fmt: skip
+    return RoutingTrace(
+        full.expert_ids[lo:hi].clone(),
+        torch.tensor([0, hi - lo]),
+        16,
+        layer_ids=full.layer_ids,
+        token_lens=token_lens,
+    )
 
 
 def test_resume_duplication():
@@ -175,8 +180,9 @@ def test_flops_balancing_vs_the_token_cap():
     # short ones together weigh less than the long one, by tokens twice as much
     lengths = [1000] + [50] * 40
     for kw in ({}, {"pad_multiple": 8}, {"micro_batch_multiple": 2}):
-        p = packing.plan(lengths, dp_size=1, max_tokens=1000, cost="attention",
-                         model_config=cfg, **kw)  # fmt: skip
+        p = packing.plan(
+            lengths, dp_size=1, max_tokens=1000, cost="attention", model_config=cfg, **kw
+        )
         pref.check_plan(p, lengths, dp_size=1, max_tokens=1000, **kw)
         assert p.stats["max_mb_tokens"] <= 1000
     rng = np.random.default_rng(21)
@@ -188,8 +194,15 @@ def test_flops_balancing_vs_the_token_cap():
         pad = int(rng.choice([1, 4]))
         cap = -(-cap // pad) * pad
         try:
-            p = packing.plan(lens, dp_size=dp, max_tokens=cap, cost="attention",
-                             model_config=cfg, group_ids=gids, pad_multiple=pad)  # fmt: skip
+            p = packing.plan(
+                lens,
+                dp_size=dp,
+                max_tokens=cap,
+                cost="attention",
+                model_config=cfg,
+                group_ids=gids,
+                pad_multiple=pad,
+            )
         except ValueError as e:  # only a refusal that names why
             assert "dp_size" in str(e) or "no plan" in str(e), str(e)
             continue
@@ -230,13 +243,15 @@ def test_dynamic_sampling_mask_per_group():
     from compass_kernels.advantages import reference as aref
 
     g = make_generator(21)
-    rewards = torch.cat([
-        torch.tensor([1.0] * 7 + [0.0]),  # group 0: informative, kept whole
-        torch.ones(8),  # group 1: seven+one identical winners, dropped whole
-        torch.tensor([0.5, 0.5 + 1e-9, 0.5, 0.5]),  # group 2: within zero_var_tol
-        torch.tensor([0.0, 1.0, 0.0, 0.0]),  # group 3: one winner: kept
-        torch.tensor([2.0]),  # group 4: a group of one: dropped
-    ])  # fmt: skip
+    rewards = torch.cat(
+        [
+            torch.tensor([1.0] * 7 + [0.0]),  # group 0: informative, kept whole
+            torch.ones(8),  # group 1: seven+one identical winners, dropped whole
+            torch.tensor([0.5, 0.5 + 1e-9, 0.5, 0.5]),  # group 2: within zero_var_tol
+            torch.tensor([0.0, 1.0, 0.0, 0.0]),  # group 3: one winner: kept
+            torch.tensor([2.0]),  # group 4: a group of one: dropped
+        ]
+    )
     gids = torch.tensor([0] * 8 + [1] * 8 + [2] * 4 + [3] * 4 + [4])
     perm = torch.randperm(rewards.numel(), generator=g)  # rollouts arrive interleaved
     r, gid = rewards[perm], gids[perm] * 7 + 3  # ids need not be 0..G-1
@@ -296,52 +311,75 @@ def _nan_cases():
 
     return {
         "group_advantages.rewards": (
-            "rewards", lambda: advantages.group_advantages(_nan_at(x8, 3), group_size=4)),
-        "rl_zvp.entropy": (
-            "entropy", lambda: advantages.rl_zvp(_nan_at(ent, 4), cu, adv2, zv)),
+            "rewards",
+            lambda: advantages.group_advantages(_nan_at(x8, 3), group_size=4),
+        ),
+        "rl_zvp.entropy": ("entropy", lambda: advantages.rl_zvp(_nan_at(ent, 4), cu, adv2, zv)),
         "rl_zvp.rewards": (
-            "rewards", lambda: advantages.rl_zvp(ent, cu, _nan_at(adv2, 1, inf), zv)),
-        "allocate_rollouts.successes": (
-            "successes", lambda: alloc(_nan_at(succ, 0), att, 8)),
-        "allocate_rollouts.attempts": (
-            "attempts", lambda: alloc(succ, _nan_at(att, 1, inf), 8)),
+            "rewards",
+            lambda: advantages.rl_zvp(ent, cu, _nan_at(adv2, 1, inf), zv),
+        ),
+        "allocate_rollouts.successes": ("successes", lambda: alloc(_nan_at(succ, 0), att, 8)),
+        "allocate_rollouts.attempts": ("attempts", lambda: alloc(succ, _nan_at(att, 1, inf), 8)),
         "allocate_rollouts.cost": (
-            "cost", lambda: alloc(succ, att, 8, cost=torch.tensor([1.0, inf]))),
-        "allocate_rollouts.budget": (
-            "budget", lambda: alloc(succ, att, float("nan"))),
+            "cost",
+            lambda: alloc(succ, att, 8, cost=torch.tensor([1.0, inf])),
+        ),
+        "allocate_rollouts.budget": ("budget", lambda: alloc(succ, att, float("nan"))),
         "token_logprobs_entropy.logits": (
-            "logits", lambda: espo.token_logprobs_entropy(_nan_at(logits, (1, 2)), tgt)),
+            "logits",
+            lambda: espo.token_logprobs_entropy(_nan_at(logits, (1, 2)), tgt),
+        ),
         "token_logprobs_entropy.+inf": (
-            "logits", lambda: espo.token_logprobs_entropy(_nan_at(logits, (1, 2), inf), tgt)),
+            "logits",
+            lambda: espo.token_logprobs_entropy(_nan_at(logits, (1, 2), inf), tgt),
+        ),
         "fused_linear_logprobs_entropy.hidden": (
-            "hidden", lambda: fused_lp(_nan_at(hid, (0, 0)), w, tgt)),
+            "hidden",
+            lambda: fused_lp(_nan_at(hid, (0, 0)), w, tgt),
+        ),
         "fused_linear_logprobs_entropy.weight": (
-            "weight", lambda: fused_lp(hid, _nan_at(w, (9, 7), inf), tgt)),
-        "espo_loss.logprobs": (
-            "logprobs", lambda: loss(_nan_at(lp, 2), lp, ent, adv2, cu)),
-        "espo_loss.old_logprobs": (
-            "old_logprobs", lambda: loss(lp, _nan_at(lp, 5), ent, adv2, cu)),
+            "weight",
+            lambda: fused_lp(hid, _nan_at(w, (9, 7), inf), tgt),
+        ),
+        "espo_loss.logprobs": ("logprobs", lambda: loss(_nan_at(lp, 2), lp, ent, adv2, cu)),
+        "espo_loss.old_logprobs": ("old_logprobs", lambda: loss(lp, _nan_at(lp, 5), ent, adv2, cu)),
         "espo_loss.old_entropy": (
-            "old_entropy", lambda: loss(lp, lp, _nan_at(ent, 0, inf), adv2, cu)),
-        "espo_loss.advantages": (
-            "advantages", lambda: loss(lp, lp, ent, _nan_at(adv2, 0), cu)),
+            "old_entropy",
+            lambda: loss(lp, lp, _nan_at(ent, 0, inf), adv2, cu),
+        ),
+        "espo_loss.advantages": ("advantages", lambda: loss(lp, lp, ent, _nan_at(adv2, 0), cu)),
         "fused_linear_espo_loss.hidden": (
-            "hidden", lambda: espo.fused_linear_espo_loss(
-                _nan_at(hid, (3, 1)), w, tgt, lp[:4], ent[:4], adv2, cu4)),
+            "hidden",
+            lambda: espo.fused_linear_espo_loss(
+                _nan_at(hid, (3, 1)), w, tgt, lp[:4], ent[:4], adv2, cu4
+            ),
+        ),
         "fused_linear_espo_loss.advantages": (
-            "advantages", lambda: espo.fused_linear_espo_loss(
-                hid, w, tgt, lp[:4], ent[:4], _nan_at(adv2, 1), cu4)),
+            "advantages",
+            lambda: espo.fused_linear_espo_loss(
+                hid, w, tgt, lp[:4], ent[:4], _nan_at(adv2, 1), cu4
+            ),
+        ),
         "quantize_blockwise.w": ("w", lambda: fp8.quantize_blockwise(_nan_at(wt, (5, 5)))),
         "quantize_token_groups.x": (
-            "x", lambda: fp8.quantize_token_groups(_nan_at(wt, (0, 127), -inf))),
+            "x",
+            lambda: fp8.quantize_token_groups(_nan_at(wt, (0, 127), -inf)),
+        ),
         "permute_quantize.x": ("x", lambda: fp8.permute_quantize(_nan_at(wt, (9, 9)), ids, 4)),
         "grouped_gemm.a_scales": (
-            "a_scales", lambda: fp8.grouped_gemm(aq, _nan_at(asc, (2, 0)), bq, bsc, off)),
+            "a_scales",
+            lambda: fp8.grouped_gemm(aq, _nan_at(asc, (2, 0)), bq, bsc, off),
+        ),
         "grouped_gemm.b_scales": (
-            "b_scales", lambda: fp8.grouped_gemm(aq, asc, bq, _nan_at(bsc, (1, 0, 0), inf), off)),
+            "b_scales",
+            lambda: fp8.grouped_gemm(aq, asc, bq, _nan_at(bsc, (1, 0, 0), inf), off),
+        ),
         "replay_topk.router_logits": (
-            "router_logits", lambda: replay_topk(_nan_at(logits, (2, 5)), tgt[:, None])),
-    }  # fmt: skip
+            "router_logits",
+            lambda: replay_topk(_nan_at(logits, (2, 5)), tgt[:, None]),
+        ),
+    }
 
 
 _NAN_CASES = sorted(_nan_cases())
@@ -399,8 +437,9 @@ def test_unchecked_values_give_what_the_policy_says():
     aq, asc = fp8.quantize_token_groups(torch.randn(5, 256, generator=g))
     bq, bsc = fp8.quantize_blockwise(torch.randn(1, 256, 256, generator=g))
     off = torch.tensor([0, 5])
-    out = fp8.grouped_gemm(aq, asc, bq, _nan_at(bsc, (0, 1, 0)), off, out_dtype=torch.float32,
-                           validate=False)  # fmt: skip
+    out = fp8.grouped_gemm(
+        aq, asc, bq, _nan_at(bsc, (0, 1, 0)), off, out_dtype=torch.float32, validate=False
+    )
     assert bool(out[:, 128:].isnan().all()) and bool(out[:, :128].isfinite().all())
     # -inf logits are masked tokens, not errors
     logits = _nan_at(torch.randn(3, 5), (0, 4), float("-inf"))

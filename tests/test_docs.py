@@ -19,9 +19,22 @@ DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
 PACKAGE = ROOT / "compass_kernels"
 #: Top-level entries a path in the docs may start with.
 TOP = (
-    "compass_kernels", "docs", "tests", "scripts", "bench", "csrc", "examples", "cmake", ".ci",
-    "Makefile", "pyproject.toml", "setup.py", "CMakeLists.txt", "MANIFEST.in", "README.md",
-)  # fmt: skip
+    "compass_kernels",
+    "docs",
+    "tests",
+    "scripts",
+    "bench",
+    "csrc",
+    "examples",
+    "cmake",
+    ".ci",
+    "Makefile",
+    "pyproject.toml",
+    "setup.py",
+    "CMakeLists.txt",
+    "MANIFEST.in",
+    "README.md",
+)
 #: Files and folders that exist only after a build or a run (named in the docs as outputs).
 GENERATED = ("build/", "rl_out", "dist/", ".venv", "compass_kernels/_C", "compass_kernels/_C_emu")
 #: What lies outside the repository and must not be cited: the brief behind the project.

@@ -76,22 +76,44 @@ CASES = [
 def test_matches_reference(case, strategy):
     lengths, tail, hidden, vocab, chunk, opts = CASES[case]
     per_tok = case == 1
-    h, w, y, old, old_ent, adv, cu, mask = make_batch(lengths, tail, hidden, vocab, seed=case,
-                                                      per_token_adv=per_tok)  # fmt: skip
+    h, w, y, old, old_ent, adv, cu, mask = make_batch(
+        lengths, tail, hidden, vocab, seed=case, per_token_adv=per_tok
+    )
     coef = 0.01 if case % 2 == 0 else 0.0
     temp = 0.9 if case == 2 else 1.0
     ref_opts = dict(opts)
     if opts["mode"] == "espo" and "clip" not in opts:
         ref_opts["vocab_size"] = vocab
     ref_loss, ref_lp, ref_ent, ref_dh, ref_dw = reference(
-        h, w, y, old, old_ent, adv, cu, mask, coef, temp,
+        h,
+        w,
+        y,
+        old,
+        old_ent,
+        adv,
+        cu,
+        mask,
+        coef,
+        temp,
         dict(ref_opts, advantages_per_token=per_tok),
-    )  # fmt: skip
+    )
     hq, wq = h.clone().requires_grad_(), w.clone().requires_grad_()
     loss, metrics, lp, ent = ck.espo.fused_linear_espo_loss(
-        hq, wq, y, old, old_ent, adv, cu, mask, entropy_coef=coef, temperature=temp,
-        strategy=strategy, token_chunk=chunk, advantages_per_token=per_tok, **opts,
-    )  # fmt: skip
+        hq,
+        wq,
+        y,
+        old,
+        old_ent,
+        adv,
+        cu,
+        mask,
+        entropy_coef=coef,
+        temperature=temp,
+        strategy=strategy,
+        token_chunk=chunk,
+        advantages_per_token=per_tok,
+        **opts,
+    )
     (loss * 3.0).backward()  # a non-unit upstream gradient: the stored grads scale
     assert_verbose_allclose(lp, ref_lp.float(), name="logprobs", **TOL)
     assert_verbose_allclose(ent, ref_ent.float(), name="entropy", **TOL)
@@ -104,13 +126,16 @@ def test_matches_reference(case, strategy):
 
 
 def test_bf16_grad_in_forward():
-    h, w, y, old, old_ent, adv, cu, mask = make_batch((9, 14), 1, 16, 300, seed=7,
-                                                      dtype=torch.bfloat16)  # fmt: skip
-    ref_loss, _, _, ref_dh, ref_dw = reference(h, w, y, old, old_ent, adv, cu, mask, 0.0, 1.0,
-                                               {"mode": "grpo"})  # fmt: skip
+    h, w, y, old, old_ent, adv, cu, mask = make_batch(
+        (9, 14), 1, 16, 300, seed=7, dtype=torch.bfloat16
+    )
+    ref_loss, _, _, ref_dh, ref_dw = reference(
+        h, w, y, old, old_ent, adv, cu, mask, 0.0, 1.0, {"mode": "grpo"}
+    )
     hq, wq = h.clone().requires_grad_(), w.clone().requires_grad_()
-    loss, _, _, _ = ck.espo.fused_linear_espo_loss(hq, wq, y, old, old_ent, adv, cu, mask,
-                                                   mode="grpo", token_chunk=5)  # fmt: skip
+    loss, _, _, _ = ck.espo.fused_linear_espo_loss(
+        hq, wq, y, old, old_ent, adv, cu, mask, mode="grpo", token_chunk=5
+    )
     loss.backward()
     assert hq.grad.dtype == torch.bfloat16 and wq.grad.dtype == torch.bfloat16
     assert_verbose_allclose(loss.double(), ref_loss, name="loss", atol=1e-5, rtol=1e-4)
@@ -190,8 +215,16 @@ def test_loss_inputs_checked_before_any_gemm_without_running_the_loss(strategy, 
     base = dict(old_logprobs=old, old_entropy=old_ent, advantages=adv, cu_seqlens=cu, mask=mask)
     for i, (name, bad) in enumerate(cases):
         kw = base | bad
-        call = (h, w, y, kw["old_logprobs"], kw["old_entropy"], kw["advantages"],
-                kw["cu_seqlens"], kw["mask"])  # fmt: skip
+        call = (
+            h,
+            w,
+            y,
+            kw["old_logprobs"],
+            kw["old_entropy"],
+            kw["advantages"],
+            kw["cu_seqlens"],
+            kw["mask"],
+        )
         if i < 2:  # metadata: no GEMM recorded (a dispatch mode skips data checks)
             with _MatmulDtypes() as rec, pytest.raises(ValueError, match=name):
                 f(*call, mode="grpo", strategy=strategy)
@@ -205,8 +238,9 @@ def test_loss_inputs_checked_before_any_gemm_without_running_the_loss(strategy, 
 def test_second_backward_refused():
     h, w, y, old, old_ent, adv, cu, mask = make_batch((5, 6), 0, 8, 50, seed=5)
     hq = h.clone().requires_grad_()
-    loss, _, _, _ = ck.espo.fused_linear_espo_loss(hq, w, y, old, old_ent, adv, cu, mask,
-                                                   mode="grpo")  # fmt: skip
+    loss, _, _, _ = ck.espo.fused_linear_espo_loss(
+        hq, w, y, old, old_ent, adv, cu, mask, mode="grpo"
+    )
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="once per forward"):
         loss.backward()
@@ -222,17 +256,29 @@ def test_grpo_matches_liger():
     mask = torch.ones(seqs, seq_len)
     mask[0, 7:] = 0
     mask[2, 4:] = 0
-    liger = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, compiled=False,
-                                     loss_type="grpo", epsilon_low=0.2, epsilon_high=0.2,
-                                     chunk_size=1)  # fmt: skip
+    liger = LigerFusedLinearGRPOLoss(
+        beta=0.0,
+        use_ref_model=False,
+        compiled=False,
+        loss_type="grpo",
+        epsilon_low=0.2,
+        epsilon_high=0.2,
+        chunk_size=1,
+    )
     hl, wl = h.clone().requires_grad_(), w.clone().requires_grad_()
-    ref, _ = liger(hl.view(seqs, seq_len, hidden), wl, y.view(seqs, seq_len), mask, adv,
-                   old_per_token_logps=old.view(seqs, seq_len))  # fmt: skip
+    ref, _ = liger(
+        hl.view(seqs, seq_len, hidden),
+        wl,
+        y.view(seqs, seq_len),
+        mask,
+        adv,
+        old_per_token_logps=old.view(seqs, seq_len),
+    )
     ref.backward()
     hq, wq = h.clone().requires_grad_(), w.clone().requires_grad_()
-    loss, _, _, _ = ck.espo.fused_linear_espo_loss(hq, wq, y, old, old_ent, adv, cu,
-                                                   mask.view(-1).bool(), mode="grpo",
-                                                   token_chunk=8)  # fmt: skip
+    loss, _, _, _ = ck.espo.fused_linear_espo_loss(
+        hq, wq, y, old, old_ent, adv, cu, mask.view(-1).bool(), mode="grpo", token_chunk=8
+    )
     loss.backward()
     assert_verbose_allclose(loss, ref.float(), name="loss", atol=1e-6, rtol=1e-5)
     assert_verbose_allclose(hq.grad, hl.grad, name="d_hidden", **TOL)
@@ -242,11 +288,13 @@ def test_grpo_matches_liger():
 def test_no_grad_forward_only():
     """Under no_grad only the logits GEMM runs; loss and log-probs are unchanged."""
     h, w, y, old, old_ent, adv, cu, mask = make_batch((5, 6, 2), 1, 8, 70, seed=6)
-    ref_loss, ref_lp, _, _, _ = reference(h, w, y, old, old_ent, adv, cu, mask, 0.0, 1.0,
-                                          {"mode": "grpo"})  # fmt: skip
+    ref_loss, ref_lp, _, _, _ = reference(
+        h, w, y, old, old_ent, adv, cu, mask, 0.0, 1.0, {"mode": "grpo"}
+    )
     with torch.no_grad():
-        loss, _, lp, _ = ck.espo.fused_linear_espo_loss(h.requires_grad_(), w, y, old, old_ent,
-                                                        adv, cu, mask, mode="grpo")  # fmt: skip
+        loss, _, lp, _ = ck.espo.fused_linear_espo_loss(
+            h.requires_grad_(), w, y, old, old_ent, adv, cu, mask, mode="grpo"
+        )
     assert loss.grad_fn is None
     assert_verbose_allclose(loss.double(), ref_loss, name="loss", atol=1e-6, rtol=1e-5)
     assert_verbose_allclose(lp, ref_lp.float(), name="logprobs", **TOL)
@@ -263,8 +311,13 @@ def test_host_plan_reads_no_tensor(monkeypatch):
     and the results equal the call that plans from cu_seqlens itself."""
     h, w, y, old, old_ent, adv, cu, mask = make_batch((6, 9, 4, 12, 3), 2, 11, 257, seed=12)
     f = ck.espo.fused_linear_espo_loss
-    kw = {"mode": "espo", "clip": 0.1, "strategy": "grad_in_forward", "token_chunk": 16,
-          "validate": False}  # fmt: skip
+    kw = {
+        "mode": "espo",
+        "clip": 0.1,
+        "strategy": "grad_in_forward",
+        "token_chunk": 16,
+        "validate": False,
+    }
     hq = h.clone().requires_grad_()
     ref_loss, _, ref_lp, _ = f(hq, w, y, old, old_ent, adv, cu, mask, **kw)
     ref_loss.backward()
@@ -343,8 +396,11 @@ class _GemmCount:
 
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm,
-                                           torch.ops.aten.addmm_):  # fmt: skip
+                if func.overloadpacket in (
+                    torch.ops.aten.mm,
+                    torch.ops.aten.addmm,
+                    torch.ops.aten.addmm_,
+                ):
                     counter.n += 1
                 return func(*args, **(kwargs or {}))
 
@@ -360,8 +416,9 @@ class _GemmCount:
 def _run_tp(rank, world, group, opts, strategy, chunk, bf16):
     lengths, tail, hidden, vocab = TP_CASE
     dtype = torch.bfloat16 if bf16 else torch.float32
-    h, w, y, old, old_ent, adv, cu, mask = make_batch(lengths, tail, hidden, vocab, seed=21,
-                                                      dtype=dtype)  # fmt: skip
+    h, w, y, old, old_ent, adv, cu, mask = make_batch(
+        lengths, tail, hidden, vocab, seed=21, dtype=dtype
+    )
     shard = vocab // world
     hq = h.clone().requires_grad_()
     wq = w[rank * shard : (rank + 1) * shard].clone().requires_grad_()
@@ -370,13 +427,31 @@ def _run_tp(rank, world, group, opts, strategy, chunk, bf16):
     mixed_addmm_supported(h.device)
     with _GemmCount() as count:
         loss, _, lp, ent = ck.espo.fused_linear_espo_loss(
-            hq, wq, y, old, old_ent, adv, cu, mask, entropy_coef=0.01, temperature=0.9,
-            strategy=strategy, token_chunk=chunk, tp_group=group,
-            grad_gemm_dtype="input" if bf16 else "auto", **opts,
-        )  # fmt: skip
+            hq,
+            wq,
+            y,
+            old,
+            old_ent,
+            adv,
+            cu,
+            mask,
+            entropy_coef=0.01,
+            temperature=0.9,
+            strategy=strategy,
+            token_chunk=chunk,
+            tp_group=group,
+            grad_gemm_dtype="input" if bf16 else "auto",
+            **opts,
+        )
         (loss * 2.0).backward()
-    return {"loss": loss.detach(), "lp": lp, "ent": ent, "dh": hq.grad, "dw": wq.grad,
-            "gemms": count.n}  # fmt: skip
+    return {
+        "loss": loss.detach(),
+        "lp": lp,
+        "ent": ent,
+        "dh": hq.grad,
+        "dw": wq.grad,
+        "gemms": count.n,
+    }
 
 
 def _tp_worker(rank: int, world: int, init: str, out_dir: str) -> None:
@@ -462,8 +537,11 @@ class _MatmulDtypes:
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 kwargs = kwargs or {}
-                if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm,
-                                           torch.ops.aten.addmm_):  # fmt: skip
+                if func.overloadpacket in (
+                    torch.ops.aten.mm,
+                    torch.ops.aten.addmm,
+                    torch.ops.aten.addmm_,
+                ):
                     mats = args[:2] if func.overloadpacket is torch.ops.aten.mm else args[1:3]
                     rec.calls.append((func._overloadname, tuple(m.dtype for m in mats)))
                     if rec.emulate and func in mm_dtype:
@@ -499,18 +577,32 @@ def test_bf16_input_grad_gemms_match_reference(case, strategy):
     loss, log-probs and entropy as tight as float32 (the logits GEMM is exact
     in the bf16 inputs), gradients within the bf16 tolerances above."""
     lengths, tail, hidden, vocab, chunk, opts = CASES[case]
-    h, w, y, old, old_ent, adv, cu, mask = make_batch(lengths, tail, hidden, vocab, seed=40 + case,
-                                                      dtype=torch.bfloat16)  # fmt: skip
+    h, w, y, old, old_ent, adv, cu, mask = make_batch(
+        lengths, tail, hidden, vocab, seed=40 + case, dtype=torch.bfloat16
+    )
     coef = 0.01 if case % 2 == 0 else 0.0
     temp = 0.9 if case == 2 else 1.0
-    ref_loss, ref_lp, _, ref_dh, ref_dw = reference(h, w, y, old, old_ent, adv, cu, mask, coef,
-                                                    temp, opts)  # fmt: skip
+    ref_loss, ref_lp, _, ref_dh, ref_dw = reference(
+        h, w, y, old, old_ent, adv, cu, mask, coef, temp, opts
+    )
     hq, wq = h.clone().requires_grad_(), w.clone().requires_grad_()
     with _MatmulDtypes() as rec:
         loss, _, lp, _ = ck.espo.fused_linear_espo_loss(
-            hq, wq, y, old, old_ent, adv, cu, mask, entropy_coef=coef, temperature=temp,
-            strategy=strategy, token_chunk=chunk, grad_gemm_dtype="input", **opts,
-        )  # fmt: skip
+            hq,
+            wq,
+            y,
+            old,
+            old_ent,
+            adv,
+            cu,
+            mask,
+            entropy_coef=coef,
+            temperature=temp,
+            strategy=strategy,
+            token_chunk=chunk,
+            grad_gemm_dtype="input",
+            **opts,
+        )
         (loss * 3.0).backward()
     assert hq.grad.dtype == torch.bfloat16 and wq.grad.dtype == torch.bfloat16
     assert_verbose_allclose(lp, ref_lp.float(), name="logprobs", **TOL)
@@ -521,16 +613,27 @@ def test_bf16_input_grad_gemms_match_reference(case, strategy):
 
 
 def _gemm_dtypes(strategy, option, emulate_mixed=False, dtype=torch.bfloat16):
-    h, w, y, old, old_ent, adv, cu, mask = make_batch((7, 13, 1, 9), 3, 17, 301, seed=50,
-                                                      dtype=dtype)  # fmt: skip
+    h, w, y, old, old_ent, adv, cu, mask = make_batch(
+        (7, 13, 1, 9), 3, 17, 301, seed=50, dtype=dtype
+    )
     hq, wq = h.clone().requires_grad_(), w.clone().requires_grad_()
     mixed_mm_supported(h.device)  # the probe's mm (cached) runs before the record
     mixed_addmm_supported(h.device)
     with _MatmulDtypes(emulate_mixed) as rec:
         loss, _, _, _ = ck.espo.fused_linear_espo_loss(
-            hq, wq, y, old, old_ent, adv, cu, mask, mode="grpo", strategy=strategy,
-            token_chunk=8, grad_gemm_dtype=option,
-        )  # fmt: skip
+            hq,
+            wq,
+            y,
+            old,
+            old_ent,
+            adv,
+            cu,
+            mask,
+            mode="grpo",
+            strategy=strategy,
+            token_chunk=8,
+            grad_gemm_dtype=option,
+        )
         loss.backward()
     return rec.calls, (h, w, y, old, old_ent, adv, cu, mask), hq.grad, wq.grad
 
@@ -602,8 +705,9 @@ def test_mixed_mm_probe_on_cpu():
     assert "bfloat16 product" in logprobs.grad_gemm_info("input", torch.bfloat16, cpu)
     h, w, y, old, old_ent, adv, cu, mask = make_batch((3, 5), 0, 8, 50, seed=51)
     with pytest.raises(ValueError, match="grad_gemm_dtype: expected one of"):
-        ck.espo.fused_linear_espo_loss(h, w, y, old, old_ent, adv, cu, mask, mode="grpo",
-                                       grad_gemm_dtype="bf16")  # fmt: skip
+        ck.espo.fused_linear_espo_loss(
+            h, w, y, old, old_ent, adv, cu, mask, mode="grpo", grad_gemm_dtype="bf16"
+        )
     with pytest.raises(ValueError, match="grad_gemm_dtype"):
         ck.espo.fused_linear_logprobs_entropy(h, w, y, grad_gemm_dtype=torch.bfloat16)
 
@@ -631,12 +735,21 @@ def test_small_target_gradient_survives_bf16(strategy):
     assert 2e-5 < miss < 5e-4, miss  # 1 - p_target
     cu = torch.tensor([0, total], dtype=torch.int32)
     old, old_ent, adv = lp.float(), ent.float(), torch.tensor([1.0])
-    _, _, _, ref_dh, _ = reference(h, w, y, old, old_ent, adv, cu, None, 0.0, 1.0,
-                                   {"mode": "grpo"})  # fmt: skip
+    _, _, _, ref_dh, _ = reference(h, w, y, old, old_ent, adv, cu, None, 0.0, 1.0, {"mode": "grpo"})
     hq = h.clone().requires_grad_()
-    loss, _, _, _ = ck.espo.fused_linear_espo_loss(hq, w, y, old, old_ent, adv, cu, None,
-                                                   mode="grpo", strategy=strategy,
-                                                   grad_gemm_dtype="input")  # fmt: skip
+    loss, _, _, _ = ck.espo.fused_linear_espo_loss(
+        hq,
+        w,
+        y,
+        old,
+        old_ent,
+        adv,
+        cu,
+        None,
+        mode="grpo",
+        strategy=strategy,
+        grad_gemm_dtype="input",
+    )
     loss.backward()
     row, ref_row = hq.grad[hot].double(), ref_dh[hot]
     # the target term coef * (p - 1) w_y is most of this row

@@ -216,8 +216,9 @@ def test_autograd_through_public_api():
     g = make_generator(14)
     gl, gh = torch.randn(13, generator=g), torch.randn(13, generator=g)
     (logp * gl + ent * gh).sum().backward()
-    assert_verbose_allclose(x.grad, reference_grad(logits, targets, 1.1, gl, gh).float(),
-                            **GRAD_TOL[torch.float32])  # fmt: skip
+    assert_verbose_allclose(
+        x.grad, reference_grad(logits, targets, 1.1, gl, gh).float(), **GRAD_TOL[torch.float32]
+    )
     # Only the log-prob used: the entropy term contributes nothing.
     x.grad = None
     logp, ent = ck.espo.token_logprobs_entropy(x, targets, temperature=1.1)
@@ -264,9 +265,16 @@ def check_tile_stats(backend):
     state[1:] = 0
     for v0, v1 in ((0, 1), (1, 300), (300, 999), (999, 1000)):
         out = empty_poisoned((4, 11), torch.float32)
-        logprobs_tile_stats_op.run(logits=logits[:, v0:v1], targets=targets, vocab_start=v0,
-                                   temperature=0.9, with_entropy=True, state_in=state,
-                                   backend=backend, out=out)  # fmt: skip
+        logprobs_tile_stats_op.run(
+            logits=logits[:, v0:v1],
+            targets=targets,
+            vocab_start=v0,
+            temperature=0.9,
+            with_entropy=True,
+            state_in=state,
+            backend=backend,
+            out=out,
+        )
         state = out
     m, s, a, xt = state
     ref_lp, ref_h = token_logprobs_entropy_reference(logits, targets, 0.9)
@@ -321,8 +329,7 @@ def test_empty_batch():
 def test_opcheck_registered_ops():
     logits, targets = make_logits(5, 37, seed=17, masked=False)
     x = logits.clone().requires_grad_()
-    torch.library.opcheck(torch.ops.compass.token_logprobs_entropy.default,
-                          (x, targets, 0.9, True))  # fmt: skip
+    torch.library.opcheck(torch.ops.compass.token_logprobs_entropy.default, (x, targets, 0.9, True))
     _, ent, m, log_s = _fwd_poisoned(logits, targets, 0.9, True, "torch")
     g = torch.randn(5)
     bwd = torch.ops.compass.token_logprobs_entropy_bwd.default
@@ -370,9 +377,14 @@ def check_fused(rows, hidden, vocab, chunks, dtype, backend, seed=0, device="cpu
     h, w, y = make_fused(rows, hidden, vocab, seed, dtype)
     hq, wq = h.clone().to(device).requires_grad_(), w.clone().to(device).requires_grad_()
     logp, ent = ck.espo.fused_linear_logprobs_entropy(
-        hq, wq, y.to(device), temperature=0.9, token_chunk=chunks[0], vocab_chunk=chunks[1],
+        hq,
+        wq,
+        y.to(device),
+        temperature=0.9,
+        token_chunk=chunks[0],
+        vocab_chunk=chunks[1],
         backend=backend,
-    )  # fmt: skip
+    )
     g = make_generator(seed + 1)
     gl, gh = torch.randn(rows, generator=g), torch.randn(rows, generator=g)
     (logp * gl.to(device) + ent * gh.to(device)).sum().backward()
@@ -390,9 +402,13 @@ def check_fused(rows, hidden, vocab, chunks, dtype, backend, seed=0, device="cpu
 
 @pytest.mark.parametrize(
     "rows,hidden,vocab,chunks",
-    [(1, 3, 5, (1024, 8192)), (37, 19, 1001, (10, 300)), (64, 33, 517, (64, 517)),
-     (29, 8, 2000, (7, 1999))],
-)  # fmt: skip
+    [
+        (1, 3, 5, (1024, 8192)),
+        (37, 19, 1001, (10, 300)),
+        (64, 33, 517, (64, 517)),
+        (29, 8, 2000, (7, 1999)),
+    ],
+)
 def test_fused_linear_matches_reference(rows, hidden, vocab, chunks):
     check_fused(rows, hidden, vocab, chunks, torch.float32, None, seed=rows)
 
@@ -453,8 +469,9 @@ def _tp_worker(rank: int, world: int, init: str, out_dir: str) -> None:
         g = make_generator(42)
         gl, gh = torch.randn(rows, generator=g), torch.randn(rows, generator=g)
         (logp * gl + ent * gh).sum().backward()
-        torch.save({"logp": logp, "ent": ent, "dh": hq.grad, "dw": wq.grad},
-                   f"{out_dir}/rank{rank}.pt")  # fmt: skip
+        torch.save(
+            {"logp": logp, "ent": ent, "dh": hq.grad, "dw": wq.grad}, f"{out_dir}/rank{rank}.pt"
+        )
     finally:
         dist.destroy_process_group()
 

@@ -41,9 +41,14 @@ def _problem(rows=9, vocab=1025, dtype=torch.float32, seed=0):
 
 def _run_fwd(logits, y, backend, device):
     out = tuple(empty_poisoned(logits.shape[0], torch.float32, device) for _ in range(4))
-    res = token_logprobs_entropy_op.run(logits=logits.to(device), targets=y.to(device),
-                                        temperature=0.9, with_entropy=True, backend=backend,
-                                        out=out)  # fmt: skip
+    res = token_logprobs_entropy_op.run(
+        logits=logits.to(device),
+        targets=y.to(device),
+        temperature=0.9,
+        with_entropy=True,
+        backend=backend,
+        out=out,
+    )
     return [t.cpu() for t in res]
 
 
@@ -63,10 +68,18 @@ def test_ignore_index_forward_and_backward(backend, device, dtype):
         grad = empty_poisoned(logits.shape, dtype, device)
         gl_d, gh_d = (None if t is None else t.to(device) for t in grads)
         token_logprobs_entropy_bwd_op.run(
-            logits=logits.to(device), targets=y.to(device), row_max=m.to(device),
-            log_norm=log_s.to(device), entropy=ent.to(device), grad_logprob=gl_d,
-            grad_entropy=gh_d, temperature=0.9, vocab_start=0, backend=backend, out=grad,
-        )  # fmt: skip
+            logits=logits.to(device),
+            targets=y.to(device),
+            row_max=m.to(device),
+            log_norm=log_s.to(device),
+            entropy=ent.to(device),
+            grad_logprob=gl_d,
+            grad_entropy=gh_d,
+            temperature=0.9,
+            vocab_start=0,
+            backend=backend,
+            out=grad,
+        )
         ref = reference_grad(logits, y, 0.9, *grads)
         assert_verbose_allclose(grad.cpu(), ref.to(dtype), name="grad", **GRAD_TOL[dtype])
         if grads[1] is None:  # log-prob gradient only: the ignored rows get none
@@ -80,8 +93,11 @@ def test_invalid_target_raises_or_gives_nan(backend, device):
         y_bad = y.clone()
         y_bad[2] = bad
         if backend in CHECKING:
-            with pytest.raises(ValueError, match=r"targets: expected token ids in \[0, 1025\).* "
-                                                 r"or the ignore index -100"):  # fmt: skip
+            with pytest.raises(
+                ValueError,
+                match=r"targets: expected token ids in \[0, 1025\).* "
+                r"or the ignore index -100",
+            ):
                 _run_fwd(logits, y_bad, backend, device)
             continue
         logp, ent, _, _ = _run_fwd(logits, y_bad, backend, device)
@@ -96,14 +112,16 @@ def test_public_api_accepts_ignore_index_and_names_bad_targets():
     logits, y = _problem()
     for backend in (None, "triton"):
         dev = "cpu" if backend is None else TRITON_DEVICE
-        lp, _ = ck.espo.token_logprobs_entropy(logits.to(dev), y.to(dev), backend=backend,
-                                               validate=True)  # fmt: skip
+        lp, _ = ck.espo.token_logprobs_entropy(
+            logits.to(dev), y.to(dev), backend=backend, validate=True
+        )
         assert bool((lp.cpu()[y == IGNORE_INDEX] == 0).all())
         y_bad = y.clone()
         y_bad[3] = -7
         with pytest.raises(ValueError, match=r"targets\[3\] = -7"):
-            ck.espo.token_logprobs_entropy(logits.to(dev), y_bad.to(dev), backend=backend,
-                                           validate=True)  # fmt: skip
+            ck.espo.token_logprobs_entropy(
+                logits.to(dev), y_bad.to(dev), backend=backend, validate=True
+            )
     assert ck.espo.IGNORE_INDEX == -100
 
 
@@ -118,8 +136,9 @@ def test_fused_linear_ignore_index(backend):
     y[[0, 5]] = IGNORE_INDEX
     hq = h.float().to(dev).requires_grad_()
     wq = w.float().to(dev).requires_grad_()
-    lp, ent = ck.espo.fused_linear_logprobs_entropy(hq, wq, y.to(dev), token_chunk=4,
-                                                    vocab_chunk=100, backend=backend)  # fmt: skip
+    lp, ent = ck.espo.fused_linear_logprobs_entropy(
+        hq, wq, y.to(dev), token_chunk=4, vocab_chunk=100, backend=backend
+    )
     gl = torch.randn(7, generator=g)
     (lp * gl.to(dev)).sum().backward()
     h64, w64 = h.clone().requires_grad_(), w.clone().requires_grad_()

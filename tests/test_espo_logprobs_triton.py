@@ -41,16 +41,29 @@ def _fwd(logits, targets, temperature, with_entropy, outs, **kw):
     """The forward wrapper by name; ``outs``: logp, entropy, row_max, log_norm."""
     names = ("logp", "entropy", "row_max", "log_norm")
     kt.token_logprobs_entropy_triton(
-        logits=logits, targets=targets, temperature=temperature, with_entropy=with_entropy,
-        **dict(zip(names, outs, strict=True)), **kw,
-    )  # fmt: skip
+        logits=logits,
+        targets=targets,
+        temperature=temperature,
+        with_entropy=with_entropy,
+        **dict(zip(names, outs, strict=True)),
+        **kw,
+    )
 
 
 def _bwd(logits, targets, m, log_s, ent, gl, gh, temperature, vocab_start, grad, **kw):
     kt.token_logprobs_entropy_bwd_triton(
-        logits=logits, targets=targets, row_max=m, log_norm=log_s, entropy=ent, grad_logprob=gl,
-        grad_entropy=gh, temperature=temperature, vocab_start=vocab_start, grad_logits=grad, **kw,
-    )  # fmt: skip
+        logits=logits,
+        targets=targets,
+        row_max=m,
+        log_norm=log_s,
+        entropy=ent,
+        grad_logprob=gl,
+        grad_entropy=gh,
+        temperature=temperature,
+        vocab_start=vocab_start,
+        grad_logits=grad,
+        **kw,
+    )
 
 
 def _forward(logits, targets, temperature, with_entropy, block):
@@ -61,8 +74,10 @@ def _forward(logits, targets, temperature, with_entropy, block):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape,block", [((1, 1), 16), ((7, 33), 16), ((13, 97), 16),
-                                         ((5, 2049), 2048), ((3, 4099), 2048)])  # fmt: skip
+@pytest.mark.parametrize(
+    "shape,block",
+    [((1, 1), 16), ((7, 33), 16), ((13, 97), 16), ((5, 2049), 2048), ((3, 4099), 2048)],
+)
 def test_forward_and_backward(shape, block, dtype):
     logits, targets = make_logits(*shape, seed=31 + sum(shape), dtype=dtype)
     z, y = logits.to(DEVICE), targets.to(DEVICE)
@@ -85,9 +100,19 @@ def test_forward_and_backward(shape, block, dtype):
     gl, gh = torch.randn(shape[0], generator=g), torch.randn(shape[0], generator=g)
     for gls, ghs in ((gl, gh), (gl, None), (None, gh)):
         grad = empty_poisoned(shape, dtype, DEVICE)
-        _bwd(z, y, m, log_s, ent,
-             None if gls is None else gls.to(DEVICE), None if ghs is None else ghs.to(DEVICE),
-             0.7, 0, grad, block=block)  # fmt: skip
+        _bwd(
+            z,
+            y,
+            m,
+            log_s,
+            ent,
+            None if gls is None else gls.to(DEVICE),
+            None if ghs is None else ghs.to(DEVICE),
+            0.7,
+            0,
+            grad,
+            block=block,
+        )
         ref = reference_grad(logits, targets, 0.7, gls, ghs)
         assert_verbose_allclose(grad.cpu(), ref.to(dtype), name="grad", **GRAD_TOL[dtype])
 
@@ -110,11 +135,22 @@ def test_backward_fp32_logits_bf16_grad(shape, block):
     _bwd(z, y, m, log_s, ent, gl, gh, 0.7, 0, g16, block=block)
     assert torch.equal(g16.cpu(), g32.cpu().to(torch.bfloat16))
     ref = reference_grad(logits, targets, 0.7, gl.cpu(), gh.cpu())
-    assert_verbose_allclose(g16.cpu(), ref.to(torch.bfloat16), name="grad",
-                            **GRAD_TOL[torch.bfloat16])  # fmt: skip
+    assert_verbose_allclose(
+        g16.cpu(), ref.to(torch.bfloat16), name="grad", **GRAD_TOL[torch.bfloat16]
+    )
     with pytest.raises(ValueError, match="grad_logits"):
-        _bwd(z, y, m, log_s, ent, gl, gh, 0.7, 0, torch.empty(shape, dtype=torch.float16,
-                                                              device=DEVICE))  # fmt: skip
+        _bwd(
+            z,
+            y,
+            m,
+            log_s,
+            ent,
+            gl,
+            gh,
+            0.7,
+            0,
+            torch.empty(shape, dtype=torch.float16, device=DEVICE),
+        )
     with pytest.raises(ValueError, match="grad_logits"):
         _bwd(z.to(torch.bfloat16), y, m, log_s, ent, gl, gh, 0.7, 0, g32)
 
@@ -134,9 +170,16 @@ def test_tile_stats_and_vocab_offset():
     state[0] = float("-inf")
     for v0, v1 in ((0, 100), (100, 101), (101, 300)):
         out = empty_poisoned((4, 9), torch.float32, DEVICE)
-        kt.logprobs_tile_stats_triton(logits=z[:, v0:v1], targets=y, vocab_start=v0,
-                                      temperature=1.3, with_entropy=True, state_in=state,
-                                      state_out=out, block=16)  # fmt: skip
+        kt.logprobs_tile_stats_triton(
+            logits=z[:, v0:v1],
+            targets=y,
+            vocab_start=v0,
+            temperature=1.3,
+            with_entropy=True,
+            state_in=state,
+            state_out=out,
+            block=16,
+        )
         state = out
     m, s, a, zt = state.cpu()
     ref_lp, ref_h = token_logprobs_entropy_reference(logits, targets, 1.3)
@@ -156,8 +199,9 @@ def test_tile_stats_and_vocab_offset():
 def test_public_api_and_autograd():
     logits, targets = make_logits(11, 129, seed=33)
     x = logits.to(DEVICE).requires_grad_()
-    logp, ent = ck.espo.token_logprobs_entropy(x, targets.to(DEVICE), temperature=0.9,
-                                               backend="triton")  # fmt: skip
+    logp, ent = ck.espo.token_logprobs_entropy(
+        x, targets.to(DEVICE), temperature=0.9, backend="triton"
+    )
     (logp * 3 - ent).sum().backward()
     ref = reference_grad(logits, targets, 0.9, torch.full((11,), 3.0), torch.full((11,), -1.0))
     assert_verbose_allclose(x.grad.cpu(), ref.float(), **GRAD_TOL[torch.float32])

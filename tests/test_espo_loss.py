@@ -31,8 +31,17 @@ from compass_kernels.testing import assert_verbose_allclose, empty_poisoned, mak
 BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.triton)]
 
 
-def make_batch(n: int, seed: int, *, max_len: int = 40, pad: int = 3, masked: float = 0.0,
-               spread: float = 0.15, per_token_adv: bool = False, device="cpu"):  # fmt: skip
+def make_batch(
+    n: int,
+    seed: int,
+    *,
+    max_len: int = 40,
+    pad: int = 3,
+    masked: float = 0.0,
+    spread: float = 0.15,
+    per_token_adv: bool = False,
+    device="cpu",
+):
     """A packed batch: sequence lengths 0..max_len (empty sequences included),
     ``pad`` padding tokens after the last, log-ratios ~ N(0, spread) (some
     tokens clip, most do not), entropies in [0, 4) with ties."""
@@ -54,10 +63,10 @@ CONFIGS = {
     "espo": dict(vocab_size=1000),
     "espo_seq_k3_drop_gspo_form": dict(
         vocab_size=1000, grouping="sequence", num_groups=3, drop_low=True, ratio_form="gspo_token"
-    ),  # fmt: skip
+    ),
     "espo_quantiles_fixed_clip_dual": dict(
         quantiles=(0.3, 0.6, 0.9), clip=(0.05, 0.08), dual_clip=1.2
-    ),  # fmt: skip
+    ),
     "gspo": dict(mode="gspo", clip=(0.03, 0.04)),
     "grpo": dict(mode="grpo"),
     "grpo_clip_higher_dual": dict(mode="grpo", clip=(0.1, 0.28), dual_clip=1.15),
@@ -83,13 +92,15 @@ def _reference(batch, cfg, **kw):
 def _compare(got, ref, *, atol=1e-6, rtol=1e-5):
     loss, grad, metrics = got
     rloss, rgrad, rmetrics = ref
-    assert_verbose_allclose(loss.detach().cpu().double(), rloss.detach(), atol=atol, rtol=rtol,
-                            name="loss")  # fmt: skip
+    assert_verbose_allclose(
+        loss.detach().cpu().double(), rloss.detach(), atol=atol, rtol=rtol, name="loss"
+    )
     assert_verbose_allclose(grad.cpu().double(), rgrad, atol=atol * 1e-2, rtol=rtol, name="grad")
     assert set(metrics) == set(rmetrics)
     for key in rmetrics:
-        assert_verbose_allclose(metrics[key].cpu().double(), rmetrics[key], atol=atol, rtol=rtol,
-                                name=key)  # fmt: skip
+        assert_verbose_allclose(
+            metrics[key].cpu().double(), rmetrics[key], atol=atol, rtol=rtol, name=key
+        )
 
 
 # ------------------------------------------------------------- vs reference
@@ -102,10 +113,13 @@ CASES = [(b, n) for b in BACKENDS for n in (1, 7)] + [("torch", 37)]
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
-@pytest.mark.parametrize(("backend", "n"), [
-    pytest.param(b.values[0], n, marks=b.marks) if not isinstance(b, str) else (b, n)
-    for b, n in CASES
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("backend", "n"),
+    [
+        pytest.param(b.values[0], n, marks=b.marks) if not isinstance(b, str) else (b, n)
+        for b, n in CASES
+    ],
+)
 def test_matches_reference(backend, config, n, backend_device):
     batch = make_batch(n, seed=n, masked=0.2 if n > 1 else 0.0, device=backend_device)
     _compare(_run(backend, batch, CONFIGS[config]), _reference(batch, CONFIGS[config]))
@@ -209,16 +223,23 @@ def test_empty_groups_sequences_and_masks(backend, backend_device):
 def test_no_sequences_and_no_valid_tokens(backend, backend_device):
     dev = backend_device
     z = torch.zeros(4, device=dev)
-    loss, metrics = ck.espo.espo_loss(z.clone().requires_grad_(), z, z, torch.zeros(0, device=dev),
-                                      torch.zeros(1, dtype=torch.int64, device=dev),
-                                      vocab_size=10, backend=backend)  # fmt: skip
+    loss, metrics = ck.espo.espo_loss(
+        z.clone().requires_grad_(),
+        z,
+        z,
+        torch.zeros(0, device=dev),
+        torch.zeros(1, dtype=torch.int64, device=dev),
+        vocab_size=10,
+        backend=backend,
+    )
     assert float(loss) == 0.0 and float(metrics["tokens"]) == 0.0
     assert float(metrics["ratio_min"]) == 0.0 and float(metrics["clip_frac"]) == 0.0
     mask = torch.zeros(4, dtype=torch.bool, device=dev)
     x = z.clone().requires_grad_()
     cu = torch.tensor([0, 2, 4], device=dev)
-    loss, _ = ck.espo.espo_loss(x, z, z, torch.ones(2, device=dev), cu, mask, vocab_size=10,
-                                backend=backend)  # fmt: skip
+    loss, _ = ck.espo.espo_loss(
+        x, z, z, torch.ones(2, device=dev), cu, mask, vocab_size=10, backend=backend
+    )
     loss.backward()
     assert float(loss) == 0.0 and torch.equal(x.grad.cpu(), torch.zeros(4))
 
@@ -301,8 +322,9 @@ def test_modes_equal_verl(mode, backend, backend_device):
     kw = dict(mode=mode, clip=(low, high), backend=backend)
     if mode == "grpo":
         kw["dual_clip"] = 3.0
-    loss, metrics = ck.espo.espo_loss(y, old.to(dev), torch.rand(total, device=dev),
-                                      adv.to(dev), cu.to(dev), **kw)  # fmt: skip
+    loss, metrics = ck.espo.espo_loss(
+        y, old.to(dev), torch.rand(total, device=dev), adv.to(dev), cu.to(dev), **kw
+    )
     loss.backward()
     assert 0.05 < float(clipfrac) < 0.95, "the batch must clip some tokens and not others"
     assert_verbose_allclose(loss.detach().cpu(), ref.detach(), atol=1e-12, rtol=1e-10)
@@ -325,15 +347,17 @@ def test_num_sequences_makes_micro_batches_sum_to_the_batch():
     threshold, the micro-batches' losses and gradients add up to the batch's."""
     lp, old, ent, adv, cu, _ = make_batch(12, seed=21, pad=0)
     thr = ck.espo.entropy_thresholds(ent, cu, levels=(0.8,))
-    whole = _run("torch", (lp, old, ent, adv, cu, None), dict(vocab_size=500),
-                 entropy_threshold=thr)  # fmt: skip
+    whole = _run(
+        "torch", (lp, old, ent, adv, cu, None), dict(vocab_size=500), entropy_threshold=thr
+    )
     split = int(cu[5])
     parts = []
     for sl, seqs in ((slice(0, split), slice(0, 5)), (slice(split, None), slice(5, None))):
         c = cu[seqs.start : (seqs.stop or 12) + 1] - cu[seqs.start]
         batch = (lp[sl], old[sl], ent[sl], adv[seqs], c, None)
-        parts.append(_run("torch", batch, dict(vocab_size=500), entropy_threshold=thr,
-                          num_sequences=12))  # fmt: skip
+        parts.append(
+            _run("torch", batch, dict(vocab_size=500), entropy_threshold=thr, num_sequences=12)
+        )
     assert_verbose_allclose(parts[0][0] + parts[1][0], whole[0], atol=1e-7, rtol=1e-6)
     assert_verbose_allclose(torch.cat([parts[0][1], parts[1][1]]), whole[1], atol=1e-9)
 
@@ -361,17 +385,21 @@ def test_a_65536_token_sequence(backend, backend_device):
 def test_kernels_write_every_output(backend, config, backend_device):
     """Outputs poisoned (NaN) before each kernel: an element it skips shows up."""
     dev = backend_device
-    lp, old, ent, adv, cu, mask = make_batch(21, seed=8, max_len=300, pad=37, masked=0.2,
-                                             device=dev)  # fmt: skip
+    lp, old, ent, adv, cu, mask = make_batch(
+        21, seed=8, max_len=300, pad=37, masked=0.2, device=dev
+    )
     cfg = resolve(**CONFIGS[config])
     K = 1 if cfg.token_groups else cfg.num_groups
-    flags = (espo_mod.TOKEN_GROUPS if cfg.token_groups else 0) | (
-        espo_mod.DROP_LOW if cfg.drop_low else 0) | (
-        espo_mod.ADAPTIVE_EPS if cfg.adaptive else 0) | (
-        espo_mod.GSPO_TOKEN_FORM if cfg.ratio_form == "gspo_token" else 0)  # fmt: skip
+    flags = (
+        (espo_mod.TOKEN_GROUPS if cfg.token_groups else 0)
+        | (espo_mod.DROP_LOW if cfg.drop_low else 0)
+        | (espo_mod.ADAPTIVE_EPS if cfg.adaptive else 0)
+        | (espo_mod.GSPO_TOKEN_FORM if cfg.ratio_form == "gspo_token" else 0)
+    )
     if K > 1:
-        thr = ck.espo.entropy_thresholds(ent, cu, mask, levels=cfg.levels,
-                                         per_sequence=cfg.per_sequence).reshape(-1)  # fmt: skip
+        thr = ck.espo.entropy_thresholds(
+            ent, cu, mask, levels=cfg.levels, per_sequence=cfg.per_sequence
+        ).reshape(-1)
         flags |= espo_mod.PER_SEQ_THRESHOLDS if cfg.per_sequence else 0
     else:
         thr = torch.zeros(0, dtype=torch.float64, device=dev)
@@ -412,8 +440,12 @@ def test_kernels_write_every_output(backend, config, backend_device):
         need_grad=True,
     )
     f32, f64 = torch.float32, torch.float64
-    outs = (empty_poisoned((), f32, dev), empty_poisoned(total, f32, dev),
-            empty_poisoned(n * width, f64, dev), empty_poisoned(width, f64, dev))  # fmt: skip
+    outs = (
+        empty_poisoned((), f32, dev),
+        empty_poisoned(total, f32, dev),
+        empty_poisoned(n * width, f64, dev),
+        empty_poisoned(width, f64, dev),
+    )
     outs = espo_loss_forward_op.run(**args, backend=backend, out=outs)
     ref = espo_loss_forward_op.run(**_on_cpu(args), backend="torch")
     for name in ref._fields:
@@ -438,8 +470,14 @@ def _on_cpu(args: dict) -> dict:
 
 def _good():
     lp, old, ent, adv, cu, _ = make_batch(3, seed=1, max_len=5, pad=2)
-    return dict(logprobs=lp, old_logprobs=old, old_entropy=ent, advantages=adv, cu_seqlens=cu,
-                vocab_size=100)  # fmt: skip
+    return dict(
+        logprobs=lp,
+        old_logprobs=old,
+        old_entropy=ent,
+        advantages=adv,
+        cu_seqlens=cu,
+        vocab_size=100,
+    )
 
 
 @pytest.mark.parametrize(
@@ -506,8 +544,9 @@ def test_advantages_layout_must_be_said_when_ambiguous():
     with pytest.raises(ValueError, match="advantages: 3 elements is both one per sequence"):
         ck.espo.espo_loss(z, z, z, z, cu, vocab_size=10)
     for per_token in (True, False):
-        loss, _ = ck.espo.espo_loss(z, z, z, torch.ones(3), cu, vocab_size=10,
-                                    advantages_per_token=per_token)  # fmt: skip
+        loss, _ = ck.espo.espo_loss(
+            z, z, z, torch.ones(3), cu, vocab_size=10, advantages_per_token=per_token
+        )
         assert float(loss) == pytest.approx(-1.0)
 
 
@@ -615,8 +654,9 @@ def test_gpu_path_never_syncs_the_host(backend):
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        loss, metrics = ck.espo.espo_loss(x, old, ent, adv, cu, mask, vocab_size=151936,
-                                          backend=backend)  # fmt: skip
+        loss, metrics = ck.espo.espo_loss(
+            x, old, ent, adv, cu, mask, vocab_size=151936, backend=backend
+        )
         loss.backward()
         _ = metrics["clip_frac_high"] + metrics["kl_k3"]
     finally:

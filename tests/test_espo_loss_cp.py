@@ -61,8 +61,9 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
         results = {}
         for name, cfg in CONFIGS.items():
             x = lp.clone().requires_grad_()
-            loss, metrics = ck.espo.espo_loss(x, old, ent, adv, cu, mask, cp_group=dist.group.WORLD,
-                                              **cfg)  # fmt: skip
+            loss, metrics = ck.espo.espo_loss(
+                x, old, ent, adv, cu, mask, cp_group=dist.group.WORLD, **cfg
+            )
             loss.backward()
             results[name] = (loss.detach(), x.grad, {k: v.clone() for k, v in metrics.items()})
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -73,8 +73,7 @@ def test_loss_func_gives_the_reference_gradients(model):
         if p.grad is None:
             continue
         scale = p.grad.abs().max().item() + 1e-12
-        assert_verbose_allclose(ours[name], p.grad.float(), atol=1e-4 * scale, rtol=2e-3,
-                                name=name)  # fmt: skip
+        assert_verbose_allclose(ours[name], p.grad.float(), atol=1e-4 * scale, rtol=2e-3, name=name)
         checked += 1
     assert checked > 10
     m.zero_grad(set_to_none=True)

@@ -36,7 +36,7 @@ def _cases():
                 torch.randn(V, H, generator=g),
                 torch.randint(0, V, (T,), generator=g),
             ),
-        ),  # fmt: skip
+        ),
         "espo_loss": (
             lambda a, b, c, d, e: espo.espo_loss(a, b, c, d, e, vocab_size=V),
             (
@@ -46,7 +46,7 @@ def _cases():
                 torch.randn(2, generator=g),
                 cu,
             ),
-        ),  # fmt: skip
+        ),
         "group_advantages": (
             lambda r: advantages.group_advantages(r, group_size=4),
             (torch.randn(8, generator=g),),
@@ -63,7 +63,7 @@ def _cases():
                 torch.randn(2, generator=g),
                 torch.tensor([True, False]),
             ),
-        ),  # fmt: skip
+        ),
         "overlong_penalty": (
             lambda lens: advantages.overlong_penalty(lens, max_len=10, cache_len=4),
             (torch.tensor([3, 9, 12]),),

@@ -52,8 +52,15 @@ def make_weight(rows, cols, dtype, seed, device="cpu"):
 def run_quantize(x, block_rows, eps, ue8m0, use_div, layout, backend):
     """Through the op with poisoned outputs: an element a kernel skips shows."""
     code = ck.fp8.SCALE_LAYOUTS[layout]
-    args = dict(x=x, block_rows=block_rows, block_cols=128, eps=eps, ue8m0=ue8m0, use_div=use_div,
-                scale_layout=code)  # fmt: skip
+    args = dict(
+        x=x,
+        block_rows=block_rows,
+        block_cols=128,
+        eps=eps,
+        ue8m0=ue8m0,
+        use_div=use_div,
+        scale_layout=code,
+    )
     q, s = quantize_op.outputs(**args)
     poison_(q)
     poison_(s)
@@ -73,8 +80,12 @@ def conversion_cases() -> torch.Tensor:
     e4 = e4[torch.isfinite(e4)].unique()
     mid = (e4[1:].double() + e4[:-1].double()) / 2  # exact in fp32: 5 significant bits
     mid = mid.float()
-    vals += [e4, mid, torch.nextafter(mid, torch.tensor(float("inf"))),
-             torch.nextafter(mid, torch.tensor(float("-inf")))]  # fmt: skip
+    vals += [
+        e4,
+        mid,
+        torch.nextafter(mid, torch.tensor(float("inf"))),
+        torch.nextafter(mid, torch.tensor(float("-inf"))),
+    ]
     sub = torch.arange(0, 17, dtype=torch.float32) * 2.0**-10  # grid and midpoints
     vals += [sub, -sub, torch.tensor([2.0**-6, 2.0**-7, 1e-30, 1e-45, 447.9, 447.99, 448.0])]
     g = make_generator(5)
@@ -325,8 +336,11 @@ def test_registered_op_traces_under_torch_compile():
 
     assert not torch._dynamo.config.disable, "dynamo is off here (a live vLLM engine?)"
     x = make_weight(33, 260, torch.bfloat16, seed=7)
-    fn = torch.compile(lambda t: ck.fp8.quantize_token_groups(t * 2.0, scale_layout="mn_major_tma"),
-                       backend="eager", fullgraph=True)  # fmt: skip
+    fn = torch.compile(
+        lambda t: ck.fp8.quantize_token_groups(t * 2.0, scale_layout="mn_major_tma"),
+        backend="eager",
+        fullgraph=True,
+    )
     q, s = fn(x)
     rq, rs = quantize_reference(x * 2.0, 1, 128, eps=1e-10, use_div=True)
     assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)

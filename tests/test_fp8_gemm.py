@@ -114,7 +114,7 @@ BAD_DATA = [
     (torch.tensor([0, 3, 2], dtype=torch.int64), "expert_offsets: expected non-decreasing"),
     (torch.tensor([1, 2, 5], dtype=torch.int64), r"expected expert_offsets\[0\] == 0"),
     (torch.tensor([0, 2, 4], dtype=torch.int64), r"expert_offsets: expected expert_offsets\[-1\]"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -147,8 +147,9 @@ def test_opcheck():
     # test_schema is left out: torch's schema checker multiplies the inputs,
     # which CPU torch does not implement for float8_e4m3fn (NotImplementedError).
     utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
-    torch.library.opcheck(torch.ops.compass.fp8_grouped_gemm.default, (*args, 0, None),
-                          test_utils=utils)  # fmt: skip
+    torch.library.opcheck(
+        torch.ops.compass.fp8_grouped_gemm.default, (*args, 0, None), test_utils=utils
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -199,8 +200,9 @@ def test_gpu_backends_match_reference(backend):
     args = _gpu_problem()
     dev = [t.cuda() for t in args]
     out = empty_poisoned((args[0].shape[0], GPU_PROBLEM["n"]), torch.bfloat16, "cuda")
-    grouped_gemm_op.run(**dict(zip(OPERANDS, dev, strict=True)), out_dtype=0, backend=backend,
-                        out=out)  # fmt: skip
+    grouped_gemm_op.run(
+        **dict(zip(OPERANDS, dev, strict=True)), out_dtype=0, backend=backend, out=out
+    )
     check_close(out.cpu(), args, rel_err=GPU_REL_ERR)
 
 

@@ -94,13 +94,17 @@ def test_builder_checks_arguments(backend):
     with pytest.raises(ValueError, match="ptrs: expected size 5"):
         grouped_args_op.run(**kw, backend=backend, out=(shapes, ptrs[:4]))
     with pytest.raises(ValueError, match=r"b_q: expected size 256 \(K = a_q.shape\[1\]\)"):
-        grouped_args_op.run(**(kw | {"b_q": args[2][:, :, :100]}), backend=backend,
-                            out=(shapes, ptrs))  # fmt: skip
+        grouped_args_op.run(
+            **(kw | {"b_q": args[2][:, :, :100]}), backend=backend, out=(shapes, ptrs)
+        )
     if backend != "cpp":  # the GPU builder never reads offsets on the host (no sync)
         return
     with pytest.raises(ValueError, match=r"expert_offsets: expected expert_offsets\[-1\]"):
-        grouped_args_op.run(**(kw | {"expert_offsets": torch.tensor([0, 2, 4])}),
-                            backend=backend, out=(shapes, ptrs))  # fmt: skip
+        grouped_args_op.run(
+            **(kw | {"expert_offsets": torch.tensor([0, 2, 4])}),
+            backend=backend,
+            out=(shapes, ptrs),
+        )
 
 
 # Planted bugs in the Triton builder (tests/mutants.py): each must fail

@@ -33,8 +33,7 @@ def test_cutlass_matches_reference(case, n, k):
     dev = [t.cuda() for t in args]
     out = empty_poisoned((args[0].shape[0], n), torch.bfloat16, "cuda")
     names = ("a_q", "a_scales", "b_q", "b_scales", "expert_offsets")
-    grouped_gemm_op.run(**dict(zip(names, dev, strict=True)), out_dtype=0, backend="cuda",
-                        out=out)  # fmt: skip
+    grouped_gemm_op.run(**dict(zip(names, dev, strict=True)), out_dtype=0, backend="cuda", out=out)
     torch.cuda.synchronize()
     check_close(out.cpu(), args, rel_err=GPU_REL_ERR)
 
@@ -54,8 +53,16 @@ def test_cutlass_cpp_checks_misaligned_views():
     shifted.copy_(a_q)
     out = torch.empty(5, 64, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(ValueError, match="a_q: the CUTLASS kernel needs a 16-byte aligned"):
-        grouped_gemm_op.run(a_q=shifted, a_scales=a_s, b_q=b_q, b_scales=b_s, expert_offsets=off,
-                            out_dtype=0, backend="cuda", out=out)  # fmt: skip
+        grouped_gemm_op.run(
+            a_q=shifted,
+            a_scales=a_s,
+            b_q=b_q,
+            b_scales=b_s,
+            expert_offsets=off,
+            out_dtype=0,
+            backend="cuda",
+            out=out,
+        )
     torch.cuda.synchronize()  # the context is still usable
 
 

@@ -48,8 +48,12 @@ def test_buffers_are_reused_per_shape_and_stream():
     assert _C.fp8.choose_sm90_tile(100000, 7, 512, 132) != tile
     # another stream, expert count, tile or SM count: other buffers
     big = _operands(100000, 7, 512, k=16)[0]
-    for args in ((a_q, b_q, 1, 132), (a_q, _operands(1000, 9, 512)[1], 0, 132),
-                 (big, b_q, 0, 132), (a_q, b_q, 0, 114)):  # fmt: skip
+    for args in (
+        (a_q, b_q, 1, 132),
+        (a_q, _operands(1000, 9, 512)[1], 0, 132),
+        (big, b_q, 0, 132),
+        (a_q, b_q, 0, 114),
+    ):
         other = gg.cutlass_launch_args(*args)
         assert not any(x is y for x, y in zip(other[:3], (shapes, ptrs, ws), strict=True)), args
     assert len(gg._BUFFERS) == 5

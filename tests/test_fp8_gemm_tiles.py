@@ -52,8 +52,12 @@ def test_small_grid_takes_64_row_tiles():
 
 def test_empty_problem_and_bad_arguments():
     assert choose(0, 8, 128, H100_SMS) == M64
-    for args, what in [((-1, 8, 128, 132), "rows >= 0"), ((8, 0, 128, 132), "experts >= 1"),
-                       ((8, 8, 0, 132), "n >= 1"), ((8, 8, 128, 0), "sm_count >= 1")]:  # fmt: skip
+    for args, what in [
+        ((-1, 8, 128, 132), "rows >= 0"),
+        ((8, 0, 128, 132), "experts >= 1"),
+        ((8, 8, 0, 132), "n >= 1"),
+        ((8, 8, 128, 0), "sm_count >= 1"),
+    ]:
         with pytest.raises(ValueError, match=what):
             choose(*args)
 
@@ -188,8 +192,11 @@ def test_workspace_layout_check_rejects_the_old_carve():
     16 B) for most expert counts, whatever the entry sizes: it is the test that would
     have caught the misaligned TMA descriptors."""
     for elem in _ELEM_SIZES:
-        bad = [e for e in range(1, 301)
-               if _layout_errors(e, 132 * 128, elem, _old_layout(e, 132 * 128, elem))]  # fmt: skip
+        bad = [
+            e
+            for e in range(1, 301)
+            if _layout_errors(e, 132 * 128, elem, _old_layout(e, 132 * 128, elem))
+        ]
         assert len(bad) >= 150, (elem, len(bad))
 
 

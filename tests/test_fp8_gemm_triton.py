@@ -30,8 +30,9 @@ def _launch(args, *, out_dtype=1, **kw):
     m, n = args[0].shape[0], args[2].shape[1]
     out = empty_poisoned((m, n), torch.float32 if out_dtype else torch.bfloat16)
     names = ("a_q", "a_scales", "b_q", "b_scales", "expert_offsets")
-    tg.grouped_gemm_triton(**dict(zip(names, args, strict=True)), out_dtype=out_dtype, out=out,
-                           **kw)  # fmt: skip
+    tg.grouped_gemm_triton(
+        **dict(zip(names, args, strict=True)), out_dtype=out_dtype, out=out, **kw
+    )
     return out
 
 

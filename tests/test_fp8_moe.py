@@ -39,8 +39,15 @@ def routing_with_counts(counts, top_k: int, seed: int):
     return ids.gather(1, cols)
 
 
-def make_layer(tokens_or_counts, hidden: int, inter: int, experts: int, top_k: int, seed: int,
-               dtype=torch.bfloat16):  # fmt: skip
+def make_layer(
+    tokens_or_counts,
+    hidden: int,
+    inter: int,
+    experts: int,
+    top_k: int,
+    seed: int,
+    dtype=torch.bfloat16,
+):
     """(hidden, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale): weights
     scaled like a trained layer's (unit-variance outputs), quantized with ck.fp8."""
     g = make_generator(seed)
@@ -85,8 +92,10 @@ def check_moe(actual: torch.Tensor, args, *, flips: float = 0.0) -> None:
     bad = ~(err <= bound)  # NaN (a poisoned, unwritten element) is bad
     if bool(got.isnan().any()) or int(bad.sum()) > flips * bad.numel():
         i = tuple(bad.nonzero()[0].tolist())
-        raise AssertionError(f"{int(bad.sum())} of {bad.numel()} outputs off; first at {i}: "
-                             f"got {got[i].item()}, expected {ref[i].item()}")  # fmt: skip
+        raise AssertionError(
+            f"{int(bad.sum())} of {bad.numel()} outputs off; first at {i}: "
+            f"got {got[i].item()}, expected {ref[i].item()}"
+        )
     mean_err, mean_ref = float(err.mean()), float(ref.abs().mean())
     assert mean_err <= 2.0**-8 * mean_ref, f"mean error {mean_err:.3g} vs mean |ref| {mean_ref:.3g}"
 
@@ -107,9 +116,12 @@ def run(args, backend, **kw):
     "backend,dtype",
     # The interpreter takes ~30 s per layer here: one dtype (the float32 path
     # differs only in the combine's output dtype, a torch cast).
-    [("torch", torch.bfloat16), ("torch", torch.float32),
-     pytest.param("triton", torch.bfloat16, marks=pytest.mark.triton)],
-)  # fmt: skip
+    [
+        ("torch", torch.bfloat16),
+        ("torch", torch.float32),
+        pytest.param("triton", torch.bfloat16, marks=pytest.mark.triton),
+    ],
+)
 def test_odd_expert_sizes_match_reference(backend, dtype):
     args = make_layer(COUNTS, 200, 72, len(COUNTS), 2, seed=1, dtype=dtype)
     counts = torch.bincount(args[1].reshape(-1), minlength=len(COUNTS))
@@ -256,8 +268,9 @@ def test_grouped_mlp_matches_reference(backend):
     off = torch.zeros(len(counts) + 1, dtype=torch.int64)
     off[1:] = torch.tensor(counts).cumsum(0)
     dev = device_for(backend)
-    got = ck.fp8.grouped_mlp(*(t.to(dev) for t in (rows, off, w13, s13, w2, s2)),
-                             backend=backend).cpu()  # fmt: skip
+    got = ck.fp8.grouped_mlp(
+        *(t.to(dev) for t in (rows, off, w13, s13, w2, s2)), backend=backend
+    ).cpu()
     assert got.dtype == torch.bfloat16 and got.shape == rows.shape
     ids = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))[:, None]
     check_moe(got, (rows, ids, torch.ones(ids.shape), w13, s13, w2, s2), flips=_flips(backend))

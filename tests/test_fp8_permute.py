@@ -34,8 +34,14 @@ def make_routing(m, k, experts, seed, dtype=torch.int64, distinct=True):
 
 
 def run_permute(x, ids, experts, layout, backend, ue8m0=False):
-    args = dict(x=x, topk_ids=ids, num_experts=experts, eps=1e-10, ue8m0=ue8m0,
-                scale_layout=SCALE_LAYOUTS[layout])  # fmt: skip
+    args = dict(
+        x=x,
+        topk_ids=ids,
+        num_experts=experts,
+        eps=1e-10,
+        ue8m0=ue8m0,
+        scale_layout=SCALE_LAYOUTS[layout],
+    )
     out = permute_op.outputs(**args)
     for t in out[:5]:
         poison_(t)
@@ -125,8 +131,9 @@ def test_unpermute_matches_reference(backend, dtype, backend_device):
     out = unpermute_op.outputs(y=y, dst_index=dst, topk_weights=w)
     poison_(out)
     dev = backend_device
-    out = unpermute_op.run(y=y.to(dev), dst_index=dst.to(dev), topk_weights=w.to(dev),
-                           backend=backend, out=out.to(dev))  # fmt: skip
+    out = unpermute_op.run(
+        y=y.to(dev), dst_index=dst.to(dev), topk_weights=w.to(dev), backend=backend, out=out.to(dev)
+    )
     assert_bitwise_equal(out.cpu(), unpermute_reference(y, dst, w), name="out")
 
 
@@ -194,8 +201,10 @@ def test_unchecked_bad_ids_on_the_gpu_path_are_dropped_not_written_out_of_bounds
 
 
 @pytest.mark.triton
-@pytest.mark.parametrize("chunks,experts,cb,eb", [(1, 1, 4, 2), (37, 13, 4, 2), (9, 16, 8, 8),
-                                                  (0, 5, 4, 2), (300, 3, 256, 8)])  # fmt: skip
+@pytest.mark.parametrize(
+    "chunks,experts,cb,eb",
+    [(1, 1, 4, 2), (37, 13, 4, 2), (9, 16, 8, 8), (0, 5, 4, 2), (300, 3, 256, 8)],
+)
 def test_triton_offsets_scan_matches_cumsum(chunks, experts, cb, eb):
     """The permutation's parallel offsets scan (programs over expert blocks, a
     [cb, eb] tile of chunk counts per step) against cumsum, with many steps per
@@ -207,8 +216,9 @@ def test_triton_offsets_scan_matches_cumsum(chunks, experts, cb, eb):
     counts = torch.randint(0, 257, (chunks, experts), generator=g, dtype=torch.int32)
     base = poison_(torch.empty(chunks, experts, dtype=torch.int32, device=DEVICE))
     offsets = poison_(torch.empty(experts + 1, dtype=torch.int64, device=DEVICE))
-    kt.permute_offsets_triton(counts.to(DEVICE).flatten(), chunks, experts, base, offsets,
-                              scan_chunks=cb, scan_experts=eb)  # fmt: skip
+    kt.permute_offsets_triton(
+        counts.to(DEVICE).flatten(), chunks, experts, base, offsets, scan_chunks=cb, scan_experts=eb
+    )
     assert_bitwise_equal(base.cpu(), (counts.cumsum(0) - counts).int(), name="base")
     ref = torch.zeros(experts + 1, dtype=torch.int64)
     ref[1:] = counts.sum(0, dtype=torch.int64).cumsum(0)
@@ -221,12 +231,14 @@ def test_triton_offsets_scan_matches_cumsum(chunks, experts, cb, eb):
 def test_opcheck_registered_ops():
     x = torch.randn(20, 200).to(torch.bfloat16)
     ids = make_routing(20, 2, 5, seed=6)
-    torch.library.opcheck(torch.ops.compass.fp8_permute_quantize.default,
-                          (x, ids, 5, 1e-10, False, 0))  # fmt: skip
+    torch.library.opcheck(
+        torch.ops.compass.fp8_permute_quantize.default, (x, ids, 5, 1e-10, False, 0)
+    )
     p = ck.fp8.permute_quantize(x, ids, 5)
     y = torch.randn(40, 16)
-    torch.library.opcheck(torch.ops.compass.fp8_unpermute.default,
-                          (y, p.dst_index, torch.rand(20, 2)))  # fmt: skip
+    torch.library.opcheck(
+        torch.ops.compass.fp8_unpermute.default, (y, p.dst_index, torch.rand(20, 2))
+    )
 
 
 @pytest.mark.gpu
@@ -257,8 +269,14 @@ def test_triton_scatter_grid_stride_over_tokens():
     g = make_generator(77)
     x = (torch.randn(23, 2100, generator=g) * 3).to(torch.bfloat16)
     ids = make_routing(23, 3, 5, seed=78, dtype=torch.int32, distinct=False)
-    args = dict(x=x, topk_ids=ids, num_experts=5, eps=1e-10, ue8m0=False,
-                scale_layout=SCALE_LAYOUTS["mn_major"])  # fmt: skip
+    args = dict(
+        x=x,
+        topk_ids=ids,
+        num_experts=5,
+        eps=1e-10,
+        ue8m0=False,
+        scale_layout=SCALE_LAYOUTS["mn_major"],
+    )
     want = permute_op.run(**args, backend="torch", out=permute_op.outputs(**args))
     dargs = args | {"x": x.to(DEVICE), "topk_ids": ids.to(DEVICE)}
     out = permute_op.outputs(**dargs)

@@ -23,13 +23,26 @@ PYTEST_PHASES = ["triton", "cutlass", "cuda", "full"]
 
 def _run(tmp_path: Path, **env) -> tuple[int, list[dict], dict, float]:
     out = tmp_path / "run"
-    e = dict(os.environ, PYTHON=sys.executable, GPU_CHECK_DRY="1", GPU_CHECK_BUDGET_S="30",
-             GPU_CHECK_RESERVE_S="1", GPU_CHECK_MIN_PHASE_S="0.2", GPU_CHECK_STUB_S="0.05",
-             GPU_CHECK_BUNDLE=str(tmp_path / "bundle"))  # fmt: skip
+    e = dict(
+        os.environ,
+        PYTHON=sys.executable,
+        GPU_CHECK_DRY="1",
+        GPU_CHECK_BUDGET_S="30",
+        GPU_CHECK_RESERVE_S="1",
+        GPU_CHECK_MIN_PHASE_S="0.2",
+        GPU_CHECK_STUB_S="0.05",
+        GPU_CHECK_BUNDLE=str(tmp_path / "bundle"),
+    )
     e.update({k: str(v) for k, v in env.items()})
     t0 = time.monotonic()
-    proc = subprocess.run(["bash", "scripts/gpu_check.sh", str(out)], cwd=ROOT, env=e,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        ["bash", "scripts/gpu_check.sh", str(out)],
+        cwd=ROOT,
+        env=e,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     wall = time.monotonic() - t0
     results = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     report = json.loads((out / "report.json").read_text())
@@ -45,8 +58,15 @@ def test_dry_run_order_timeouts_and_report(tmp_path):
     rc, results, report, _ = _run(tmp_path)
     assert rc == 0
     # build is recorded when awaited (after the Triton phase it overlapped with)
-    assert [r["phase"] for r in results] == ["facts", "triton", "build", "timing", "cutlass",
-                                             "cuda", "full"]  # fmt: skip
+    assert [r["phase"] for r in results] == [
+        "facts",
+        "triton",
+        "build",
+        "timing",
+        "cutlass",
+        "cuda",
+        "full",
+    ]
     assert set(_status(results).values()) == {"passed"}
     build, triton = results[2], results[1]
     assert build["at_s"] - build["seconds"] < triton["at_s"] - triton["seconds"] + 0.05
@@ -61,8 +81,12 @@ def test_dry_run_order_timeouts_and_report(tmp_path):
     assert report["test_counts"] == {"passed": 4}  # one junit per pytest phase
     assert [t["op"] for t in report["timing"]] == ["dry_op_0", "dry_op_1", "dry_op_2"]
     bundle = tmp_path / "bundle"
-    assert sorted(p.name for p in bundle.iterdir()) == ["report.json", "report.md",
-                                                        "results.jsonl", "run.tgz"]  # fmt: skip
+    assert sorted(p.name for p in bundle.iterdir()) == [
+        "report.json",
+        "report.md",
+        "results.jsonl",
+        "run.tgz",
+    ]
 
 
 @pytest.mark.parametrize("phase", PHASES, ids=[f"at_{p}_start" for p in PHASES])
@@ -83,8 +107,9 @@ def test_cut_at_each_phase_leaves_a_report(tmp_path, phase):
 
 
 def test_sigterm_mid_timing_keeps_the_rows_so_far(tmp_path):
-    rc, results, report, wall = _run(tmp_path, GPU_CHECK_STUB_HANG="timing",
-                                     GPU_CHECK_CUT_AFTER_S=8)  # fmt: skip
+    rc, results, report, wall = _run(
+        tmp_path, GPU_CHECK_STUB_HANG="timing", GPU_CHECK_CUT_AFTER_S=8
+    )
     assert rc == 143 and wall < 15
     st = _status(results)
     assert st["timing"] == "cut" and st["cutlass"] == "not run"
@@ -93,8 +118,7 @@ def test_sigterm_mid_timing_keeps_the_rows_so_far(tmp_path):
 
 def test_sigkill_leaves_the_last_phase_report(tmp_path):
     """SIGKILL runs no trap: the report written after the last finished phase stays."""
-    rc, results, report, _ = _run(tmp_path, GPU_CHECK_STUB_HANG="cutlass",
-                                  GPU_CHECK_KILL_AFTER_S=8)  # fmt: skip
+    rc, results, report, _ = _run(tmp_path, GPU_CHECK_STUB_HANG="cutlass", GPU_CHECK_KILL_AFTER_S=8)
     assert rc == -9 or rc == 137
     assert [r["phase"] for r in results] == ["facts", "triton", "build", "timing"]
     assert [s["step"] for s in report["steps"]] == ["facts", "triton", "build", "timing"]
@@ -104,8 +128,7 @@ def test_sigkill_leaves_the_last_phase_report(tmp_path):
 def test_a_hung_phase_times_out_at_the_time_left(tmp_path):
     """A phase stuck past the budget is stopped at the time left; the phases after it
     are skipped (no time) and the report is still written within the budget."""
-    rc, results, report, wall = _run(tmp_path, GPU_CHECK_STUB_HANG="triton",
-                                     GPU_CHECK_BUDGET_S=4)  # fmt: skip
+    rc, results, report, wall = _run(tmp_path, GPU_CHECK_STUB_HANG="triton", GPU_CHECK_BUDGET_S=4)
     st = _status(results)
     assert rc != 0 and wall < 4 + 6  # the budget + the final report, on a loaded host
     assert st["triton"] == "timeout" and results[1]["rc"] == 124

@@ -35,10 +35,12 @@ from compass_kernels.testing import assert_verbose_allclose, empty_poisoned
 from tests.tiers import INTERPRETER_ONLY
 
 DEVICES = [
-    pytest.param("cpu", marks=[pytest.mark.triton,
-                               pytest.mark.skipif(not INTERPRET, reason=INTERPRETER_ONLY)]),
+    pytest.param(
+        "cpu",
+        marks=[pytest.mark.triton, pytest.mark.skipif(not INTERPRET, reason=INTERPRETER_ONLY)],
+    ),
     pytest.param("cuda", marks=pytest.mark.gpu),
-]  # fmt: skip
+]
 
 
 def _big(device: str) -> bool:
@@ -82,8 +84,9 @@ def test_thd_pack_unpack_positions_on_device(device, cp):
                 total=total,
                 out=out,
             )
-            want = pref.pack_reference(src.cpu(), lengths, idx, pad_multiple=pad, cp_size=cp,
-                                       cp_rank=r, pad_value=0x5A)  # fmt: skip
+            want = pref.pack_reference(
+                src.cpu(), lengths, idx, pad_multiple=pad, cp_size=cp, cp_rank=r, pad_value=0x5A
+            )
             assert torch.equal(out.cpu(), want["packed"]), (w, r)
             packed.append(out)
             pos = empty_poisoned(total, torch.int64, device)
@@ -119,21 +122,38 @@ def test_triton_logprobs_151936_bf16_on_device(device, odd_stride):
     y = targets.to(device)
     outs = [empty_poisoned(rows, torch.float32, device) for _ in range(4)]
     logp, ent, m, log_s = outs
-    kl.token_logprobs_entropy_triton(logits=z, targets=y, temperature=0.8, with_entropy=True,
-                                     logp=logp, entropy=ent, row_max=m, log_norm=log_s)  # fmt: skip
+    kl.token_logprobs_entropy_triton(
+        logits=z,
+        targets=y,
+        temperature=0.8,
+        with_entropy=True,
+        logp=logp,
+        entropy=ent,
+        row_max=m,
+        log_norm=log_s,
+    )
     ref_lp, ref_h = token_logprobs_entropy_reference(logits, targets, 0.8)
     assert_verbose_allclose(logp.cpu(), ref_lp.float(), name="logp", **TOL[torch.bfloat16])
     assert_verbose_allclose(ent.cpu(), ref_h.float(), name="entropy", **TOL[torch.bfloat16])
     gen = torch.Generator().manual_seed(7)
     gl, gh = torch.randn(rows, generator=gen), torch.randn(rows, generator=gen)
     grad = empty_poisoned((rows, vocab), torch.bfloat16, device)
-    kl.token_logprobs_entropy_bwd_triton(logits=z, targets=y, row_max=m, log_norm=log_s,
-                                         entropy=ent, grad_logprob=gl.to(device),
-                                         grad_entropy=gh.to(device), temperature=0.8,
-                                         vocab_start=0, grad_logits=grad)  # fmt: skip
+    kl.token_logprobs_entropy_bwd_triton(
+        logits=z,
+        targets=y,
+        row_max=m,
+        log_norm=log_s,
+        entropy=ent,
+        grad_logprob=gl.to(device),
+        grad_entropy=gh.to(device),
+        temperature=0.8,
+        vocab_start=0,
+        grad_logits=grad,
+    )
     ref = reference_grad(logits, targets, 0.8, gl, gh)
-    assert_verbose_allclose(grad.cpu(), ref.to(torch.bfloat16), name="grad",
-                            **GRAD_TOL[torch.bfloat16])  # fmt: skip
+    assert_verbose_allclose(
+        grad.cpu(), ref.to(torch.bfloat16), name="grad", **GRAD_TOL[torch.bfloat16]
+    )
 
 
 # ------------------------------------------- fused loss, bf16 gradient GEMMs
@@ -153,9 +173,15 @@ def test_fused_linear_espo_loss_bf16_input_grad_gemms_on_device(device):
     hq, wq = dev[0].clone().requires_grad_(), dev[1].clone().requires_grad_()
     with _MatmulDtypes() as rec:
         loss, _, lp, _ = ck.espo.fused_linear_espo_loss(
-            hq, wq, *dev[2:], entropy_coef=0.01, temperature=0.9, token_chunk=97 if
-            _big(device) else 8, grad_gemm_dtype="input", **opts,
-        )  # fmt: skip
+            hq,
+            wq,
+            *dev[2:],
+            entropy_coef=0.01,
+            temperature=0.9,
+            token_chunk=97 if _big(device) else 8,
+            grad_gemm_dtype="input",
+            **opts,
+        )
         (loss * 3.0).backward()
     assert hq.grad.dtype == torch.bfloat16 and wq.grad.dtype == torch.bfloat16
     assert_verbose_allclose(lp.cpu(), ref_lp.float(), name="logprobs", atol=2e-5, rtol=1e-4)

@@ -16,9 +16,11 @@ from compass_kernels import _info
 
 def _run(*args: str) -> str:
     return subprocess.run(
-        [sys.executable, "-m", "compass_kernels", *args], check=True, capture_output=True,
+        [sys.executable, "-m", "compass_kernels", *args],
+        check=True,
+        capture_output=True,
         text=True,
-    ).stdout  # fmt: skip
+    ).stdout
 
 
 def test_info_is_at_most_25_lines_and_says_what_matters():

@@ -25,9 +25,17 @@ from tests.triton_tier import needs_cuobjdump
 pytestmark = [pytest.mark.sm90, needs_cuobjdump]
 
 #: register budget per module (4 warps: <= 128 keeps >= 4 programs per SM)
-BUDGET = {"espo.triton_logprobs": 96, "routing.triton": 128, "fp8.triton_gemm": 255,
-          "fp8.triton": 160, "espo.triton_loss": 160, "advantages.triton": 96,
-          "packing.triton": 128, "routing.triton_setcode": 128, "fp8.triton_args": 64}  # fmt: skip
+BUDGET = {
+    "espo.triton_logprobs": 96,
+    "routing.triton": 128,
+    "fp8.triton_gemm": 255,
+    "fp8.triton": 160,
+    "espo.triton_loss": 160,
+    "advantages.triton": 96,
+    "packing.triton": 128,
+    "routing.triton_setcode": 128,
+    "fp8.triton_args": 64,
+}
 
 
 @pytest.fixture(scope="module", params=sorted(BUDGET))
@@ -50,8 +58,11 @@ def test_launched_variants_compile_without_spills(variants):
 
 def test_no_64_bit_integer_divide(variants):
     module, vs = variants
-    bad = [f"{v.case}: {aot.divides_64(v.artifacts.ptx)}" for v in vs
-           if aot.divides_64(v.artifacts.ptx)]  # fmt: skip
+    bad = [
+        f"{v.case}: {aot.divides_64(v.artifacts.ptx)}"
+        for v in vs
+        if aot.divides_64(v.artifacts.ptx)
+    ]
     assert not bad, f"{module}: div/rem.s64 in {bad}"
 
 

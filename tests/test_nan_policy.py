@@ -31,8 +31,9 @@ pytestmark = [pytest.mark.triton, LAUNCHES]
 NAN, INF = float("nan"), float("inf")
 
 
-def assert_same_pattern(got: torch.Tensor, want: torch.Tensor, name: str, *, atol=1e-4,
-                        rtol=1e-4) -> None:  # fmt: skip
+def assert_same_pattern(
+    got: torch.Tensor, want: torch.Tensor, name: str, *, atol=1e-4, rtol=1e-4
+) -> None:
     """NaN where want is NaN (nowhere else), the same infinities, close elsewhere."""
     got, want = got.detach().cpu(), want.detach().cpu()
     assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
@@ -88,8 +89,9 @@ def test_token_logprobs_entropy_nan_and_inf(dtype, temperature):
 
     def run(backend, device):
         x = z.to(device).requires_grad_(True)
-        lp, h = ck.espo.token_logprobs_entropy(x, y.to(device), temperature=temperature,
-                                               validate=False, backend=backend)  # fmt: skip
+        lp, h = ck.espo.token_logprobs_entropy(
+            x, y.to(device), temperature=temperature, validate=False, backend=backend
+        )
         # every row contributes to the gradient through both outputs; a zero weight
         # would turn NaN into 0 * NaN = NaN anyway, so weights are 1 and 0.5
         (lp.sum() + 0.5 * h.sum()).backward()
@@ -149,8 +151,9 @@ def test_fused_linear_logprobs_entropy_nan(where):
         assert torch.isnan(want[0][2]) and not torch.isnan(want[0][[0, 1, 3, 4, 5]]).any()
     elif where == "weight":
         assert torch.isnan(want[0]).all()
-    for name, a, b in zip(("logp", "entropy", "grad_hidden", "grad_weight"), got, want,
-                          strict=True):  # fmt: skip
+    for name, a, b in zip(
+        ("logp", "entropy", "grad_hidden", "grad_weight"), got, want, strict=True
+    ):
         assert_same_pattern(a, b, name, atol=1e-3, rtol=1e-3)
 
 
@@ -192,10 +195,17 @@ def test_espo_loss_nan_and_inf(mode, case):
     def run(backend, device):
         x = lp.to(device).requires_grad_(True)
         loss, metrics = ck.espo.espo_loss(
-            x, old.to(device), ent.to(device), adv.to(device), cu.to(device), mode=mode,
-            vocab_size=1000, entropy_threshold=None if thr is None else thr.to(device),
-            validate=False, backend=backend,
-        )  # fmt: skip
+            x,
+            old.to(device),
+            ent.to(device),
+            adv.to(device),
+            cu.to(device),
+            mode=mode,
+            vocab_size=1000,
+            entropy_threshold=None if thr is None else thr.to(device),
+            validate=False,
+            backend=backend,
+        )
         loss.backward()
         return loss, dict(metrics), x.grad
 
@@ -224,9 +234,13 @@ def test_group_advantages_nan_and_inf_rewards(mode, dtype):
 
     def run(backend, device):
         adv, zv, stats = ck.advantages.group_advantages(
-            r.to(device), ids.to(device), num_groups=5, mode=mode, validate=False,
+            r.to(device),
+            ids.to(device),
+            num_groups=5,
+            mode=mode,
+            validate=False,
             backend=backend,
-        )  # fmt: skip
+        )
         return adv, zv, stats.group_mean, stats.group_std
 
     want, got = _both(run)
@@ -255,9 +269,15 @@ def test_rl_zvp_nan_and_inf(case):
 
     def run(backend, device):
         return ck.advantages.rl_zvp(
-            h.to(device), cu.to(device), r.to(device), zv.to(device), alpha=0.1,
-            advantages=adv.to(device), validate=False, backend=backend,
-        )  # fmt: skip
+            h.to(device),
+            cu.to(device),
+            r.to(device),
+            zv.to(device),
+            alpha=0.1,
+            advantages=adv.to(device),
+            validate=False,
+            backend=backend,
+        )
 
     want, got = _both(run)
     if case == "entropy_nan":
@@ -290,8 +310,16 @@ def test_replay_topk_nan_and_inf_logits(score, normalize, ratio):
         # the op itself: on CPU the public replay_topk raises on non-finite logits
         # after the kernel ran (it always checks there); on CUDA it does not
         x = z.to(device).requires_grad_(True)
-        args = (x, ids.to(device), None, valid.to(device), SCORE_FUNCTIONS[score], normalize,
-                1.0, -1.0 if ratio is None else ratio)  # fmt: skip
+        args = (
+            x,
+            ids.to(device),
+            None,
+            valid.to(device),
+            SCORE_FUNCTIONS[score],
+            normalize,
+            1.0,
+            -1.0 if ratio is None else ratio,
+        )
         w, rmap, tpe, counts, used = torch.ops.compass.replay_topk(*args, backend)
         gw = torch.linspace(0.5, 1.5, t * k, device=device).view(t, k)
         w.backward(gw)
@@ -299,8 +327,12 @@ def test_replay_topk_nan_and_inf_logits(score, normalize, ratio):
 
     (res_t, g_t), (res_k, g_k) = _both(run)
     assert torch.isnan(res_t[0][8]).all()
-    for name, a, b in zip(("weights", "routing_map", "tokens_per_expert", "counts", "expert_ids"),
-                          res_k, res_t, strict=True):  # fmt: skip
+    for name, a, b in zip(
+        ("weights", "routing_map", "tokens_per_expert", "counts", "expert_ids"),
+        res_k,
+        res_t,
+        strict=True,
+    ):
         assert_same_pattern(a, b, name)
     assert_same_pattern(g_k, g_t, "grad_logits")
 

@@ -51,8 +51,12 @@ def test_caster_takes_every_dlpack_form(form):
         def __dlpack_device__(self):
             return self.t.__dlpack_device__()
 
-    conv = {"tensor": lambda t: t, "capsule": dl, "numpy": lambda t: t.numpy(),
-            "dlpack_object": Wrapped}[form]  # fmt: skip
+    conv = {
+        "tensor": lambda t: t,
+        "capsule": dl,
+        "numpy": lambda t: t.numpy(),
+        "dlpack_object": Wrapped,
+    }[form]
     payload.fill_(0xAA)
     status.fill_(7)
     load().routing.encode_sets_op_cpu(conv(ids), e, None, conv(payload), conv(status), conv(table))
@@ -102,7 +106,8 @@ def test_group_plan_matches_a_stable_sort(n, kind):
     g = make_generator(n * 7 + len(kind))
     if kind == "wide":
         ids = torch.randint(-(2**62), 2**62, (max(n // 3, 1),), generator=g)[
-            torch.randint(0, max(n // 3, 1), (n,), generator=g)]  # fmt: skip
+            torch.randint(0, max(n // 3, 1), (n,), generator=g)
+        ]
     elif kind == "uint8":
         ids = torch.randint(0, 256, (n,), generator=g).to(torch.uint8)
     elif kind == "negative":
@@ -148,8 +153,10 @@ def test_missing_backend_names_op_and_backend():
     x = torch.arange(3.0)
     assert torch.equal(scale(x=x), x * 2)
     assert torch.equal(torch.ops.compass.test_only_scale_cpp(x), x * 2)
-    with pytest.raises(BackendUnavailableError, match="compass::test_only_scale_cpp has no "
-                       "'triton' backend \\(it has cpp\\)"):  # fmt: skip
+    with pytest.raises(
+        BackendUnavailableError,
+        match="compass::test_only_scale_cpp has no 'triton' backend \\(it has cpp\\)",
+    ):
         scale(x=x, backend="triton")
     with pytest.raises(ValueError, match="already registered"):
         op(kernels={})(test_only_scale_cpp_op)
@@ -202,17 +209,17 @@ def test_cpu_default_is_the_reference_else_cpp():
 @pytest.mark.parametrize(
     ("cap", "archs", "ok"),
     [
-        ((9, 0), ("80", "90a"), True),   # sm_90a SASS
-        ((8, 0), ("80", "90a"), True),   # sm_80 SASS
-        ((8, 9), ("80", "90a"), True),   # L40: sm_80 SASS runs on 8.x
+        ((9, 0), ("80", "90a"), True),  # sm_90a SASS
+        ((8, 0), ("80", "90a"), True),  # sm_80 SASS
+        ((8, 9), ("80", "90a"), True),  # L40: sm_80 SASS runs on 8.x
         ((10, 0), ("80", "90a"), True),  # Blackwell: compute_80 PTX JIT
         ((7, 5), ("80", "90a"), False),  # T4: nothing
-        ((10, 0), ("90a",), False),      # 'a' SASS runs on sm_90 only, no portable PTX
+        ((10, 0), ("90a",), False),  # 'a' SASS runs on sm_90 only, no portable PTX
         ((8, 6), ("90a",), False),
         ((10, 0), ("80-real",), False),  # SASS only, other major
         ((10, 0), ("90-virtual",), True),
     ],
-)  # fmt: skip
+)
 def test_arch_compatibility(cap, archs, ok):
     assert _dispatch.can_run_arch(cap, archs) is ok
 

@@ -58,13 +58,20 @@ def test_pack_matches_reference_and_round_trips(backend, backend_device, cp, pad
             cp_rank=r,
             pad_values=fills,
             backend=backend,
-        )  # fmt: skip
+        )
         for r in range(cp)
     ]
     for r, b in enumerate(batches):
         for name, x in tensors.items():
-            want = ref.pack_reference(x.cpu(), lengths, idx, pad_multiple=pad, cp_size=cp,
-                                      cp_rank=r, pad_value=fills.get(name, 0))  # fmt: skip
+            want = ref.pack_reference(
+                x.cpu(),
+                lengths,
+                idx,
+                pad_multiple=pad,
+                cp_size=cp,
+                cp_rank=r,
+                pad_value=fills.get(name, 0),
+            )
             got = b.tensors[name].cpu()
             assert got.dtype == x.dtype and got.shape == want["packed"].shape, name
             assert torch.equal(got.view(torch.uint8), want["packed"].view(torch.uint8)), name
@@ -81,8 +88,9 @@ def test_pack_matches_reference_and_round_trips(backend, backend_device, cp, pad
         assert torch.equal(out.cpu().view(torch.uint8), want.cpu().view(torch.uint8)), name
         again = ck.packing.unpack(torch.cat(per_rank), batches[0], backend=backend)
         assert torch.equal(again.cpu().view(torch.uint8), out.cpu().view(torch.uint8))
-        ref_out = ref.unpack_reference([p.cpu() for p in per_rank], lengths, idx,
-                                       pad_multiple=pad, cp_size=cp)  # fmt: skip
+        ref_out = ref.unpack_reference(
+            [p.cpu() for p in per_rank], lengths, idx, pad_multiple=pad, cp_size=cp
+        )
         assert torch.equal(ref_out.view(torch.uint8), want.cpu().view(torch.uint8))
         pieces = batches[0].split(out)
         assert [p.shape[0] for p in pieces] == [lengths[i] for i in idx]
@@ -118,13 +126,18 @@ def test_kernels_write_every_output(backend, backend_device):
                 backend=backend,
                 out=out,
             )
-            want = ref.pack_reference(src.cpu(), lengths, idx, pad_multiple=pad, cp_size=cp,
-                                      cp_rank=r)["packed"]  # fmt: skip
+            want = ref.pack_reference(
+                src.cpu(), lengths, idx, pad_multiple=pad, cp_size=cp, cp_rank=r
+            )["packed"]
             assert torch.equal(out.cpu(), want)
-        packed = torch.cat([
-            ref.pack_reference(src.cpu(), lengths, idx, pad_multiple=pad, cp_size=cp,
-                               cp_rank=r)["packed"] for r in range(cp)
-        ]).to(dev)  # fmt: skip
+        packed = torch.cat(
+            [
+                ref.pack_reference(
+                    src.cpu(), lengths, idx, pad_multiple=pad, cp_size=cp, cp_rank=r
+                )["packed"]
+                for r in range(cp)
+            ]
+        ).to(dev)
         out = empty_poisoned((int(cu[-1]), w), torch.uint8, dev)
         thd_unpack_op.run(
             packed=packed,
@@ -143,8 +156,9 @@ def test_kernels_write_every_output(backend, backend_device):
         thd_positions_op.run(
             out_offsets=t(off), cp_size=cp, cp_rank=r, total=total, backend=backend, out=pos
         )
-        want = ref.pack_reference(torch.zeros(int(src_cu[-1])), lengths, idx, pad_multiple=pad,
-                                  cp_size=cp, cp_rank=r)["position_ids"]  # fmt: skip
+        want = ref.pack_reference(
+            torch.zeros(int(src_cu[-1])), lengths, idx, pad_multiple=pad, cp_size=cp, cp_rank=r
+        )["position_ids"]
         assert torch.equal(pos.cpu(), want)
 
 
@@ -159,8 +173,18 @@ def _packing_case(lengths, idx, cp, pad, seed):
 
 
 @pytest.mark.triton
-@pytest.mark.parametrize("w,tile", [(8, (1, 1)), (8, (4, 1)), (48, (1, 2)), (48, (2, 2)),
-                                    (24, (16, 4)), (6, (2, 4)), (40, (8, 8))])  # fmt: skip
+@pytest.mark.parametrize(
+    "w,tile",
+    [
+        (8, (1, 1)),
+        (8, (4, 1)),
+        (48, (1, 2)),
+        (48, (2, 2)),
+        (24, (16, 4)),
+        (6, (2, 4)),
+        (40, (8, 8)),
+    ],
+)
 @pytest.mark.parametrize("cp", [1, 2])
 def test_triton_tiles_cross_rows_sequences_and_programs(w, tile, cp):
     """Every tile shape the Triton wrappers can pick, forced small: one row per
@@ -175,8 +199,9 @@ def test_triton_tiles_cross_rows_sequences_and_programs(w, tile, cp):
     pad = 2 * cp
     src_cu, seqlens, off, cu = _packing_case(lengths, idx, cp, pad, w)
     t = lambda a: torch.tensor(a, dtype=torch.int64, device=DEVICE)  # noqa: E731
-    src = torch.randint(0, 255, (int(src_cu[-1]), w), dtype=torch.uint8,
-                        generator=torch.Generator().manual_seed(w)).to(DEVICE)  # fmt: skip
+    src = torch.randint(
+        0, 255, (int(src_cu[-1]), w), dtype=torch.uint8, generator=torch.Generator().manual_seed(w)
+    ).to(DEVICE)
     total = int(off[-1])
     packed = []
     for r in range(cp):
@@ -193,8 +218,9 @@ def test_triton_tiles_cross_rows_sequences_and_programs(w, tile, cp):
             out=out,
             tile=tile,
         )
-        want = ref.pack_reference(src.cpu(), lengths, idx, pad_multiple=pad, cp_size=cp,
-                                  cp_rank=r, pad_value=0xA5)  # fmt: skip
+        want = ref.pack_reference(
+            src.cpu(), lengths, idx, pad_multiple=pad, cp_size=cp, cp_rank=r, pad_value=0xA5
+        )
         assert torch.equal(out.cpu(), want["packed"]), (r, tile)
         packed.append(out)
         pos = empty_poisoned(total, torch.int64, DEVICE)
@@ -203,9 +229,16 @@ def test_triton_tiles_cross_rows_sequences_and_programs(w, tile, cp):
         )
         assert torch.equal(pos.cpu(), want["position_ids"]), (r, tile)
     out = empty_poisoned((int(cu[-1]), w), torch.uint8, DEVICE)
-    kt.thd_unpack_triton(packed=torch.cat(packed), seqlens=t(seqlens), cu_seqlens=t(cu),
-                         out_offsets=t(off), cp_size=cp, total=int(cu[-1]), out=out,
-                         tile=tile)  # fmt: skip
+    kt.thd_unpack_triton(
+        packed=torch.cat(packed),
+        seqlens=t(seqlens),
+        cu_seqlens=t(cu),
+        out_offsets=t(off),
+        cp_size=cp,
+        total=int(cu[-1]),
+        out=out,
+        tile=tile,
+    )
     want = torch.cat([src[src_cu[i] : src_cu[i + 1]] for i in idx]).cpu()
     assert torch.equal(out.cpu(), want), tile
 
@@ -221,8 +254,10 @@ def test_plan_to_packed_micro_batches():
     for r in range(2):
         for j in range(p.num_micro_batches):
             idx = p.micro_batch(r, j)
-            bs = [ck.packing.pack(x, p.lengths, idx, pad_multiple=pad, cp_size=cp, cp_rank=c)
-                  for c in range(cp)]  # fmt: skip
+            bs = [
+                ck.packing.pack(x, p.lengths, idx, pad_multiple=pad, cp_size=cp, cp_rank=c)
+                for c in range(cp)
+            ]
             assert bs[0].local_tokens * cp <= cap
             out = ck.packing.unpack([b.tensors["input"] for b in bs], bs[0])
             seen.extend(out.tolist())
@@ -246,8 +281,9 @@ def test_registered_ops_pass_opcheck():
     lengths = [3, 1, 6]
     src = torch.randint(0, 255, (10, 6), dtype=torch.uint8)
     t = lambda a: torch.tensor(a, dtype=torch.int64)  # noqa: E731
-    torch.library.opcheck(thd_pack_op_impl(), (src, t([0, 3, 4]), t(lengths), t([0, 4, 6, 12]),
-                                               2, 1, 0, 12))  # fmt: skip
+    torch.library.opcheck(
+        thd_pack_op_impl(), (src, t([0, 3, 4]), t(lengths), t([0, 4, 6, 12]), 2, 1, 0, 12)
+    )
     torch.library.opcheck(torch.ops.compass.thd_positions.default, (t([0, 4, 6, 12]), 2, 0, 12))
     packed = torch.randint(0, 255, (24, 6), dtype=torch.uint8)
     args = (packed, t(lengths), t([0, 3, 4, 10]), t([0, 4, 6, 12]), 2, 10)
@@ -262,8 +298,9 @@ def test_errors_name_the_argument():
     lengths, tensors = make_batch(4, seed=2)
     x = tensors["ids"]
     with pytest.raises(ValueError, match=r"lengths: sequence 2 .* is empty"):
-        ck.packing.pack(x[: sum(lengths) - lengths[2]], [lengths[0], lengths[1], 0, lengths[3]],
-                        [0, 2])  # fmt: skip
+        ck.packing.pack(
+            x[: sum(lengths) - lengths[2]], [lengths[0], lengths[1], 0, lengths[3]], [0, 2]
+        )
     with pytest.raises(ValueError, match="pad_multiple: expected a multiple of 2 \\* cp_size = 4"):
         ck.packing.pack(x, lengths, [0], pad_multiple=2, cp_size=2)
     with pytest.raises(ValueError, match="cp_rank: expected 0 <= cp_rank < cp_size = 2"):
@@ -365,8 +402,9 @@ def test_unpack_backward_is_pack_of_the_gradient(cp):
     w = torch.randn_like(y)
     (y * w).sum().backward()
     want = torch.zeros_like(out)
-    want_y = ref.unpack_reference(list(out.detach().chunk(cp)), lengths, idx, pad_multiple=4,
-                                  cp_size=cp)  # fmt: skip
+    want_y = ref.unpack_reference(
+        list(out.detach().chunk(cp)), lengths, idx, pad_multiple=4, cp_size=cp
+    )
     assert torch.equal(y.detach(), want_y)
     # d/d out of sum(unpack(out) * w): w at each token's packed slot, 0 at padding
     seqcat = torch.zeros(sum(lengths), dtype=torch.float64)
@@ -377,6 +415,7 @@ def test_unpack_backward_is_pack_of_the_gradient(cp):
         pos += lengths[i]
     for r in range(cp):
         want[r * b.local_tokens : (r + 1) * b.local_tokens] = ref.pack_reference(
-            seqcat, lengths, idx, pad_multiple=4, cp_size=cp, cp_rank=r)["packed"]  # fmt: skip
+            seqcat, lengths, idx, pad_multiple=4, cp_size=cp, cp_rank=r
+        )["packed"]
     assert torch.equal(out.grad, want)
     torch.autograd.gradcheck(lambda t: ck.packing.unpack(t, b), (out.detach().requires_grad_(),))

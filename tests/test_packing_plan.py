@@ -170,8 +170,14 @@ def test_reference_kk_pipeline_holds_every_constraint(dist, n, dp):
 
 
 def test_attention_cost_from_model_config():
-    cfg = ModelConfig(hidden_size=64, ffn_hidden_size=32, num_layers=3, num_attention_heads=4,
-                      moe_top_k=2, num_query_groups=2)  # fmt: skip
+    cfg = ModelConfig(
+        hidden_size=64,
+        ffn_hidden_size=32,
+        num_layers=3,
+        num_attention_heads=4,
+        moe_top_k=2,
+        num_query_groups=2,
+    )
     a, b = cost_coefficients(cfg)
     d = 16
     per_layer = 2 * 64 * 4 * d * 2 + 2 * 64 * 2 * d * 2 + 2 * 3 * 64 * 32 * 2
@@ -194,12 +200,23 @@ def test_attention_cost_from_model_config():
 def test_model_config_from_hf():
     from types import SimpleNamespace
 
-    hf = SimpleNamespace(hidden_size=128, intermediate_size=512, moe_intermediate_size=64,
-                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=32, num_experts_per_tok=2)  # fmt: skip
+    hf = SimpleNamespace(
+        hidden_size=128,
+        intermediate_size=512,
+        moe_intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts_per_tok=2,
+    )
     cfg = ModelConfig.from_hf(hf)
     assert (cfg.ffn_hidden_size, cfg.moe_top_k, cfg.num_query_groups, cfg.kv_channels) == (
-        64, 2, 2, 32)  # fmt: skip
+        64,
+        2,
+        2,
+        32,
+    )
 
 
 def test_groups_and_equal_samples():
@@ -209,8 +226,9 @@ def test_groups_and_equal_samples():
     ref.check_plan(p, lengths, dp_size=8, max_tokens=65536, group_ids=gids, equal_samples=True)
     assert {sum(len(mb) for mb in mbs) for mbs in p.assignment} == {64}
     with pytest.raises(ValueError, match="group_ids: equal_samples needs groups of one size"):
-        ck.packing.plan(lengths[:-1], dp_size=8, max_tokens=65536, group_ids=gids[:-1],
-                        equal_samples=True)  # fmt: skip
+        ck.packing.plan(
+            lengths[:-1], dp_size=8, max_tokens=65536, group_ids=gids[:-1], equal_samples=True
+        )
 
 
 def test_equal_samples_when_dp_does_not_divide():
@@ -222,8 +240,9 @@ def test_equal_samples_when_dp_does_not_divide():
 
 def test_micro_batch_multiple_and_cap():
     lengths = ref.lognormal_lengths(2000, 9)
-    p = ck.packing.plan(lengths, dp_size=4, max_tokens=70000, micro_batch_multiple=4,
-                        pad_multiple=8)  # fmt: skip
+    p = ck.packing.plan(
+        lengths, dp_size=4, max_tokens=70000, micro_batch_multiple=4, pad_multiple=8
+    )
     assert p.num_micro_batches % 4 == 0
     assert p.stats["max_mb_tokens"] <= 70000
     # the count is what the tightest rank needs, not the ceil(total / cap) lower bound

@@ -59,8 +59,9 @@ def _set_partitions(g: int, k: int):
     yield from rec(0, 0)
 
 
-def feasible(lengths, *, dp_size, max_tokens, group_ids=None, micro_batch_multiple=1,
-             equal_samples=False) -> bool:  # fmt: skip
+def feasible(
+    lengths, *, dp_size, max_tokens, group_ids=None, micro_batch_multiple=1, equal_samples=False
+) -> bool:
     """Whether any plan exists (exhaustive; n up to ~10)."""
     tokens = [int(x) for x in lengths]
     n = len(tokens)
@@ -198,5 +199,7 @@ def test_refusals_state_the_reason():
 if __name__ == "__main__":
     for mbm in (1, 2):
         c = sweep(range(2000), mbm)
-        print(f"micro_batch_multiple={mbm}: {c['planned']} planned, {c['refused']} refused, "
-              f"{len(c['refused_feasible'])} of those feasible")  # fmt: skip
+        print(
+            f"micro_batch_multiple={mbm}: {c['planned']} planned, {c['refused']} refused, "
+            f"{len(c['refused_feasible'])} of those feasible"
+        )

@@ -21,8 +21,11 @@ class Recorder:
         self.events: list[tuple[str, str | None]] = []
 
     def backend(self):
-        return ("recorder", lambda msg: self.events.append(("push", msg)),
-                lambda: self.events.append(("pop", None)))  # fmt: skip
+        return (
+            "recorder",
+            lambda msg: self.events.append(("push", msg)),
+            lambda: self.events.append(("pop", None)),
+        )
 
 
 @pytest.fixture

@@ -156,8 +156,9 @@ def test_rl_zvp(lens, pad, with_adv, dtype, cu_dtype, step, bad, bad_value, seed
     zv = torch.rand(n, generator=g) < 0.5
     adv = torch.randn(n, generator=g) if with_adv else None
     try:
-        out = ck.advantages.rl_zvp(_strided(ent, step), cu.to(cu_dtype), rewards,
-                                   _strided(zv, step), advantages=adv)  # fmt: skip
+        out = ck.advantages.rl_zvp(
+            _strided(ent, step), cu.to(cu_dtype), rewards, _strided(zv, step), advantages=adv
+        )
     except ValueError as e:
         assert bad is not None and (bad % max(total, 1)) < int(cu[-1])
         _names_an_argument(e, ("entropy",))
@@ -204,8 +205,9 @@ def test_allocate_rollouts(p, budget, min_n, extra, allow_skip, with_cost, seed)
     cost = torch.randint(1, 5, (p,), generator=g) if with_cost else None
     max_n = min_n + extra
     try:
-        n = ck.advantages.allocate_rollouts(succ, att, budget, min_n=min_n, max_n=max_n,
-                                            cost=cost, allow_skip=allow_skip)  # fmt: skip
+        n = ck.advantages.allocate_rollouts(
+            succ, att, budget, min_n=min_n, max_n=max_n, cost=cost, allow_skip=allow_skip
+        )
     except ValueError as e:
         _names_an_argument(e, ("budget", "min_n", "max_n", "allow_skip"))
         return
@@ -233,8 +235,9 @@ def test_allocate_rollouts(p, budget, min_n, extra, allow_skip, with_cost, seed)
     bad_value=st.sampled_from([float("nan"), float("inf")]),
     seed=SEEDS,
 )
-def test_token_logprobs_entropy(t, v, dtype, step, temperature, ignore, masked, bad, bad_value,
-                                seed):  # fmt: skip
+def test_token_logprobs_entropy(
+    t, v, dtype, step, temperature, ignore, masked, bad, bad_value, seed
+):
     g = _gen(seed)
     x = (torch.randn(t, v, generator=g) * 3).to(dtype)
     if masked and v > 1:  # some -inf (masked) entries, never a whole row
@@ -311,8 +314,9 @@ def test_espo_loss(lens, pad, mode, with_mask, per_token, step, bad, seed):
     kw = dict(mode=mode, vocab_size=50, advantages_per_token=per_token)
     x = _strided(lp, step).detach().requires_grad_()  # a strided leaf
     try:
-        loss, metrics = ck.espo.espo_loss(x, _strided(old, step), _strided(ent, step), adv, cu,
-                                          mask, **kw)  # fmt: skip
+        loss, metrics = ck.espo.espo_loss(
+            x, _strided(old, step), _strided(ent, step), adv, cu, mask, **kw
+        )
     except ValueError as e:
         assert bad is not None and total and (bad % total) < int(cu[-1])
         _names_an_argument(e, ("old_entropy",))
@@ -385,14 +389,28 @@ def test_plan(lens, dp, cap, groups, mbm, pad, cost, kind, seed):
     }[kind]()
     cfg = ck.packing.ModelConfig(64, 64, 2, 4)
     try:
-        p = ck.packing.plan(x, dp_size=dp, max_tokens=cap, group_ids=gids, cost=cost,
-                            model_config=cfg, micro_batch_multiple=mbm,
-                            pad_multiple=pad)  # fmt: skip
+        p = ck.packing.plan(
+            x,
+            dp_size=dp,
+            max_tokens=cap,
+            group_ids=gids,
+            cost=cost,
+            model_config=cfg,
+            micro_batch_multiple=mbm,
+            pad_multiple=pad,
+        )
     except ValueError as e:
         _names_an_argument(e, ("lengths", "group_ids", "dp_size", "max_tokens"))
         return
-    pref.check_plan(p, lens, dp_size=dp, max_tokens=cap, group_ids=gids,
-                    micro_batch_multiple=mbm, pad_multiple=pad)  # fmt: skip
+    pref.check_plan(
+        p,
+        lens,
+        dp_size=dp,
+        max_tokens=cap,
+        group_ids=gids,
+        micro_batch_multiple=mbm,
+        pad_multiple=pad,
+    )
 
 
 @FEW
@@ -431,8 +449,9 @@ def test_pack_unpack(lens, pick, cp, pad_k, width, dtype, step, bad, seed):
     pad = 2 * cp * pad_k
     idx = [i for i in pick if i < len(lens)]
     try:
-        b = ck.packing.pack(_strided(x, step), lens, idx, pad_multiple=pad, cp_size=cp,
-                            cp_rank=cp - 1)  # fmt: skip
+        b = ck.packing.pack(
+            _strided(x, step), lens, idx, pad_multiple=pad, cp_size=cp, cp_rank=cp - 1
+        )
     except ValueError as e:
         assert not idx or any(lens[i] == 0 for i in idx)
         _names_an_argument(e, ("indices", "lengths"))
@@ -443,8 +462,9 @@ def test_pack_unpack(lens, pick, cp, pad_k, width, dtype, step, bad, seed):
     assert torch.equal(got.view(torch.uint8), want["packed"].view(torch.uint8))
     assert torch.equal(b.cu_seqlens_padded, want["cu_seqlens_padded"])
     assert torch.equal(b.position_ids, want["position_ids"])
-    ranks = [ck.packing.pack(x, lens, idx, pad_multiple=pad, cp_size=cp, cp_rank=r)
-             for r in range(cp)]  # fmt: skip
+    ranks = [
+        ck.packing.pack(x, lens, idx, pad_multiple=pad, cp_size=cp, cp_rank=r) for r in range(cp)
+    ]
     back = ck.packing.unpack([r.tensors["input"] for r in ranks], ranks[0])
     start = np.concatenate([[0], np.cumsum(lens)])
     ref = torch.cat([x[start[i] : start[i + 1]] for i in idx])
@@ -586,13 +606,18 @@ def test_moe_mlp(t, e, k, dtype, seed):
     g = _gen(seed)
     h, inter = 128, 128
     x = torch.randn(t, h, generator=g).to(dtype)
-    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]) if t and k <= e \
-        else torch.randint(0, e, (t, k), generator=g)  # fmt: skip
+    ids = (
+        torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+        if t and k <= e
+        else torch.randint(0, e, (t, k), generator=g)
+    )
     w = torch.softmax(torch.randn(t, k, generator=g), 1)
-    w13, s13 = ck.fp8.quantize_blockwise((torch.randn(e, 2 * inter, h, generator=g) / h**0.5)
-                                         .to(torch.bfloat16))  # fmt: skip
-    w2, s2 = ck.fp8.quantize_blockwise((torch.randn(e, h, inter, generator=g) / inter**0.5)
-                                       .to(torch.bfloat16))  # fmt: skip
+    w13, s13 = ck.fp8.quantize_blockwise(
+        (torch.randn(e, 2 * inter, h, generator=g) / h**0.5).to(torch.bfloat16)
+    )
+    w2, s2 = ck.fp8.quantize_blockwise(
+        (torch.randn(e, h, inter, generator=g) / inter**0.5).to(torch.bfloat16)
+    )
     out = ck.fp8.moe_mlp(x, ids, w, w13, s13, w2, s2)
     ref = moe_mlp_reference(x, ids, w, w13, s13, w2, s2)
     assert out.shape == x.shape and out.dtype == dtype
@@ -643,8 +668,9 @@ def test_replay_topk(t, e, k, score, normalize, with_valid, id_dtype, dtype, ste
     valid = torch.rand(t, generator=g) < 0.7 if with_valid else None
     zs = _strided(z, step)
     try:
-        res = ck.routing.replay_topk(zs, _strided(ids, step), score_function=score,
-                                     normalize=normalize, valid=valid)  # fmt: skip
+        res = ck.routing.replay_topk(
+            zs, _strided(ids, step), score_function=score, normalize=normalize, valid=valid
+        )
     except ValueError as err:
         assert bad is not None and t > 0
         _names_an_argument(err, ("router_logits",))
@@ -653,8 +679,9 @@ def test_replay_topk(t, e, k, score, normalize, with_valid, id_dtype, dtype, ste
         z, ids, score_function=score, normalize=normalize, valid=valid
     )
     tol = 1e-5 if dtype != torch.bfloat16 else 1e-2
-    torch.testing.assert_close(res.weights.double(), w.to(res.weights.dtype).double(),
-                               rtol=tol, atol=tol)  # fmt: skip
+    torch.testing.assert_close(
+        res.weights.double(), w.to(res.weights.dtype).double(), rtol=tol, atol=tol
+    )
     assert torch.equal(res.routing_map, rmap) and torch.equal(res.tokens_per_expert, tpe)
     assert torch.equal(res.expert_ids, used)
 
@@ -674,8 +701,11 @@ def test_trace_encode_decode(lens, e, k, layers, codec, corrupt, seed):
     k = min(k, e)
     rows = sum(lens)
     dtype = torch.uint8 if e <= 256 else torch.int16
-    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(rows * layers)]) \
-        if rows else torch.zeros(0, k, dtype=torch.int64)  # fmt: skip
+    ids = (
+        torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(rows * layers)])
+        if rows
+        else torch.zeros(0, k, dtype=torch.int64)
+    )
     ids = ids.reshape(rows, layers, k).to(dtype)
     cu = torch.tensor([0, *np.cumsum(lens).tolist()], dtype=torch.int64)
     t = RoutingTrace(ids, cu, e)
@@ -731,8 +761,9 @@ def test_large_shapes_on_meta(t, v, e):
     adv, zv, _ = ck.advantages.group_advantages(r, group_size=1)
     assert adv.shape == zv.shape == (t,)
     k = min(8, e)
-    res = ck.routing.replay_topk(torch.empty(t, e, device="meta"),
-                                 torch.empty(t, k, dtype=torch.int64, device="meta"))  # fmt: skip
+    res = ck.routing.replay_topk(
+        torch.empty(t, e, device="meta"), torch.empty(t, k, dtype=torch.int64, device="meta")
+    )
     assert res.weights.shape == (t, k) and res.routing_map.shape == (t, e)
 
 
@@ -753,8 +784,9 @@ def test_entropy_thresholds(lens, pad, levels, per_sequence, with_mask, dtype, s
     total = int(cu[-1]) + pad
     ent = torch.rand(total, generator=g).to(dtype)
     mask = torch.rand(total, generator=g) < 0.7 if with_mask else None
-    got = ck.espo.entropy_thresholds(_strided(ent, step), cu, mask, levels=levels,
-                                     per_sequence=per_sequence)  # fmt: skip
+    got = ck.espo.entropy_thresholds(
+        _strided(ent, step), cu, mask, levels=levels, per_sequence=per_sequence
+    )
     want = sref.entropy_thresholds_reference(ent, cu, mask, levels, per_sequence=per_sequence)
     assert got.shape == want.shape
     keep = ~want.isnan()  # rows of sequences without valid tokens are unused
@@ -815,8 +847,11 @@ def test_trace_row_count_contract(lens, short, max_missing, seed):
     accepted by name; an accepted trace validates."""
     g = _gen(seed)
     rows = sum(lens)
-    ids = torch.stack([torch.randperm(16, generator=g)[:2] for _ in range(rows)]) if rows \
-        else torch.zeros(0, 2, dtype=torch.int64)  # fmt: skip
+    ids = (
+        torch.stack([torch.randperm(16, generator=g)[:2] for _ in range(rows)])
+        if rows
+        else torch.zeros(0, 2, dtype=torch.int64)
+    )
     ids = ids.reshape(rows, 1, 2).to(torch.uint8)
     cu = torch.tensor([0, *np.cumsum(lens).tolist()], dtype=torch.int64)
     tok = [n + 1 + s for n, s in zip(lens, short, strict=False)]
@@ -850,10 +885,12 @@ def test_grouped_mlp_is_moe_mlp_unpermuted(t, e, k, bad_scale, seed):
     x = torch.randn(t, h, generator=g).to(torch.bfloat16)
     ids = torch.randint(0, e, (t, k), generator=g)
     w = torch.softmax(torch.randn(t, k, generator=g), 1)
-    w13, s13 = ck.fp8.quantize_blockwise((torch.randn(e, 2 * inter, h, generator=g) / h**0.5)
-                                         .to(torch.bfloat16))  # fmt: skip
-    w2, s2 = ck.fp8.quantize_blockwise((torch.randn(e, h, inter, generator=g) / inter**0.5)
-                                       .to(torch.bfloat16))  # fmt: skip
+    w13, s13 = ck.fp8.quantize_blockwise(
+        (torch.randn(e, 2 * inter, h, generator=g) / h**0.5).to(torch.bfloat16)
+    )
+    w2, s2 = ck.fp8.quantize_blockwise(
+        (torch.randn(e, h, inter, generator=g) / inter**0.5).to(torch.bfloat16)
+    )
     if bad_scale:
         s2 = _poison(s2, seed, float("nan"))
     p = ck.fp8.permute_quantize(x, ids, e)

@@ -74,9 +74,13 @@ def test_python_block_runs_standalone_and_prints_what_it_says(lineno, code, tmp_
     env["VLLM_LOGGING_STREAM"] = "ext://sys.stderr"  # vLLM logs to stdout by default
     env.pop("PYTHONSTARTUP", None)
     proc = subprocess.run(
-        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
         timeout=900,
-    )  # fmt: skip
+    )
     where = f"README.md:{lineno}"
     assert proc.returncode == 0, f"{where} failed:\n{proc.stderr[-4000:]}"
     # no warning raised at the package's lines ("<path>/compass_kernels/x.py:12: UserWarning")

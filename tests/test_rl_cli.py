@@ -42,8 +42,13 @@ print("after the run")
 def _run(tmp_path, mode):
     log = tmp_path / "engines.log"
     env = {**os.environ, "PYTHONPATH": str(Path(loop.__file__).parents[3])}
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(log), mode], env=env,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, str(log), mode],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return proc, log
 
 
@@ -70,14 +75,31 @@ def test_a_failure_prints_the_logs_tail(tmp_path):
 
 def test_markdown_table_has_the_readme_columns():
     row = {
-        "step": 1, "reward_mean": 0.0981, "accuracy": 0.104, "zv_initial": 0.625,
-        "zv_resample": 0.625, "zv_penalty": 0.125, "zv_rlzvp": 0.0, "inversions_naive": 1,
-        "inversions_guard": 0, "tokens": 1444, "pack_utilization": 0.705,
-        "routing_agreement": 0.99606, "gap_replay": 8.33e-3, "gap_native": 1.87e-2,
-        "k3_replay": 5.54e-5, "k3_native": 2.14e-3, "probe_gap_before": 0.1805,
-        "probe_gap": 7.3e-3, "t_rollout": 1.1, "t_old": 0.4, "t_train": 0.5, "t_sync": 0.1,
-        "overlap_s": 0.96, "t_score_busy": 1.0,
-    }  # fmt: skip
+        "step": 1,
+        "reward_mean": 0.0981,
+        "accuracy": 0.104,
+        "zv_initial": 0.625,
+        "zv_resample": 0.625,
+        "zv_penalty": 0.125,
+        "zv_rlzvp": 0.0,
+        "inversions_naive": 1,
+        "inversions_guard": 0,
+        "tokens": 1444,
+        "pack_utilization": 0.705,
+        "routing_agreement": 0.99606,
+        "gap_replay": 8.33e-3,
+        "gap_native": 1.87e-2,
+        "k3_replay": 5.54e-5,
+        "k3_native": 2.14e-3,
+        "probe_gap_before": 0.1805,
+        "probe_gap": 7.3e-3,
+        "t_rollout": 1.1,
+        "t_old": 0.4,
+        "t_train": 0.5,
+        "t_sync": 0.1,
+        "overlap_s": 0.96,
+        "t_score_busy": 1.0,
+    }
     lines = console.markdown_table([row]).splitlines()
     pipes = [len(re.findall(r"(?<!\\)\|", line)) for line in lines]
     assert pipes == [14, 14, 14], pipes
@@ -89,11 +111,22 @@ def test_markdown_table_has_the_readme_columns():
 
 
 _ROW = {
-    "step": 12, "reward_mean": 0.0981, "accuracy": 0.104, "zv_initial": 0.625,
-    "zv_rlzvp": 0.0, "tokens": 11444, "pack_utilization": 0.705, "routing_agreement": 0.99606,
-    "gap_replay": 8.33e-3, "gap_native": 1.87e-2, "k3_replay": 5.54e-5, "probe_gap": 7.3e-3,
-    "t_rollout": 112.4, "t_train": 105.5, "t_step": 1234.5,
-}  # fmt: skip
+    "step": 12,
+    "reward_mean": 0.0981,
+    "accuracy": 0.104,
+    "zv_initial": 0.625,
+    "zv_rlzvp": 0.0,
+    "tokens": 11444,
+    "pack_utilization": 0.705,
+    "routing_agreement": 0.99606,
+    "gap_replay": 8.33e-3,
+    "gap_native": 1.87e-2,
+    "k3_replay": 5.54e-5,
+    "probe_gap": 7.3e-3,
+    "t_rollout": 112.4,
+    "t_train": 105.5,
+    "t_step": 1234.5,
+}
 
 
 def test_terminal_table_fits_120_columns_and_lines_up():

@@ -54,8 +54,10 @@ def test_each_bad_cap_names_its_flag(argv, cfg, flag):
 
 
 def test_tp8_with_8_heads_fails_only_on_hidden_size():
-    got = preflight.problems(_args("--tp", "8", "--dp", "1"), _cfg(num_key_value_heads=8,
-                             num_attention_heads=8, vocab_size=1024, hidden_size=100))  # fmt: skip
+    got = preflight.problems(
+        _args("--tp", "8", "--dp", "1"),
+        _cfg(num_key_value_heads=8, num_attention_heads=8, vocab_size=1024, hidden_size=100),
+    )
     assert len(got) == 1 and "hidden_size (100)" in got[0]
 
 

@@ -15,8 +15,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_json_has_every_kernel_on_both_devices():
-    out = subprocess.run([sys.executable, "-m", "bench.roofline", "--json"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.roofline", "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     d = json.loads(out.stdout)
     assert set(d["devices"]) == {"H100-SXM", "H200"}
     assert d["devices"]["H100-SXM"]["hbm_bytes_per_s"] == 3.35e12
@@ -65,17 +71,19 @@ def test_model_resources_and_bounds():
 
 
 def test_sass_profile_counts_loops_and_ops():
-    sass = "\n".join([
-        "        /*0000*/                   LDG.E.128 R2, desc[UR4][R2.64] ;",
-        "        /*0010*/                   MUFU.EX2 R4, R4 ;",
-        "        /*0020*/                   SHFL.BFLY PT, R5, R4, 0x1, 0x1f ;",
-        "        /*0030*/              @P0 BRA 0x10 ;",
-        "        /*0040*/                   STG.E [R2.64], R4 ;",
-        "        /*0050*/                   EXIT ;",
-        "        /*0060*/                   CALL.REL.NOINC 0x100 ;",
-        "        /*0070*/                   BRA 0x70 ;",
-        "        /*0080*/                   NOP ;",
-    ])  # fmt: skip
+    sass = "\n".join(
+        [
+            "        /*0000*/                   LDG.E.128 R2, desc[UR4][R2.64] ;",
+            "        /*0010*/                   MUFU.EX2 R4, R4 ;",
+            "        /*0020*/                   SHFL.BFLY PT, R5, R4, 0x1, 0x1f ;",
+            "        /*0030*/              @P0 BRA 0x10 ;",
+            "        /*0040*/                   STG.E [R2.64], R4 ;",
+            "        /*0050*/                   EXIT ;",
+            "        /*0060*/                   CALL.REL.NOINC 0x100 ;",
+            "        /*0070*/                   BRA 0x70 ;",
+            "        /*0080*/                   NOP ;",
+        ]
+    )
     p = roofline.sass_profile(sass)
     assert p["main"] == 6 and [tuple(x) for x in p["loops"]] == [(0x10, 0x30, 3)]
     assert p["ops"] == {"LDG": 1, "LDG.128": 1, "MUFU": 1, "SHFL": 1, "STG": 1}

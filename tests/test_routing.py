@@ -36,8 +36,18 @@ def dev(backend_device) -> str:
     return backend_device
 
 
-def make_case(t, e, k, seed, *, dtype=torch.float64, valid_frac=0.8, native_frac=0.3,
-              ids_dtype=torch.int64, bias=False):  # fmt: skip
+def make_case(
+    t,
+    e,
+    k,
+    seed,
+    *,
+    dtype=torch.float64,
+    valid_frac=0.8,
+    native_frac=0.3,
+    ids_dtype=torch.int64,
+    bias=False,
+):
     """Logits, replayed ids (a mix of the native top-k, perturbed and random sets),
     valid mask and bias."""
     g = make_generator(seed)
@@ -75,10 +85,17 @@ def run_op(backend, dev, z, ids, bias, valid, sf, norm, scaling, ratio):
     ]
     mv = lambda x: None if x is None else x.to(dev)  # noqa: E731
     return replay_topk_op.run(
-        logits=z.to(dev), expert_ids=ids.to(dev), expert_bias=mv(bias), valid=mv(valid),
-        score_function=SCORE_FUNCTIONS[sf], normalize=norm, scaling=scaling,
-        min_score_ratio=-1.0 if ratio is None else ratio, backend=backend, out=out,
-    )  # fmt: skip
+        logits=z.to(dev),
+        expert_ids=ids.to(dev),
+        expert_bias=mv(bias),
+        valid=mv(valid),
+        score_function=SCORE_FUNCTIONS[sf],
+        normalize=norm,
+        scaling=scaling,
+        min_score_ratio=-1.0 if ratio is None else ratio,
+        backend=backend,
+        out=out,
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -94,14 +111,27 @@ def run_op(backend, dev, z, ids, bias, valid, sf, norm, scaling, ratio):
 @pytest.mark.parametrize("t,e,k", [(1, 8, 2), (37, 67, 8), (70, 256, 8), (9, 5, 5)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_replay_matches_reference(backend, dev, sf, norm, bias, ratio, t, e, k, dtype):
-    z, ids, valid, b = make_case(t, e, k, seed=t * 1000 + e + k, dtype=dtype, bias=bias,
-                                 ids_dtype=torch.uint8 if e <= 256 else torch.int16)  # fmt: skip
+    z, ids, valid, b = make_case(
+        t,
+        e,
+        k,
+        seed=t * 1000 + e + k,
+        dtype=dtype,
+        bias=bias,
+        ids_dtype=torch.uint8 if e <= 256 else torch.int16,
+    )
     scaling = 2.5
     w, rmap, tpe, counts, used = run_op(backend, dev, z, ids, b, valid, sf, norm, scaling, ratio)
     rw, rmap_ref, rtpe, rused, overlap, status = replay_topk_reference(
-        z, ids, score_function=sf, normalize=norm, expert_bias=b, scaling=scaling, valid=valid,
+        z,
+        ids,
+        score_function=sf,
+        normalize=norm,
+        expert_bias=b,
+        scaling=scaling,
+        valid=valid,
         min_score_ratio=ratio,
-    )  # fmt: skip
+    )
     assert_bitwise_equal(used.cpu(), rused)
     assert_bitwise_equal(rmap.cpu(), rmap_ref)
     assert_bitwise_equal(tpe.cpu(), rtpe)
@@ -111,8 +141,9 @@ def test_replay_matches_reference(backend, dev, sf, norm, bias, ratio, t, e, k, 
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("sf,norm", [("softmax", True), ("softmax", False), ("sigmoid", True),
-                                     ("sigmoid", False)])  # fmt: skip
+@pytest.mark.parametrize(
+    "sf,norm", [("softmax", True), ("softmax", False), ("sigmoid", True), ("sigmoid", False)]
+)
 @pytest.mark.parametrize("t,e,k", [(13, 40, 4), (5, 8, 1), (6, 300, 3)])
 def test_replay_gradient_matches_reference(backend, dev, sf, norm, t, e, k):
     """d loss / d logits of every backend vs torch autograd of the float64
@@ -120,8 +151,15 @@ def test_replay_gradient_matches_reference(backend, dev, sf, norm, t, e, k):
     z, ids, valid, b = make_case(t, e, k, seed=7 * t + e, native_frac=0.0, bias=sf == "sigmoid")
     z = z.to(dev).requires_grad_(True)
     ids_d = ids.to(dev)
-    res = replay_topk(z, ids_d, score_function=sf, normalize=norm, scaling=1.7,
-                      expert_bias=None if b is None else b.to(dev), backend=backend)  # fmt: skip
+    res = replay_topk(
+        z,
+        ids_d,
+        score_function=sf,
+        normalize=norm,
+        scaling=1.7,
+        expert_bias=None if b is None else b.to(dev),
+        backend=backend,
+    )
     gw = torch.randn(t, k, generator=make_generator(3), dtype=torch.float64).to(dev)
     (res.weights * gw).sum().backward()
     zr = z.detach().cpu().clone().requires_grad_(True)
@@ -149,13 +187,19 @@ def test_backward_kernel_writes_every_element(backend, dev):
     for sf, norm in (("softmax", False), ("sigmoid", True), ("softmax", True)):
         out = empty_poisoned((t, e), torch.float64, dev)
         replay_topk_backward_op.run(
-            grad_weights=g.to(dev), logits=z.to(dev), ids_used=ids.to(dev),
-            score_function=SCORE_FUNCTIONS[sf], normalize=norm, scaling=0.5, backend=backend,
+            grad_weights=g.to(dev),
+            logits=z.to(dev),
+            ids_used=ids.to(dev),
+            score_function=SCORE_FUNCTIONS[sf],
+            normalize=norm,
+            scaling=0.5,
+            backend=backend,
             out=out,
-        )  # fmt: skip
+        )
         zr = z.clone().requires_grad_(True)
-        (gate_weights_reference(zr, ids, score_function=sf, normalize=norm, scaling=0.5) * g).sum(
-        ).backward()  # fmt: skip
+        (
+            gate_weights_reference(zr, ids, score_function=sf, normalize=norm, scaling=0.5) * g
+        ).sum().backward()
         assert_verbose_allclose(out.cpu(), zr.grad, atol=1e-12, rtol=1e-10)
 
 
@@ -188,15 +232,17 @@ def test_agreement_is_one_when_trace_is_native(backend, dev):
     z, _, _, b = make_case(40, 64, 6, seed=9, bias=True)
     sel = torch.sigmoid(z) + b
     ids = torch.topk(sel, 6).indices.flip(-1)  # same sets, other order
-    res = replay_topk(z.to(dev), ids.to(dev), score_function="sigmoid", expert_bias=b.to(dev),
-                      backend=backend)  # fmt: skip
+    res = replay_topk(
+        z.to(dev), ids.to(dev), score_function="sigmoid", expert_bias=b.to(dev), backend=backend
+    )
     d = res.stats.as_dict()
     assert d["agreement"] == 1.0 and d["exact_match"] == 1.0 and d["fallback_rows"] == 0
     assert float(res.stats.agreement) == 1.0 and int(res.stats.replayed_rows) == 40
     ids2 = ids.clone()
     ids2[:, 0] = torch.topk(sel, 7).indices[:, 6]  # one expert off in every row
-    res2 = replay_topk(z.to(dev), ids2.to(dev), score_function="sigmoid",
-                       expert_bias=b.to(dev), backend=backend)  # fmt: skip
+    res2 = replay_topk(
+        z.to(dev), ids2.to(dev), score_function="sigmoid", expert_bias=b.to(dev), backend=backend
+    )
     assert res2.stats.as_dict()["agreement"] == pytest.approx(5 / 6)
     assert res2.stats.as_dict()["exact_match"] == 0.0
 
@@ -288,8 +334,9 @@ def test_reference_gradcheck():
         for norm in (True, False):
 
             def f(x, sf=sf, norm=norm):
-                return gate_weights_reference(x, ids, score_function=sf, normalize=norm,
-                                              scaling=1.3)  # fmt: skip
+                return gate_weights_reference(
+                    x, ids, score_function=sf, normalize=norm, scaling=1.3
+                )
 
             torch.autograd.gradcheck(f, (z.clone().requires_grad_(True),))
 
@@ -328,11 +375,17 @@ def test_gpu_replay_matches_reference_without_host_sync(backend, sf, bias):
     gradients vs autograd of the reference, and no host sync anywhere in the
     forward, backward or the statistics (CUDA sync debug mode raises on one)."""
     t, e, k = 1000, 256 if bias else 128, 8
-    z, ids, valid, b = make_case(t, e, k, seed=31, dtype=torch.float32, bias=bias,
-                                 ids_dtype=torch.uint8)  # fmt: skip
+    z, ids, valid, b = make_case(
+        t, e, k, seed=31, dtype=torch.float32, bias=bias, ids_dtype=torch.uint8
+    )
     zc = z.cuda().requires_grad_(True)
-    args = dict(score_function=sf, expert_bias=None if b is None else b.cuda(), scaling=2.5,
-                valid=valid.cuda(), min_score_ratio=0.3)  # fmt: skip
+    args = dict(
+        score_function=sf,
+        expert_bias=None if b is None else b.cuda(),
+        scaling=2.5,
+        valid=valid.cuda(),
+        min_score_ratio=0.3,
+    )
     g = torch.randn(t, k, device="cuda")
     ids_c = ids.cuda()  # the copy to the device is the caller's, outside the checked region
     replay_topk(zc, ids_c, **args, backend=backend)  # warm up (compiles, caches)
@@ -363,12 +416,14 @@ def test_empty_batch_and_wide_int16_ids(backend, dev):
     """T = 0 writes the (zeroed) counters; E = 300 experts with int16 ids (10 per lane)."""
     z = torch.randn(0, 16, dtype=torch.float64)
     ids = torch.zeros(0, 4, dtype=torch.uint8)
-    w, rmap, tpe, counts, used = run_op(backend, dev, z, ids, None, None, "softmax", True, 1.0,
-                                        None)  # fmt: skip
+    w, rmap, tpe, counts, used = run_op(
+        backend, dev, z, ids, None, None, "softmax", True, 1.0, None
+    )
     assert w.shape == (0, 4) and counts.cpu().tolist() == [0] * 6 and tpe.cpu().eq(0).all()
     z, ids, valid, _ = make_case(11, 300, 6, seed=13, ids_dtype=torch.int16)
-    w, rmap, tpe, counts, used = run_op(backend, dev, z, ids, None, valid, "sigmoid", True, 1.0,
-                                        None)  # fmt: skip
+    w, rmap, tpe, counts, used = run_op(
+        backend, dev, z, ids, None, valid, "sigmoid", True, 1.0, None
+    )
     rw, rmap_ref, rtpe, rused, overlap, status = replay_topk_reference(
         z, ids, score_function="sigmoid", valid=valid
     )

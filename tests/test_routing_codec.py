@@ -56,8 +56,24 @@ def random_sets(rows: int, e: int, k: int, seed: int) -> torch.Tensor:
     return ids.to(ids_dtype(e))
 
 
-SHAPES = [(256, 8), (128, 8), (256, 5), (200, 7), (64, 3), (160, 6), (16, 1), (255, 8),
-          (8, 2), (12, 4), (384, 8), (300, 3), (1024, 6), (64, 10), (20, 20), (67, 50)]  # fmt: skip
+SHAPES = [
+    (256, 8),
+    (128, 8),
+    (256, 5),
+    (200, 7),
+    (64, 3),
+    (160, 6),
+    (16, 1),
+    (255, 8),
+    (8, 2),
+    (12, 4),
+    (384, 8),
+    (300, 3),
+    (1024, 6),
+    (64, 10),
+    (20, 20),
+    (67, 50),
+]
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -186,8 +202,7 @@ def edge_sets(e: int, k: int) -> torch.Tensor:
 
 def decode_poisoned(payload: bytes, rows: int, k: int, e: int, impl: int) -> torch.Tensor:
     out = torch.full((rows, k), 0xEE, dtype=torch.uint8)  # every byte must be written
-    _setcode.decode_into(torch.frombuffer(bytearray(payload), dtype=torch.uint8), e, out,
-                         impl=impl)  # fmt: skip
+    _setcode.decode_into(torch.frombuffer(bytearray(payload), dtype=torch.uint8), e, out, impl=impl)
     return out
 
 
@@ -289,8 +304,9 @@ def run_encode_op(backend, ids, e, missing=None):
         empty_poisoned(k * e, torch.int64, device=dev),
     )
     missing = missing.to(dev) if missing is not None else None
-    res = _setcode.encode_sets_op.run(ids=ids.to(dev), num_experts=e, missing=missing,
-                                      backend=backend, out=outs)  # fmt: skip
+    res = _setcode.encode_sets_op.run(
+        ids=ids.to(dev), num_experts=e, missing=missing, backend=backend, out=outs
+    )
     return tuple(t.cpu() for t in res)
 
 
@@ -298,9 +314,21 @@ def run_encode_op(backend, ids, e, missing=None):
 # word; G > 1 (E=8, K=2: 13 rows per 63-bit pack) over several programs; B = 0
 # (K == E); int16 ids; K = 50 (a 64-wide id tile); K = 1; E past one chunk of
 # the table scan (1024).
-ENCODE_CASES = [(256, 8, 601), (128, 8, 257), (8, 2, 3401), (20, 20, 37), (300, 3, 515),
-                (67, 50, 70), (64, 10, 299), (16, 1, 1031), (12, 4, 777), (200, 7, 263),
-                (384, 8, 255), (3, 1, 100), (2000, 2, 130)]  # fmt: skip
+ENCODE_CASES = [
+    (256, 8, 601),
+    (128, 8, 257),
+    (8, 2, 3401),
+    (20, 20, 37),
+    (300, 3, 515),
+    (67, 50, 70),
+    (64, 10, 299),
+    (16, 1, 1031),
+    (12, 4, 777),
+    (200, 7, 263),
+    (384, 8, 255),
+    (3, 1, 100),
+    (2000, 2, 130),
+]
 
 
 @pytest.mark.parametrize("backend", ENCODE_BACKENDS)
@@ -328,8 +356,10 @@ def test_encode_op_codes_missing_rows_as_rank_0_without_reading_them(backend):
 
 
 @pytest.mark.triton
-@pytest.mark.parametrize("e,k,dtype", [(128, 6, torch.uint8), (300, 3, torch.int16),
-                                       (8, 2, torch.uint8), (67, 50, torch.uint8)])  # fmt: skip
+@pytest.mark.parametrize(
+    "e,k,dtype",
+    [(128, 6, torch.uint8), (300, 3, torch.int16), (8, 2, torch.uint8), (67, 50, torch.uint8)],
+)
 def test_gpu_encoder_flags_bad_rows_on_the_device(e, k, dtype):
     """Status counts every bad row and keeps the first (an unsigned atomic min
     over programs); check_status names it as the C++ encoder does."""
@@ -355,8 +385,9 @@ def test_gpu_encoder_flags_bad_rows_on_the_device(e, k, dtype):
     with pytest.raises(ValueError, match=rf"ids: expert {int(ids[1203, 0])} twice in row 1203"):
         _setcode.check_status(status, only_dup, e)
     # a bad row in a missing row is not read
-    _, status = _setcode.encode_device(only_dup.to(dev), e, backend="triton",
-                                       missing=(torch.arange(rows) == 1203).to(dev))  # fmt: skip
+    _, status = _setcode.encode_device(
+        only_dup.to(dev), e, backend="triton", missing=(torch.arange(rows) == 1203).to(dev)
+    )
     assert status.tolist() == [0, -1]
 
 
@@ -376,10 +407,17 @@ def test_encode_op_argument_errors_name_the_argument(backend):
         bad = torch.zeros(9, dtype=torch.bool, device=ids.device)
         op.run(**(good | {"missing": bad}), out=outs)
     with pytest.raises(ValueError, match=r"C\(num_experts, top_k\) < 2\^64"):
-        big = outs._replace(payload=ids.new_empty(0, dtype=torch.uint8),
-                            table=ids.new_empty(16 * 1024, dtype=torch.int64))  # fmt: skip
-        op.run(ids=ids.new_zeros(2, 16, dtype=torch.int16), num_experts=1024, missing=None,
-               backend=backend, out=big)  # fmt: skip
+        big = outs._replace(
+            payload=ids.new_empty(0, dtype=torch.uint8),
+            table=ids.new_empty(16 * 1024, dtype=torch.int64),
+        )
+        op.run(
+            ids=ids.new_zeros(2, 16, dtype=torch.int16),
+            num_experts=1024,
+            missing=None,
+            backend=backend,
+            out=big,
+        )
     with pytest.raises(ValueError, match=r"ids: expected a 2-d tensor"):
         _setcode.encode_device(ids.view(-1), 64, backend=backend)
 
@@ -400,8 +438,14 @@ def test_trace_encoded_on_the_device_path_decodes_bit_exact(backend):
     bad = t.expert_ids.clone()
     row = int((~t.missing[:, 1]).nonzero()[5, 0])
     bad[row, 1, 3] = bad[row, 1, 0]
-    t_bad = type(t)(bad, t.cu_seqlens, t.num_experts, layer_ids=t.layer_ids, missing=t.missing,
-                    missing_reason=t.missing_reason)  # fmt: skip
+    t_bad = type(t)(
+        bad,
+        t.cu_seqlens,
+        t.num_experts,
+        layer_ids=t.layer_ids,
+        missing=t.missing,
+        missing_reason=t.missing_reason,
+    )
     with pytest.raises(ValueError, match=rf"twice in row {row * 3 + 1}\b"):
         encode_trace(t_bad, codec="set", backend=backend)
 

@@ -38,9 +38,14 @@ def v1_recipe(e: int) -> RoutingTrace:
     reason[2] = int(MissingReason.PREEMPTED)
     reason[9] = int(MissingReason.PREFIX_CACHE)
     return RoutingTrace(
-        ids.to(torch.uint8 if e <= 256 else torch.int16), torch.tensor([0, 5, 5, 12]), e,
-        layer_ids=[3, 5], mtp_layer_ids=[0], missing=miss, missing_reason=reason,
-    )  # fmt: skip
+        ids.to(torch.uint8 if e <= 256 else torch.int16),
+        torch.tensor([0, 5, 5, 12]),
+        e,
+        layer_ids=[3, 5],
+        mtp_layer_ids=[0],
+        missing=miss,
+        missing_reason=reason,
+    )
 
 
 def reseal_v1(data: bytes) -> bytes:
@@ -73,9 +78,16 @@ def test_version_1_payloads_still_decode(e, codec):
 
 def test_every_header_byte_is_inside_the_checksum():
     t = v1_recipe(256)
-    t = RoutingTrace(t.expert_ids, t.cu_seqlens, 256, layer_ids=[3, 5], mtp_layer_ids=[0],
-                     missing=t.missing, missing_reason=t.missing_reason,
-                     token_lens=[6, 1, 9])  # fmt: skip
+    t = RoutingTrace(
+        t.expert_ids,
+        t.cu_seqlens,
+        256,
+        layer_ids=[3, 5],
+        mtp_layer_ids=[0],
+        missing=t.missing,
+        missing_reason=t.missing_reason,
+        token_lens=[6, 1, 9],
+    )
     for codec in ("set", "raw"):
         data = t.encode(codec=codec)
         assert RoutingTrace.decode(data) == t.canonical(sort=codec == "set")
@@ -91,8 +103,11 @@ def test_header_tampering_was_silent_in_version_1_and_is_named_now():
     # Version 1 covers only the body: a flipped num_experts decoded into another
     # valid trace. The version-1 reader now checks every header field it can.
     data = (FIXTURES / "routing_trace_v1_e300_raw.bin").read_bytes()
-    for experts, match in ((0, "num_experts 0 outside"), (40_000, "num_experts 40000 outside"),
-                           (3, "top_k 4 outside")):  # fmt: skip
+    for experts, match in (
+        (0, "num_experts 0 outside"),
+        (40_000, "num_experts 40000 outside"),
+        (3, "top_k 4 outside"),
+    ):
         bad = bytearray(data)
         struct.pack_into("<I", bad, 8, experts)
         with pytest.raises(TraceError, match=match):
@@ -150,9 +165,16 @@ def test_raw_codec_checks_ids_like_the_set_codec():
 def test_token_lens_round_trip():
     t = v1_recipe(300)
     for tl in (None, [6, 1, 8]):
-        x = RoutingTrace(t.expert_ids, t.cu_seqlens, 300, layer_ids=[3, 5], mtp_layer_ids=[0],
-                         missing=t.missing, missing_reason=t.missing_reason,
-                         token_lens=tl)  # fmt: skip
+        x = RoutingTrace(
+            t.expert_ids,
+            t.cu_seqlens,
+            300,
+            layer_ids=[3, 5],
+            mtp_layer_ids=[0],
+            missing=t.missing,
+            missing_reason=t.missing_reason,
+            token_lens=tl,
+        )
         for codec in ("set", "raw"):
             d = RoutingTrace.decode(x.encode(codec=codec))
             assert d.has_token_lens == (tl is not None) and d == x.canonical(sort=codec == "set")

@@ -23,8 +23,15 @@ def make_trace(lens, *, e=16, k=4, layers=(1, 3, 4), mtp=(), seed=0, missing_fra
         tok = torch.rand(n, generator=g) < missing_frac
         missing = tok[:, None].expand(n, cols).clone()
         reason = tok.to(torch.uint8) * int(MissingReason.PREFIX_CACHE)
-    return RoutingTrace(ids, cu, e, layer_ids=list(layers), missing=missing,
-                        missing_reason=reason, mtp_layer_ids=list(mtp))  # fmt: skip
+    return RoutingTrace(
+        ids,
+        cu,
+        e,
+        layer_ids=list(layers),
+        missing=missing,
+        missing_reason=reason,
+        mtp_layer_ids=list(mtp),
+    )
 
 
 # ----------------------------------------------------------- construction
@@ -76,8 +83,17 @@ def test_missing_defaults_and_counts():
 
 def test_validate_accepts_a_good_trace_and_checks_the_model():
     t = make_trace([5, 9, 1], mtp=(0,), layers=(3, 5, 6))
-    assert t.validate(moe_layer_ids=[3, 5, 6], num_layers=7, top_k=4, num_experts=16,
-                      mtp_layer_ids=[0], expected_rows=[5, 9, 1]) is t  # fmt: skip
+    assert (
+        t.validate(
+            moe_layer_ids=[3, 5, 6],
+            num_layers=7,
+            top_k=4,
+            num_experts=16,
+            mtp_layer_ids=[0],
+            expected_rows=[5, 9, 1],
+        )
+        is t
+    )
     with pytest.raises(TraceError, match=r"layer map: the model's MoE layers are \[3, 4, 5\]"):
         t.validate(moe_layer_ids=[3, 4, 5])
     with pytest.raises(TraceError, match="num_layers=6"):
@@ -113,8 +129,9 @@ def test_validate_names_sequence_layer_and_token(what):
     else:
         cu[2] = 3
         match = "cu_seqlens: decreasing at sequence 1"
-    bad = RoutingTrace(ids, cu, 16, layer_ids=[3, 5, 6], missing=missing, missing_reason=reason,
-                       mtp_layer_ids=[0])  # fmt: skip
+    bad = RoutingTrace(
+        ids, cu, 16, layer_ids=[3, 5, 6], missing=missing, missing_reason=reason, mtp_layer_ids=[0]
+    )
     with pytest.raises(TraceError, match=match):
         bad.validate()
     flag = bad.validate(raise_on_error=False)
@@ -126,8 +143,14 @@ def test_missing_rows_are_not_checked_and_fraction_limit():
     ids = t.expert_ids.clone()
     r = int(t.missing[:, 0].nonzero()[0, 0])
     ids[r] = 255  # garbage in a missing row is fine
-    t2 = RoutingTrace(ids, t.cu_seqlens, 16, layer_ids=[1, 3, 4], missing=t.missing,
-                      missing_reason=t.missing_reason)  # fmt: skip
+    t2 = RoutingTrace(
+        ids,
+        t.cu_seqlens,
+        16,
+        layer_ids=[1, 3, 4],
+        missing=t.missing,
+        missing_reason=t.missing_reason,
+    )
     t2.validate()
     with pytest.raises(TraceError, match="more than max_missing_fraction=0.01"):
         t2.validate(max_missing_fraction=0.01)
@@ -190,8 +213,12 @@ def test_stitch_continues_fills_gaps_and_checks_overlap():
 
 def _rows(trace, seq, lo, hi):
     s = trace.sequence(seq)
-    return RoutingTrace(s.expert_ids[lo:hi].clone(), torch.tensor([0, hi - lo]), s.num_experts,
-                        layer_ids=s.layer_ids)  # fmt: skip
+    return RoutingTrace(
+        s.expert_ids[lo:hi].clone(),
+        torch.tensor([0, hi - lo]),
+        s.num_experts,
+        layer_ids=s.layer_ids,
+    )
 
 
 # ---------------------------------------------------------------- re-layout
@@ -228,9 +255,16 @@ def test_slice_gives_each_rank_exactly_its_tokens(layout, cp, sp):
     seen = set()
     for rank in range(cp):
         for sr in range(sp):
-            s = t.slice(layers=range(3, 8), sequences=seqs, pad_multiple=pad, cp_size=cp,
-                        cp_rank=rank, cp_layout=layout if cp > 1 else None, sp_size=sp,
-                        sp_rank=sr)  # fmt: skip
+            s = t.slice(
+                layers=range(3, 8),
+                sequences=seqs,
+                pad_multiple=pad,
+                cp_size=cp,
+                cp_rank=rank,
+                cp_layout=layout if cp > 1 else None,
+                sp_size=sp,
+                sp_rank=sr,
+            )
             s.validate()
             assert s.layer_ids.tolist() == [3, 4, 7] and s.num_mtp_layers == 0
             want = _positions(t, seqs, token_lens, pad, cp, layout, rank, sp, sr)
@@ -323,12 +357,14 @@ def skewed_trace(rows, layers, e, k, seed, *, missing_frac=0.02):
     tok = torch.rand(rows, generator=g) < missing_frac
     missing = tok[:, None].expand(rows, layers).clone()
     reason = tok.to(torch.uint8) * int(MissingReason.PREEMPTED)
-    return RoutingTrace(ids, cu, e, layer_ids=range(3, 3 + layers), missing=missing,
-                        missing_reason=reason)  # fmt: skip
+    return RoutingTrace(
+        ids, cu, e, layer_ids=range(3, 3 + layers), missing=missing, missing_reason=reason
+    )
 
 
-@pytest.mark.parametrize("e,k", [(256, 8), (128, 8), (8, 2), (300, 6), (16, 16), (3, 1),
-                                 (64, 1), (160, 8)])  # fmt: skip
+@pytest.mark.parametrize(
+    "e,k", [(256, 8), (128, 8), (8, 2), (300, 6), (16, 16), (3, 1), (64, 1), (160, 8)]
+)
 @pytest.mark.parametrize("codec", ["set", "raw"])
 def test_codec_round_trip_is_bit_exact(e, k, codec):
     t = skewed_trace(257, 3, e, k, seed=e + k)
@@ -468,8 +504,9 @@ def test_three_whole_history_turns_give_the_conversation_once():
         naive.validate()
     c1, c2, c3 = (_turn(full, 0, r, token_lens=[r + 1]) for r in (6, 13, 19))
     s = c1.stitch(c2).stitch(c3)
-    assert s == RoutingTrace(full.expert_ids, full.cu_seqlens, 16, layer_ids=[1, 3, 4],
-                             token_lens=[20])  # fmt: skip
+    assert s == RoutingTrace(
+        full.expert_ids, full.cu_seqlens, 16, layer_ids=[1, 3, 4], token_lens=[20]
+    )
     # Prefix omission with counts: turn 2 returns only its new rows (7 .. 12).
     p2 = _turn(full, 6, 13, token_lens=[14])
     assert c1.stitch(p2).stitch(c3).seq_lens() == [19]
@@ -507,8 +544,9 @@ def test_short_trace_raises_unless_accepted_by_name():
         local.validate()
     local.validate(max_missing_fraction=0.02)
     # The trace's own omitted prefix is short too (rows end at the last input token).
-    tail = RoutingTrace(full.expert_ids[4:], torch.tensor([0, 17_800]), 8, layer_ids=[0],
-                        token_lens=[17_805])  # fmt: skip
+    tail = RoutingTrace(
+        full.expert_ids[4:], torch.tensor([0, 17_800]), 8, layer_ids=[0], token_lens=[17_805]
+    )
     with pytest.raises(TraceError, match="4 input tokens have no row"):
         tail.validate()
     s = tail.slice(max_missing_fraction=0.001)
@@ -517,8 +555,13 @@ def test_short_trace_raises_unless_accepted_by_name():
 
 
 def test_token_lens_travel_with_the_trace():
-    t = RoutingTrace(make_trace([3, 5]).expert_ids, torch.tensor([0, 3, 8]), 16,
-                     layer_ids=[1, 3, 4], token_lens=[4, 7])  # fmt: skip
+    t = RoutingTrace(
+        make_trace([3, 5]).expert_ids,
+        torch.tensor([0, 3, 8]),
+        16,
+        layer_ids=[1, 3, 4],
+        token_lens=[4, 7],
+    )
     assert t.has_token_lens and t.token_lens == [4, 7]
     assert t.sequence(1).token_lens == [7] and t.sequences([1, 0]).token_lens == [7, 4]
     assert RoutingTrace.concat([t, make_trace([2])]).token_lens == [4, 7, 3]
@@ -532,7 +575,8 @@ def test_token_lens_travel_with_the_trace():
     m = torch.zeros(8, dtype=torch.bool)
     m[[6, 7]] = True
     r = m.to(torch.uint8) * int(MissingReason.NO_ROW)
-    hand = RoutingTrace(t.expert_ids, t.cu_seqlens, 16, layer_ids=[1, 3, 4], missing=m,
-                        missing_reason=r)  # fmt: skip
+    hand = RoutingTrace(
+        t.expert_ids, t.cu_seqlens, 16, layer_ids=[1, 3, 4], missing=m, missing_reason=r
+    )
     with pytest.raises(TraceError, match=r"sequence 1, token 3 \(row 6\): no row .*NO_ROW"):
         hand.validate()

@@ -55,8 +55,14 @@ def _fresh_env(tmp_path: Path, **extra: str) -> dict[str, str]:
 
 
 def _run(args: list[str], env: dict[str, str], timeout: int) -> subprocess.CompletedProcess:
-    proc = subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     log = Path(env["COMPASS_SETUP_LOG"])
     tail = log.read_text()[-3000:] if log.exists() else ""
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n--- log tail:\n{tail}"

@@ -38,9 +38,20 @@ def test_a_foreign_tests_package_does_not_shadow_ours(tmp_path):
     # the fake really is importable from outside the repo (else the check proves nothing)
     subprocess.run([sys.executable, "-c", probe], env=env, cwd=tmp_path, check=True)
     out = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
-         "tests/test_tiers.py"],
-        env=env, cwd=ROOT, capture_output=True, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "--collect-only",
+            "-p",
+            "no:cacheprovider",
+            "tests/test_tiers.py",
+        ],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "error" not in out.stdout.lower().splitlines()[-1], out.stdout[-3000:]

@@ -43,8 +43,14 @@ def test_tolerance_table_covers_float_dtypes_and_loosens_with_precision(dtype):
 
 
 def test_tolerance_loosens_as_precision_drops():
-    by_precision = [torch.float64, torch.float32, torch.float16, torch.bfloat16,
-                    torch.float8_e4m3fn, torch.float8_e5m2]  # fmt: skip
+    by_precision = [
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+    ]
     rtols = [tolerance(d)[1] for d in by_precision]
     assert rtols == sorted(rtols) and len(set(rtols)) == len(rtols)
 

@@ -27,8 +27,9 @@ from tests.tiers import (
 ROOT = Path(__file__).resolve().parents[1]
 
 # The skip reason that is legitimate on this machine, and the one that is not.
-TRUE_HERE, FALSE_HERE = (INTERPRETER_ONLY, NO_CUDA_DEVICE) if HAS_GPU else (
-    NO_CUDA_DEVICE, INTERPRETER_ONLY)  # fmt: skip
+TRUE_HERE, FALSE_HERE = (
+    (INTERPRETER_ONLY, NO_CUDA_DEVICE) if HAS_GPU else (NO_CUDA_DEVICE, INTERPRETER_ONLY)
+)
 
 PLANTED = {
     "test_planted_ok.py": """
@@ -81,8 +82,19 @@ def _run(tmp_path: Path, files: list[str], *, require: bool) -> tuple[int, str, 
     env |= {"PYTHONPATH": str(ROOT), "COMPASS_TIER_REPORT": str(report)}
     if require:
         env["COMPASS_REQUIRE_ALL_TIERS"] = "1"
-    cmd = [sys.executable, "-m", "pytest", "-p", "tests.conftest", "-p", "no:cacheprovider",
-           "-rA", "--rootdir", str(tmp_path), *[str(tmp_path / f) for f in files]]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-p",
+        "tests.conftest",
+        "-p",
+        "no:cacheprovider",
+        "-rA",
+        "--rootdir",
+        str(tmp_path),
+        *[str(tmp_path / f) for f in files],
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     counts = json.loads(report.read_text())["tiers"] if report.exists() else {}
@@ -100,8 +112,11 @@ def test_planted_skip_fails_only_under_the_switch(tmp_path, planted):
     rc, out, counts = _run(tmp_path, files, require=True)
     assert rc == (1 if planted == "test_planted_skip.py" else 2), out  # 2: collection error
     assert "COMPASS_REQUIRE_ALL_TIERS=1 allows no skip" in out, out
-    reason = "some package is not installed" if planted == "test_planted_skip.py" else (
-        "could not import 'compass_no_such_module'")  # fmt: skip
+    reason = (
+        "some package is not installed"
+        if planted == "test_planted_skip.py"
+        else ("could not import 'compass_no_such_module'")
+    )
     assert f"reason: {reason}" in out, out
     if planted == "test_planted_skip.py":
         assert counts["triton"] == {"passed": 0, "skipped": 0, "failed": 1}, counts

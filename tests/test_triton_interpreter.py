@@ -83,19 +83,33 @@ def _cast_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
 
 @triton.jit
 def _matmul_kernel(
-    a_ptr, b_ptr, c_ptr, M, N, K,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
         kk = k0 + rk
-        a = tl.load(a_ptr + rm[:, None] * K + kk[None, :],
-                    mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)  # fmt: skip
-        b = tl.load(b_ptr + kk[:, None] * N + rn[None, :],
-                    mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0)  # fmt: skip
+        a = tl.load(
+            a_ptr + rm[:, None] * K + kk[None, :],
+            mask=(rm[:, None] < M) & (kk[None, :] < K),
+            other=0.0,
+        )
+        b = tl.load(
+            b_ptr + kk[:, None] * N + rn[None, :],
+            mask=(kk[:, None] < K) & (rn[None, :] < N),
+            other=0.0,
+        )
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
     tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
@@ -289,8 +303,12 @@ def test_oracle_pins_down_the_semantics(dtype):
     x = torch.tensor([1.0, 1 + 2.0 ** -(p + 1), tie_even, -1.5, 2.0 ** (1 - bias - p), 0.0])
     got = decode_bits(oracle_cast(x, dtype)).tolist()
     assert got == [1.0, 1.0, 1 + 2.0 ** (1 - p), -1.5, 2.0 ** (1 - bias - p), 0.0]
-    largest = {torch.bfloat16: 3.3895313892515355e38, torch.float16: 65504.0,
-               torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}[dtype]  # fmt: skip
+    largest = {
+        torch.bfloat16: 3.3895313892515355e38,
+        torch.float16: 65504.0,
+        torch.float8_e4m3fn: 448.0,
+        torch.float8_e5m2: 57344.0,
+    }[dtype]
     assert decode_bits(oracle_cast(torch.tensor([largest]), dtype)).item() == largest
     big = oracle_cast(torch.tensor([largest * 1.5, float("inf"), float("nan")]), dtype)
     tops = decode_bits(big)
@@ -318,8 +336,10 @@ def test_cast_from_fp32_matches_the_integer_oracle(fixed, dtype):
 def test_cast_from_int_to_bf16_matches_the_integer_oracle(fixed):
     # Unfixed, the interpreter stores the integer itself as the bf16 bit pattern.
     # 257 and 1000 are not bf16 values: they test rounding (257 is a tie).
-    x = torch.tensor([-300, -17, -1, 0, 1, 3, 5, 17, 255, 257, 448, 1000, 2**24 + 2**16 + 1,
-                      -(2**31)], dtype=torch.int32)  # fmt: skip
+    x = torch.tensor(
+        [-300, -17, -1, 0, 1, 3, 5, 17, 255, 257, 448, 1000, 2**24 + 2**16 + 1, -(2**31)],
+        dtype=torch.int32,
+    )
     expected = oracle_cast(x, torch.bfloat16)
     assert decode_bits(expected)[9].item() == 256.0  # the tie went to even
     assert_cast_equal(_cast(x, torch.bfloat16), expected, name="int32 -> bf16")
@@ -334,8 +354,14 @@ def test_cast_from_fp64_rounds_once(fixed, dtype):
     g = torch.Generator().manual_seed(7)
     ties = 1 + (2 * torch.randint(0, 2**p // 2, (64,), generator=g) + 1).double() * 2.0 ** -(p + 1)
     ties = ties * 2.0 ** torch.randint(-10, 10, (64,), generator=g).double()
-    x = torch.cat([ties * (1 + 2.0**-40), ties * (1 - 2.0**-40), ties,
-                   torch.randn(256, generator=g, dtype=torch.float64) * 100])  # fmt: skip
+    x = torch.cat(
+        [
+            ties * (1 + 2.0**-40),
+            ties * (1 - 2.0**-40),
+            ties,
+            torch.randn(256, generator=g, dtype=torch.float64) * 100,
+        ]
+    )
     x = torch.cat([x, -x])
     expected = oracle_cast(x, dtype)
     assert not torch.equal(expected, x.float().to(dtype)), "no double-rounding case in the input"
@@ -421,8 +447,9 @@ def _exact_dot_inputs(dtype, seed, m=32, k=16, n=16):
 @pytest.mark.parametrize("dtype", DOT_DTYPES, ids=str)
 def test_single_dot_is_exact_over_a_wide_exponent_range(fixed, dtype):
     a, b, a_int, b_int = _exact_dot_inputs(dtype, seed=2)
-    assert torch.equal(decode_bits(a) * 8 if dtype in FORMATS else a.double() * 8,
-                       a_int.double())  # the operands really are those integers  # fmt: skip
+    assert torch.equal(
+        decode_bits(a) * 8 if dtype in FORMATS else a.double() * 8, a_int.double()
+    )  # the operands really are those integers
     exact = a_int @ b_int  # int64: the product times 2**6, no rounding anywhere
     expected = (exact.to(torch.float64) / 64).to(torch.float32)  # exact: |exact| < 2**24
     assert int(exact.abs().max()) < 2**24
@@ -460,8 +487,14 @@ def _row_sum_kernel(x_ptr, y_ptr, BLOCK: tl.constexpr):
 
 
 def _language_namespaces() -> dict:
-    return {"tl": tl, "tl.core": tl.core, "tl.math": tl.math, "tl.tensor": tl.core.tensor,
-            "tl.dtype": tl.core.dtype, "tl.condition": tl.core.condition}  # fmt: skip
+    return {
+        "tl": tl,
+        "tl.core": tl.core,
+        "tl.math": tl.math,
+        "tl.tensor": tl.core.tensor,
+        "tl.dtype": tl.core.dtype,
+        "tl.condition": tl.core.condition,
+    }
 
 
 @pytest.fixture
@@ -592,9 +625,15 @@ def test_apply_fails_loudly_when_a_signature_changed(monkeypatch):
 
 @triton.jit
 def _fp8_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, K,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PROMOTE: tl.constexpr,
-):  # fmt: skip
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    K,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    PROMOTE: tl.constexpr,
+):
     # One output tile, K loop. PROMOTE: 0 = accumulate in the dot (acc = dot(a, b, acc)),
     # 1 = explicit fp32 promotion per block (acc += dot(a, b)), 2 = the same
     # through max_num_imprecise_acc=BK.

@@ -50,8 +50,12 @@ def test_main_ppo_starts_and_composes_the_cpu_recipe_config():
     env = dict(os.environ, VERL_USE_EXTERNAL_MODULES=PLUGIN, PYTHONPATH=path)
     out = subprocess.run(
         [sys.executable, "-m", "verl.trainer.main_ppo", "--cfg", "job", *CONFIG_OVERRIDES],
-        env=env, capture_output=True, text=True, timeout=300, cwd=ROOT,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "use_v1: false" in out.stdout
     assert "param_dtype: fp32" in out.stdout
@@ -73,9 +77,15 @@ def platform():
     import verl.utils.distributed as vd
     from verl.plugin.platform import platform_manager as pm
 
-    before = (pm._current_platform, vd.initialize_global_process_group_ray, list(sys.meta_path),
-              {k: os.environ.get(k) for k in ("VERL_ENGINE_DEVICE", "VLLM_TARGET_DEVICE",
-                                              "VLLM_CPU_KVCACHE_SPACE")})  # fmt: skip
+    before = (
+        pm._current_platform,
+        vd.initialize_global_process_group_ray,
+        list(sys.meta_path),
+        {
+            k: os.environ.get(k)
+            for k in ("VERL_ENGINE_DEVICE", "VLLM_TARGET_DEVICE", "VLLM_CPU_KVCACHE_SPACE")
+        },
+    )
     mod = importlib.import_module(PLATFORM)
     mod.activate()
     yield mod, before
@@ -137,8 +147,9 @@ def test_the_weight_update_is_replaced_when_verls_rollout_utils_is_imported(plat
     fn = utils.vLLMColocateWorkerExtension.update_weights_from_ipc
     assert hasattr(fn, "__wrapped_by_compass__")
     mod.deactivate()
-    assert not hasattr(utils.vLLMColocateWorkerExtension.update_weights_from_ipc,
-                       "__wrapped_by_compass__")  # fmt: skip
+    assert not hasattr(
+        utils.vLLMColocateWorkerExtension.update_weights_from_ipc, "__wrapped_by_compass__"
+    )
 
 
 def test_after_import_hook_runs_once_at_definition(tmp_path, monkeypatch):
@@ -172,8 +183,9 @@ def test_a_16_bit_old_entropy_warns_naming_the_option(actor, warned):
 
     from compass_kernels.integration.verl.entropy import warn_low_precision_entropy
 
-    cfg = OmegaConf.create({"actor_rollout_ref": {"actor": {
-        **actor, "policy_loss": {"loss_mode": "compass_espo"}}}})  # fmt: skip
+    cfg = OmegaConf.create(
+        {"actor_rollout_ref": {"actor": {**actor, "policy_loss": {"loss_mode": "compass_espo"}}}}
+    )
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         assert warn_low_precision_entropy(cfg) is warned

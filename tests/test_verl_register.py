@@ -32,8 +32,11 @@ def _clean():
 
 
 def _state():
-    return (dataclasses.replace(losses.ESPO_OPTIONS), dataclasses.replace(adv_mod.ADV_OPTIONS),
-            cv.registered())  # fmt: skip
+    return (
+        dataclasses.replace(losses.ESPO_OPTIONS),
+        dataclasses.replace(adv_mod.ADV_OPTIONS),
+        cv.registered(),
+    )
 
 
 @pytest.mark.parametrize(
@@ -75,9 +78,15 @@ def test_bad_first_call_registers_nothing():
 
 
 def test_numpy_options_are_normalised_once():
-    cv.register(espo={"quantiles": np.array([0.3, 0.7]), "clip": np.array([0.1, 0.2]),
-                      "vocab_size": np.int64(1000), "drop_low": np.bool_(True)},
-                advantages={"alpha": np.float32(0.5), "rl_zvp": np.bool_(False)})  # fmt: skip
+    cv.register(
+        espo={
+            "quantiles": np.array([0.3, 0.7]),
+            "clip": np.array([0.1, 0.2]),
+            "vocab_size": np.int64(1000),
+            "drop_low": np.bool_(True),
+        },
+        advantages={"alpha": np.float32(0.5), "rl_zvp": np.bool_(False)},
+    )
     o = losses.ESPO_OPTIONS
     assert o.quantiles == (0.3, 0.7) and o.clip == (0.1, 0.2)
     assert type(o.vocab_size) is int and o.drop_low is True
@@ -102,8 +111,11 @@ def test_wrapped_upstream_is_refused_naming_the_plugin(monkeypatch):
             "verl.trainer.ppo.core_algos:compute_policy_loss_vanilla"
         ]
     )  # the source pin alone cannot see it
-    with pytest.raises(cv.VerlVersionError, match="patched by another plugin "
-                       r"\(other_plugins_patch at .*test_verl_register.py"):  # fmt: skip
+    with pytest.raises(
+        cv.VerlVersionError,
+        match="patched by another plugin "
+        r"\(other_plugins_patch at .*test_verl_register.py",
+    ):
         cv.register()
     assert not cv.registered()
 

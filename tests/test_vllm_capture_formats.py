@@ -47,13 +47,24 @@ def _engine_rows(rng, n, num_layers, moe_layers, top_k, num_experts, dtype, chun
     """What vLLM hands over: rows [n, all hidden layers, top_k] (dense layers' rows never
     written: zeros), from per-step chunks concatenated at finish
     (RequestState._new_completion_output), and the reference MoE-layer ids."""
-    ref = np.stack(
-        [np.stack([rng.permutation(num_experts)[:top_k] for _ in moe_layers]) for _ in range(n)]
-    ) if n else np.zeros((0, len(moe_layers), top_k), dtype=np.int64)  # fmt: skip
+    ref = (
+        np.stack(
+            [np.stack([rng.permutation(num_experts)[:top_k] for _ in moe_layers]) for _ in range(n)]
+        )
+        if n
+        else np.zeros((0, len(moe_layers), top_k), dtype=np.int64)
+    )
     full = np.zeros((n, num_layers, top_k), dtype=dtype)
     full[:, moe_layers, :] = ref.astype(dtype)
-    cuts = sorted(rng.choice(np.arange(1, max(n, 2)), size=min(chunks, max(n - 1, 0)),
-                             replace=False).tolist()) if n > 1 else []  # fmt: skip
+    cuts = (
+        sorted(
+            rng.choice(
+                np.arange(1, max(n, 2)), size=min(chunks, max(n - 1, 0)), replace=False
+            ).tolist()
+        )
+        if n > 1
+        else []
+    )
     parts = np.split(full, cuts)
     return np.concatenate(parts, axis=0), ref
 
@@ -61,14 +72,17 @@ def _engine_rows(rng, n, num_layers, moe_layers, top_k, num_experts, dtype, chun
 def _output(routed, num_prompt, num_out, request_id="r0"):
     comp = types.SimpleNamespace(index=0, token_ids=list(range(num_out)), routed_experts=routed)
     return types.SimpleNamespace(
-        request_id=request_id, finished=True, prompt_token_ids=list(range(num_prompt)),
+        request_id=request_id,
+        finished=True,
+        prompt_token_ids=list(range(num_prompt)),
         outputs=[comp],
-    )  # fmt: skip
+    )
 
 
 def _capture(layers, top_k, num_experts, prompt_start=0):
-    cap = rc.RoutingCapture(None, "vllm", {"layers": layers, "top_k": top_k,
-                                           "num_experts": num_experts})  # fmt: skip
+    cap = rc.RoutingCapture(
+        None, "vllm", {"layers": layers, "top_k": top_k, "num_experts": num_experts}
+    )
     cap.prompt_start = prompt_start
     return cap
 
@@ -104,9 +118,13 @@ def test_routed_experts_formats_convert_to_a_validated_trace(num_experts, dtype_
     torch.testing.assert_close(trace.expert_ids.to(torch.int64), torch.from_numpy(ref))
     # the public function (e.g. for a response's base64 field) gives the same trace
     again = rc.trace_from_routed_experts(
-        value, layers=moe_layers, top_k=top_k, num_experts=num_experts,
-        num_prompt_tokens=num_prompt, num_output_tokens=num_out,
-    )  # fmt: skip
+        value,
+        layers=moe_layers,
+        top_k=top_k,
+        num_experts=num_experts,
+        num_prompt_tokens=num_prompt,
+        num_output_tokens=num_out,
+    )
     assert again == trace
 
 
@@ -116,9 +134,14 @@ def test_prompt_start_rows_are_missing_not_zeros():
     n = num_prompt + num_out - 1
     routed, ref = _engine_rows(rng, n - skip, 4, [1, 3], 2, num_experts, np.dtype("uint8"))
     seq = rc.sequence_from_routed_experts(
-        _vllm_numpy2base64()(routed), layers=[1, 3], top_k=2, num_experts=num_experts,
-        num_prompt_tokens=num_prompt, num_output_tokens=num_out, prompt_start=skip,
-    )  # fmt: skip
+        _vllm_numpy2base64()(routed),
+        layers=[1, 3],
+        top_k=2,
+        num_experts=num_experts,
+        num_prompt_tokens=num_prompt,
+        num_output_tokens=num_out,
+        prompt_start=skip,
+    )
     assert (seq.reason[:skip] == int(MissingReason.NOT_CAPTURED)).all()
     assert (seq.reason[skip:] == 0).all()
     np.testing.assert_array_equal(seq.expert_ids[skip:].astype(np.int64), ref)
@@ -171,23 +194,37 @@ def test_max_bytes_rule_fits_a_full_batch_in_vllms_store():
     # num_slots = max_bytes // object (BlockObjectStore); a full batch needs
     # max_num_seqs x ceil(max_model_len / block) objects.
     for layers, top_k, experts, seqs, length, block in [
-        (48, 8, 128, 64, 4097, 16), (61, 8, 257, 7, 100, 32), (2, 1, 4, 1, 1, 16),
-    ]:  # fmt: skip
-        mb = rc.routed_experts_max_bytes(num_hidden_layers=layers, top_k=top_k,
-                                         num_experts=experts, max_num_seqs=seqs,
-                                         max_model_len=length, block_size=block)  # fmt: skip
+        (48, 8, 128, 64, 4097, 16),
+        (61, 8, 257, 7, 100, 32),
+        (2, 1, 4, 1, 1, 16),
+    ]:
+        mb = rc.routed_experts_max_bytes(
+            num_hidden_layers=layers,
+            top_k=top_k,
+            num_experts=experts,
+            max_num_seqs=seqs,
+            max_model_len=length,
+            block_size=block,
+        )
         obj = block * layers * top_k * (1 if experts <= 256 else 2)
         need = seqs * -(-length // block)
         assert mb // obj == need and mb % obj == 0
     for bad in (0, -1, 1.5, True, None):
         with pytest.raises(ValueError, match="max_num_seqs"):
-            rc.routed_experts_max_bytes(num_hidden_layers=2, top_k=1, num_experts=4,
-                                        max_num_seqs=bad, max_model_len=8)  # fmt: skip
+            rc.routed_experts_max_bytes(
+                num_hidden_layers=2, top_k=1, num_experts=4, max_num_seqs=bad, max_model_len=8
+            )
 
 
 def _kwargs(**over):
-    base = dict(num_hidden_layers=4, top_k=2, num_experts=300, max_num_seqs=8,
-                max_model_len=1000, block_size=16)  # fmt: skip
+    base = dict(
+        num_hidden_layers=4,
+        top_k=2,
+        num_experts=300,
+        max_num_seqs=8,
+        max_model_len=1000,
+        block_size=16,
+    )
     base.update(over)
     return base
 
@@ -220,23 +257,37 @@ def test_engine_kwargs_use_the_aux_output_config_or_the_shorthand():
         ({"decode_context_parallel_size": 2}, "decode_context_parallel_size=2"),
         ({"prefill_context_parallel_size": 4}, "prefill_context_parallel_size=4"),
         ({"enable_prefix_caching": False}, "enable_prefix_caching=False"),
-        ({"kv_transfer_config": {"kv_connector": "NixlConnector", "kv_role": "kv_both"}},
-         "NixlConnector"),
-        ({"kv_transfer_config": types.SimpleNamespace(
-            kv_connector="MultiConnector",
-            kv_connector_extra_config={"connectors": [{"kv_connector": "LMCacheConnectorV1"},
-                                                      {"kv_connector": "MooncakeConnector"}]})},
-         "MooncakeConnector"),
+        (
+            {"kv_transfer_config": {"kv_connector": "NixlConnector", "kv_role": "kv_both"}},
+            "NixlConnector",
+        ),
+        (
+            {
+                "kv_transfer_config": types.SimpleNamespace(
+                    kv_connector="MultiConnector",
+                    kv_connector_extra_config={
+                        "connectors": [
+                            {"kv_connector": "LMCacheConnectorV1"},
+                            {"kv_connector": "MooncakeConnector"},
+                        ]
+                    },
+                )
+            },
+            "MooncakeConnector",
+        ),
     ],
-)  # fmt: skip
+)
 def test_what_vllm_refuses_is_refused_before_the_engine_starts(over, match):
     with pytest.raises(ValueError, match=match):
         rc.routed_experts_engine_kwargs(**_kwargs(), aux_output_config=True, **over)
 
 
 def test_allowed_configs_pass_and_mrv1_is_refused(monkeypatch):
-    ok = {"kv_transfer_config": {"kv_connector": "LMCacheConnectorV1"},
-          "tensor_parallel_size": 4, "pipeline_parallel_size": 1}  # fmt: skip
+    ok = {
+        "kv_transfer_config": {"kv_connector": "LMCacheConnectorV1"},
+        "tensor_parallel_size": 4,
+        "pipeline_parallel_size": 1,
+    }
     rc.routed_experts_engine_kwargs(**_kwargs(), aux_output_config=True, **ok)
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     with pytest.raises(ValueError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
@@ -246,9 +297,12 @@ def test_allowed_configs_pass_and_mrv1_is_refused(monkeypatch):
 def test_refused_connectors_are_vllms_list():
     # the names in VllmConfig._verify_aux_output_compatibility (pinned, 0.32 - 0.34)
     assert rc.REFUSED_KV_CONNECTORS == (
-        "NixlConnector", "NixlPullConnector", "NixlPushConnector", "MoRIIOConnector",
+        "NixlConnector",
+        "NixlPullConnector",
+        "NixlPushConnector",
+        "MoRIIOConnector",
         "MooncakeConnector",
-    )  # fmt: skip
+    )
 
 
 def test_hook_path_on_vllm_034_is_refused_pointing_at_vllms_capture(monkeypatch):

@@ -39,9 +39,14 @@ def _reader(files):
 
 def test_hashes_come_from_the_named_definition_decorators_included():
     read = _reader({"a.py": MODULE})
-    internals = {"helper": ("a.py", "helper"), "Runner.load_model": ("a.py", "Runner.load_model"),
-                 "Runner": ("a.py", "Runner"), "file": ("a.py", None),
-                 "gone": ("a.py", "Runner.nope"), "nofile": ("b.py", "x")}  # fmt: skip
+    internals = {
+        "helper": ("a.py", "helper"),
+        "Runner.load_model": ("a.py", "Runner.load_model"),
+        "Runner": ("a.py", "Runner"),
+        "file": ("a.py", None),
+        "gone": ("a.py", "Runner.nope"),
+        "nofile": ("b.py", "x"),
+    }
     orig = dict(_pin.INTERNALS)
     try:
         _pin.INTERNALS.update(internals)
@@ -110,7 +115,7 @@ def test_check_refuses_unreviewed_releases_naming_them(monkeypatch):
     with pytest.raises(
         RuntimeError, match=r"reviewed for vLLM 0\.32\.0, 0\.33\.0.*found vLLM 0\.35\.0"
     ):
-        _pin.check("weight_sync", RuntimeError, who="sync_to_vllm")  # fmt: skip
+        _pin.check("weight_sync", RuntimeError, who="sync_to_vllm")
     _fake_install(monkeypatch, "0.34.0", {})
     with pytest.raises(RuntimeError, match=r"sync_to_vllm is reviewed for .*found vLLM 0\.34\.0"):
         _pin.check("weight_sync", RuntimeError, who="sync_to_vllm")

@@ -174,8 +174,10 @@ def test_rl_zvp_no_sequences(backend, backend_device):
 
 def test_host_ops_no_prompts():
     e = torch.empty(0)
-    _empty(ck.advantages.overlong_penalty(torch.empty(0, dtype=torch.int64), max_len=8,
-                                          cache_len=2), (0,))  # fmt: skip
+    _empty(
+        ck.advantages.overlong_penalty(torch.empty(0, dtype=torch.int64), max_len=8, cache_len=2),
+        (0,),
+    )
     n, st = ck.advantages.allocate_rollouts(e, e, 100, return_stats=True)
     _empty(n, (0,), torch.int64)
     assert st.spent == 0 and st.skipped == 0

@@ -95,7 +95,7 @@ PATCHED_ATTRIBUTES: dict[str, tuple[str, ...]] = {
         "d",
         "input_precision",
         "max_num_imprecise_acc",
-    ),  # fmt: skip
+    ),
     "InterpreterBuilder.cast_impl": ("self", "src", "dst_type"),
     "InterpreterBuilder.create_fp_to_fp": ("self", "src", "dst_type", "rounding_mode"),
     "InterpretedFunction.__call__": ("self", "args", "kwargs"),
@@ -546,8 +546,11 @@ def _make_generic_reduce(original: Callable, table: dict, handle_cls) -> Callabl
         for d, dt in zip(data, dtypes, strict=True):
             r = d[0]
             if self.keep_dims:
-                r = np.expand_dims(r, axis) if original_axis is not None else r.reshape(
-                    (1,) * len(args[0].handle.data.shape))  # fmt: skip
+                r = (
+                    np.expand_dims(r, axis)
+                    if original_axis is not None
+                    else r.reshape((1,) * len(args[0].handle.data.shape))
+                )
             elif original_axis is None:
                 r = r.item()
             ret.append(self.to_tensor(r, dt))

@@ -57,8 +57,15 @@ class GroupStats:
     Everything is computed or sliced when read: the call never pays for it.
     """
 
-    __slots__ = ("group_ids", "group_mean", "group_std", "_offsets", "_zero_var", "_order",
-                 "_group_size")  # fmt: skip
+    __slots__ = (
+        "group_ids",
+        "group_mean",
+        "group_std",
+        "_offsets",
+        "_zero_var",
+        "_order",
+        "_group_size",
+    )
 
     def __init__(self, group_ids, group_mean, group_std, offsets, zero_var, order, group_size):
         self.group_ids, self.group_mean, self.group_std = group_ids, group_mean, group_std
@@ -78,8 +85,10 @@ class GroupStats:
         return self._zero_var[self._order[self._offsets[:-1]]]
 
     def __repr__(self) -> str:
-        return (f"GroupStats(num_groups={self.num_groups}, group_ids={self.group_ids}, "
-                f"group_mean={self.group_mean}, group_std={self.group_std})")  # fmt: skip
+        return (
+            f"GroupStats(num_groups={self.num_groups}, group_ids={self.group_ids}, "
+            f"group_mean={self.group_mean}, group_std={self.group_std})"
+        )
 
     @property
     def num_groups(self) -> int:
@@ -211,8 +220,9 @@ _NUM_GROUPS_MISMATCH = "num_groups: does not equal the number of distinct group_
 
 def _expect_num_groups(num_groups: int | None, groups: int) -> None:
     if num_groups is not None and num_groups != groups:
-        raise ValueError(f"num_groups: expected the number of distinct group_ids, {groups}, "
-                         f"got {num_groups}")  # fmt: skip
+        raise ValueError(
+            f"num_groups: expected the number of distinct group_ids, {groups}, got {num_groups}"
+        )
 
 
 # (n, group_size, device) -> (order, offsets): the identity plan of the
@@ -308,8 +318,15 @@ def group_advantages(
     if (group_ids is None) == (group_size is None):
         raise ValueError("pass exactly one of group_ids (a tensor) or group_size (an int)")
     if group_ids is not None:
-        check_tensor("group_ids", group_ids, ndim=1, dtypes=INT_DTYPES, size=n,
-                     size_what="one id per reward", device=dev)  # fmt: skip
+        check_tensor(
+            "group_ids",
+            group_ids,
+            ndim=1,
+            dtypes=INT_DTYPES,
+            size=n,
+            size_what="one id per reward",
+            device=dev,
+        )
         if num_groups is not None:
             num_groups = as_int("num_groups", num_groups, lo=0)
         order, offsets, unique = _groups_from_ids(group_ids, num_groups)
@@ -389,11 +406,19 @@ def rl_zvp(
     check_tensor(
         "rewards", rewards, ndim=1, dtypes=FLOAT_DTYPES, size=n, size_what=what, device=dev
     )
-    check_tensor("zero_var", zero_var, ndim=1, dtypes=(torch.bool,), size=n, size_what=what,
-                 device=dev)  # fmt: skip
+    check_tensor(
+        "zero_var", zero_var, ndim=1, dtypes=(torch.bool,), size=n, size_what=what, device=dev
+    )
     if advantages is not None:
-        check_tensor("advantages", advantages, ndim=1, dtypes=FLOAT_DTYPES, size=n,
-                     size_what=what, device=dev)  # fmt: skip
+        check_tensor(
+            "advantages",
+            advantages,
+            ndim=1,
+            dtypes=FLOAT_DTYPES,
+            size=n,
+            size_what=what,
+            device=dev,
+        )
     alpha = as_float("alpha", alpha, finite=False)
     if not alpha >= 0:
         raise ValueError(f"alpha: expected >= 0, got {alpha}")

@@ -103,8 +103,15 @@ def _clamp_budget(b: int, c: torch.Tensor, max_n: int) -> int:
 def _costs(cost: torch.Tensor | None, P: int) -> torch.Tensor:
     if cost is None:
         return torch.ones(P, dtype=torch.int64)
-    check_tensor("cost", cost, ndim=1, dtypes=_COUNT_DTYPES, size=P, size_what="one per prompt",
-                 device=torch.device("cpu"))  # fmt: skip
+    check_tensor(
+        "cost",
+        cost,
+        ndim=1,
+        dtypes=_COUNT_DTYPES,
+        size=P,
+        size_what="one per prompt",
+        device=torch.device("cpu"),
+    )
     if cost.dtype.is_floating_point:
         bad = ~torch.isfinite(cost)
         if bool(bad.any()):
@@ -172,11 +179,17 @@ def allocate_rollouts(
     repair solves it within ``upper_bound - expected`` (< one group), exactly
     for unit costs without skipping (docs/design.md, "Rollout budgets").
     """
-    check_tensor("successes", successes, ndim=1, dtypes=_COUNT_DTYPES,
-                 device=torch.device("cpu"))  # fmt: skip
+    check_tensor("successes", successes, ndim=1, dtypes=_COUNT_DTYPES, device=torch.device("cpu"))
     P = successes.shape[0]
-    check_tensor("attempts", attempts, ndim=1, dtypes=_COUNT_DTYPES, size=P,
-                 size_what="one per prompt", device=torch.device("cpu"))  # fmt: skip
+    check_tensor(
+        "attempts",
+        attempts,
+        ndim=1,
+        dtypes=_COUNT_DTYPES,
+        size=P,
+        size_what="one per prompt",
+        device=torch.device("cpu"),
+    )
     min_n = _as_int("min_n", min_n, 2)
     max_n = _as_int("max_n", max_n, min_n)
     b = _budget(budget)
@@ -188,14 +201,29 @@ def allocate_rollouts(
     if required is None:
         req = torch.full((P,), not allow_skip, dtype=torch.bool)
     else:
-        check_tensor("required", required, ndim=1, dtypes=(torch.bool,), size=P,
-                     size_what="one per prompt", device=torch.device("cpu"))  # fmt: skip
+        check_tensor(
+            "required",
+            required,
+            ndim=1,
+            dtypes=(torch.bool,),
+            size=P,
+            size_what="one per prompt",
+            device=torch.device("cpu"),
+        )
         req = required.contiguous() if allow_skip else torch.ones(P, dtype=torch.bool)
     out = torch.empty(P, dtype=torch.int64)
     value, upper, spent = load().advantages.allocate_rollouts_cpu(
-        successes.to(torch.float64).contiguous(), attempts.to(torch.float64).contiguous(), c,
-        req, b, min_n, max_n, pa, pb, out,
-    )  # fmt: skip
+        successes.to(torch.float64).contiguous(),
+        attempts.to(torch.float64).contiguous(),
+        c,
+        req,
+        b,
+        min_n,
+        max_n,
+        pa,
+        pb,
+        out,
+    )
     if not return_stats:
         return out
     return out, AllocationStats(value, upper, spent, int((out == 0).sum()))
@@ -219,8 +247,9 @@ def informative_probability(
     if n.numel() == 0:
         return torch.zeros(0, dtype=torch.float64)
     s = successes.to(torch.float64)
-    g = rollout_gain_table(prior[0] + s, prior[1] + attempts.to(torch.float64) - s,
-                           max(int(n.max()), 1))  # fmt: skip
+    g = rollout_gain_table(
+        prior[0] + s, prior[1] + attempts.to(torch.float64) - s, max(int(n.max()), 1)
+    )
     return g.gather(1, n.clamp(min=0)[:, None])[:, 0]
 
 
@@ -275,8 +304,11 @@ class RolloutAllocator:
         if not math.isfinite(success_threshold):
             raise ValueError(f"success_threshold: expected a finite value, got {success_threshold}")
         self.min_n, self.max_n, self.prior = min_n, max_n, tuple(prior)
-        self.explore_after, self.decay, self.success_threshold = (explore_after, decay,
-                                                                  success_threshold)  # fmt: skip
+        self.explore_after, self.decay, self.success_threshold = (
+            explore_after,
+            decay,
+            success_threshold,
+        )
         self._hist: dict[Hashable, list[float]] = {}  # key -> [successes, attempts]
         self._skipped: dict[Hashable, int] = {}  # consecutive allocations at 0
         self.last: AllocationStats | None = None
@@ -287,8 +319,9 @@ class RolloutAllocator:
         t = torch.tensor(h, dtype=torch.float64).reshape(len(keys), 2)
         return t[:, 0].contiguous(), t[:, 1].contiguous()
 
-    def allocate(self, keys: Sequence[Hashable], budget: int | float, *,
-                 cost: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    def allocate(
+        self, keys: Sequence[Hashable], budget: int | float, *, cost: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """n [P] int64 for ``keys`` under ``budget`` (see :func:`allocate_rollouts`);
         ``self.last`` holds its :class:`AllocationStats`."""
         keys = list(keys)
@@ -297,17 +330,27 @@ class RolloutAllocator:
         required = torch.zeros(len(keys), dtype=torch.bool)
         if self.explore_after is not None:
             streak = [self._skipped.get(k, 0) for k in keys]
-            due = sorted((i for i, v in enumerate(streak) if v >= self.explore_after),
-                         key=lambda i: (-streak[i], i))  # fmt: skip
+            due = sorted(
+                (i for i, v in enumerate(streak) if v >= self.explore_after),
+                key=lambda i: (-streak[i], i),
+            )
             left = _budget(budget)
             for i in due:  # longest-skipped first, as far as the budget allows
                 need = self.min_n * int(c[i])
                 if need <= left:
                     required[i] = True
                     left -= need
-        n, self.last = allocate_rollouts(s, a, budget, min_n=self.min_n, max_n=self.max_n, cost=c,
-                                         prior=self.prior, required=required,
-                                         return_stats=True)  # fmt: skip
+        n, self.last = allocate_rollouts(
+            s,
+            a,
+            budget,
+            min_n=self.min_n,
+            max_n=self.max_n,
+            cost=c,
+            prior=self.prior,
+            required=required,
+            return_stats=True,
+        )
         for k, v in zip(keys, n.tolist(), strict=True):
             self._skipped[k] = self._skipped.get(k, 0) + 1 if v == 0 else 0
         return n
@@ -318,8 +361,9 @@ class RolloutAllocator:
         keys = list(keys)
         sc = torch.as_tensor(scores)
         if sc.ndim != 1 or sc.shape[0] != len(keys):
-            raise ValueError(f"scores: expected one per key ({len(keys)}), got shape "
-                             f"{tuple(sc.shape)}")  # fmt: skip
+            raise ValueError(
+                f"scores: expected one per key ({len(keys)}), got shape {tuple(sc.shape)}"
+            )
         if sc.dtype.is_floating_point and not bool(torch.isfinite(sc).all()):
             raise ValueError("scores: expected finite values")
         ok = sc if sc.dtype == torch.bool else sc.to(torch.float64) >= self.success_threshold

@@ -259,9 +259,19 @@ def group_advantages_triton(
     if groups == 0:
         return
     _group_advantages_kernel[(groups,)](
-        rewards, order, offsets, adv, zero_var, group_mean, group_std,
-        _f64_bits(eps), _f64_bits(zero_var_tol), MODE=mode, BLOCK=block, **GROUP_LAUNCH,
-    )  # fmt: skip
+        rewards,
+        order,
+        offsets,
+        adv,
+        zero_var,
+        group_mean,
+        group_std,
+        _f64_bits(eps),
+        _f64_bits(zero_var_tol),
+        MODE=mode,
+        BLOCK=block,
+        **GROUP_LAUNCH,
+    )
 
 
 def rl_zvp_triton(
@@ -310,11 +320,19 @@ def rl_zvp_triton(
     if grid == 0:
         return
     _rl_zvp_kernel[(grid,)](
-        entropy, cu_seqlens, rewards, zero_var,
+        entropy,
+        cu_seqlens,
+        rewards,
+        zero_var,
         advantages if advantages is not None else rewards,  # unread when HAS_ADV=False
-        out, float(alpha), n, tokens,
-        HAS_ADV=advantages is not None, BLOCK=block, **ZVP_LAUNCH,
-    )  # fmt: skip
+        out,
+        float(alpha),
+        n,
+        tokens,
+        HAS_ADV=advantages is not None,
+        BLOCK=block,
+        **ZVP_LAUNCH,
+    )
 
 
 def aot_variants() -> Sequence[
@@ -324,15 +342,31 @@ def aot_variants() -> Sequence[
     above launch, for ahead-of-time compilation (tests/test_aot.py compiles
     exactly these, with the options the launcher uses)."""
     group_sig = {
-        "r_ptr": "*fp32", "order_ptr": "*i64", "offsets_ptr": "*i64", "adv_ptr": "*fp32",
-        "zero_var_ptr": "*i1", "mean_ptr": "*fp64", "std_ptr": "*fp64", "eps_bits": "i64",
-        "tol_bits": "i64", "MODE": "constexpr", "BLOCK": "constexpr",
-    }  # fmt: skip
+        "r_ptr": "*fp32",
+        "order_ptr": "*i64",
+        "offsets_ptr": "*i64",
+        "adv_ptr": "*fp32",
+        "zero_var_ptr": "*i1",
+        "mean_ptr": "*fp64",
+        "std_ptr": "*fp64",
+        "eps_bits": "i64",
+        "tol_bits": "i64",
+        "MODE": "constexpr",
+        "BLOCK": "constexpr",
+    }
     zvp_sig = {
-        "h_ptr": "*fp32", "cu_ptr": "*i64", "r_ptr": "*fp32", "zero_var_ptr": "*i1",
-        "adv_ptr": "*fp32", "out_ptr": "*fp32", "alpha": "fp32", "n": "i32", "T": "i64",
-        "HAS_ADV": "constexpr", "BLOCK": "constexpr",
-    }  # fmt: skip
+        "h_ptr": "*fp32",
+        "cu_ptr": "*i64",
+        "r_ptr": "*fp32",
+        "zero_var_ptr": "*i1",
+        "adv_ptr": "*fp32",
+        "out_ptr": "*fp32",
+        "alpha": "fp32",
+        "n": "i32",
+        "T": "i64",
+        "HAS_ADV": "constexpr",
+        "BLOCK": "constexpr",
+    }
     fp64 = {"r_ptr": "*fp64", "adv_ptr": "*fp64"}
     out = []
     for mode in (0, 1, 2):

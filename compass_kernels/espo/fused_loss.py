@@ -86,8 +86,20 @@ STRATEGIES = ("auto", "grad_in_forward", "recompute")
 #: memory-bound (bench_espo_logprobs --model; a model, not measured).
 CHUNK_BYTES = 1 << 27
 CHUNK_BYTES_GPU = 1 << 30
-_LOSS_KEYS = ("mode", "rho", "alpha", "clip", "vocab_size", "grouping", "num_groups",
-              "quantiles", "drop_low", "ratio_form", "dual_clip", "entropy_threshold")  # fmt: skip
+_LOSS_KEYS = (
+    "mode",
+    "rho",
+    "alpha",
+    "clip",
+    "vocab_size",
+    "grouping",
+    "num_groups",
+    "quantiles",
+    "drop_low",
+    "ratio_form",
+    "dual_clip",
+    "entropy_threshold",
+)
 
 
 class _StoredGrad(torch.autograd.Function):
@@ -196,8 +208,11 @@ def _chunks_by_sequences(cu_host: list[int], total: int, rows: int) -> list[tupl
             a = b0
     if cu_host[-1] > a:
         out.append((a, cu_host[-1]))
-    return out + [(a, b) for a, b in _chunks_by_tokens(total - cu_host[-1], rows)
-                  for a, b in [(a + cu_host[-1], b + cu_host[-1])]]  # fmt: skip
+    return out + [
+        (a, b)
+        for a, b in _chunks_by_tokens(total - cu_host[-1], rows)
+        for a, b in [(a + cu_host[-1], b + cu_host[-1])]
+    ]
 
 
 def fused_linear_espo_loss(
@@ -290,14 +305,29 @@ def fused_linear_espo_loss(
     if threshold is not None:
         opts["entropy_threshold"] = threshold  # espo_loss checks it
     total = h.shape[0]
-    check_tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=(torch.int32, torch.int64),
-                 device=h.device)  # fmt: skip
-    common = dict(num_sequences=num_sequences, advantages_per_token=advantages_per_token,
-                  validate=validate, backend=backend, **opts)  # fmt: skip
+    check_tensor(
+        "cu_seqlens", cu_seqlens, ndim=1, dtypes=(torch.int32, torch.int64), device=h.device
+    )
+    common = dict(
+        num_sequences=num_sequences,
+        advantages_per_token=advantages_per_token,
+        validate=validate,
+        backend=backend,
+        **opts,
+    )
     # Every loss input (shapes, dtypes, options; data where should_check says)
     # checked before any GEMM, without running the loss (no kernel on a GPU).
-    check_loss_inputs(total, h.device, old_logprobs, old_entropy, advantages, cu_seqlens, mask,
-                      cp_group=cp_group, **common)  # fmt: skip
+    check_loss_inputs(
+        total,
+        h.device,
+        old_logprobs,
+        old_entropy,
+        advantages,
+        cu_seqlens,
+        mask,
+        cp_group=cp_group,
+        **common,
+    )
     cu = cu_seqlens.to(torch.int64)
     n = cu.shape[0] - 1
     G = n if num_sequences is None else num_sequences
@@ -319,12 +349,26 @@ def fused_linear_espo_loss(
     ent_w = None
     if strategy == "recompute" or cp_group is not None or not fits:
         logp, ent = fused_linear_logprobs_entropy(
-            h, w, y, temperature=temp, tp_group=tp_group,
-            token_chunk=token_chunk or 1024, validate=False, backend=backend,
+            h,
+            w,
+            y,
+            temperature=temp,
+            tp_group=tp_group,
+            token_chunk=token_chunk or 1024,
+            validate=False,
+            backend=backend,
             grad_gemm_dtype=grad_gemm_dtype,
-        )  # fmt: skip
-        loss, metrics = espo_loss(logp, old_logprobs, old_entropy, advantages, cu_seqlens, mask,
-                                  cp_group=cp_group, **common)  # fmt: skip
+        )
+        loss, metrics = espo_loss(
+            logp,
+            old_logprobs,
+            old_entropy,
+            advantages,
+            cu_seqlens,
+            mask,
+            cp_group=cp_group,
+            **common,
+        )
         if entropy_coef:
             _, _, _, ent_w = _token_weights(cu, mask, total, G)
             assert ent is not None  # with_entropy defaults to True
@@ -339,11 +383,29 @@ def fused_linear_espo_loss(
     want_w = grad_on and weight.requires_grad
     with torch.no_grad():
         logp, ent, d_h, d_w = _grad_in_forward(
-            h, w, y, temp, old_logprobs, old_entropy, advantages, cu, mask, cfg, G,
-            float(entropy_coef), rows, cu_host, common, want_h, want_w, tp_group, gd,
-        )  # fmt: skip
-        loss, metrics = espo_loss(logp, old_logprobs, old_entropy, advantages, cu_seqlens, mask,
-                                  **common)  # fmt: skip
+            h,
+            w,
+            y,
+            temp,
+            old_logprobs,
+            old_entropy,
+            advantages,
+            cu,
+            mask,
+            cfg,
+            G,
+            float(entropy_coef),
+            rows,
+            cu_host,
+            common,
+            want_h,
+            want_w,
+            tp_group,
+            gd,
+        )
+        loss, metrics = espo_loss(
+            logp, old_logprobs, old_entropy, advantages, cu_seqlens, mask, **common
+        )
         if entropy_coef:
             _, _, _, ent_w = _token_weights(cu, mask, total, G)
             term = (ent * ent_w).sum()
@@ -351,9 +413,12 @@ def fused_linear_espo_loss(
             metrics = _with_entropy_term(metrics, term)
     if want_h or want_w:
         loss = _StoredGrad.apply(
-            loss.to(torch.float32), hidden, weight,
-            d_h.to(hidden.dtype) if want_h else None, d_w.to(weight.dtype) if want_w else None,
-        )  # fmt: skip
+            loss.to(torch.float32),
+            hidden,
+            weight,
+            d_h.to(hidden.dtype) if want_h else None,
+            d_w.to(weight.dtype) if want_w else None,
+        )
     return loss, metrics, logp, ent
 
 
@@ -363,8 +428,27 @@ def _with_entropy_term(metrics, term):
     return out
 
 
-def _grad_in_forward(h, w, y, temp, old_lp, old_ent, adv, cu, mask, cfg, G, ent_coef, rows,
-                     cu_host, common, want_h, want_w, tp_group, gd):  # fmt: skip
+def _grad_in_forward(
+    h,
+    w,
+    y,
+    temp,
+    old_lp,
+    old_ent,
+    adv,
+    cu,
+    mask,
+    cfg,
+    G,
+    ent_coef,
+    rows,
+    cu_host,
+    common,
+    want_h,
+    want_w,
+    tp_group,
+    gd,
+):
     """Forward statistics and the wanted gradients: up to 3 GEMMs per chunk
     (module docstring); 1 when no gradient is wanted (no_grad, frozen inputs).
 
@@ -405,8 +489,11 @@ def _grad_in_forward(h, w, y, temp, old_lp, old_ent, adv, cu, mask, cfg, G, ent_
         adv_tok = adv_tok * (part[key] / counts[seq].clamp(min=1.0))
     else:
         chunks = _chunks_by_sequences(cu_host, total, rows)
-    opts = {k: v for k, v in common.items()
-            if k not in ("num_sequences", "advantages_per_token", "entropy_threshold")}  # fmt: skip
+    opts = {
+        k: v
+        for k, v in common.items()
+        if k not in ("num_sequences", "advantages_per_token", "entropy_threshold")
+    }
     f32 = torch.float32
     half = gd != f32
     # Logits GEMM: half operands with a float32 result where torch.mm has
@@ -425,8 +512,13 @@ def _grad_in_forward(h, w, y, temp, old_lp, old_ent, adv, cu, mask, cfg, G, ent_
     grads = want_h or want_w
     gbuf = torch.empty(max_rows * vocab, dtype=gd, device=dev) if half and grads else None
     # an fp32 [V, H] product per chunk after the first (written into d_w)
-    fold = (half and want_w and len(chunks) > 1 and mixed_mm_supported(dev)
-            and not mixed_addmm_supported(dev))  # in-place addmm needs no temporary  # fmt: skip
+    fold = (
+        half
+        and want_w
+        and len(chunks) > 1
+        and mixed_mm_supported(dev)
+        and not mixed_addmm_supported(dev)
+    )  # in-place addmm needs no temporary
     tmp_w = torch.empty_like(d_w) if fold else None
     state = torch.empty(4 * max_rows, dtype=f32, device=dev)
     gh_all = -ent_coef * tok_w if ent_coef else None
@@ -441,9 +533,16 @@ def _grad_in_forward(h, w, y, temp, old_lp, old_ent, adv, cu, mask, cfg, G, ent_
         st = state[: 4 * r].view(4, r)
         st[0].fill_(float("-inf"))
         st[1:].zero_()
-        logprobs_tile_stats_op(logits=tile, targets=y[a:b], vocab_start=shard, temperature=temp,
-                               with_entropy=True, state_in=st, backend=common["backend"],
-                               out=st)  # fmt: skip
+        logprobs_tile_stats_op(
+            logits=tile,
+            targets=y[a:b],
+            vocab_start=shard,
+            temperature=temp,
+            with_entropy=True,
+            state_in=st,
+            backend=common["backend"],
+            out=st,
+        )
         m, log_s, lp_c, ent_c = _finalize(st, 1.0 / temp, True, tp_group, y[a:b], full_vocab)
         logp[a:b] = lp_c
         ent[a:b] = ent_c
@@ -453,10 +552,19 @@ def _grad_in_forward(h, w, y, temp, old_lp, old_ent, adv, cu, mask, cfg, G, ent_
         gh = None if gh_all is None else gh_all[a:b].contiguous()
         # d logits stored once: over the float32 tile, or straight to gd (rounded)
         g = gbuf[: r * vocab].view(r, vocab) if half else tile
-        token_logprobs_entropy_bwd_op(logits=tile, targets=y[a:b], row_max=m, log_norm=log_s,
-                                      entropy=ent_c, grad_logprob=gl, grad_entropy=gh,
-                                      temperature=temp, vocab_start=shard,
-                                      backend=common["backend"], out=g)  # fmt: skip
+        token_logprobs_entropy_bwd_op(
+            logits=tile,
+            targets=y[a:b],
+            row_max=m,
+            log_norm=log_s,
+            entropy=ent_c,
+            grad_logprob=gl,
+            grad_entropy=gh,
+            temperature=temp,
+            vocab_start=shard,
+            backend=common["backend"],
+            out=g,
+        )
         if half:
             if want_h:
                 _grad_mm_sum(d_h[a:b], g, w, None, first=True)
@@ -482,9 +590,16 @@ def _chunk_coef(lp_c, old_lp, old_ent, adv_tok, cu, mask, thr, a, b, G, opts):
     lp = lp_c.detach().clone().requires_grad_()
     with torch.enable_grad():
         loss_c, _ = espo_loss(
-            lp, old_lp[a:b], old_ent[a:b], adv_tok[a:b], cu_c,
-            None if mask is None else mask[a:b], num_sequences=G,
-            entropy_threshold=thr, advantages_per_token=True, **opts,
-        )  # fmt: skip
+            lp,
+            old_lp[a:b],
+            old_ent[a:b],
+            adv_tok[a:b],
+            cu_c,
+            None if mask is None else mask[a:b],
+            num_sequences=G,
+            entropy_threshold=thr,
+            advantages_per_token=True,
+            **opts,
+        )
         (g,) = torch.autograd.grad(loss_c, lp)
     return g.to(torch.float32).contiguous()

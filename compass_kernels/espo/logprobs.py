@@ -68,9 +68,11 @@ def token_logprobs_entropy_op(
     new = logits.new_empty
     f32 = torch.float32
     return TokenLogprobs(
-        logp=new(t, dtype=f32), entropy=new(t, dtype=f32), row_max=new(t, dtype=f32),
+        logp=new(t, dtype=f32),
+        entropy=new(t, dtype=f32),
+        row_max=new(t, dtype=f32),
         log_norm=new(t, dtype=f32),
-    )  # fmt: skip
+    )
 
 
 @op(
@@ -139,10 +141,17 @@ def _backward(ctx, grad_logprob, grad_entropy, _grad_max, _grad_log_norm):
     if gl is None and gh is None:
         return token_logprobs_entropy_op.input_grads()
     grad = torch.ops.compass.token_logprobs_entropy_bwd(
-        logits=logits, targets=targets, row_max=row_max, log_norm=log_norm, entropy=entropy,
-        grad_logprob=gl, grad_entropy=gh, temperature=ctx.temperature, vocab_start=0,
+        logits=logits,
+        targets=targets,
+        row_max=row_max,
+        log_norm=log_norm,
+        entropy=entropy,
+        grad_logprob=gl,
+        grad_entropy=gh,
+        temperature=ctx.temperature,
+        vocab_start=0,
         backend=ctx.backend,
-    )  # fmt: skip
+    )
     return token_logprobs_entropy_op.input_grads(logits=grad)
 
 
@@ -162,8 +171,15 @@ torch.library.register_autograd(
 
 
 def _check_targets(targets: torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
-    check_tensor("targets", targets, ndim=1, dtypes=INT_DTYPES, size=rows,
-                 size_what="one per token", device=device)  # fmt: skip
+    check_tensor(
+        "targets",
+        targets,
+        ndim=1,
+        dtypes=INT_DTYPES,
+        size=rows,
+        size_what="one per token",
+        device=device,
+    )
     t = targets if targets.dtype == torch.int64 else targets.to(torch.int64)
     return t if t.is_contiguous() else t.contiguous()
 
@@ -352,7 +368,9 @@ def grad_gemm_info(option: str, dtype: torch.dtype, device: torch.device) -> str
     if gd == torch.float32:
         return "float32 operands, float32 out" + (
             f" (the d logits tile float32, {dtype} weight / hidden upcast)"
-            if dtype != torch.float32 else "")  # fmt: skip
+            if dtype != torch.float32
+            else ""
+        )
     if mixed_addmm_supported(device):
         how = "float32 accumulation in place (torch.addmm out_dtype=float32, out=acc)"
     elif mixed_mm_supported(device):
@@ -445,8 +463,18 @@ class _TileBuffer:
 
 class _FusedLinearLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, with_entropy, tp_group, chunks, backend,
-                grad_dtype):  # fmt: skip
+    def forward(
+        ctx,
+        hidden,
+        weight,
+        targets,
+        temperature,
+        with_entropy,
+        tp_group,
+        chunks,
+        backend,
+        grad_dtype,
+    ):
         token_chunk, vocab_chunk = chunks
         rows, vocab = hidden.shape[0], weight.shape[0]
         rank, _ = _tp_info(tp_group)
@@ -464,10 +492,15 @@ class _FusedLinearLogprobs(torch.autograd.Function):
                 v1 = min(v0 + vocab_chunk, vocab)
                 tile = _mm_f32(h, weight[v0:v1].T, out=buf.get(t1 - t0, v1 - v0))
                 logprobs_tile_stats_op(
-                    logits=tile, targets=y, vocab_start=shard_start + v0,
-                    temperature=temperature, with_entropy=with_entropy, state_in=st,
-                    backend=backend, out=st,
-                )  # fmt: skip
+                    logits=tile,
+                    targets=y,
+                    vocab_start=shard_start + v0,
+                    temperature=temperature,
+                    with_entropy=with_entropy,
+                    state_in=st,
+                    backend=backend,
+                    out=st,
+                )
             state[:, t0:t1] = st
         m, log_s, logp, entropy = _finalize(
             state, 1.0 / temperature, with_entropy, tp_group, targets, vocab * _tp_info(tp_group)[1]
@@ -504,17 +537,28 @@ class _FusedLinearLogprobs(torch.autograd.Function):
             hdim = hidden.shape[1]
             # a float32 product temporary only where addmm cannot accumulate in place
             tmp = mixed_mm_supported(hidden.device) and not mixed_addmm_supported(hidden.device)
-            tmp_h = (hidden.new_empty((min(token_chunk, rows), hdim), dtype=torch.float32)
-                     if tmp else None)  # fmt: skip
-            tmp_w = (hidden.new_empty((min(vocab_chunk, vocab), hdim), dtype=torch.float32)
-                     if tmp and want_w else None)  # fmt: skip
+            tmp_h = (
+                hidden.new_empty((min(token_chunk, rows), hdim), dtype=torch.float32)
+                if tmp
+                else None
+            )
+            tmp_w = (
+                hidden.new_empty((min(vocab_chunk, vocab), hdim), dtype=torch.float32)
+                if tmp and want_w
+                else None
+            )
         for t0 in range(0, rows, token_chunk):
             t1 = min(t0 + token_chunk, rows)
             h = hidden[t0:t1]
             h32 = h if h.dtype == torch.float32 or half else h.float()
-            per_row = dict(targets=targets[t0:t1], row_max=m[t0:t1], log_norm=log_s[t0:t1],
-                        entropy=entropy[t0:t1], grad_logprob=None if gl is None else gl[t0:t1],
-                        grad_entropy=None if gh is None else gh[t0:t1])  # fmt: skip
+            per_row = dict(
+                targets=targets[t0:t1],
+                row_max=m[t0:t1],
+                log_norm=log_s[t0:t1],
+                entropy=entropy[t0:t1],
+                grad_logprob=None if gl is None else gl[t0:t1],
+                grad_entropy=None if gh is None else gh[t0:t1],
+            )
             for v0 in range(0, vocab, vocab_chunk):
                 v1 = min(v0 + vocab_chunk, vocab)
                 w = weight[v0:v1]
@@ -523,9 +567,13 @@ class _FusedLinearLogprobs(torch.autograd.Function):
                 # float32 tile, or straight to gd (rounded at the store, no copy).
                 g = gbuf[: tile.numel()].view(tile.shape) if half else tile
                 token_logprobs_entropy_bwd_op(
-                    logits=tile, **per_row, temperature=temperature, vocab_start=shard + v0,
-                    backend=backend, out=g,
-                )  # fmt: skip
+                    logits=tile,
+                    **per_row,
+                    temperature=temperature,
+                    vocab_start=shard + v0,
+                    backend=backend,
+                    out=g,
+                )
                 if half:
                     # the first tile of a sum writes its product (no fp32 temporary)
                     if want_h or tp_group is not None:

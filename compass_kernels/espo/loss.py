@@ -46,8 +46,13 @@ __all__ = ["espo_loss", "entropy_thresholds", "EspoMetrics"]
 
 # flags shared with the kernels (reference_loss.py, triton_loss.py)
 PER_SEQ_THRESHOLDS, TOKEN_GROUPS, DROP_LOW, ADAPTIVE_EPS, GSPO_TOKEN_FORM, ADV_PER_TOKEN = (
-    1, 2, 4, 8, 16, 32,
-)  # fmt: skip
+    1,
+    2,
+    4,
+    8,
+    16,
+    32,
+)
 F64 = torch.float64
 
 
@@ -276,8 +281,9 @@ def _interpolate(srt, start, nv, q):
     i_lo = (start + lo.to(torch.int64)).clamp(max=last)
     i_hi = (start + pos.ceil().to(torch.int64)).clamp(max=last)
     if srt.shape[0] == 0:
-        return torch.full(torch.broadcast_shapes(i_lo.shape, w.shape), math.nan, dtype=F64,
-                          device=srt.device)  # fmt: skip
+        return torch.full(
+            torch.broadcast_shapes(i_lo.shape, w.shape), math.nan, dtype=F64, device=srt.device
+        )
     return torch.lerp(srt[i_lo], srt[i_hi], w)
 
 
@@ -305,10 +311,23 @@ class EspoMetrics(Mapping):
     log_ratio_gt_ln2_frac. A fraction of no tokens is 0."""
 
     KEYS = (
-        "loss", "tokens", "loss_tokens", "group_token_frac", "entropy_mean",
-        "group_entropy_mean", "clip_frac", "clip_frac_low", "clip_frac_high", "dual_clip_frac",
-        "ratio_mean", "ratio_min", "ratio_max", "kl_k3", "ppo_kl", "log_ratio_gt_ln2_frac",
-    )  # fmt: skip
+        "loss",
+        "tokens",
+        "loss_tokens",
+        "group_token_frac",
+        "entropy_mean",
+        "group_entropy_mean",
+        "clip_frac",
+        "clip_frac_low",
+        "clip_frac_high",
+        "dual_clip_frac",
+        "ratio_mean",
+        "ratio_min",
+        "ratio_max",
+        "kl_k3",
+        "ppo_kl",
+        "log_ratio_gt_ln2_frac",
+    )
 
     def __init__(self, stats: torch.Tensor, sums: torch.Tensor, num_groups: int) -> None:
         self.stats, self.sums, self.num_groups = stats, sums, num_groups
@@ -457,12 +476,27 @@ def espo_loss(
     metrics : :class:`EspoMetrics` (device tensors, no host sync).
     """
     cfg, total, dev, n, adv_tok, mask, G, R, lp, old, ent, adv, cu = _check_inputs(
-        logprobs, old_logprobs, old_entropy, advantages, cu_seqlens, mask, mode=mode, rho=rho,
-        alpha=alpha, clip=clip, vocab_size=vocab_size, num_sequences=num_sequences,
-        grouping=grouping, num_groups=num_groups, quantiles=quantiles, drop_low=drop_low,
-        ratio_form=ratio_form, dual_clip=dual_clip, advantages_per_token=advantages_per_token,
+        logprobs,
+        old_logprobs,
+        old_entropy,
+        advantages,
+        cu_seqlens,
+        mask,
+        mode=mode,
+        rho=rho,
+        alpha=alpha,
+        clip=clip,
+        vocab_size=vocab_size,
+        num_sequences=num_sequences,
+        grouping=grouping,
+        num_groups=num_groups,
+        quantiles=quantiles,
+        drop_low=drop_low,
+        ratio_form=ratio_form,
+        dual_clip=dual_clip,
+        advantages_per_token=advantages_per_token,
         validate=validate,
-    )  # fmt: skip
+    )
     K = 1 if cfg.token_groups else cfg.num_groups
     flags = (TOKEN_GROUPS if cfg.token_groups else 0) | (DROP_LOW if cfg.drop_low else 0)
     flags |= (ADAPTIVE_EPS if cfg.adaptive else 0) | (ADV_PER_TOKEN if adv_tok else 0)
@@ -470,12 +504,20 @@ def espo_loss(
     if K == 1:
         thr = _empty_f64(dev)
     elif entropy_threshold is not None:
-        check_tensor("entropy_threshold", entropy_threshold, ndim=1, dtypes=FLOAT_DTYPES,
-                     size=K - 1, size_what="num_groups - 1 boundaries", device=dev)  # fmt: skip
+        check_tensor(
+            "entropy_threshold",
+            entropy_threshold,
+            ndim=1,
+            dtypes=FLOAT_DTYPES,
+            size=K - 1,
+            size_what="num_groups - 1 boundaries",
+            device=dev,
+        )
         thr = entropy_threshold.detach().to(F64).contiguous()
     else:
-        thr = entropy_thresholds(ent, cu, mask, levels=cfg.levels,
-                                 per_sequence=cfg.per_sequence, cp_group=cp_group)  # fmt: skip
+        thr = entropy_thresholds(
+            ent, cu, mask, levels=cfg.levels, per_sequence=cfg.per_sequence, cp_group=cp_group
+        )
         thr = thr.reshape(-1)
         flags |= PER_SEQ_THRESHOLDS if cfg.per_sequence else 0
     lp_data = lp.detach()
@@ -529,20 +571,53 @@ def espo_loss(
     return loss, EspoMetrics(stats, sums, K)
 
 
-def _check_inputs(logprobs, old_logprobs, old_entropy, advantages, cu_seqlens, mask, *, mode,
-                  rho, alpha, clip, vocab_size, num_sequences, grouping, num_groups, quantiles,
-                  drop_low, ratio_form, dual_clip, advantages_per_token, validate,
-                  rows=None, device=None):  # fmt: skip
+def _check_inputs(
+    logprobs,
+    old_logprobs,
+    old_entropy,
+    advantages,
+    cu_seqlens,
+    mask,
+    *,
+    mode,
+    rho,
+    alpha,
+    clip,
+    vocab_size,
+    num_sequences,
+    grouping,
+    num_groups,
+    quantiles,
+    drop_low,
+    ratio_form,
+    dual_clip,
+    advantages_per_token,
+    validate,
+    rows=None,
+    device=None,
+):
     """espo_loss's input checks: metadata (shapes, dtypes, devices, options) always,
     data (cu_seqlens offsets, finite values) where ``should_check(validate)`` says.
     ``logprobs`` None: not yet computed (check_loss_inputs), ``rows`` tokens on
     ``device``; lp is then None."""
     rho, alpha, clip, vocab_size, num_groups, quantiles, drop_low, dual_clip = (
-        loss_config.normalize(rho, alpha, clip, vocab_size, num_groups, quantiles, drop_low,
-                              dual_clip))  # fmt: skip
-    cfg = _config(mode=mode, rho=rho, alpha=alpha, clip=clip, vocab_size=vocab_size,
-                  grouping=grouping, num_groups=num_groups, quantiles=quantiles,
-                  drop_low=drop_low, ratio_form=ratio_form, dual_clip=dual_clip)  # fmt: skip
+        loss_config.normalize(
+            rho, alpha, clip, vocab_size, num_groups, quantiles, drop_low, dual_clip
+        )
+    )
+    cfg = _config(
+        mode=mode,
+        rho=rho,
+        alpha=alpha,
+        clip=clip,
+        vocab_size=vocab_size,
+        grouping=grouping,
+        num_groups=num_groups,
+        quantiles=quantiles,
+        drop_low=drop_low,
+        ratio_form=ratio_form,
+        dual_clip=dual_clip,
+    )
     if logprobs is not None:
         check_tensor("logprobs", logprobs, ndim=1, dtypes=FLOAT_DTYPES)
         total, dev = logprobs.shape[0], logprobs.device
@@ -550,8 +625,9 @@ def _check_inputs(logprobs, old_logprobs, old_entropy, advantages, cu_seqlens, m
         total, dev = rows, device
     per_tok = "one per token = len(logprobs)"
     for name, t in (("old_logprobs", old_logprobs), ("old_entropy", old_entropy)):
-        check_tensor(name, t, ndim=1, dtypes=FLOAT_DTYPES, size=total, size_what=per_tok,
-                     device=dev)  # fmt: skip
+        check_tensor(
+            name, t, ndim=1, dtypes=FLOAT_DTYPES, size=total, size_what=per_tok, device=dev
+        )
     check_tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=(torch.int32, torch.int64), device=dev)
     if cu_seqlens.shape[0] < 1:
         raise ValueError("cu_seqlens: expected at least 1 element (n+1), got 0")
@@ -559,8 +635,9 @@ def _check_inputs(logprobs, old_logprobs, old_entropy, advantages, cu_seqlens, m
     check_tensor("advantages", advantages, ndim=1, dtypes=FLOAT_DTYPES, device=dev)
     adv_tok = _advantages_layout(advantages.shape[0], n, total, advantages_per_token)
     if mask is not None:
-        check_tensor("mask", mask, ndim=1, dtypes=(torch.bool,), size=total, size_what=per_tok,
-                     device=dev)  # fmt: skip
+        check_tensor(
+            "mask", mask, ndim=1, dtypes=(torch.bool,), size=total, size_what=per_tok, device=dev
+        )
         mask = mask if mask.is_contiguous() else mask.contiguous()
     G = n if num_sequences is None else as_int("num_sequences", num_sequences, lo=1)
     R = F64 if logprobs is not None and logprobs.dtype == F64 else torch.float32
@@ -584,28 +661,69 @@ def _check_inputs(logprobs, old_logprobs, old_entropy, advantages, cu_seqlens, m
 _LOSS_DEFAULTS = {k: p.default for k, p in inspect.signature(espo_loss).parameters.items()}
 
 
-def check_loss_inputs(rows: int, device: torch.device, old_logprobs, old_entropy, advantages,
-                      cu_seqlens, mask=None, *, entropy_threshold=None, validate=None,
-                      cp_group=None, backend=None, **options):  # fmt: skip
+def check_loss_inputs(
+    rows: int,
+    device: torch.device,
+    old_logprobs,
+    old_entropy,
+    advantages,
+    cu_seqlens,
+    mask=None,
+    *,
+    entropy_threshold=None,
+    validate=None,
+    cp_group=None,
+    backend=None,
+    **options,
+):
     """Check espo_loss's inputs for a batch of ``rows`` tokens on ``device``
     whose logprobs are not computed yet (the fused lm_head paths): the same
     errors as espo_loss, without running it. Metadata checks launch no kernel;
     data checks (cu_seqlens offsets, finite values) run where
     ``should_check(validate)`` says (CPU by default, a GPU with validate=True)."""
     del cp_group, backend  # accepted as espo_loss does; nothing to check without data
-    names = ("mode", "rho", "alpha", "clip", "vocab_size", "num_sequences", "grouping",
-             "num_groups", "quantiles", "drop_low", "ratio_form", "dual_clip",
-             "advantages_per_token")  # fmt: skip
+    names = (
+        "mode",
+        "rho",
+        "alpha",
+        "clip",
+        "vocab_size",
+        "num_sequences",
+        "grouping",
+        "num_groups",
+        "quantiles",
+        "drop_low",
+        "ratio_form",
+        "dual_clip",
+        "advantages_per_token",
+    )
     unknown = set(options) - set(names)
     if unknown:
         raise TypeError(f"check_loss_inputs: unexpected keyword argument(s) {sorted(unknown)}")
     kw = {k: options.get(k, _LOSS_DEFAULTS[k]) for k in names}
-    cfg = _check_inputs(None, old_logprobs, old_entropy, advantages, cu_seqlens, mask, **kw,
-                        validate=validate, rows=rows, device=device)[0]  # fmt: skip
+    cfg = _check_inputs(
+        None,
+        old_logprobs,
+        old_entropy,
+        advantages,
+        cu_seqlens,
+        mask,
+        **kw,
+        validate=validate,
+        rows=rows,
+        device=device,
+    )[0]
     K = 1 if cfg.token_groups else cfg.num_groups
     if K > 1 and entropy_threshold is not None:
-        check_tensor("entropy_threshold", entropy_threshold, ndim=1, dtypes=FLOAT_DTYPES,
-                     size=K - 1, size_what="num_groups - 1 boundaries", device=device)  # fmt: skip
+        check_tensor(
+            "entropy_threshold",
+            entropy_threshold,
+            ndim=1,
+            dtypes=FLOAT_DTYPES,
+            size=K - 1,
+            size_what="num_groups - 1 boundaries",
+            device=device,
+        )
 
 
 def _advantages_layout(size: int, n: int, total: int, per_token: bool | None) -> bool:

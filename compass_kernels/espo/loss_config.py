@@ -159,11 +159,20 @@ def resolve(
         assert pair is not None  # the default is a number
         grpo = mode == "grpo"
         return LossConfig(
-            mode=mode, ratio_form="gspo_token", token_groups=grpo, levels=(),
-            per_sequence=False, drop_low=False, eps_low=pair[0], eps_high=pair[1],
-            alpha=float(alpha), log_vocab=math.nan, dual_clip=dual,
-            log_lo=-20.0 if grpo else -math.inf, log_hi=20.0 if grpo else 10.0,
-        )  # fmt: skip
+            mode=mode,
+            ratio_form="gspo_token",
+            token_groups=grpo,
+            levels=(),
+            per_sequence=False,
+            drop_low=False,
+            eps_low=pair[0],
+            eps_high=pair[1],
+            alpha=float(alpha),
+            log_vocab=math.nan,
+            dual_clip=dual,
+            log_lo=-20.0 if grpo else -math.inf,
+            log_hi=20.0 if grpo else 10.0,
+        )
     form = "espo" if ratio_form is None else ratio_form
     if form not in RATIO_FORMS:
         raise ValueError(f"ratio_form: expected one of {RATIO_FORMS}, got {ratio_form!r}")
@@ -203,9 +212,17 @@ def resolve(
                 f"ln|V|), got {vocab_size!r}"
             )
     return LossConfig(
-        mode="espo", ratio_form=form, token_groups=False, levels=levels,
-        per_sequence=grouping == "sequence", drop_low=bool(drop_low),
-        eps_low=None if pair is None else pair[0], eps_high=None if pair is None else pair[1],
-        alpha=float(alpha), log_vocab=math.log(vocab_size) if pair is None else math.nan,
-        dual_clip=dual, log_lo=-20.0, log_hi=20.0,
-    )  # fmt: skip
+        mode="espo",
+        ratio_form=form,
+        token_groups=False,
+        levels=levels,
+        per_sequence=grouping == "sequence",
+        drop_low=bool(drop_low),
+        eps_low=None if pair is None else pair[0],
+        eps_high=None if pair is None else pair[1],
+        alpha=float(alpha),
+        log_vocab=math.log(vocab_size) if pair is None else math.nan,
+        dual_clip=dual,
+        log_lo=-20.0,
+        log_hi=20.0,
+    )

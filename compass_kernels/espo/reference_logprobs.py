@@ -98,8 +98,9 @@ def _stats(x, m, inv_t: float, with_entropy: bool):
     return m_new, m_safe, s, a
 
 
-def token_logprobs_entropy_torch(*, logits, targets, temperature, with_entropy, logp, entropy,
-                                 row_max, log_norm) -> None:  # fmt: skip
+def token_logprobs_entropy_torch(
+    *, logits, targets, temperature, with_entropy, logp, entropy, row_max, log_norm
+) -> None:
     """``token_logprobs_entropy`` op: logp, entropy (NaN unless with_entropy),
     row_max (m, raw units) and log_norm (log s) [T] float32, lse = m / T + log s.
     A target of IGNORE_INDEX gives log-prob 0; any other target outside [0, V)
@@ -122,8 +123,9 @@ def token_logprobs_entropy_torch(*, logits, targets, temperature, with_entropy, 
         entropy[r] = (log_s - a / s).clamp(min=0.0) if with_entropy else float("nan")
 
 
-def logprobs_tile_stats_torch(*, logits, targets, vocab_start, temperature, with_entropy, state_in,
-                              state_out) -> None:  # fmt: skip
+def logprobs_tile_stats_torch(
+    *, logits, targets, vocab_start, temperature, with_entropy, state_in, state_out
+) -> None:
     """``logprobs_tile_stats`` op: fold the vocab tile ``logits`` [T, V_tile]
     (vocab ids vocab_start ..) into the online state ``state_in`` [4, T] float32
     = (m, s, a, target logit: kept where the target is not in this tile),
@@ -145,9 +147,19 @@ def logprobs_tile_stats_torch(*, logits, targets, vocab_start, temperature, with
         state_out[:, r] = new  # after every read: state_out may be state_in (in place)
 
 
-def token_logprobs_entropy_bwd_torch(*, logits, targets, row_max, log_norm, entropy, grad_logprob,
-                                     grad_entropy, temperature, vocab_start,
-                                     grad_logits) -> None:  # fmt: skip
+def token_logprobs_entropy_bwd_torch(
+    *,
+    logits,
+    targets,
+    row_max,
+    log_norm,
+    entropy,
+    grad_logprob,
+    grad_entropy,
+    temperature,
+    vocab_start,
+    grad_logits,
+) -> None:
     """``token_logprobs_entropy_bwd`` op: grad_logits [T, V] (logits' dtype) of
     g_l log p_y + g_h H: -p_j (g_l + g_h (log p_j + H)) / T off the target, the
     target's g_l (1 - p_y) written as -g_l expm1(log p_y) (exact for p_y near 1).

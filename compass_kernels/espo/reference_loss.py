@@ -106,7 +106,7 @@ def espo_loss_reference(
             if entropy_threshold is not None
             else entropy_thresholds_reference(
                 e, cu_seqlens, mask, cfg.levels, per_sequence=cfg.per_sequence
-            )  # fmt: skip
+            )
         )
     f64 = torch.float64
     loss = torch.zeros((), dtype=f64)
@@ -234,10 +234,31 @@ def espo_group_sums_torch(
     out.copy_(acc.reshape(-1))
 
 
-def espo_loss_forward_torch(*, logprobs, old_logprobs, entropy, advantages, cu_seqlens, mask,
-                            thresholds, sums, num_groups, flags, eps_low, eps_high, eps_scale,
-                            dual_clip, log_lo, log_hi, inv_num_seqs, need_grad, loss, grad,
-                            seq_stats, stats) -> None:  # fmt: skip
+def espo_loss_forward_torch(
+    *,
+    logprobs,
+    old_logprobs,
+    entropy,
+    advantages,
+    cu_seqlens,
+    mask,
+    thresholds,
+    sums,
+    num_groups,
+    flags,
+    eps_low,
+    eps_high,
+    eps_scale,
+    dual_clip,
+    log_lo,
+    log_hi,
+    inv_num_seqs,
+    need_grad,
+    loss,
+    grad,
+    seq_stats,
+    stats,
+) -> None:
     """``espo_loss_forward`` op: the loss (0-d, logprobs' dtype), d loss / d l
     per token (``grad`` [T], or [0] when not need_grad; 0 off the loss),
     seq_stats [n, 3K + 7] and stats [3K + 7] float64 (loss.py: stat_width)."""
@@ -252,8 +273,11 @@ def espo_loss_forward_torch(*, logprobs, old_logprobs, entropy, advantages, cu_s
         return
     seq, valid = _tokens(cu_seqlens, mask, total)
     token_groups = bool(flags & _TOKEN_GROUPS)
-    b = torch.zeros(total, dtype=torch.int64) if token_groups else _buckets(
-        entropy.to(F64), seq, thresholds, K, flags)  # fmt: skip
+    b = (
+        torch.zeros(total, dtype=torch.int64)
+        if token_groups
+        else _buckets(entropy.to(F64), seq, thresholds, K, flags)
+    )
     # per (sequence, group): count, mean d, s_g, clip range, weight
     s3 = sums.view(n, K, 3)
     cnt = s3[..., 0]
@@ -305,8 +329,11 @@ def espo_loss_forward_torch(*, logprobs, old_logprobs, entropy, advantages, cu_s
     row[:, 3 * K + 5], row[:, 3 * K + 6] = rmin, rmax
     row = row[:n]
     seq_stats.copy_(row.reshape(-1))
-    stats.copy_(torch.cat([row[:, : 3 * K + 5].sum(dim=0), rmin[:n].amin().reshape(1),
-                           rmax[:n].amax().reshape(1)]))  # fmt: skip
+    stats.copy_(
+        torch.cat(
+            [row[:, : 3 * K + 5].sum(dim=0), rmin[:n].amin().reshape(1), rmax[:n].amax().reshape(1)]
+        )
+    )
     loss.copy_(stats[3 * K])  # no host read
     if need_grad:
         grad.copy_(torch.where(in_loss, -gw * g_tok, 0.0))

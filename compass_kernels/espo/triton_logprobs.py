@@ -77,8 +77,9 @@ def _aligned_split(base, V, VEC: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _row_stats(logits_ptr, base, V, inv_t, m, s, a, ENT: tl.constexpr, BLOCK: tl.constexpr,
-               VEC: tl.constexpr):  # fmt: skip
+def _row_stats(
+    logits_ptr, base, V, inv_t, m, s, a, ENT: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr
+):
     """Online (m, s, a) over the row at ``logits_ptr + base``, V elements. The body
     loads are unmasked and 16-byte aligned (ld.global.v4 when the tensor starts on
     16 bytes, as every torch allocation does); the < VEC head and < BLOCK tail are
@@ -100,9 +101,19 @@ def _row_stats(logits_ptr, base, V, inv_t, m, s, a, ENT: tl.constexpr, BLOCK: tl
 
 @triton.jit
 def _fwd_kernel(
-    logits_ptr, targets_ptr, logp_ptr, entropy_ptr, max_ptr, log_norm_ptr, stride_row, V, inv_t,
-    ENT: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
-):  # fmt: skip
+    logits_ptr,
+    targets_ptr,
+    logp_ptr,
+    entropy_ptr,
+    max_ptr,
+    log_norm_ptr,
+    stride_row,
+    V,
+    inv_t,
+    ENT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    VEC: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     base = row * stride_row
     row_ptr = logits_ptr + base
@@ -132,9 +143,19 @@ def _fwd_kernel(
 
 @triton.jit
 def _tile_kernel(
-    logits_ptr, targets_ptr, state_in_ptr, state_out_ptr, stride_row, T, V, vocab_start, inv_t,
-    ENT: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
-):  # fmt: skip
+    logits_ptr,
+    targets_ptr,
+    state_in_ptr,
+    state_out_ptr,
+    stride_row,
+    T,
+    V,
+    vocab_start,
+    inv_t,
+    ENT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    VEC: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     base = row * stride_row
     row_ptr = logits_ptr + base
@@ -155,11 +176,25 @@ def _tile_kernel(
 
 @triton.jit
 def _bwd_kernel(
-    logits_ptr, targets_ptr, max_ptr, log_norm_ptr, entropy_ptr, gl_ptr, gh_ptr, grad_ptr,
-    stride_row, stride_grad, V, vocab_start, inv_t,
-    HAS_GL: tl.constexpr, HAS_GH: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
+    logits_ptr,
+    targets_ptr,
+    max_ptr,
+    log_norm_ptr,
+    entropy_ptr,
+    gl_ptr,
+    gh_ptr,
+    grad_ptr,
+    stride_row,
+    stride_grad,
+    V,
+    vocab_start,
+    inv_t,
+    HAS_GL: tl.constexpr,
+    HAS_GH: tl.constexpr,
+    BLOCK: tl.constexpr,
+    VEC: tl.constexpr,
     SAME_ALIGN: tl.constexpr,
-):  # fmt: skip
+):
     row = tl.program_id(0).to(tl.int64)
     m = tl.load(max_ptr + row)
     log_s = tl.load(log_norm_ptr + row)
@@ -181,20 +216,48 @@ def _bwd_kernel(
     if SAME_ALIGN:  # stride_grad = stride_row (mod VEC): the logits' head aligns grad too
         gbody = tl.multiple_of(gbody, VEC)
     if head > 0:
-        _bwd_chunk(logits_ptr + base, grad_ptr + gbase, 0, head, y, m, log_s, gl, gh, h, inv_t,
-                   True, BLOCK)  # fmt: skip
+        _bwd_chunk(
+            logits_ptr + base, grad_ptr + gbase, 0, head, y, m, log_s, gl, gh, h, inv_t, True, BLOCK
+        )
     for v0 in range(0, n_full, BLOCK):
-        _bwd_chunk(logits_ptr + body + v0, grad_ptr + gbody + v0, head + v0, BLOCK, y, m, log_s,
-                   gl, gh, h, inv_t, False, BLOCK)  # fmt: skip
+        _bwd_chunk(
+            logits_ptr + body + v0,
+            grad_ptr + gbody + v0,
+            head + v0,
+            BLOCK,
+            y,
+            m,
+            log_s,
+            gl,
+            gh,
+            h,
+            inv_t,
+            False,
+            BLOCK,
+        )
     rest = V - head - n_full
     if rest > 0:
-        _bwd_chunk(logits_ptr + body + n_full, grad_ptr + gbody + n_full, head + n_full, rest, y,
-                   m, log_s, gl, gh, h, inv_t, True, BLOCK)  # fmt: skip
+        _bwd_chunk(
+            logits_ptr + body + n_full,
+            grad_ptr + gbody + n_full,
+            head + n_full,
+            rest,
+            y,
+            m,
+            log_s,
+            gl,
+            gh,
+            h,
+            inv_t,
+            True,
+            BLOCK,
+        )
 
 
 @triton.jit
-def _bwd_chunk(x_ptr, g_ptr, idx0, n, y, m, log_s, gl, gh, h, inv_t, MASKED: tl.constexpr,
-               BLOCK: tl.constexpr):  # fmt: skip
+def _bwd_chunk(
+    x_ptr, g_ptr, idx0, n, y, m, log_s, gl, gh, h, inv_t, MASKED: tl.constexpr, BLOCK: tl.constexpr
+):
     """grad of the n <= BLOCK elements at x_ptr (vocab index idx0 + i) into g_ptr."""
     cols = tl.arange(0, BLOCK)
     if MASKED:
@@ -227,8 +290,9 @@ def _check_logits(name: str, t: torch.Tensor) -> None:
 
 
 def _check_rows(name: str, t: torch.Tensor, rows: int, dtype: torch.dtype, device) -> None:
-    check_tensor(name, t, ndim=1, dtypes=(dtype,), size=rows, size_what="one per token",
-                 device=device)  # fmt: skip
+    check_tensor(
+        name, t, ndim=1, dtypes=(dtype,), size=rows, size_what="one per token", device=device
+    )
     if not t.is_contiguous():
         raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
 
@@ -245,9 +309,17 @@ def _inv_t(temperature: float) -> float:
 
 
 def token_logprobs_entropy_triton(
-    *, logits, targets, temperature, with_entropy, logp, entropy, row_max, log_norm,
+    *,
+    logits,
+    targets,
+    temperature,
+    with_entropy,
+    logp,
+    entropy,
+    row_max,
+    log_norm,
     block: int = BLOCK,
-) -> None:  # fmt: skip
+) -> None:
     """Forward: logp, entropy (NaN unless with_entropy), row_max, log_norm [T] float32
     written in place (lse = row_max + log_norm, of logits / temperature).
 
@@ -262,15 +334,33 @@ def token_logprobs_entropy_triton(
     if rows == 0:
         return
     _fwd_kernel[(rows,)](
-        logits, targets, logp, entropy, row_max, log_norm, logits.stride(0), logits.shape[1],
-        _inv_t(temperature), ENT=bool(with_entropy), BLOCK=block, VEC=_vec(logits), **LAUNCH,
-    )  # fmt: skip
+        logits,
+        targets,
+        logp,
+        entropy,
+        row_max,
+        log_norm,
+        logits.stride(0),
+        logits.shape[1],
+        _inv_t(temperature),
+        ENT=bool(with_entropy),
+        BLOCK=block,
+        VEC=_vec(logits),
+        **LAUNCH,
+    )
 
 
 def logprobs_tile_stats_triton(
-    *, logits, targets, vocab_start, temperature, with_entropy, state_in, state_out,
+    *,
+    logits,
+    targets,
+    vocab_start,
+    temperature,
+    with_entropy,
+    state_in,
+    state_out,
     block: int = BLOCK,
-) -> None:  # fmt: skip
+) -> None:
     """One vocab tile of the online statistics (reference_logprobs.logprobs_tile_stats_torch)."""
     _check_logits("logits", logits)
     rows, dev = logits.shape[0], logits.device
@@ -284,16 +374,36 @@ def logprobs_tile_stats_triton(
     if rows == 0:
         return
     _tile_kernel[(rows,)](
-        logits, targets, state_in, state_out, logits.stride(0), rows, logits.shape[1],
-        vocab_start, _inv_t(temperature), ENT=bool(with_entropy), BLOCK=block, VEC=_vec(logits),
+        logits,
+        targets,
+        state_in,
+        state_out,
+        logits.stride(0),
+        rows,
+        logits.shape[1],
+        vocab_start,
+        _inv_t(temperature),
+        ENT=bool(with_entropy),
+        BLOCK=block,
+        VEC=_vec(logits),
         **LAUNCH,
-    )  # fmt: skip
+    )
 
 
 def token_logprobs_entropy_bwd_triton(
-    *, logits, targets, row_max, log_norm, entropy, grad_logprob, grad_entropy, temperature,
-    vocab_start, grad_logits, block: int = BLOCK,
-) -> None:  # fmt: skip
+    *,
+    logits,
+    targets,
+    row_max,
+    log_norm,
+    entropy,
+    grad_logprob,
+    grad_entropy,
+    temperature,
+    vocab_start,
+    grad_logits,
+    block: int = BLOCK,
+) -> None:
     """Backward: grad_logits [T, V] (logits' dtype, or bfloat16 for float32
     logits: the fused path's d logits rounded once at the store) written in place."""
     _check_logits("logits", logits)
@@ -318,14 +428,26 @@ def token_logprobs_entropy_bwd_triton(
         return
     vec = _vec(logits)
     _bwd_kernel[(rows,)](
-        logits, targets, row_max, log_norm, entropy,
+        logits,
+        targets,
+        row_max,
+        log_norm,
+        entropy,
         grad_logprob if grad_logprob is not None else entropy,  # unread when HAS_GL=False
         grad_entropy if grad_entropy is not None else entropy,
-        grad_logits, logits.stride(0), grad_logits.stride(0), logits.shape[1], vocab_start,
-        _inv_t(temperature), HAS_GL=grad_logprob is not None, HAS_GH=grad_entropy is not None,
-        BLOCK=block, VEC=vec, SAME_ALIGN=(grad_logits.stride(0) - logits.stride(0)) % vec == 0,
+        grad_logits,
+        logits.stride(0),
+        grad_logits.stride(0),
+        logits.shape[1],
+        vocab_start,
+        _inv_t(temperature),
+        HAS_GL=grad_logprob is not None,
+        HAS_GH=grad_entropy is not None,
+        BLOCK=block,
+        VEC=vec,
+        SAME_ALIGN=(grad_logits.stride(0) - logits.stride(0)) % vec == 0,
         **LAUNCH,
-    )  # fmt: skip
+    )
 
 
 def aot_variants() -> Sequence[
@@ -341,25 +463,53 @@ def aot_variants() -> Sequence[
     out: list[tuple[object, Mapping[str, str], Mapping[str, object], Mapping[str, object]]] = []
     for dt in ("fp32", "bf16"):
         fwd = {
-            "logits_ptr": f"*{dt}", "targets_ptr": "*i64", "logp_ptr": "*fp32",
-            "entropy_ptr": "*fp32", "max_ptr": "*fp32", "log_norm_ptr": "*fp32",
-            "stride_row": "i64", "V": "i32",
-            "inv_t": "fp32", "ENT": "constexpr", "BLOCK": "constexpr", "VEC": "constexpr",
-        }  # fmt: skip
-        tile = {
-            "logits_ptr": f"*{dt}", "targets_ptr": "*i64", "state_in_ptr": "*fp32",
-            "state_out_ptr": "*fp32", "stride_row": "i64", "T": "i64", "V": "i32",
-            "vocab_start": "i64", "inv_t": "fp32", "ENT": "constexpr", "BLOCK": "constexpr",
+            "logits_ptr": f"*{dt}",
+            "targets_ptr": "*i64",
+            "logp_ptr": "*fp32",
+            "entropy_ptr": "*fp32",
+            "max_ptr": "*fp32",
+            "log_norm_ptr": "*fp32",
+            "stride_row": "i64",
+            "V": "i32",
+            "inv_t": "fp32",
+            "ENT": "constexpr",
+            "BLOCK": "constexpr",
             "VEC": "constexpr",
-        }  # fmt: skip
+        }
+        tile = {
+            "logits_ptr": f"*{dt}",
+            "targets_ptr": "*i64",
+            "state_in_ptr": "*fp32",
+            "state_out_ptr": "*fp32",
+            "stride_row": "i64",
+            "T": "i64",
+            "V": "i32",
+            "vocab_start": "i64",
+            "inv_t": "fp32",
+            "ENT": "constexpr",
+            "BLOCK": "constexpr",
+            "VEC": "constexpr",
+        }
         bwd = {
-            "logits_ptr": f"*{dt}", "targets_ptr": "*i64", "max_ptr": "*fp32",
-            "log_norm_ptr": "*fp32", "entropy_ptr": "*fp32", "gl_ptr": "*fp32",
-            "gh_ptr": "*fp32", "grad_ptr": f"*{dt}",
-            "stride_row": "i64", "stride_grad": "i64", "V": "i32", "vocab_start": "i64",
-            "inv_t": "fp32", "HAS_GL": "constexpr", "HAS_GH": "constexpr", "BLOCK": "constexpr",
-            "VEC": "constexpr", "SAME_ALIGN": "constexpr",
-        }  # fmt: skip
+            "logits_ptr": f"*{dt}",
+            "targets_ptr": "*i64",
+            "max_ptr": "*fp32",
+            "log_norm_ptr": "*fp32",
+            "entropy_ptr": "*fp32",
+            "gl_ptr": "*fp32",
+            "gh_ptr": "*fp32",
+            "grad_ptr": f"*{dt}",
+            "stride_row": "i64",
+            "stride_grad": "i64",
+            "V": "i32",
+            "vocab_start": "i64",
+            "inv_t": "fp32",
+            "HAS_GL": "constexpr",
+            "HAS_GH": "constexpr",
+            "BLOCK": "constexpr",
+            "VEC": "constexpr",
+            "SAME_ALIGN": "constexpr",
+        }
         vec = 4 if dt == "fp32" else 8
         for ent in (True, False):
             out.append((_fwd_kernel, fwd, {"ENT": ent, "BLOCK": BLOCK, "VEC": vec}, aligned))
@@ -368,7 +518,6 @@ def aot_variants() -> Sequence[
         grads = ("fp32", "bf16") if dt == "fp32" else ("bf16",)
         for gdt in grads:
             for gl, gh in ((True, True), (True, False), (False, True)):
-                const = {"HAS_GL": gl, "HAS_GH": gh, "BLOCK": BLOCK, "VEC": vec,
-                         "SAME_ALIGN": True}  # fmt: skip
+                const = {"HAS_GL": gl, "HAS_GH": gh, "BLOCK": BLOCK, "VEC": vec, "SAME_ALIGN": True}
                 out.append((_bwd_kernel, bwd | {"grad_ptr": f"*{gdt}"}, const, aligned_bwd))
     return out

@@ -48,8 +48,13 @@ BACKWARD_BLOCK = 1024
 REDUCE_BLOCK = 32
 LAUNCH = {"num_warps": 4}
 _FLAG_PER_SEQ, _FLAG_TOKEN, _FLAG_DROP, _FLAG_ADAPTIVE, _FLAG_GSPO, _FLAG_ADV_TOK = (
-    1, 2, 4, 8, 16, 32,
-)  # fmt: skip
+    1,
+    2,
+    4,
+    8,
+    16,
+    32,
+)
 
 
 def _f64_bits(x: float) -> int:
@@ -84,10 +89,20 @@ def _bucket(e, thr_ptr, row, Q: tl.constexpr):
 
 @triton.jit
 def _sums_kernel(
-    e_ptr, l_ptr, lo_ptr, cu_ptr, mask_ptr, thr_ptr, sums_ptr, S,
-    K: tl.constexpr, KP: tl.constexpr, PER_SEQ: tl.constexpr, HAS_MASK: tl.constexpr,
+    e_ptr,
+    l_ptr,
+    lo_ptr,
+    cu_ptr,
+    mask_ptr,
+    thr_ptr,
+    sums_ptr,
+    S,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    PER_SEQ: tl.constexpr,
+    HAS_MASK: tl.constexpr,
     BLOCK: tl.constexpr,
-):  # fmt: skip
+):
     i = tl.program_id(0).to(tl.int64)
     start = tl.load(cu_ptr + i)
     end = tl.load(cu_ptr + i + 1)
@@ -121,11 +136,31 @@ def _sums_kernel(
 
 @triton.jit
 def _forward_kernel(
-    l_ptr, lo_ptr, e_ptr, adv_ptr, cu_ptr, mask_ptr, thr_ptr, sums_ptr, grad_ptr, rows_ptr, S,
-    eps_low_bits, eps_high_bits, eps_scale_bits, dual_bits, log_lo_bits, log_hi_bits, inv_g_bits,
-    K: tl.constexpr, KP: tl.constexpr, FLAGS: tl.constexpr, HAS_MASK: tl.constexpr,
-    NEED_GRAD: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    l_ptr,
+    lo_ptr,
+    e_ptr,
+    adv_ptr,
+    cu_ptr,
+    mask_ptr,
+    thr_ptr,
+    sums_ptr,
+    grad_ptr,
+    rows_ptr,
+    S,
+    eps_low_bits,
+    eps_high_bits,
+    eps_scale_bits,
+    dual_bits,
+    log_lo_bits,
+    log_hi_bits,
+    inv_g_bits,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    FLAGS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    NEED_GRAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     PER_SEQ: tl.constexpr = (FLAGS & 1) != 0
     TOKEN: tl.constexpr = (FLAGS & 2) != 0
     DROP: tl.constexpr = (FLAGS & 4) != 0
@@ -264,9 +299,14 @@ def _forward_kernel(
 
 @triton.jit
 def _combine_kernel(
-    part_ptr, out_ptr, S, W: tl.constexpr, WP: tl.constexpr, MINMAX: tl.constexpr,
+    part_ptr,
+    out_ptr,
+    S,
+    W: tl.constexpr,
+    WP: tl.constexpr,
+    MINMAX: tl.constexpr,
     BLOCK_S: tl.constexpr,
-):  # fmt: skip
+):
     # Program i: row i of out from the S partial rows i*S .. i*S+S-1, summed in a
     # fixed order (the last two columns NaN-propagating min / max with MINMAX).
     i = tl.program_id(0).to(tl.int64)
@@ -289,17 +329,29 @@ def _combine_kernel(
             )
     out = tl.sum(acc_sum, axis=0)
     if MINMAX:
-        out = tl.where(cols == W - 2, tl.reduce(acc_min, 0, _min_nan),
-                       tl.where(cols == W - 1, tl.reduce(acc_max, 0, _max_nan), out))  # fmt: skip
+        out = tl.where(
+            cols == W - 2,
+            tl.reduce(acc_min, 0, _min_nan),
+            tl.where(cols == W - 1, tl.reduce(acc_max, 0, _max_nan), out),
+        )
     tl.store(out_ptr + i * W + cols, out, mask=cols < W)
 
 
 @triton.jit
 def _reduce_kernel(
-    rows_ptr, cu_ptr, stats_ptr, loss_ptr, grad_ptr, n, T,
-    K: tl.constexpr, WP: tl.constexpr, NEED_GRAD: tl.constexpr, BLOCK: tl.constexpr,
+    rows_ptr,
+    cu_ptr,
+    stats_ptr,
+    loss_ptr,
+    grad_ptr,
+    n,
+    T,
+    K: tl.constexpr,
+    WP: tl.constexpr,
+    NEED_GRAD: tl.constexpr,
+    BLOCK: tl.constexpr,
     TAIL_BLOCK: tl.constexpr,
-):  # fmt: skip
+):
     # One program: the batch statistics from the per-sequence rows in a fixed
     # order, the loss, and zero gradients for the padding after cu[n].
     W: tl.constexpr = 3 * K + 7
@@ -320,8 +372,11 @@ def _reduce_kernel(
             acc_max, tl.where(m, x, float("-inf")), propagate_nan=tl.PropagateNan.ALL
         )
     total = tl.sum(acc_sum, axis=0)
-    out = tl.where(cols == W - 2, tl.reduce(acc_min, 0, _min_nan),
-                   tl.where(cols == W - 1, tl.reduce(acc_max, 0, _max_nan), total))  # fmt: skip
+    out = tl.where(
+        cols == W - 2,
+        tl.reduce(acc_min, 0, _min_nan),
+        tl.where(cols == W - 1, tl.reduce(acc_max, 0, _max_nan), total),
+    )
     tl.store(stats_ptr + cols, out, mask=cols < W)
     loss = tl.sum(tl.where(cols == 3 * K, total, 0.0), axis=0)
     tl.store(loss_ptr, loss.to(loss_ptr.dtype.element_ty))
@@ -330,8 +385,11 @@ def _reduce_kernel(
         lanes = tl.arange(0, TAIL_BLOCK).to(tl.int64)
         for base in range(tail, T, TAIL_BLOCK):
             idx = base + lanes
-            tl.store(grad_ptr + idx, tl.zeros([TAIL_BLOCK], dtype=grad_ptr.dtype.element_ty),
-                     mask=idx < T)  # fmt: skip
+            tl.store(
+                grad_ptr + idx,
+                tl.zeros([TAIL_BLOCK], dtype=grad_ptr.dtype.element_ty),
+                mask=idx < T,
+            )
 
 
 @triton.jit
@@ -371,8 +429,9 @@ def _splits(total: int, n: int) -> int:
 
 
 def _combine(part, out, n, s, width, minmax) -> None:
-    _combine_kernel[(n,)](part, out, s, W=width, WP=_pow2(width), MINMAX=minmax,
-                          BLOCK_S=COMBINE_BLOCK, **LAUNCH)  # fmt: skip
+    _combine_kernel[(n,)](
+        part, out, s, W=width, WP=_pow2(width), MINMAX=minmax, BLOCK_S=COMBINE_BLOCK, **LAUNCH
+    )
 
 
 def _common(ref, cu_seqlens, mask, thresholds, num_groups, flags):
@@ -409,18 +468,50 @@ def espo_group_sums_triton(
     s = _splits(total, n)
     part = out if s == 1 else torch.empty(n * s * num_groups * 3, dtype=out.dtype, device=device)
     _sums_kernel[(n, s)](
-        entropy, logprobs, old_logprobs, cu_seqlens, mask if mask is not None else cu_seqlens,
-        thresholds, part, s, K=num_groups, KP=_pow2(num_groups),
-        PER_SEQ=bool(flags & _FLAG_PER_SEQ), HAS_MASK=mask is not None, BLOCK=BLOCK, **LAUNCH,
-    )  # fmt: skip
+        entropy,
+        logprobs,
+        old_logprobs,
+        cu_seqlens,
+        mask if mask is not None else cu_seqlens,
+        thresholds,
+        part,
+        s,
+        K=num_groups,
+        KP=_pow2(num_groups),
+        PER_SEQ=bool(flags & _FLAG_PER_SEQ),
+        HAS_MASK=mask is not None,
+        BLOCK=BLOCK,
+        **LAUNCH,
+    )
     if s > 1:
         _combine(part, out, n, s, num_groups * 3, False)
 
 
-def espo_loss_forward_triton(*, logprobs, old_logprobs, entropy, advantages, cu_seqlens, mask,
-                             thresholds, sums, num_groups, flags, eps_low, eps_high, eps_scale,
-                             dual_clip, log_lo, log_hi, inv_num_seqs, need_grad, loss, grad,
-                             seq_stats, stats) -> None:  # fmt: skip
+def espo_loss_forward_triton(
+    *,
+    logprobs,
+    old_logprobs,
+    entropy,
+    advantages,
+    cu_seqlens,
+    mask,
+    thresholds,
+    sums,
+    num_groups,
+    flags,
+    eps_low,
+    eps_high,
+    eps_scale,
+    dual_clip,
+    log_lo,
+    log_hi,
+    inv_num_seqs,
+    need_grad,
+    loss,
+    grad,
+    seq_stats,
+    stats,
+) -> None:
     """Phase 2 (COMPASS_ESPO_FORWARD_ARGS): loss [] , grad [T] (or [0]),
     seq_stats [n*(3K+7)], stats [3K+7], all written here."""
     _check("logprobs", logprobs, _REAL, None)
@@ -438,35 +529,70 @@ def espo_loss_forward_triton(*, logprobs, old_logprobs, entropy, advantages, cu_
     if loss.numel() != 1 or loss.dtype != logprobs.dtype:
         raise ValueError(f"loss: expected one {logprobs.dtype} element, got {loss.shape}")
     if not (inv_num_seqs > 0 and log_lo <= log_hi):
-        raise ValueError(f"inv_num_seqs > 0 and log_lo <= log_hi expected, got "
-                         f"{inv_num_seqs}, {log_lo}, {log_hi}")  # fmt: skip
+        raise ValueError(
+            f"inv_num_seqs > 0 and log_lo <= log_hi expected, got "
+            f"{inv_num_seqs}, {log_lo}, {log_hi}"
+        )
     grad_arg = grad if need_grad else logprobs  # unread without NEED_GRAD
     if n > 0:
-        bits = [_f64_bits(x) for x in (eps_low, eps_high, eps_scale, dual_clip, log_lo, log_hi,
-                                        inv_num_seqs)]  # fmt: skip
+        bits = [
+            _f64_bits(x)
+            for x in (eps_low, eps_high, eps_scale, dual_clip, log_lo, log_hi, inv_num_seqs)
+        ]
         s = _splits(total, n)
-        part = seq_stats if s == 1 else torch.empty(n * s * width, dtype=seq_stats.dtype,
-                                                    device=device)  # fmt: skip
+        part = (
+            seq_stats
+            if s == 1
+            else torch.empty(n * s * width, dtype=seq_stats.dtype, device=device)
+        )
         _forward_kernel[(n, s)](
-            logprobs, old_logprobs, entropy, advantages, cu_seqlens,
-            mask if mask is not None else cu_seqlens, thresholds, sums, grad_arg, part, s,
-            *bits, K=K, KP=_pow2(K), FLAGS=int(flags), HAS_MASK=mask is not None,
-            NEED_GRAD=bool(need_grad), BLOCK=BLOCK, **LAUNCH,
-        )  # fmt: skip
+            logprobs,
+            old_logprobs,
+            entropy,
+            advantages,
+            cu_seqlens,
+            mask if mask is not None else cu_seqlens,
+            thresholds,
+            sums,
+            grad_arg,
+            part,
+            s,
+            *bits,
+            K=K,
+            KP=_pow2(K),
+            FLAGS=int(flags),
+            HAS_MASK=mask is not None,
+            NEED_GRAD=bool(need_grad),
+            BLOCK=BLOCK,
+            **LAUNCH,
+        )
         if s > 1:
             _combine(part, seq_stats, n, s, width, True)
     _reduce_kernel[(1,)](
-        seq_stats, cu_seqlens, stats, loss, grad_arg, n, total, K=K, WP=_pow2(width),
-        NEED_GRAD=bool(need_grad), BLOCK=REDUCE_BLOCK, TAIL_BLOCK=BACKWARD_BLOCK, **LAUNCH,
-    )  # fmt: skip
+        seq_stats,
+        cu_seqlens,
+        stats,
+        loss,
+        grad_arg,
+        n,
+        total,
+        K=K,
+        WP=_pow2(width),
+        NEED_GRAD=bool(need_grad),
+        BLOCK=REDUCE_BLOCK,
+        TAIL_BLOCK=BACKWARD_BLOCK,
+        **LAUNCH,
+    )
 
 
 def espo_loss_backward_triton(*, grad_loss, grad_coef, out) -> None:
     """out = grad_loss * grad_coef (grad_loss one element)."""
     _check("grad_coef", grad_coef, _REAL, None)
     if grad_loss.numel() != 1 or grad_loss.dtype != grad_coef.dtype:
-        raise ValueError(f"grad_loss: expected one {grad_coef.dtype} element, got "
-                         f"{grad_loss.dtype}{list(grad_loss.shape)}")  # fmt: skip
+        raise ValueError(
+            f"grad_loss: expected one {grad_coef.dtype} element, got "
+            f"{grad_loss.dtype}{list(grad_loss.shape)}"
+        )
     _check("out", out, (grad_coef.dtype,), grad_coef.device, grad_coef.shape[0], "tokens")
     total = grad_coef.shape[0]
     if total == 0:
@@ -483,40 +609,124 @@ def aot_variants() -> Sequence[
     wrappers launch for the default ESPO, GSPO and GRPO configurations in
     float32 (tests/test_aot.py compiles exactly these)."""
     sums_sig = {
-        "e_ptr": "*fp32", "l_ptr": "*fp32", "lo_ptr": "*fp32", "cu_ptr": "*i64",
-        "mask_ptr": "*i1", "thr_ptr": "*fp64", "sums_ptr": "*fp64", "S": "i32",
-        "K": "constexpr", "KP": "constexpr", "PER_SEQ": "constexpr", "HAS_MASK": "constexpr",
+        "e_ptr": "*fp32",
+        "l_ptr": "*fp32",
+        "lo_ptr": "*fp32",
+        "cu_ptr": "*i64",
+        "mask_ptr": "*i1",
+        "thr_ptr": "*fp64",
+        "sums_ptr": "*fp64",
+        "S": "i32",
+        "K": "constexpr",
+        "KP": "constexpr",
+        "PER_SEQ": "constexpr",
+        "HAS_MASK": "constexpr",
         "BLOCK": "constexpr",
-    }  # fmt: skip
+    }
     fwd_sig = {
-        "l_ptr": "*fp32", "lo_ptr": "*fp32", "e_ptr": "*fp32", "adv_ptr": "*fp32",
-        "cu_ptr": "*i64", "mask_ptr": "*i1", "thr_ptr": "*fp64", "sums_ptr": "*fp64",
-        "grad_ptr": "*fp32", "rows_ptr": "*fp64", "S": "i32", "eps_low_bits": "i64",
-        "eps_high_bits": "i64", "eps_scale_bits": "i64", "dual_bits": "i64",
-        "log_lo_bits": "i64", "log_hi_bits": "i64",
-        "inv_g_bits": "i64", "K": "constexpr", "KP": "constexpr", "FLAGS": "constexpr",
-        "HAS_MASK": "constexpr", "NEED_GRAD": "constexpr", "BLOCK": "constexpr",
-    }  # fmt: skip
+        "l_ptr": "*fp32",
+        "lo_ptr": "*fp32",
+        "e_ptr": "*fp32",
+        "adv_ptr": "*fp32",
+        "cu_ptr": "*i64",
+        "mask_ptr": "*i1",
+        "thr_ptr": "*fp64",
+        "sums_ptr": "*fp64",
+        "grad_ptr": "*fp32",
+        "rows_ptr": "*fp64",
+        "S": "i32",
+        "eps_low_bits": "i64",
+        "eps_high_bits": "i64",
+        "eps_scale_bits": "i64",
+        "dual_bits": "i64",
+        "log_lo_bits": "i64",
+        "log_hi_bits": "i64",
+        "inv_g_bits": "i64",
+        "K": "constexpr",
+        "KP": "constexpr",
+        "FLAGS": "constexpr",
+        "HAS_MASK": "constexpr",
+        "NEED_GRAD": "constexpr",
+        "BLOCK": "constexpr",
+    }
     red_sig = {
-        "rows_ptr": "*fp64", "cu_ptr": "*i64", "stats_ptr": "*fp64", "loss_ptr": "*fp32",
-        "grad_ptr": "*fp32", "n": "i32", "T": "i64", "K": "constexpr", "WP": "constexpr",
-        "NEED_GRAD": "constexpr", "BLOCK": "constexpr", "TAIL_BLOCK": "constexpr",
-    }  # fmt: skip
-    comb_sig = {"part_ptr": "*fp64", "out_ptr": "*fp64", "S": "i32", "W": "constexpr",
-                "WP": "constexpr", "MINMAX": "constexpr", "BLOCK_S": "constexpr"}  # fmt: skip
-    bwd_sig = {"g_ptr": "*fp32", "coef_ptr": "*fp32", "out_ptr": "*fp32", "T": "i64",
-               "BLOCK": "constexpr"}  # fmt: skip
+        "rows_ptr": "*fp64",
+        "cu_ptr": "*i64",
+        "stats_ptr": "*fp64",
+        "loss_ptr": "*fp32",
+        "grad_ptr": "*fp32",
+        "n": "i32",
+        "T": "i64",
+        "K": "constexpr",
+        "WP": "constexpr",
+        "NEED_GRAD": "constexpr",
+        "BLOCK": "constexpr",
+        "TAIL_BLOCK": "constexpr",
+    }
+    comb_sig = {
+        "part_ptr": "*fp64",
+        "out_ptr": "*fp64",
+        "S": "i32",
+        "W": "constexpr",
+        "WP": "constexpr",
+        "MINMAX": "constexpr",
+        "BLOCK_S": "constexpr",
+    }
+    bwd_sig = {
+        "g_ptr": "*fp32",
+        "coef_ptr": "*fp32",
+        "out_ptr": "*fp32",
+        "T": "i64",
+        "BLOCK": "constexpr",
+    }
     out = []
     # (K, flags): espo default (adaptive eps, per-sequence advantages), gspo, grpo
     for K, flags in ((2, _FLAG_ADAPTIVE), (1, _FLAG_GSPO), (1, _FLAG_GSPO | _FLAG_TOKEN)):
-        out.append((_sums_kernel, sums_sig, {"K": K, "KP": _pow2(K), "PER_SEQ": False,
-                    "HAS_MASK": True, "BLOCK": BLOCK}, LAUNCH))  # fmt: skip
-        out.append((_forward_kernel, fwd_sig, {"K": K, "KP": _pow2(K), "FLAGS": flags,
-                    "HAS_MASK": True, "NEED_GRAD": True, "BLOCK": BLOCK}, LAUNCH))  # fmt: skip
-        out.append((_reduce_kernel, red_sig, {"K": K, "WP": _pow2(3 * K + 7), "NEED_GRAD": True,
-                    "BLOCK": REDUCE_BLOCK, "TAIL_BLOCK": BACKWARD_BLOCK}, LAUNCH))  # fmt: skip
+        out.append(
+            (
+                _sums_kernel,
+                sums_sig,
+                {"K": K, "KP": _pow2(K), "PER_SEQ": False, "HAS_MASK": True, "BLOCK": BLOCK},
+                LAUNCH,
+            )
+        )
+        out.append(
+            (
+                _forward_kernel,
+                fwd_sig,
+                {
+                    "K": K,
+                    "KP": _pow2(K),
+                    "FLAGS": flags,
+                    "HAS_MASK": True,
+                    "NEED_GRAD": True,
+                    "BLOCK": BLOCK,
+                },
+                LAUNCH,
+            )
+        )
+        out.append(
+            (
+                _reduce_kernel,
+                red_sig,
+                {
+                    "K": K,
+                    "WP": _pow2(3 * K + 7),
+                    "NEED_GRAD": True,
+                    "BLOCK": REDUCE_BLOCK,
+                    "TAIL_BLOCK": BACKWARD_BLOCK,
+                },
+                LAUNCH,
+            )
+        )
     for w, minmax in ((6, False), (13, True)):  # K = 2: group sums, forward rows
-        out.append((_combine_kernel, comb_sig, {"W": w, "WP": _pow2(w), "MINMAX": minmax,
-                    "BLOCK_S": COMBINE_BLOCK}, LAUNCH))  # fmt: skip
+        out.append(
+            (
+                _combine_kernel,
+                comb_sig,
+                {"W": w, "WP": _pow2(w), "MINMAX": minmax, "BLOCK_S": COMBINE_BLOCK},
+                LAUNCH,
+            )
+        )
     out.append((_backward_kernel, bwd_sig, {"BLOCK": BACKWARD_BLOCK}, LAUNCH))
     return out

@@ -187,8 +187,9 @@ def _check_eps(eps: float) -> float:
     return float(eps)
 
 
-def _input(name: str, x: torch.Tensor, ndim: tuple[int, ...], *, empty_cols: bool = False
-           ) -> torch.Tensor:  # fmt: skip
+def _input(
+    name: str, x: torch.Tensor, ndim: tuple[int, ...], *, empty_cols: bool = False
+) -> torch.Tensor:
     check_tensor(name, x, dtypes=_INPUT_DTYPES)
     if x.dim() not in ndim:
         dims = " or ".join(map(str, ndim))
@@ -262,8 +263,15 @@ def quantize_blockwise(
     if should_check(validate, w):
         check_finite("w", w)
     try:
-        opts = dict(block_rows=br, block_cols=bc, eps=eps, ue8m0=bool(ue8m0), use_div=False,
-                    scale_layout=layout, backend=backend)  # fmt: skip
+        opts = dict(
+            block_rows=br,
+            block_cols=bc,
+            eps=eps,
+            ue8m0=bool(ue8m0),
+            use_div=False,
+            scale_layout=layout,
+            backend=backend,
+        )
         if w.dim() == 3:
             outs = [quantize_op(x=e, **opts) for e in w]
             return torch.stack([o.q for o in outs]), torch.stack([o.scales for o in outs])
@@ -339,8 +347,16 @@ def quantize_token_groups(
         )
     if should_check(validate, x):
         check_finite("x", x)
-    res = quantize_op(x=x, block_rows=1, block_cols=group_size, eps=eps, ue8m0=bool(ue8m0),
-                      use_div=True, scale_layout=layout, backend=backend)  # fmt: skip
+    res = quantize_op(
+        x=x,
+        block_rows=1,
+        block_cols=group_size,
+        eps=eps,
+        ue8m0=bool(ue8m0),
+        use_div=True,
+        scale_layout=layout,
+        backend=backend,
+    )
     return tuple(res)
 
 
@@ -366,8 +382,10 @@ def dequantize(
     rows, cols = q.shape[-2:]
     want = (*q.shape[:-2], -(-rows // br), -(-cols // bc))
     if tuple(scales.shape) != want:
-        raise ValueError(f"scales: expected shape {list(want)} for q {describe(q)} and block "
-                         f"({br}, {bc}), got {describe(scales)}")  # fmt: skip
+        raise ValueError(
+            f"scales: expected shape {list(want)} for q {describe(q)} and block "
+            f"({br}, {bc}), got {describe(scales)}"
+        )
     s = scales.repeat_interleave(br, -2)[..., :rows, :].repeat_interleave(bc, -1)[..., :cols]
     return (q.to(torch.float32) * s).to(out_dtype)
 
@@ -422,8 +440,15 @@ def permute_quantize(
     output size M*k is known in advance.
     """
     x = _input("x", x, (2,))
-    check_tensor("topk_ids", topk_ids, ndim=2, dtypes=(torch.int32, torch.int64),
-                 size=x.shape[0], size_what="one row per token of x", device=x.device)  # fmt: skip
+    check_tensor(
+        "topk_ids",
+        topk_ids,
+        ndim=2,
+        dtypes=(torch.int32, torch.int64),
+        size=x.shape[0],
+        size_what="one row per token of x",
+        device=x.device,
+    )
     if not (isinstance(num_experts, int) and num_experts >= 1):
         raise ValueError(f"num_experts: expected a positive int, got {num_experts!r}")
     layout = _layout(scale_layout)
@@ -438,8 +463,15 @@ def permute_quantize(
                     f"topk_ids: expected expert ids in [0, {num_experts}), got values in "
                     f"[{int(lo)}, {int(hi)}]"
                 )
-    p = permute_op(x=x, topk_ids=ids, num_experts=num_experts, eps=eps, ue8m0=bool(ue8m0),
-                   scale_layout=layout, backend=backend)  # fmt: skip
+    p = permute_op(
+        x=x,
+        topk_ids=ids,
+        num_experts=num_experts,
+        eps=eps,
+        ue8m0=bool(ue8m0),
+        scale_layout=layout,
+        backend=backend,
+    )
     return PermutedTokens(p.q, p.scales, p.expert_offsets, p.src_index, p.dst_index)
 
 
@@ -467,11 +499,23 @@ def unpermute(
     check_tensor("y", y, ndim=2, dtypes=(torch.float32, torch.bfloat16))
     if isinstance(dst_index, PermutedTokens):
         dst_index = dst_index.dst_index
-    check_tensor("topk_weights", topk_weights, ndim=2, dtypes=_INPUT_DTYPES + (torch.float64,),
-                 device=y.device)  # fmt: skip
+    check_tensor(
+        "topk_weights",
+        topk_weights,
+        ndim=2,
+        dtypes=_INPUT_DTYPES + (torch.float64,),
+        device=y.device,
+    )
     m, k = topk_weights.shape
-    check_tensor("dst_index", dst_index, ndim=1, dtypes=(torch.int64,), size=m * k,
-                 size_what="tokens * top_k = topk_weights.numel()", device=y.device)  # fmt: skip
+    check_tensor(
+        "dst_index",
+        dst_index,
+        ndim=1,
+        dtypes=(torch.int64,),
+        size=m * k,
+        size_what="tokens * top_k = topk_weights.numel()",
+        device=y.device,
+    )
     if y.requires_grad:
         y = y.detach()
     if y.shape[1] > 1 and y.stride(1) != 1:
@@ -481,8 +525,10 @@ def unpermute(
     if should_check(validate, y, dst) and dst.numel():
         lo, hi = torch.aminmax(dst)
         if int(lo) < -1 or int(hi) >= y.shape[0]:
-            raise ValueError(f"dst_index: expected values in [-1, {y.shape[0]}) (rows of y), "
-                             f"got values in [{int(lo)}, {int(hi)}]")  # fmt: skip
+            raise ValueError(
+                f"dst_index: expected values in [-1, {y.shape[0]}) (rows of y), "
+                f"got values in [{int(lo)}, {int(hi)}]"
+            )
     return unpermute_op(y=y, dst_index=dst, topk_weights=w, backend=backend)
 
 

@@ -113,8 +113,21 @@ def grouped_gemm_cutlass(*, a_q, a_scales, b_q, b_scales, expert_offsets, out_dt
     sms = _sm_count(a_q.device.index or 0)
     shapes, ptrs, ws, tile = cutlass_launch_args(a_q, b_q, stream, sms)
     build_args(a_q, a_scales, b_q, b_scales, expert_offsets, out, shapes, ptrs)
-    gemm(a_q, a_scales, b_q, b_scales, expert_offsets, out_dtype, out, tile, shapes, ptrs, ws, sms,
-         stream)  # fmt: skip
+    gemm(
+        a_q,
+        a_scales,
+        b_q,
+        b_scales,
+        expert_offsets,
+        out_dtype,
+        out,
+        tile,
+        shapes,
+        ptrs,
+        ws,
+        sms,
+        stream,
+    )
 
 
 @functools.cache
@@ -158,9 +171,13 @@ class GroupedArgs(NamedTuple):
 # problem shapes and ptr_A/B/SFA/SFB/D arrays) from the expert offsets: no
 # host sync, CUDA-graph safe. Internal; the cpp backend is the reference the
 # triton one (triton_args.py) is held to (tests/test_fp8_gemm_args.py).
-@op(kernels={"cpp": "fp8.grouped_args_cpu",
-             "triton": "compass_kernels.fp8.triton_args:grouped_args_triton"},
-    name="fp8_grouped_gemm_args")  # fmt: skip
+@op(
+    kernels={
+        "cpp": "fp8.grouped_args_cpu",
+        "triton": "compass_kernels.fp8.triton_args:grouped_args_triton",
+    },
+    name="fp8_grouped_gemm_args",
+)
 def grouped_args_op(
     a_q: torch.Tensor,
     a_scales: torch.Tensor,
@@ -199,20 +216,25 @@ def _check_shapes(a_q, a_scales, b_q, b_scales, expert_offsets) -> None:
     if kb_ != k:
         raise ValueError(f"b_q: expected K = {k} (a_q.shape[1]) in dim 2, got {describe(b_q)}")
     if k == 0 or e == 0:
-        raise ValueError(f"a_q, b_q: expected K >= 1 and E >= 1, got {describe(a_q)}, "
-                         f"{describe(b_q)}")  # fmt: skip
+        raise ValueError(
+            f"a_q, b_q: expected K >= 1 and E >= 1, got {describe(a_q)}, {describe(b_q)}"
+        )
     if (a_q.stride(1) != 1 and k > 1) or (b_q.stride(2) != 1 and k > 1):
-        raise ValueError(f"a_q, b_q: expected unit stride along K, got strides {a_q.stride()} "
-                         f"and {b_q.stride()}")  # fmt: skip
+        raise ValueError(
+            f"a_q, b_q: expected unit stride along K, got strides {a_q.stride()} and {b_q.stride()}"
+        )
     kb, nb = -(-k // 128), -(-n // 128)
     check_tensor("a_scales", a_scales, ndim=2, dtypes=_F32, device=dev)
     if tuple(a_scales.shape) != (m, kb):
-        raise ValueError(f"a_scales: expected shape [{m}, {kb}] = [M, ceil(K/128)], got "
-                         f"{describe(a_scales)}")  # fmt: skip
+        raise ValueError(
+            f"a_scales: expected shape [{m}, {kb}] = [M, ceil(K/128)], got {describe(a_scales)}"
+        )
     check_tensor("b_scales", b_scales, ndim=3, dtypes=_F32, device=dev)
     if tuple(b_scales.shape) != (e, nb, kb):
-        raise ValueError(f"b_scales: expected shape [{e}, {nb}, {kb}] = [E, ceil(N/128), "
-                         f"ceil(K/128)], got {describe(b_scales)}")  # fmt: skip
+        raise ValueError(
+            f"b_scales: expected shape [{e}, {nb}, {kb}] = [E, ceil(N/128), "
+            f"ceil(K/128)], got {describe(b_scales)}"
+        )
 
 
 def grouped_gemm(
@@ -274,13 +296,22 @@ def grouped_gemm(
         check_tensor("out", out, ndim=2, dtypes=(out_dtype,), device=dev)
         m, n = a_q.shape[0], b_q.shape[1]
         if tuple(out.shape) != (m, n) or (out.stride(1) != 1 and n > 1):
-            raise ValueError(f"out: expected shape [{m}, {n}] with unit stride along N, got "
-                             f"{describe(out)} strides {out.stride()}")  # fmt: skip
+            raise ValueError(
+                f"out: expected shape [{m}, {n}] with unit stride along N, got "
+                f"{describe(out)} strides {out.stride()}"
+            )
     if backend == "cuda" or (backend is None and dev.type == "cuda"):
         _check_tma_alignment(a_q=a_q, b_q=b_q, out=out)
-    return grouped_gemm_op(a_q=a_q, a_scales=a_scales, b_q=b_q, b_scales=b_scales,
-                           expert_offsets=expert_offsets, out_dtype=code, backend=backend,
-                           out=out)  # fmt: skip
+    return grouped_gemm_op(
+        a_q=a_q,
+        a_scales=a_scales,
+        b_q=b_q,
+        b_scales=b_scales,
+        expert_offsets=expert_offsets,
+        out_dtype=code,
+        backend=backend,
+        out=out,
+    )
 
 
 def _check_tma_alignment(**tensors: torch.Tensor | None) -> None:

@@ -84,8 +84,10 @@ def check_moe_weights(
     inter = two_i // 2
     check_tensor("w2_weight", w2_weight, ndim=3, dtypes=_FP8, device=dev)
     if tuple(w2_weight.shape) != (e, h, inter):
-        raise ValueError(f"w2_weight: expected shape [{e}, {h}, {inter}] = [E, H, I] (from "
-                         f"w13_weight [E, 2I, H]), got {describe(w2_weight)}")  # fmt: skip
+        raise ValueError(
+            f"w2_weight: expected shape [{e}, {h}, {inter}] = [E, H, I] (from "
+            f"w13_weight [E, 2I, H]), got {describe(w2_weight)}"
+        )
     for name, s, rows, cols in (
         ("w13_scale", w13_scale, two_i, h),
         ("w2_scale", w2_scale, h, inter),
@@ -93,8 +95,10 @@ def check_moe_weights(
         check_tensor(name, s, ndim=3, dtypes=_F32, device=dev)
         want = (e, _cdiv(rows, 128), _cdiv(cols, 128))
         if tuple(s.shape) != want:
-            raise ValueError(f"{name}: expected shape {list(want)} (128x128 blocks of the "
-                             f"weight), got {describe(s)}")  # fmt: skip
+            raise ValueError(
+                f"{name}: expected shape {list(want)} (128x128 blocks of the "
+                f"weight), got {describe(s)}"
+            )
     return e, h, inter
 
 
@@ -150,22 +154,36 @@ def moe_mlp(
     dev = hidden.device
     e, _, inter = check_moe_weights(w13_weight, w13_scale, w2_weight, w2_scale, hidden_size=h)
     if w13_weight.device != dev:
-        raise ValueError(f"w13_weight: expected a tensor on {dev} (hidden's device), got "
-                         f"{describe(w13_weight)}")  # fmt: skip
-    check_tensor("topk_ids", topk_ids, ndim=2, dtypes=(torch.int32, torch.int64), size=t,
-                 size_what="one row per token of hidden", device=dev)  # fmt: skip
-    check_tensor("topk_weights", topk_weights, ndim=2, device=dev,
-                 dtypes=_HIDDEN_DTYPES + (torch.float64,))  # fmt: skip
+        raise ValueError(
+            f"w13_weight: expected a tensor on {dev} (hidden's device), got {describe(w13_weight)}"
+        )
+    check_tensor(
+        "topk_ids",
+        topk_ids,
+        ndim=2,
+        dtypes=(torch.int32, torch.int64),
+        size=t,
+        size_what="one row per token of hidden",
+        device=dev,
+    )
+    check_tensor(
+        "topk_weights", topk_weights, ndim=2, device=dev, dtypes=_HIDDEN_DTYPES + (torch.float64,)
+    )
     if topk_weights.shape != topk_ids.shape:
-        raise ValueError(f"topk_weights: expected shape {list(topk_ids.shape)} (topk_ids'), got "
-                         f"{describe(topk_weights)}")  # fmt: skip
+        raise ValueError(
+            f"topk_weights: expected shape {list(topk_ids.shape)} (topk_ids'), got "
+            f"{describe(topk_weights)}"
+        )
     if out is not None:
         check_tensor("out", out, ndim=2, dtypes=(hidden.dtype,), device=dev)
         if tuple(out.shape) != (t, h):
             raise ValueError(f"out: expected shape [{t}, {h}], got {describe(out)}")
     if should_check(validate, hidden, topk_weights, w13_scale, w2_scale):
-        for name, x in (("topk_weights", topk_weights), ("w13_scale", w13_scale),
-                        ("w2_scale", w2_scale)):  # fmt: skip
+        for name, x in (
+            ("topk_weights", topk_weights),
+            ("w13_scale", w13_scale),
+            ("w2_scale", w2_scale),
+        ):
             check_finite(name, x.detach().reshape(-1))
     try:
         p = _fp8.permute_quantize(hidden, topk_ids, e, validate=validate, backend=_stage(backend))
@@ -173,15 +191,21 @@ def moe_mlp(
         if str(err).startswith("x: "):
             raise ValueError(f"hidden: {str(err)[3:]}") from None
         raise
-    y = _experts(p.q, p.scales, p.expert_offsets, w13_weight, w13_scale, w2_weight, w2_scale,
-                 inter, backend)  # fmt: skip
+    y = _experts(
+        p.q, p.scales, p.expert_offsets, w13_weight, w13_scale, w2_weight, w2_scale, inter, backend
+    )
     # bf16 tokens: combine straight from the bf16 expert outputs into a bf16
     # result; other dtypes combine the widened outputs into float32, cast once.
     y = y if hidden.dtype == torch.bfloat16 else y.float()
     w = topk_weights.detach().to(torch.float32).contiguous()
     direct = out is not None and out.dtype == y.dtype
-    res = _fp8.unpermute_op(y=y, dst_index=p.dst_index, topk_weights=w, backend=_stage(backend),
-                            out=out if direct else None)  # fmt: skip
+    res = _fp8.unpermute_op(
+        y=y,
+        dst_index=p.dst_index,
+        topk_weights=w,
+        backend=_stage(backend),
+        out=out if direct else None,
+    )
     if direct:
         assert out is not None  # direct: out was given
         return out
@@ -243,17 +267,27 @@ def grouped_mlp(
             "x: grouped_mlp is forward-only (FP8 inference) and gives no gradient; call it "
             "under torch.no_grad() or pass a detached tensor"
         )
-    e, _, inter = check_moe_weights(w13_weight, w13_scale, w2_weight, w2_scale,
-                                    hidden_size=x.shape[1], hidden_name="x")  # fmt: skip
+    e, _, inter = check_moe_weights(
+        w13_weight, w13_scale, w2_weight, w2_scale, hidden_size=x.shape[1], hidden_name="x"
+    )
     if w13_weight.device != x.device:
-        raise ValueError(f"w13_weight: expected a tensor on {x.device} (x's device), got "
-                         f"{describe(w13_weight)}")  # fmt: skip
-    check_tensor("expert_offsets", expert_offsets, ndim=1, dtypes=(torch.int64,), size=e + 1,
-                 size_what="E + 1", device=x.device)  # fmt: skip
+        raise ValueError(
+            f"w13_weight: expected a tensor on {x.device} (x's device), got {describe(w13_weight)}"
+        )
+    check_tensor(
+        "expert_offsets",
+        expert_offsets,
+        ndim=1,
+        dtypes=(torch.int64,),
+        size=e + 1,
+        size_what="E + 1",
+        device=x.device,
+    )
     if should_check(validate, x, expert_offsets, w13_scale, w2_scale):
         check_offsets("expert_offsets", expert_offsets, x.shape[0], exact=True)
         check_finite("w13_scale", w13_scale.reshape(-1))
         check_finite("w2_scale", w2_scale.reshape(-1))
     a_q, a_s = _fp8.quantize_token_groups(x, validate=validate, backend=_stage(backend))
-    return _experts(a_q, a_s, expert_offsets, w13_weight, w13_scale, w2_weight, w2_scale, inter,
-                    backend)  # fmt: skip
+    return _experts(
+        a_q, a_s, expert_offsets, w13_weight, w13_scale, w2_weight, w2_scale, inter, backend
+    )

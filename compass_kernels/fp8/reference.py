@@ -178,8 +178,21 @@ def quantize_torch(*, x, block_rows, block_cols, eps, ue8m0, use_div, scale_layo
     scales.copy_(s)
 
 
-def permute_quantize_torch(*, x, topk_ids, num_experts, eps, ue8m0, scale_layout, q, scales,
-                           expert_offsets, src_index, dst_index, workspace):  # fmt: skip
+def permute_quantize_torch(
+    *,
+    x,
+    topk_ids,
+    num_experts,
+    eps,
+    ue8m0,
+    scale_layout,
+    q,
+    scales,
+    expert_offsets,
+    src_index,
+    dst_index,
+    workspace,
+):
     """``fp8_permute_quantize`` op: the stable counting sort of the top-k slots by
     expert in the GPU kernels' terms (chunks of 256 slots; ``workspace`` int32
     = rank of each slot among its chunk's earlier slots of its expert [slots] |
@@ -208,8 +221,17 @@ def permute_quantize_torch(*, x, topk_ids, num_experts, eps, ue8m0, scale_layout
     workspace.copy_(torch.cat([rank, counts, base.reshape(-1)]).to(torch.int32))
     if slots:
         rows = x[src_index // k]
-        quantize_torch(x=rows, block_rows=1, block_cols=128, eps=eps, ue8m0=ue8m0, use_div=True,
-                       scale_layout=scale_layout, q=q, scales=scales)  # fmt: skip
+        quantize_torch(
+            x=rows,
+            block_rows=1,
+            block_cols=128,
+            eps=eps,
+            ue8m0=ue8m0,
+            use_div=True,
+            scale_layout=scale_layout,
+            q=q,
+            scales=scales,
+        )
 
 
 def unpermute_torch(*, y, dst_index, topk_weights, out):

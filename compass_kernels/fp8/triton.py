@@ -161,10 +161,23 @@ def _quantize_bytes(x, s, UE8M0: tl.constexpr, USE_DIV: tl.constexpr, HW_E4M3: t
 
 @triton.jit
 def _quantize_block_kernel(
-    x_ptr, q_ptr, s_ptr, rows, cols, xs, qs, ss0, ss1, eps,
-    UE8M0: tl.constexpr, USE_DIV: tl.constexpr, HW_E4M3: tl.constexpr, BR: tl.constexpr,
-    BC: tl.constexpr, RB: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    rows,
+    cols,
+    xs,
+    qs,
+    ss0,
+    ss1,
+    eps,
+    UE8M0: tl.constexpr,
+    USE_DIV: tl.constexpr,
+    HW_E4M3: tl.constexpr,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
+    RB: tl.constexpr,
+):
     """One program per BR x BC block (weights: 128 x 128), RB rows at a time: a
     whole block live at once spills (ptxas: 2 KB with 4 warps); the second
     pass re-reads the block from L2 (32 KB of bf16), not HBM. The scale and its
@@ -191,10 +204,22 @@ def _quantize_block_kernel(
 
 @triton.jit
 def _quantize_groups_kernel(
-    x_ptr, q_ptr, s_ptr, rows, cols, xs, qs, ss0, ss1, eps,
-    UE8M0: tl.constexpr, USE_DIV: tl.constexpr, HW_E4M3: tl.constexpr, RT: tl.constexpr,
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    rows,
+    cols,
+    xs,
+    qs,
+    ss0,
+    ss1,
+    eps,
+    UE8M0: tl.constexpr,
+    USE_DIV: tl.constexpr,
+    HW_E4M3: tl.constexpr,
+    RT: tl.constexpr,
     BC: tl.constexpr,
-):  # fmt: skip
+):
     """One program per RT rows x one group of BC columns (activations: 1 x 128
     groups): each tile row is a group, 128-bit loads of 8 bf16 per thread, the
     group's amax in-thread + 4 shuffles, one scale and reciprocal per group."""
@@ -205,13 +230,22 @@ def _quantize_groups_kernel(
     x = tl.load(x_ptr + r[:, None] * xs + c[None, :], mask=m, other=0.0).to(tl.float32)
     s = _block_scale(_amax(x, 1), eps, UE8M0)
     tl.store(s_ptr + r * ss0 + j * ss1, s, mask=r < rows)
-    tl.store(q_ptr + r[:, None] * qs + c[None, :], _quantize_bytes(x, s, UE8M0, USE_DIV, HW_E4M3),
-             mask=m)  # fmt: skip
+    tl.store(
+        q_ptr + r[:, None] * qs + c[None, :], _quantize_bytes(x, s, UE8M0, USE_DIV, HW_E4M3), mask=m
+    )
 
 
 @triton.jit
-def _permute_rank_kernel(ids_ptr, slots, experts, rank_ptr, counts_ptr,
-                         CHUNK: tl.constexpr, EP: tl.constexpr, SUB: tl.constexpr):  # fmt: skip
+def _permute_rank_kernel(
+    ids_ptr,
+    slots,
+    experts,
+    rank_ptr,
+    counts_ptr,
+    CHUNK: tl.constexpr,
+    EP: tl.constexpr,
+    SUB: tl.constexpr,
+):
     """Per chunk: each slot's rank among the chunk's earlier slots of its expert
     (CHUNK x SUB comparisons per step: a CHUNK x CHUNK tile at once spills), and
     the chunk's per-expert counts (a histogram)."""
@@ -235,8 +269,9 @@ def _permute_rank_kernel(ids_ptr, slots, experts, rank_ptr, counts_ptr,
 
 
 @triton.jit
-def _permute_scan_kernel(counts_ptr, base_ptr, chunks, experts, offsets_ptr,
-                         CB: tl.constexpr, EB: tl.constexpr):  # fmt: skip
+def _permute_scan_kernel(
+    counts_ptr, base_ptr, chunks, experts, offsets_ptr, CB: tl.constexpr, EB: tl.constexpr
+):
     """One program per EB experts: per expert, the exclusive prefix of its chunk
     counts, CB chunks per step (a [CB, EB] tile scanned with tl.cumsum along the
     chunks, plus the carry of the steps before); the expert's total goes to
@@ -268,11 +303,31 @@ def _permute_offsets_kernel(offsets_ptr, experts, EP: tl.constexpr):
 
 @triton.jit
 def _permute_scatter_kernel(
-    x_ptr, xs, cols, ids_ptr, tokens, k, experts, rank_ptr, base_ptr, offsets_ptr,
-    q_ptr, qs, s_ptr, ss0, ss1, src_ptr, dst_ptr, eps,
-    UE8M0: tl.constexpr, HW_E4M3: tl.constexpr, KP: tl.constexpr, GB: tl.constexpr,
-    BC: tl.constexpr, CHUNK: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    xs,
+    cols,
+    ids_ptr,
+    tokens,
+    k,
+    experts,
+    rank_ptr,
+    base_ptr,
+    offsets_ptr,
+    q_ptr,
+    qs,
+    s_ptr,
+    ss0,
+    ss1,
+    src_ptr,
+    dst_ptr,
+    eps,
+    UE8M0: tl.constexpr,
+    HW_E4M3: tl.constexpr,
+    KP: tl.constexpr,
+    GB: tl.constexpr,
+    BC: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     """Token rows t = pid, pid + programs, ... (a grid sized for the GPU): the
     rows of its k slots (KP >= k lanes at once), then per GB groups of its row:
     read and quantize once, store the fp8 bytes and scales to all k rows (one
@@ -308,13 +363,17 @@ def _permute_scatter_kernel(
                 mask=sm,
             )
             qm = ok[:, None, None] & m[None, :, :]
-            tl.store(q_ptr + p[:, None, None] * qs + c[None, :, :],
-                     qb[None, :, :] + tl.zeros([KP, GB, BC], tl.uint8), mask=qm)  # fmt: skip
+            tl.store(
+                q_ptr + p[:, None, None] * qs + c[None, :, :],
+                qb[None, :, :] + tl.zeros([KP, GB, BC], tl.uint8),
+                mask=qm,
+            )
 
 
 @triton.jit
-def _unpermute_kernel(y_ptr, ys, cols, dst_ptr, w_ptr, k, out_ptr,
-                      OUT_BF16: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+def _unpermute_kernel(
+    y_ptr, ys, cols, dst_ptr, w_ptr, k, out_ptr, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr
+):
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     cm = c < cols
@@ -391,20 +450,43 @@ def quantize_triton(
     if block_rows == TILE:
         grid = (triton.cdiv(rows, TILE), triton.cdiv(cols, TILE))
         _quantize_block_kernel[grid](
-            *args, float(eps), **flags, BR=TILE, BC=TILE, RB=BLOCK_ROWS_PER_STEP, **LAUNCH,
-        )  # fmt: skip
+            *args,
+            float(eps),
+            **flags,
+            BR=TILE,
+            BC=TILE,
+            RB=BLOCK_ROWS_PER_STEP,
+            **LAUNCH,
+        )
     else:
         # row tiles on grid axis 0 (up to 2^31 - 1; axis 1 stops at 65,535)
         grid = (triton.cdiv(rows, GROUP_ROWS), triton.cdiv(cols, TILE))
         _quantize_groups_kernel[grid](
-            *args, float(eps), **flags, RT=GROUP_ROWS, BC=TILE, **LAUNCH,
-        )  # fmt: skip
+            *args,
+            float(eps),
+            **flags,
+            RT=GROUP_ROWS,
+            BC=TILE,
+            **LAUNCH,
+        )
 
 
 def permute_quantize_triton(
-    *, x, topk_ids, num_experts, eps, ue8m0, scale_layout, q, scales, expert_offsets, src_index,
-    dst_index, workspace, num_programs=None,
-) -> None:  # fmt: skip
+    *,
+    x,
+    topk_ids,
+    num_experts,
+    eps,
+    ue8m0,
+    scale_layout,
+    q,
+    scales,
+    expert_offsets,
+    src_index,
+    dst_index,
+    workspace,
+    num_programs=None,
+) -> None:
     """The fused permutation + 1x128 quantization (argument contract:
     reference.py, permute_quantize_torch). ``num_programs``: the scatter's
     grid (default: SCATTER_PER_SM per SM; tests force a grid-stride loop)."""
@@ -434,18 +516,44 @@ def permute_quantize_triton(
         num_programs = _programs(x.device, SCATTER_PER_SM)
     gb = min(SCATTER_GROUPS, triton.next_power_of_2(max(1, triton.cdiv(cols, TILE))))
     _permute_scatter_kernel[(max(1, min(num_programs, m)),)](
-        x, x.stride(0), cols, topk_ids, m, k, num_experts, rank, base, expert_offsets,
-        q.view(torch.uint8), q.stride(0), scales, scales.stride(0), scales.stride(1),
-        src_index, dst_index, float(eps),
-        UE8M0=bool(ue8m0), HW_E4M3=hw_e4m3(x.device), KP=triton.next_power_of_2(k), GB=gb,
-        BC=TILE, CHUNK=CHUNK, **LAUNCH,
-    )  # fmt: skip
+        x,
+        x.stride(0),
+        cols,
+        topk_ids,
+        m,
+        k,
+        num_experts,
+        rank,
+        base,
+        expert_offsets,
+        q.view(torch.uint8),
+        q.stride(0),
+        scales,
+        scales.stride(0),
+        scales.stride(1),
+        src_index,
+        dst_index,
+        float(eps),
+        UE8M0=bool(ue8m0),
+        HW_E4M3=hw_e4m3(x.device),
+        KP=triton.next_power_of_2(k),
+        GB=gb,
+        BC=TILE,
+        CHUNK=CHUNK,
+        **LAUNCH,
+    )
 
 
 def permute_offsets_triton(
-    counts, chunks, num_experts, base, expert_offsets, *, scan_chunks=SCAN_CHUNKS,
+    counts,
+    chunks,
+    num_experts,
+    base,
+    expert_offsets,
+    *,
+    scan_chunks=SCAN_CHUNKS,
     scan_experts=SCAN_EXPERTS,
-) -> None:  # fmt: skip
+) -> None:
     """The permutation's offsets from per-chunk expert counts: ``base`` [chunks, E]
     int32, the exclusive prefix over chunks per expert, and ``expert_offsets``
     [E+1] int64, the exclusive prefix over experts of the totals (both written).
@@ -454,10 +562,12 @@ def permute_offsets_triton(
     ceil(E / scan_experts) programs (parallel over experts, scan_chunks chunks a
     step), then one program over the E totals."""
     grid = (triton.cdiv(num_experts, scan_experts),)
-    _permute_scan_kernel[grid](counts, base, chunks, num_experts, expert_offsets,
-                               CB=scan_chunks, EB=scan_experts, **LAUNCH)  # fmt: skip
-    _permute_offsets_kernel[(1,)](expert_offsets, num_experts,
-                                  EP=triton.next_power_of_2(num_experts), **LAUNCH)  # fmt: skip
+    _permute_scan_kernel[grid](
+        counts, base, chunks, num_experts, expert_offsets, CB=scan_chunks, EB=scan_experts, **LAUNCH
+    )
+    _permute_offsets_kernel[(1,)](
+        expert_offsets, num_experts, EP=triton.next_power_of_2(num_experts), **LAUNCH
+    )
 
 
 def unpermute_triton(*, y, dst_index, topk_weights, out) -> None:
@@ -469,9 +579,17 @@ def unpermute_triton(*, y, dst_index, topk_weights, out) -> None:
     bf16 = out.dtype == torch.bfloat16
     grid = (m, triton.cdiv(cols, UNPERMUTE_BLOCK))
     _unpermute_kernel[grid](
-        y, y.stride(0), cols, dst_index, topk_weights, k, out.view(torch.int16) if bf16 else out,
-        OUT_BF16=bf16, BLOCK=UNPERMUTE_BLOCK, **LAUNCH,
-    )  # fmt: skip
+        y,
+        y.stride(0),
+        cols,
+        dst_index,
+        topk_weights,
+        k,
+        out.view(torch.int16) if bf16 else out,
+        OUT_BF16=bf16,
+        BLOCK=UNPERMUTE_BLOCK,
+        **LAUNCH,
+    )
 
 
 def aot_variants() -> Sequence[
@@ -480,43 +598,115 @@ def aot_variants() -> Sequence[
     """(kernel, signature, constexprs, launch options) of each variant the wrappers
     launch with bf16 inputs and the default flags (tests/test_aot.py compiles them)."""
     quant = {
-        "x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp32", "rows": "i64", "cols": "i64",
-        "xs": "i64", "qs": "i64", "ss0": "i64", "ss1": "i64", "eps": "fp32",
-        "UE8M0": "constexpr", "USE_DIV": "constexpr", "HW_E4M3": "constexpr",
-    }  # fmt: skip
+        "x_ptr": "*bf16",
+        "q_ptr": "*u8",
+        "s_ptr": "*fp32",
+        "rows": "i64",
+        "cols": "i64",
+        "xs": "i64",
+        "qs": "i64",
+        "ss0": "i64",
+        "ss1": "i64",
+        "eps": "fp32",
+        "UE8M0": "constexpr",
+        "USE_DIV": "constexpr",
+        "HW_E4M3": "constexpr",
+    }
     out = []
     for ue8m0 in (False, True):  # the weight sync's scales, DeepGEMM's UE8M0 scales
         block = quant | {"BR": "constexpr", "BC": "constexpr", "RB": "constexpr"}
-        const = {"UE8M0": ue8m0, "USE_DIV": False, "HW_E4M3": True, "BR": TILE, "BC": TILE,
-                 "RB": BLOCK_ROWS_PER_STEP}  # fmt: skip
+        const = {
+            "UE8M0": ue8m0,
+            "USE_DIV": False,
+            "HW_E4M3": True,
+            "BR": TILE,
+            "BC": TILE,
+            "RB": BLOCK_ROWS_PER_STEP,
+        }
         out.append((_quantize_block_kernel, block, const, LAUNCH))
         groups = quant | {"RT": "constexpr", "BC": "constexpr"}
-        out.append((_quantize_groups_kernel, groups,
-                    {"UE8M0": ue8m0, "USE_DIV": True, "HW_E4M3": True, "RT": GROUP_ROWS,
-                     "BC": TILE}, LAUNCH))  # fmt: skip
-    rank = {"ids_ptr": "*i32", "slots": "i64", "experts": "i64", "rank_ptr": "*i32",
-            "counts_ptr": "*i32", "CHUNK": "constexpr", "EP": "constexpr",
-            "SUB": "constexpr"}  # fmt: skip
+        out.append(
+            (
+                _quantize_groups_kernel,
+                groups,
+                {"UE8M0": ue8m0, "USE_DIV": True, "HW_E4M3": True, "RT": GROUP_ROWS, "BC": TILE},
+                LAUNCH,
+            )
+        )
+    rank = {
+        "ids_ptr": "*i32",
+        "slots": "i64",
+        "experts": "i64",
+        "rank_ptr": "*i32",
+        "counts_ptr": "*i32",
+        "CHUNK": "constexpr",
+        "EP": "constexpr",
+        "SUB": "constexpr",
+    }
     out.append((_permute_rank_kernel, rank, {"CHUNK": CHUNK, "EP": 256, "SUB": RANK_STEP}, LAUNCH))
-    scan = {"counts_ptr": "*i32", "base_ptr": "*i32", "chunks": "i64", "experts": "i64",
-            "offsets_ptr": "*i64", "CB": "constexpr", "EB": "constexpr"}  # fmt: skip
+    scan = {
+        "counts_ptr": "*i32",
+        "base_ptr": "*i32",
+        "chunks": "i64",
+        "experts": "i64",
+        "offsets_ptr": "*i64",
+        "CB": "constexpr",
+        "EB": "constexpr",
+    }
     out.append((_permute_scan_kernel, scan, {"CB": SCAN_CHUNKS, "EB": SCAN_EXPERTS}, LAUNCH))
     offs = {"offsets_ptr": "*i64", "experts": "i64", "EP": "constexpr"}
     out.append((_permute_offsets_kernel, offs, {"EP": 256}, LAUNCH))
     scatter = {  # i32 sizes and strides, as launched (tests/launch_plans.py)
-        "x_ptr": "*bf16", "xs": "i32", "cols": "i32", "ids_ptr": "*i32", "tokens": "i32",
-        "k": "i32", "experts": "i32", "rank_ptr": "*i32", "base_ptr": "*i32",
-        "offsets_ptr": "*i64", "q_ptr": "*u8", "qs": "i32", "s_ptr": "*fp32", "ss0": "i32",
-        "ss1": "i32", "src_ptr": "*i64", "dst_ptr": "*i64", "eps": "fp32", "UE8M0": "constexpr",
-        "HW_E4M3": "constexpr", "KP": "constexpr", "GB": "constexpr", "BC": "constexpr",
+        "x_ptr": "*bf16",
+        "xs": "i32",
+        "cols": "i32",
+        "ids_ptr": "*i32",
+        "tokens": "i32",
+        "k": "i32",
+        "experts": "i32",
+        "rank_ptr": "*i32",
+        "base_ptr": "*i32",
+        "offsets_ptr": "*i64",
+        "q_ptr": "*u8",
+        "qs": "i32",
+        "s_ptr": "*fp32",
+        "ss0": "i32",
+        "ss1": "i32",
+        "src_ptr": "*i64",
+        "dst_ptr": "*i64",
+        "eps": "fp32",
+        "UE8M0": "constexpr",
+        "HW_E4M3": "constexpr",
+        "KP": "constexpr",
+        "GB": "constexpr",
+        "BC": "constexpr",
         "CHUNK": "constexpr",
-    }  # fmt: skip
-    out.append((_permute_scatter_kernel, scatter,
-                {"UE8M0": False, "HW_E4M3": True, "KP": 8, "GB": SCATTER_GROUPS, "BC": TILE,
-                 "CHUNK": CHUNK}, LAUNCH))  # fmt: skip
+    }
+    out.append(
+        (
+            _permute_scatter_kernel,
+            scatter,
+            {
+                "UE8M0": False,
+                "HW_E4M3": True,
+                "KP": 8,
+                "GB": SCATTER_GROUPS,
+                "BC": TILE,
+                "CHUNK": CHUNK,
+            },
+            LAUNCH,
+        )
+    )
     unperm = {
-        "y_ptr": "*bf16", "ys": "i64", "cols": "i64", "dst_ptr": "*i64", "w_ptr": "*fp32",
-        "k": "i64", "out_ptr": "*i16", "OUT_BF16": "constexpr", "BLOCK": "constexpr",
-    }  # fmt: skip
+        "y_ptr": "*bf16",
+        "ys": "i64",
+        "cols": "i64",
+        "dst_ptr": "*i64",
+        "w_ptr": "*fp32",
+        "k": "i64",
+        "out_ptr": "*i16",
+        "OUT_BF16": "constexpr",
+        "BLOCK": "constexpr",
+    }
     out.append((_unpermute_kernel, unperm, {"OUT_BF16": True, "BLOCK": UNPERMUTE_BLOCK}, LAUNCH))
     return out

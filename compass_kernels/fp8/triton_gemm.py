@@ -71,14 +71,32 @@ def _sm_count(index: int) -> int:
 
 @triton.jit
 def _grouped_gemm_kernel(
-    a_ptr, as_ptr, b_ptr, bs_ptr, off_ptr, out_ptr,
-    N, K, E,
-    stride_am, stride_asm, stride_ask,
-    stride_be, stride_bn, stride_bse, stride_bsn, stride_bsk,
+    a_ptr,
+    as_ptr,
+    b_ptr,
+    bs_ptr,
+    off_ptr,
+    out_ptr,
+    N,
+    K,
+    E,
+    stride_am,
+    stride_asm,
+    stride_ask,
+    stride_be,
+    stride_bn,
+    stride_bse,
+    stride_bsn,
+    stride_bsk,
     stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, E_BLOCK: tl.constexpr,
-    OUT_BF16: tl.constexpr, PROMOTE: tl.constexpr, ALIGNED: tl.constexpr, EVEN_K: tl.constexpr,
-):  # fmt: skip
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    E_BLOCK: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    PROMOTE: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
     BLOCK_K: tl.constexpr = 128
     tl.static_assert(128 % BLOCK_N == 0, "a tile must lie in one 128-column weight block")
     if ALIGNED:
@@ -158,9 +176,12 @@ def _grouped_gemm_kernel(
 def _aligned(a_q: torch.Tensor, b_q: torch.Tensor) -> bool:
     """Whether every fp8 row starts on a 16-byte boundary (the kernel's vector hint)."""
     return (
-        a_q.data_ptr() % 16 == 0 and b_q.data_ptr() % 16 == 0
-        and a_q.stride(0) % 16 == 0 and b_q.stride(0) % 16 == 0 and b_q.stride(1) % 16 == 0
-    )  # fmt: skip
+        a_q.data_ptr() % 16 == 0
+        and b_q.data_ptr() % 16 == 0
+        and a_q.stride(0) % 16 == 0
+        and b_q.stride(0) % 16 == 0
+        and b_q.stride(1) % 16 == 0
+    )
 
 
 def _e_block(num_experts: int) -> int:
@@ -203,33 +224,76 @@ def grouped_gemm_triton(
         num_programs = _sm_count(dev.index or 0) if dev.type == "cuda" else INTERPRETER_PROGRAMS
     grid = (max(1, min(num_programs, bound)),)
     _grouped_gemm_kernel[grid](
-        a_q, a_scales, b_q, b_scales, expert_offsets, out,
-        n, k, e,
-        a_q.stride(0), a_scales.stride(0), a_scales.stride(1),
-        b_q.stride(0), b_q.stride(1), b_scales.stride(0), b_scales.stride(1), b_scales.stride(2),
+        a_q,
+        a_scales,
+        b_q,
+        b_scales,
+        expert_offsets,
+        out,
+        n,
+        k,
+        e,
+        a_q.stride(0),
+        a_scales.stride(0),
+        a_scales.stride(1),
+        b_q.stride(0),
+        b_q.stride(1),
+        b_scales.stride(0),
+        b_scales.stride(1),
+        b_scales.stride(2),
         out.stride(0),
-        BLOCK_M=bm, BLOCK_N=BLOCK_N, E_BLOCK=_e_block(e),
-        OUT_BF16=out_dtype == 0, PROMOTE=promote, ALIGNED=_aligned(a_q, b_q),
-        EVEN_K=k % 128 == 0, **LAUNCH[bm],
-    )  # fmt: skip
+        BLOCK_M=bm,
+        BLOCK_N=BLOCK_N,
+        E_BLOCK=_e_block(e),
+        OUT_BF16=out_dtype == 0,
+        PROMOTE=promote,
+        ALIGNED=_aligned(a_q, b_q),
+        EVEN_K=k % 128 == 0,
+        **LAUNCH[bm],
+    )
 
 
 def aot_variants(num_experts: int = 256) -> list[tuple[object, dict, dict, dict]]:
     """(kernel, signature, constexprs, launch options) of each variant the wrapper
     launches (both tile heights, bf16 output), for ahead-of-time compilation."""
     sig = {
-        "a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "b_ptr": "*fp8e4nv", "bs_ptr": "*fp32",
-        "off_ptr": "*i64", "out_ptr": "*bf16", "N": "i32", "K": "i32", "E": "i32",
-        "stride_am": "i64", "stride_asm": "i64", "stride_ask": "i64", "stride_be": "i64",
-        "stride_bn": "i64", "stride_bse": "i64", "stride_bsn": "i64", "stride_bsk": "i64",
-        "stride_om": "i64", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
-        "E_BLOCK": "constexpr", "OUT_BF16": "constexpr", "PROMOTE": "constexpr",
-        "ALIGNED": "constexpr", "EVEN_K": "constexpr",
-    }  # fmt: skip
+        "a_ptr": "*fp8e4nv",
+        "as_ptr": "*fp32",
+        "b_ptr": "*fp8e4nv",
+        "bs_ptr": "*fp32",
+        "off_ptr": "*i64",
+        "out_ptr": "*bf16",
+        "N": "i32",
+        "K": "i32",
+        "E": "i32",
+        "stride_am": "i64",
+        "stride_asm": "i64",
+        "stride_ask": "i64",
+        "stride_be": "i64",
+        "stride_bn": "i64",
+        "stride_bse": "i64",
+        "stride_bsn": "i64",
+        "stride_bsk": "i64",
+        "stride_om": "i64",
+        "BLOCK_M": "constexpr",
+        "BLOCK_N": "constexpr",
+        "E_BLOCK": "constexpr",
+        "OUT_BF16": "constexpr",
+        "PROMOTE": "constexpr",
+        "ALIGNED": "constexpr",
+        "EVEN_K": "constexpr",
+    }
     out = []
     for bm, opts in LAUNCH.items():
-        const = {"BLOCK_M": bm, "BLOCK_N": BLOCK_N, "E_BLOCK": _e_block(num_experts),
-                 "OUT_BF16": True, "PROMOTE": True, "ALIGNED": True, "EVEN_K": True}  # fmt: skip
+        const = {
+            "BLOCK_M": bm,
+            "BLOCK_N": BLOCK_N,
+            "E_BLOCK": _e_block(num_experts),
+            "OUT_BF16": True,
+            "PROMOTE": True,
+            "ALIGNED": True,
+            "EVEN_K": True,
+        }
         # As a launch with aligned tensors specializes them (the wrapper's ALIGNED).
         aligned = ("a_ptr", "b_ptr", "out_ptr", "stride_am", "stride_be", "stride_bn")
         out.append((_grouped_gemm_kernel, sig, const, {**opts, "divisible_by_16": aligned}))

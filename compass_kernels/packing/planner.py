@@ -130,9 +130,18 @@ class Plan:
     first access (the planner itself does no per-sequence work in Python).
     """
 
-    def __init__(self, order: np.ndarray, offsets: np.ndarray, dp_size: int,
-                 num_micro_batches: int, lengths: np.ndarray, pad_multiple: int,
-                 cost_ab: tuple[float, float], max_tokens: int, lower_bound: float):  # fmt: skip
+    def __init__(
+        self,
+        order: np.ndarray,
+        offsets: np.ndarray,
+        dp_size: int,
+        num_micro_batches: int,
+        lengths: np.ndarray,
+        pad_multiple: int,
+        cost_ab: tuple[float, float],
+        max_tokens: int,
+        lower_bound: float,
+    ):
         self._order = order
         self._offsets = offsets
         self._lengths = lengths
@@ -393,18 +402,47 @@ def plan(
     scaled = _scaled(L, pad_multiple, max_tokens, cost_ab[1])
     if scaled is None:
         M, lower_bound = _C().plan_cpu(
-            L, gid, dp_size, max_tokens, micro_batch_multiple, bool(equal_samples), pad_multiple,
-            cost_ab[0], cost_ab[1], iters, order, offsets,
-        )  # fmt: skip
+            L,
+            gid,
+            dp_size,
+            max_tokens,
+            micro_batch_multiple,
+            bool(equal_samples),
+            pad_multiple,
+            cost_ab[0],
+            cost_ab[1],
+            iters,
+            order,
+            offsets,
+        )
     else:  # totals past 2^61: the same plan in units of the lengths' gcd
         Ls, cap, g = scaled
         M, lower_bound = _C().plan_cpu(
-            Ls, gid, dp_size, cap, micro_batch_multiple, bool(equal_samples), 1,
-            cost_ab[0], cost_ab[1], iters, order, offsets,
-        )  # fmt: skip
+            Ls,
+            gid,
+            dp_size,
+            cap,
+            micro_batch_multiple,
+            bool(equal_samples),
+            1,
+            cost_ab[0],
+            cost_ab[1],
+            iters,
+            order,
+            offsets,
+        )
         lower_bound *= g
-    return Plan(order, offsets[: dp_size * M + 1], dp_size, M, L, pad_multiple, cost_ab,
-                max_tokens, lower_bound)  # fmt: skip
+    return Plan(
+        order,
+        offsets[: dp_size * M + 1],
+        dp_size,
+        M,
+        L,
+        pad_multiple,
+        cost_ab,
+        max_tokens,
+        lower_bound,
+    )
 
 
 _packing_module = None

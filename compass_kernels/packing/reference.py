@@ -100,8 +100,9 @@ def karmarkar_karp(values: Sequence[float], k: int, equal_size: bool) -> list[li
     return [sorted(s[2]) for s in heap[0][5]]
 
 
-def kk_pipeline(values: list[int], k: int, max_tokens: int, *, micro_batch_multiple: int = 1,
-                partition=None) -> list[list[list[int]]]:  # fmt: skip
+def kk_pipeline(
+    values: list[int], k: int, max_tokens: int, *, micro_batch_multiple: int = 1, partition=None
+) -> list[list[list[int]]]:
     """What an RL framework runs to get what :func:`ck.packing.plan` returns:
     ranks, then each rank's micro-batches under the token cap, the same count
     on every rank. verl's two passes, written from its algorithm:
@@ -157,8 +158,17 @@ def imbalance(values, parts: list[list[int]]) -> float:
 # Plan constraints
 
 
-def check_plan(plan, lengths, *, dp_size, max_tokens, group_ids=None, micro_batch_multiple=1,
-               equal_samples=False, pad_multiple=1) -> None:  # fmt: skip
+def check_plan(
+    plan,
+    lengths,
+    *,
+    dp_size,
+    max_tokens,
+    group_ids=None,
+    micro_batch_multiple=1,
+    equal_samples=False,
+    pad_multiple=1,
+) -> None:
     """Assert every constraint of a packing plan (the planner's contract)."""
     lengths = [int(x) for x in lengths]
     n = len(lengths)
@@ -206,8 +216,16 @@ def _zigzag_chunks(P: int, cp: int, r: int) -> list[tuple[int, int]]:
     return [(r * c, (r + 1) * c), ((2 * cp - 1 - r) * c, (2 * cp - r) * c)]
 
 
-def pack_reference(x: torch.Tensor, lengths, indices, *, pad_multiple: int = 1, cp_size: int = 1,
-                   cp_rank: int = 0, pad_value=0) -> dict:  # fmt: skip
+def pack_reference(
+    x: torch.Tensor,
+    lengths,
+    indices,
+    *,
+    pad_multiple: int = 1,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+    pad_value=0,
+) -> dict:
     """THD-pack sequences ``indices`` of the jagged batch ``x`` [T, ...] for CP rank
     ``cp_rank``: each sequence padded with pad_value to a multiple of pad_multiple,
     cut in 2*cp_size chunks of which the rank keeps chunks cp_rank and
@@ -238,8 +256,9 @@ def pack_reference(x: torch.Tensor, lengths, indices, *, pad_multiple: int = 1, 
     }
 
 
-def unpack_reference(per_rank: list[torch.Tensor], lengths, indices, *, pad_multiple: int = 1,
-                     cp_size: int = 1) -> torch.Tensor:  # fmt: skip
+def unpack_reference(
+    per_rank: list[torch.Tensor], lengths, indices, *, pad_multiple: int = 1, cp_size: int = 1
+) -> torch.Tensor:
     """Invert :func:`pack_reference` given every CP rank's packed tensor: the
     micro-batch's sequences, unpadded, concatenated in ``indices`` order."""
     lengths = [int(v) for v in lengths]
@@ -296,8 +315,9 @@ def _check_meta(seqlens, out_offsets, cp_size: int, total: int) -> torch.Tensor:
     bad = (seqlens < 1).nonzero()
     if bad.numel():
         j = int(bad[0])
-        raise ValueError(f"seqlens: expected every sequence non-empty, got seqlens[{j}] = "
-                         f"{int(seqlens[j])}")  # fmt: skip
+        raise ValueError(
+            f"seqlens: expected every sequence non-empty, got seqlens[{j}] = {int(seqlens[j])}"
+        )
     local = out_offsets[1:] - out_offsets[:-1]
     ok = (local >= 1) & (local * cp_size >= seqlens) & ((cp_size == 1) | (local % 2 == 0))
     if not bool(ok.all()):
@@ -401,8 +421,10 @@ def thd_positions_torch(*, out_offsets, cp_size, cp_rank, total, out):
     """``thd_positions`` op: ``out`` [total] int64, each local slot's position in
     its padded sequence."""
     if out_offsets.dim() != 1 or out_offsets.dtype != torch.int64 or out_offsets.numel() < 1:
-        raise ValueError(f"out_offsets: expected an int64 vector of m + 1 >= 1 elements, got "
-                         f"{_desc(out_offsets)}")  # fmt: skip
+        raise ValueError(
+            f"out_offsets: expected an int64 vector of m + 1 >= 1 elements, got "
+            f"{_desc(out_offsets)}"
+        )
     if cp_size < 1:
         raise ValueError(f"cp_size: expected >= 1, got {cp_size}")
     if not 0 <= cp_rank < cp_size:

@@ -190,8 +190,11 @@ class SubmissionPlan:
     predicted: np.ndarray
 
 
-def submission_plan(prompt_keys: Sequence[Hashable], predictor: LengthPredictor,
-                    generated: Sequence[int] | None = None) -> SubmissionPlan:  # fmt: skip
+def submission_plan(
+    prompt_keys: Sequence[Hashable],
+    predictor: LengthPredictor,
+    generated: Sequence[int] | None = None,
+) -> SubmissionPlan:
     """Longest-predicted-first submission for requests ``prompt_keys`` (one key
     per request; the n samples of one prompt share its key).
 
@@ -214,8 +217,13 @@ def submission_plan(prompt_keys: Sequence[Hashable], predictor: LengthPredictor,
     return SubmissionPlan(order=order, priority=priority.tolist(), predicted=predicted)
 
 
-def record_rollout(predictor: LengthPredictor, prompt_keys: Sequence[Hashable],
-                   lengths: Sequence[int], *, end_step: bool = True) -> None:  # fmt: skip
+def record_rollout(
+    predictor: LengthPredictor,
+    prompt_keys: Sequence[Hashable],
+    lengths: Sequence[int],
+    *,
+    end_step: bool = True,
+) -> None:
     """After a rollout: feed each request's observed response length (tokens
     generated, >= 1) to ``predictor`` and, by default, close the step (the
     lengths join each prompt's history)."""
@@ -269,8 +277,9 @@ class SimResult:
     done_at: np.ndarray  # [requests] completion time
 
 
-def _run_engine(queue: list[int], reqs: Sequence[Request], model: EngineModel, done_at,
-                reorder=None) -> tuple[float, int]:  # fmt: skip
+def _run_engine(
+    queue: list[int], reqs: Sequence[Request], model: EngineModel, done_at, reorder=None
+) -> tuple[float, int]:
     """Event-driven: between events every running sequence advances the same
     number of steps. Returns (finish time, preemptions)."""
     t, preempt = 0.0, 0
@@ -312,8 +321,13 @@ def _run_engine(queue: list[int], reqs: Sequence[Request], model: EngineModel, d
     return t, preempt
 
 
-def simulate(requests: Sequence[Request], assignment: Sequence[Sequence[int]],
-             model: EngineModel = EngineModel(), *, reorder=None) -> SimResult:  # fmt: skip
+def simulate(
+    requests: Sequence[Request],
+    assignment: Sequence[Sequence[int]],
+    model: EngineModel = EngineModel(),
+    *,
+    reorder=None,
+) -> SimResult:
     """Run each engine's queue (``assignment[e]``, in submission order).
 
     ``reorder(i, pending)``: called when request i finishes, may reorder the
@@ -339,8 +353,9 @@ def simulate(requests: Sequence[Request], assignment: Sequence[Sequence[int]],
     makespan = float(finish.max())
     total = sum(r.length for r in requests)
     best_rate = model.max_seqs / model.step_time(model.max_seqs)
-    lb = max(max(r.length for r in requests) * model.step_time(1),
-             total / (len(assignment) * best_rate))  # fmt: skip
+    lb = max(
+        max(r.length for r in requests) * model.step_time(1), total / (len(assignment) * best_rate)
+    )
     idle = float(np.mean((makespan - finish) / makespan)) if makespan > 0 else 0.0
     return SimResult(makespan, finish, idle, lb, pre, done_at)
 

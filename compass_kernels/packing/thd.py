@@ -301,10 +301,16 @@ def pack(
             packed[name] = t.new_empty((total, *t.shape[1:]))
             continue
         rows = thd_pack_op(
-            src=_as_rows(t), seq_start=meta["seq_start"], seqlens=meta["seqlens"],
-            out_offsets=meta["out_offsets"], cp_size=cp_size, cp_rank=cp_rank, fill=fill,
-            total=total, backend=backend,
-        )  # fmt: skip
+            src=_as_rows(t),
+            seq_start=meta["seq_start"],
+            seqlens=meta["seqlens"],
+            out_offsets=meta["out_offsets"],
+            cp_size=cp_size,
+            cp_rank=cp_rank,
+            fill=fill,
+            total=total,
+            backend=backend,
+        )
         packed[name] = rows.view(t.dtype).reshape(total, *t.shape[1:])
     positions = thd_positions_op(
         out_offsets=meta["out_offsets"],
@@ -372,10 +378,14 @@ def unpack(
 def _unpack_rows(packed: torch.Tensor, batch: PackedBatch, backend) -> torch.Tensor:
     meta = batch._meta
     rows = thd_unpack_op(
-        packed=_as_rows(packed), seqlens=meta["seqlens"], cu_seqlens=meta["cu"],
-        out_offsets=meta["out_offsets"], cp_size=batch.cp_size, total=batch.total_tokens,
+        packed=_as_rows(packed),
+        seqlens=meta["seqlens"],
+        cu_seqlens=meta["cu"],
+        out_offsets=meta["out_offsets"],
+        cp_size=batch.cp_size,
+        total=batch.total_tokens,
         backend=backend,
-    )  # fmt: skip
+    )
     return rows.view(packed.dtype).reshape(batch.total_tokens, *packed.shape[1:])
 
 

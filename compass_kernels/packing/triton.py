@@ -70,8 +70,22 @@ def _zigzag_position(u, local, cp, rank):
 
 
 @triton.jit
-def _pack_kernel(src_ptr, start_ptr, len_ptr, off_ptr, out_ptr, m, steps, upr, cp, rank, fill,
-                 total, ROWS: tl.constexpr, COLS: tl.constexpr):  # fmt: skip
+def _pack_kernel(
+    src_ptr,
+    start_ptr,
+    len_ptr,
+    off_ptr,
+    out_ptr,
+    m,
+    steps,
+    upr,
+    cp,
+    rank,
+    fill,
+    total,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+):
     """Output rows [r0, r0 + ROWS), COLS units of each at a time: the sequence,
     position and source row are per row (no per-unit search or divide)."""
     r0 = tl.program_id(0).to(tl.int64) * ROWS
@@ -94,8 +108,20 @@ def _pack_kernel(src_ptr, start_ptr, len_ptr, off_ptr, out_ptr, m, steps, upr, c
 
 
 @triton.jit
-def _unpack_kernel(packed_ptr, cu_ptr, off_ptr, out_ptr, m, steps, upr, cp, rows_per_rank, total,
-                   ROWS: tl.constexpr, COLS: tl.constexpr):  # fmt: skip
+def _unpack_kernel(
+    packed_ptr,
+    cu_ptr,
+    off_ptr,
+    out_ptr,
+    m,
+    steps,
+    upr,
+    cp,
+    rows_per_rank,
+    total,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+):
     """Unpacked rows [r0, r0 + ROWS): per row its sequence (via cu), its packed
     rank / row (one 32-bit divide per row), then COLS units at a time."""
     r0 = tl.program_id(0).to(tl.int64) * ROWS
@@ -164,8 +190,9 @@ def _check(rows: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name}: expected contiguous uint8 [T, W] rows, got {rows.dtype}")
 
 
-def thd_pack_triton(*, src, seq_start, seqlens, out_offsets, cp_size, cp_rank, fill, total, out,
-                    tile=None):  # fmt: skip
+def thd_pack_triton(
+    *, src, seq_start, seqlens, out_offsets, cp_size, cp_rank, fill, total, out, tile=None
+):
     """THD pack (spec: reference.py, thd_pack_torch): ``out`` [total, W] written in place.
     ``tile``: (rows, units) per program instead of the default (tests)."""
     _check(src, "src")
@@ -177,13 +204,25 @@ def thd_pack_triton(*, src, seq_start, seqlens, out_offsets, cp_size, cp_rank, f
     upr = w // size
     rows, cols = tile or _tile(upr)
     _pack_kernel[(triton.cdiv(total, rows),)](
-        src.view(dtype), seq_start, seqlens, out_offsets, out.view(dtype), m, _steps(m), upr,
-        cp_size, cp_rank, _fill_unit(fill, size), total, ROWS=rows, COLS=cols, **LAUNCH,
-    )  # fmt: skip
+        src.view(dtype),
+        seq_start,
+        seqlens,
+        out_offsets,
+        out.view(dtype),
+        m,
+        _steps(m),
+        upr,
+        cp_size,
+        cp_rank,
+        _fill_unit(fill, size),
+        total,
+        ROWS=rows,
+        COLS=cols,
+        **LAUNCH,
+    )
 
 
-def thd_unpack_triton(*, packed, seqlens, cu_seqlens, out_offsets, cp_size, total, out,
-                      tile=None):  # fmt: skip
+def thd_unpack_triton(*, packed, seqlens, cu_seqlens, out_offsets, cp_size, total, out, tile=None):
     """THD unpack: ``out`` [total, W], the sequences unpadded in micro-batch order."""
     _check(packed, "packed")
     _check(out, "out")
@@ -194,9 +233,20 @@ def thd_unpack_triton(*, packed, seqlens, cu_seqlens, out_offsets, cp_size, tota
     upr = w // size
     rows, cols = tile or _tile(upr)
     _unpack_kernel[(triton.cdiv(total, rows),)](
-        packed.view(dtype), cu_seqlens, out_offsets, out.view(dtype), m, _steps(m), upr, cp_size,
-        packed.shape[0] // cp_size, total, ROWS=rows, COLS=cols, **LAUNCH,
-    )  # fmt: skip
+        packed.view(dtype),
+        cu_seqlens,
+        out_offsets,
+        out.view(dtype),
+        m,
+        _steps(m),
+        upr,
+        cp_size,
+        packed.shape[0] // cp_size,
+        total,
+        ROWS=rows,
+        COLS=cols,
+        **LAUNCH,
+    )
 
 
 def thd_positions_triton(*, out_offsets, cp_size, cp_rank, total, out, block=BLOCK):
@@ -205,8 +255,9 @@ def thd_positions_triton(*, out_offsets, cp_size, cp_rank, total, out, block=BLO
     if total == 0:
         return
     grid = (triton.cdiv(total, block),)
-    _positions_kernel[grid](out_offsets, out, m, _steps(m), cp_size, cp_rank, total, BLOCK=block,
-                            **LAUNCH)  # fmt: skip
+    _positions_kernel[grid](
+        out_offsets, out, m, _steps(m), cp_size, cp_rank, total, BLOCK=block, **LAUNCH
+    )
 
 
 def aot_variants() -> Sequence[
@@ -217,23 +268,58 @@ def aot_variants() -> Sequence[
     out = []
     # (unit, rows, cols): hidden states (8 KiB rows: one row, 128-bit accesses),
     # ids / advantages (8 B), log-probs (4 B), routing rows (6 B), masks (1 B).
-    for ty, rows, cols in (("i64", 1, BLOCK), ("i64", BLOCK, 1), ("i32", BLOCK, 1),
-                           ("i16", BLOCK // 4, 4), ("u8", BLOCK, 1)):  # fmt: skip
-        pack = {"src_ptr": f"*{ty}", "start_ptr": "*i64", "len_ptr": "*i64", "off_ptr": "*i64",
-                "out_ptr": f"*{ty}", "m": "i64", "steps": "i32", "upr": "i64", "cp": "i64",
-                "rank": "i64", "fill": "i64", "total": "i64", "ROWS": "constexpr",
-                "COLS": "constexpr"}  # fmt: skip
-        unpack = {"packed_ptr": f"*{ty}", "cu_ptr": "*i64", "off_ptr": "*i64",
-                  "out_ptr": f"*{ty}", "m": "i64", "steps": "i32", "upr": "i64", "cp": "i64",
-                  "rows_per_rank": "i64", "total": "i64", "ROWS": "constexpr",
-                  "COLS": "constexpr"}  # fmt: skip
+    for ty, rows, cols in (
+        ("i64", 1, BLOCK),
+        ("i64", BLOCK, 1),
+        ("i32", BLOCK, 1),
+        ("i16", BLOCK // 4, 4),
+        ("u8", BLOCK, 1),
+    ):
+        pack = {
+            "src_ptr": f"*{ty}",
+            "start_ptr": "*i64",
+            "len_ptr": "*i64",
+            "off_ptr": "*i64",
+            "out_ptr": f"*{ty}",
+            "m": "i64",
+            "steps": "i32",
+            "upr": "i64",
+            "cp": "i64",
+            "rank": "i64",
+            "fill": "i64",
+            "total": "i64",
+            "ROWS": "constexpr",
+            "COLS": "constexpr",
+        }
+        unpack = {
+            "packed_ptr": f"*{ty}",
+            "cu_ptr": "*i64",
+            "off_ptr": "*i64",
+            "out_ptr": f"*{ty}",
+            "m": "i64",
+            "steps": "i32",
+            "upr": "i64",
+            "cp": "i64",
+            "rows_per_rank": "i64",
+            "total": "i64",
+            "ROWS": "constexpr",
+            "COLS": "constexpr",
+        }
         const = {"ROWS": rows, "COLS": cols}
         # a real launch specializes 16-byte aligned pointers and a units-per-row % 16 == 0
         opts = LAUNCH | {"divisible_by_16": ("src_ptr", "out_ptr", "upr")} if cols > 1 else LAUNCH
         out.append((_pack_kernel, pack, const, opts))
         opts = opts if cols == 1 else LAUNCH | {"divisible_by_16": ("packed_ptr", "out_ptr", "upr")}
         out.append((_unpack_kernel, unpack, const, opts))
-    pos = {"off_ptr": "*i64", "out_ptr": "*i64", "m": "i64", "steps": "i32", "cp": "i64",
-           "rank": "i64", "total": "i64", "BLOCK": "constexpr"}  # fmt: skip
+    pos = {
+        "off_ptr": "*i64",
+        "out_ptr": "*i64",
+        "m": "i64",
+        "steps": "i32",
+        "cp": "i64",
+        "rank": "i64",
+        "total": "i64",
+        "BLOCK": "constexpr",
+    }
     out.append((_positions_kernel, pos, {"BLOCK": BLOCK}, LAUNCH))
     return out

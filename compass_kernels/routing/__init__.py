@@ -156,8 +156,9 @@ class ReplayResult(NamedTuple):
     expert_ids: torch.Tensor
 
 
-def _check_replay_args(router_logits, expert_ids, score_function, expert_bias, valid,
-                       min_score_ratio, scaling):  # fmt: skip
+def _check_replay_args(
+    router_logits, expert_ids, score_function, expert_bias, valid, min_score_ratio, scaling
+):
     if not isinstance(router_logits, torch.Tensor) or router_logits.dim() != 2:
         raise ValueError(
             "router_logits: expected a 2-d tensor [tokens, num_experts], got "
@@ -297,8 +298,9 @@ def replay_topk(
 
     No host sync on any device path. Per-call host overhead: bench/bench_routing.py.
     """
-    _check_replay_args(router_logits, expert_ids, score_function, expert_bias, valid,
-                       min_score_ratio, scaling)  # fmt: skip
+    _check_replay_args(
+        router_logits, expert_ids, score_function, expert_bias, valid, min_score_ratio, scaling
+    )
     z = router_logits
     if z.dtype not in (torch.float32, torch.float64):
         z = z.float()  # the kernels compute in float32; weights come back in bf16/fp16
@@ -315,9 +317,16 @@ def replay_topk(
     if valid is not None and not valid.is_contiguous():
         valid = valid.contiguous()
     ratio = -1.0 if min_score_ratio is None else float(min_score_ratio)
-    args = dict(logits=z, expert_ids=ids, expert_bias=bias, valid=valid,
-                score_function=SCORE_FUNCTIONS[score_function], normalize=bool(normalize),
-                scaling=float(scaling), min_score_ratio=ratio)  # fmt: skip
+    args = dict(
+        logits=z,
+        expert_ids=ids,
+        expert_bias=bias,
+        valid=valid,
+        score_function=SCORE_FUNCTIONS[score_function],
+        normalize=bool(normalize),
+        scaling=float(scaling),
+        min_score_ratio=ratio,
+    )
     if z.requires_grad and torch.is_grad_enabled():  # the op and its registered autograd
         w, rmap, tpe, counts, used = torch.ops.compass.replay_topk(**args, backend=backend)
     else:
@@ -437,9 +446,14 @@ def _backward(ctx, grad_w, *_):
         g = g.contiguous()
     # Through the dispatcher: under torch.compile / AOT the inputs are fake tensors.
     grad = torch.ops.compass.replay_topk_backward(
-        grad_weights=g, logits=logits, ids_used=used, score_function=ctx.score_function,
-        normalize=ctx.normalize, scaling=ctx.scaling, backend=ctx.backend,
-    )  # fmt: skip
+        grad_weights=g,
+        logits=logits,
+        ids_used=used,
+        score_function=ctx.score_function,
+        normalize=ctx.normalize,
+        scaling=ctx.scaling,
+        backend=ctx.backend,
+    )
     return replay_topk_op.input_grads(logits=grad)
 
 

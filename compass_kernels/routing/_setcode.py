@@ -56,8 +56,14 @@ def payload_bytes(rows: int, num_experts: int, top_k: int) -> int:
     return (-(-rows // group) * bits + 7) // 8
 
 
-def encode_into(ids: torch.Tensor, num_experts: int, out: torch.Tensor, *,
-                missing: torch.Tensor | None = None, impl: int = 0) -> None:  # fmt: skip
+def encode_into(
+    ids: torch.Tensor,
+    num_experts: int,
+    out: torch.Tensor,
+    *,
+    missing: torch.Tensor | None = None,
+    impl: int = 0,
+) -> None:
     """ids [rows, K] uint8 | int16 (CPU, contiguous) -> out uint8 [payload_bytes]."""
     load().routing.encode_sets_cpu(ids, num_experts, missing, out, impl)
 
@@ -67,8 +73,13 @@ def decode_into(data: torch.Tensor, num_experts: int, ids: torch.Tensor, *, impl
     load().routing.decode_sets_cpu(data, num_experts, ids, impl)
 
 
-def encode_sets(ids: np.ndarray | torch.Tensor, num_experts: int, *,
-                missing: torch.Tensor | None = None, impl: int = 0) -> bytes:  # fmt: skip
+def encode_sets(
+    ids: np.ndarray | torch.Tensor,
+    num_experts: int,
+    *,
+    missing: torch.Tensor | None = None,
+    impl: int = 0,
+) -> bytes:
     """ids [..., K] uint8 | int16 (rows any order within) -> payload bytes."""
     t = torch.as_tensor(ids) if not isinstance(ids, torch.Tensor) else ids
     k = t.shape[-1]
@@ -80,8 +91,15 @@ def encode_sets(ids: np.ndarray | torch.Tensor, num_experts: int, *,
     return out.numpy().tobytes()
 
 
-def decode_sets(payload: bytes | memoryview, rows: int, top_k: int, num_experts: int,
-                dtype: torch.dtype, *, impl: int = 0) -> torch.Tensor:  # fmt: skip
+def decode_sets(
+    payload: bytes | memoryview,
+    rows: int,
+    top_k: int,
+    num_experts: int,
+    dtype: torch.dtype,
+    *,
+    impl: int = 0,
+) -> torch.Tensor:
     """payload -> ids [rows, top_k] of ``dtype`` (each row ascending)."""
     if len(payload):  # read in place (the kernel never writes its input)
         with warnings.catch_warnings():
@@ -103,8 +121,12 @@ class Encoded(NamedTuple):
     table: torch.Tensor  # [K * E] int64: the binomial workspace C(a, m) at (m - 1) * E + a
 
 
-@op(kernels={"cpp": "routing.encode_sets_op_cpu",
-             "triton": "compass_kernels.routing.triton_setcode:encode_sets_triton"})  # fmt: skip
+@op(
+    kernels={
+        "cpp": "routing.encode_sets_op_cpu",
+        "triton": "compass_kernels.routing.triton_setcode:encode_sets_triton",
+    }
+)
 def encode_sets_op(ids: torch.Tensor, num_experts: int, missing: torch.Tensor | None) -> Encoded:
     """Set-code ids [rows, K] uint8 | int16 (missing [rows] bool or None). The cpp
     backend raises on a bad row (naming it); the triton one counts it in status, on
@@ -117,8 +139,13 @@ def encode_sets_op(ids: torch.Tensor, num_experts: int, missing: torch.Tensor | 
     )
 
 
-def encode_device(ids: torch.Tensor, num_experts: int, *, missing: torch.Tensor | None = None,
-                  backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def encode_device(
+    ids: torch.Tensor,
+    num_experts: int,
+    *,
+    missing: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Set-code ``ids`` [rows, K] where they live: (payload, status), both on
     ids' device. On a GPU nothing waits for the device: read ``status`` (e.g.
     :func:`check_status`, one sync) before trusting the payload."""

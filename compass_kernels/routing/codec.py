@@ -198,9 +198,22 @@ def _seal(buf: bytearray, t: RoutingTrace, code: int, n_rows: int, k: int, n_pay
         _FLAG_TOKEN_LENS if t.has_token_lens else 0
     )
     fields = [
-        MAGIC, VERSION, code, flags, t.num_experts, k, 0, t.num_moe_layers, t.num_mtp_layers,
-        t.num_sequences, n_rows, len(buf) - _HEADER.size, n_payload, 0, 0,
-    ]  # fmt: skip
+        MAGIC,
+        VERSION,
+        code,
+        flags,
+        t.num_experts,
+        k,
+        0,
+        t.num_moe_layers,
+        t.num_mtp_layers,
+        t.num_sequences,
+        n_rows,
+        len(buf) - _HEADER.size,
+        n_payload,
+        0,
+        0,
+    ]
     _HEADER.pack_into(buf, 0, *fields)
     view = memoryview(buf)
     fields[13] = zlib.crc32(view)  # crc field still 0: the header is covered too
@@ -255,8 +268,23 @@ def decode(data: bytes | bytearray | memoryview, *, device=None) -> RoutingTrace
         raise TraceError(
             f"decode: {len(data)} bytes is shorter than the {_HEADER.size}-byte header"
         )
-    (magic, version, code, flags, experts, k, _, n_moe, n_mtp, n_seq, n_rows, body_len,
-     payload_len, crc, _) = _HEADER.unpack_from(data)  # fmt: skip
+    (
+        magic,
+        version,
+        code,
+        flags,
+        experts,
+        k,
+        _,
+        n_moe,
+        n_mtp,
+        n_seq,
+        n_rows,
+        body_len,
+        payload_len,
+        crc,
+        _,
+    ) = _HEADER.unpack_from(data)
     if bytes(magic) != MAGIC:
         raise TraceError(f"decode: bad magic {bytes(magic)!r}, expected {MAGIC!r} (not a trace)")
     if version not in READS:
@@ -299,8 +327,12 @@ def decode(data: bytes | bytearray | memoryview, *, device=None) -> RoutingTrace
 
     n_cols = n_moe + n_mtp
     over("num_moe_layers + num_mtp_layers", n_cols, 8 * n_cols, "layer keys")
-    over("num_sequences", n_seq, 8 * (n_seq + 1) + (8 * n_seq if flags & _FLAG_TOKEN_LENS else 0),
-         "cu_seqlens / token_lens")  # fmt: skip
+    over(
+        "num_sequences",
+        n_seq,
+        8 * (n_seq + 1) + (8 * n_seq if flags & _FLAG_TOKEN_LENS else 0),
+        "cu_seqlens / token_lens",
+    )
     over("payload_bytes", payload_len, payload_len, "a payload")
     if n_rows > _INT64_MAX:
         raise TraceError(f"decode: num_rows {n_rows} exceeds int64 (cu_seqlens is int64)")
@@ -397,9 +429,15 @@ def decode(data: bytes | bytearray | memoryview, *, device=None) -> RoutingTrace
         ids = ids.reshape(n_rows, n_cols, k)
     try:
         tr = RoutingTrace(
-            ids, cu, experts, layer_ids=layer_ids, missing=missing, missing_reason=reason,
-            mtp_layer_ids=mtp, token_lens=token_lens,
-        )  # fmt: skip
+            ids,
+            cu,
+            experts,
+            layer_ids=layer_ids,
+            missing=missing,
+            missing_reason=reason,
+            mtp_layer_ids=mtp,
+            token_lens=token_lens,
+        )
     except ValueError as err:  # layer keys, token_lens: named by the constructor
         raise TraceError(f"decode: {err}") from None
     if code == 0:

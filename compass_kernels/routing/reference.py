@@ -130,9 +130,12 @@ def replay_topk_reference(
         ids_used[t] = r
     ids_used = ids_used.to(z.device)
     weights = gate_weights_reference(
-        router_logits, ids_used, score_function=score_function, normalize=normalize,
+        router_logits,
+        ids_used,
+        score_function=score_function,
+        normalize=normalize,
         scaling=scaling,
-    )  # fmt: skip
+    )
     routing_map = torch.zeros(t_rows, e, dtype=torch.bool, device=z.device)
     routing_map.scatter_(1, ids_used, True)
     tokens_per_expert = routing_map.sum(0, dtype=torch.int64)
@@ -153,8 +156,9 @@ def replay_topk_reference(
 # readable spec they are tested against.
 
 
-def _gate(z: torch.Tensor, used: torch.Tensor, score_function: int, normalize: bool,
-          scaling: float) -> torch.Tensor:  # fmt: skip
+def _gate(
+    z: torch.Tensor, used: torch.Tensor, score_function: int, normalize: bool, scaling: float
+) -> torch.Tensor:
     """[T, K] weights of experts ``used`` from logits ``z`` (score 0 softmax, 1 sigmoid)."""
     zu = torch.gather(z, 1, used)
     if score_function == 0:
@@ -166,9 +170,22 @@ def _gate(z: torch.Tensor, used: torch.Tensor, score_function: int, normalize: b
     return w * scaling
 
 
-def replay_topk_torch(*, logits, expert_ids, expert_bias, valid, score_function, normalize, scaling,
-                      min_score_ratio, weights, routing_map, tokens_per_expert, counts,
-                      ids_used) -> None:  # fmt: skip
+def replay_topk_torch(
+    *,
+    logits,
+    expert_ids,
+    expert_bias,
+    valid,
+    score_function,
+    normalize,
+    scaling,
+    min_score_ratio,
+    weights,
+    routing_map,
+    tokens_per_expert,
+    counts,
+    ids_used,
+) -> None:
     """``replay_topk`` op: rows with a malformed replayed id (out of [0, E) or twice)
     are routed natively and counted in counts[5]; counts = (rows, replay
     candidates, their overlap with the native top-k, exact matches, rejected
@@ -196,14 +213,23 @@ def replay_topk_torch(*, logits, expert_ids, expert_bias, valid, score_function,
     weights.copy_(_gate(z, used, score_function, normalize, scaling))
     routing_map.zero_().scatter_(1, used, True)
     tokens_per_expert.copy_(routing_map.sum(0))
-    counts.copy_(torch.stack([
-        torch.tensor(t), ok.sum(), overlap[ok].sum(), (ok & (overlap == k)).sum(),
-        (ok & ~use).sum(), bad.sum(),
-    ]))  # fmt: skip
+    counts.copy_(
+        torch.stack(
+            [
+                torch.tensor(t),
+                ok.sum(),
+                overlap[ok].sum(),
+                (ok & (overlap == k)).sum(),
+                (ok & ~use).sum(),
+                bad.sum(),
+            ]
+        )
+    )
 
 
-def replay_topk_backward_torch(*, grad_weights, logits, ids_used, score_function, normalize,
-                               scaling, grad_logits) -> None:  # fmt: skip
+def replay_topk_backward_torch(
+    *, grad_weights, logits, ids_used, score_function, normalize, scaling, grad_logits
+) -> None:
     """``replay_topk_backward`` op: d loss / d logits [T, E] of the gate weights."""
     z, u, g = logits, ids_used, grad_weights
     zu = torch.gather(z, 1, u)

@@ -303,11 +303,15 @@ class RoutingTrace:
             return None if t is None else t.to(device)
 
         return RoutingTrace(
-            self.expert_ids.to(device), self.cu_seqlens.to(device), self.num_experts,
-            layer_ids=self.layer_ids, missing=mv(self.missing),
-            missing_reason=mv(self.missing_reason), mtp_layer_ids=self.mtp_layer_ids,
+            self.expert_ids.to(device),
+            self.cu_seqlens.to(device),
+            self.num_experts,
+            layer_ids=self.layer_ids,
+            missing=mv(self.missing),
+            missing_reason=mv(self.missing_reason),
+            mtp_layer_ids=self.mtp_layer_ids,
             token_lens=self._token_lens,
-        )  # fmt: skip
+        )
 
     def __repr__(self) -> str:
         return (
@@ -362,17 +366,23 @@ class RoutingTrace:
             ids = self.expert_ids.clone()
         if sort:
             ids = ids.sort(dim=-1).values
-        return self._with(ids, self.cu_seqlens, self.missing, self.missing_reason,
-                          token_lens=self._token_lens)  # fmt: skip
+        return self._with(
+            ids, self.cu_seqlens, self.missing, self.missing_reason, token_lens=self._token_lens
+        )
 
-    def _with(self, ids, cu, missing, reason, layer_ids=None, mtp=None, token_lens=None
-              ) -> RoutingTrace:  # fmt: skip
+    def _with(
+        self, ids, cu, missing, reason, layer_ids=None, mtp=None, token_lens=None
+    ) -> RoutingTrace:
         return RoutingTrace(
-            ids, cu, self.num_experts,
+            ids,
+            cu,
+            self.num_experts,
             layer_ids=self.layer_ids if layer_ids is None else layer_ids,
-            missing=missing, missing_reason=reason,
-            mtp_layer_ids=self.mtp_layer_ids if mtp is None else mtp, token_lens=token_lens,
-        )  # fmt: skip
+            missing=missing,
+            missing_reason=reason,
+            mtp_layer_ids=self.mtp_layer_ids if mtp is None else mtp,
+            token_lens=token_lens,
+        )
 
     def column(self, layer_id: int, *, mtp: bool = False) -> int:
         """The column of global decoder layer ``layer_id`` (or MTP depth with
@@ -489,8 +499,10 @@ class RoutingTrace:
             if int(cu[0]) == 0 and int(cu[-1]) == self.num_tokens and not bool((got < 0).any()):
                 if not torch.equal(got, exp):
                     i = int((got != exp).nonzero()[0, 0])
-                    raise TraceError(f"sequence {i}: {int(got[i])} rows, expected {int(exp[i])} "
-                                     "(prompt + generated - 1)")  # fmt: skip
+                    raise TraceError(
+                        f"sequence {i}: {int(got[i])} rows, expected {int(exp[i])} "
+                        "(prompt + generated - 1)"
+                    )
         flags = self._flags(expected_rows=exp, max_missing_fraction=max_missing_fraction)
         if not raise_on_error:
             return (flags == 0).all()
@@ -500,8 +512,16 @@ class RoutingTrace:
         self._raise(counts, expected_rows=exp, max_missing_fraction=max_missing_fraction)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    _CHECKS = ("cu_seqlens", "range", "duplicate", "reason", "expected_rows", "too_many_rows",
-               "short", "missing_fraction")  # fmt: skip
+    _CHECKS = (
+        "cu_seqlens",
+        "range",
+        "duplicate",
+        "reason",
+        "expected_rows",
+        "too_many_rows",
+        "short",
+        "missing_fraction",
+    )
 
     def _row_counts(self):
         """(rows [n], tokens - 1 [n], absent [n], unmarked [] ) on the device: absent =
@@ -709,8 +729,9 @@ class RoutingTrace:
             picked.append(i)
         src = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)
         tl = None if self._token_lens is None else self._token_lens[picked]
-        return self._gather(src, torch.zeros_like(src, dtype=torch.uint8), lens, None,
-                            token_lens=tl)  # fmt: skip
+        return self._gather(
+            src, torch.zeros_like(src, dtype=torch.uint8), lens, None, token_lens=tl
+        )
 
     @staticmethod
     def concat(traces: Sequence[RoutingTrace]) -> RoutingTrace:
@@ -805,8 +826,9 @@ class RoutingTrace:
         for i in range(n):
             a0 = ta[i] - 1 - la[i]  # this trace's omitted prefix (positions before its rows)
             if a0 < 0 or tb[i] - 1 - lb[i] < 0:
-                which, r_, t_ = ("this trace", la[i], ta[i]) if a0 < 0 else (
-                    "the later turn", lb[i], tb[i])  # fmt: skip
+                which, r_, t_ = (
+                    ("this trace", la[i], ta[i]) if a0 < 0 else ("the later turn", lb[i], tb[i])
+                )
                 raise TraceError(
                     f"stitch: sequence {i}: {which} has {r_} rows for {t_} tokens (at most "
                     "tokens - 1)"
@@ -846,8 +868,9 @@ class RoutingTrace:
                 )
             ids = torch.zeros((total,) + ida.shape[1:], dtype=ida.dtype, device=self.device)
             m = torch.ones((total, ida.shape[1]), dtype=torch.bool, device=self.device)
-            r = torch.full((total,), int(MissingReason.SHORT), dtype=torch.uint8,
-                           device=self.device)  # fmt: skip
+            r = torch.full(
+                (total,), int(MissingReason.SHORT), dtype=torch.uint8, device=self.device
+            )
             ids[a0:end_a] = a_rows
             m[a0:end_a] = a_m
             r[a0:end_a] = ra[ca[i] : ca[i + 1]]
@@ -915,8 +938,9 @@ class RoutingTrace:
         if not bool(missing.any()):
             missing = reason = None
         tl = [x + 1 for x in lens] if (self.has_token_lens or other.has_token_lens) else None
-        return self._with(torch.cat(out_ids), _cu_from_lens(lens, self.device), missing, reason,
-                          token_lens=tl)  # fmt: skip
+        return self._with(
+            torch.cat(out_ids), _cu_from_lens(lens, self.device), missing, reason, token_lens=tl
+        )
 
     # ------------------------------------------------------------ re-layout
     def slice_plan(
@@ -1008,9 +1032,11 @@ class RoutingTrace:
                 if cp_layout == "zigzag":
                     c = padded // (2 * cp_size)
                     pos = torch.cat(
-                        [pos[cp_rank * c : (cp_rank + 1) * c],
-                         pos[(2 * cp_size - 1 - cp_rank) * c : (2 * cp_size - cp_rank) * c]]
-                    )  # fmt: skip
+                        [
+                            pos[cp_rank * c : (cp_rank + 1) * c],
+                            pos[(2 * cp_size - 1 - cp_rank) * c : (2 * cp_size - cp_rank) * c],
+                        ]
+                    )
                 else:
                     c = padded // cp_size
                     pos = pos[cp_rank * c : (cp_rank + 1) * c]
@@ -1133,10 +1159,16 @@ class RoutingTrace:
         if pad_policy not in ("missing", "fixed"):
             raise ValueError(f"pad_policy: expected 'missing' or 'fixed', got {pad_policy!r}")
         src, kind, seg = self.slice_plan(
-            sequences=sequences, token_lens=token_lens, pad_multiple=pad_multiple,
-            cp_size=cp_size, cp_rank=cp_rank, cp_layout=cp_layout, sp_size=sp_size,
-            sp_rank=sp_rank, max_missing_fraction=max_missing_fraction,
-        )  # fmt: skip
+            sequences=sequences,
+            token_lens=token_lens,
+            pad_multiple=pad_multiple,
+            cp_size=cp_size,
+            cp_rank=cp_rank,
+            cp_layout=cp_layout,
+            sp_size=sp_size,
+            sp_rank=sp_rank,
+            max_missing_fraction=max_missing_fraction,
+        )
         if layers is None:
             cols = list(range(self.num_moe_layers))
         else:
@@ -1181,9 +1213,14 @@ class RoutingTrace:
             reason = torch.where(missing.any(1), reason, 0).to(torch.uint8)
         lids, mtp = (None, None) if keys is None else keys
         return self._with(
-            ids, _cu_from_lens(seg_lens, dev), missing, reason, layer_ids=lids, mtp=mtp,
+            ids,
+            _cu_from_lens(seg_lens, dev),
+            missing,
+            reason,
+            layer_ids=lids,
+            mtp=mtp,
             token_lens=token_lens,
-        )  # fmt: skip
+        )
 
     # ------------------------------------------------------------ codec
     def encode(self, *, codec: str = "set", backend: str | None = None) -> bytes:

@@ -276,18 +276,33 @@ def _check_common(logits: torch.Tensor, k: int) -> None:
 
 
 def replay_topk_triton(
-    *, logits, expert_ids, expert_bias, valid, score_function, normalize, scaling,
-    min_score_ratio, weights, routing_map, tokens_per_expert, counts, ids_used,
-) -> None:  # fmt: skip
+    *,
+    logits,
+    expert_ids,
+    expert_bias,
+    valid,
+    score_function,
+    normalize,
+    scaling,
+    min_score_ratio,
+    weights,
+    routing_map,
+    tokens_per_expert,
+    counts,
+    ids_used,
+) -> None:
     """The kernel of ``compass::replay_topk`` (arguments as in csrc/routing/routing_api.h)."""
     t, e = logits.shape
     k = expert_ids.shape[1]
     _check_common(logits, k)
     for name, x, shape in (
-        ("expert_ids", expert_ids, (t, k)), ("weights", weights, (t, k)),
-        ("routing_map", routing_map, (t, e)), ("ids_used", ids_used, (t, k)),
-        ("tokens_per_expert", tokens_per_expert, (e,)), ("counts", counts, (6,)),
-    ):  # fmt: skip
+        ("expert_ids", expert_ids, (t, k)),
+        ("weights", weights, (t, k)),
+        ("routing_map", routing_map, (t, e)),
+        ("ids_used", ids_used, (t, k)),
+        ("tokens_per_expert", tokens_per_expert, (e,)),
+        ("counts", counts, (6,)),
+    ):
         if tuple(x.shape) != shape or not x.is_contiguous() or x.device != logits.device:
             raise ValueError(
                 f"{name}: expected a contiguous {list(shape)} tensor on {logits.device}"
@@ -299,13 +314,30 @@ def replay_topk_triton(
     bt, be, bk = _blocks(e, k)
     dummy = logits
     _replay_fwd_kernel[(triton.cdiv(t, bt),)](
-        logits, expert_ids, dummy if expert_bias is None else expert_bias,
-        dummy if valid is None else valid, weights, routing_map, tokens_per_expert, counts,
-        ids_used, t, e, k, float(scaling), float(max(min_score_ratio, 0.0)),
-        SCORE=int(score_function), NORMALIZE=bool(normalize), HAS_BIAS=expert_bias is not None,
-        HAS_VALID=valid is not None, HAS_RATIO=min_score_ratio >= 0, BLOCK_T=bt, BLOCK_E=be,
-        BLOCK_K=bk, **LAUNCH,
-    )  # fmt: skip
+        logits,
+        expert_ids,
+        dummy if expert_bias is None else expert_bias,
+        dummy if valid is None else valid,
+        weights,
+        routing_map,
+        tokens_per_expert,
+        counts,
+        ids_used,
+        t,
+        e,
+        k,
+        float(scaling),
+        float(max(min_score_ratio, 0.0)),
+        SCORE=int(score_function),
+        NORMALIZE=bool(normalize),
+        HAS_BIAS=expert_bias is not None,
+        HAS_VALID=valid is not None,
+        HAS_RATIO=min_score_ratio >= 0,
+        BLOCK_T=bt,
+        BLOCK_E=be,
+        BLOCK_K=bk,
+        **LAUNCH,
+    )
 
 
 def replay_topk_backward_triton(
@@ -319,10 +351,21 @@ def replay_topk_backward_triton(
         return
     bt, be, bk = _blocks(e, k)
     _replay_bwd_kernel[(triton.cdiv(t, bt),)](
-        grad_weights, logits, ids_used, grad_logits, t, e, k, float(scaling),
-        SCORE=int(score_function), NORMALIZE=bool(normalize), BLOCK_T=bt, BLOCK_E=be,
-        BLOCK_K=bk, **LAUNCH,
-    )  # fmt: skip
+        grad_weights,
+        logits,
+        ids_used,
+        grad_logits,
+        t,
+        e,
+        k,
+        float(scaling),
+        SCORE=int(score_function),
+        NORMALIZE=bool(normalize),
+        BLOCK_T=bt,
+        BLOCK_E=be,
+        BLOCK_K=bk,
+        **LAUNCH,
+    )
 
 
 def aot_variants() -> Sequence[
@@ -332,26 +375,57 @@ def aot_variants() -> Sequence[
     launch for DeepSeek-V3 (E=256, K=8) and Qwen3-MoE (E=128, K=8) shapes, float32
     logits and uint8 ids (tests/test_aot.py compiles exactly these)."""
     fwd_sig = {
-        "z_ptr": "*fp32", "ids_ptr": "*u8", "bias_ptr": "*fp32", "valid_ptr": "*i1",
-        "w_ptr": "*fp32", "map_ptr": "*i1", "tpe_ptr": "*i64", "counts_ptr": "*i64",
-        "used_ptr": "*i64", "T": "i64", "E": "i32", "K": "i32", "scaling": "fp32",
-        "ratio": "fp32", "SCORE": "constexpr", "NORMALIZE": "constexpr",
-        "HAS_BIAS": "constexpr", "HAS_VALID": "constexpr", "HAS_RATIO": "constexpr",
-        "BLOCK_T": "constexpr", "BLOCK_E": "constexpr", "BLOCK_K": "constexpr",
-    }  # fmt: skip
-    bwd_sig = {
-        "g_ptr": "*fp32", "z_ptr": "*fp32", "used_ptr": "*i64", "out_ptr": "*fp32",
-        "T": "i64", "E": "i32", "K": "i32", "scaling": "fp32", "SCORE": "constexpr",
-        "NORMALIZE": "constexpr", "BLOCK_T": "constexpr", "BLOCK_E": "constexpr",
+        "z_ptr": "*fp32",
+        "ids_ptr": "*u8",
+        "bias_ptr": "*fp32",
+        "valid_ptr": "*i1",
+        "w_ptr": "*fp32",
+        "map_ptr": "*i1",
+        "tpe_ptr": "*i64",
+        "counts_ptr": "*i64",
+        "used_ptr": "*i64",
+        "T": "i64",
+        "E": "i32",
+        "K": "i32",
+        "scaling": "fp32",
+        "ratio": "fp32",
+        "SCORE": "constexpr",
+        "NORMALIZE": "constexpr",
+        "HAS_BIAS": "constexpr",
+        "HAS_VALID": "constexpr",
+        "HAS_RATIO": "constexpr",
+        "BLOCK_T": "constexpr",
+        "BLOCK_E": "constexpr",
         "BLOCK_K": "constexpr",
-    }  # fmt: skip
+    }
+    bwd_sig = {
+        "g_ptr": "*fp32",
+        "z_ptr": "*fp32",
+        "used_ptr": "*i64",
+        "out_ptr": "*fp32",
+        "T": "i64",
+        "E": "i32",
+        "K": "i32",
+        "scaling": "fp32",
+        "SCORE": "constexpr",
+        "NORMALIZE": "constexpr",
+        "BLOCK_T": "constexpr",
+        "BLOCK_E": "constexpr",
+        "BLOCK_K": "constexpr",
+    }
     out = []
     for e, k, score, bias in ((256, 8, 1, True), (128, 8, 0, False)):
         bt, be, bk = _blocks(e, k)
         const = {
-            "SCORE": score, "NORMALIZE": True, "HAS_BIAS": bias, "HAS_VALID": True,
-            "HAS_RATIO": False, "BLOCK_T": bt, "BLOCK_E": be, "BLOCK_K": bk,
-        }  # fmt: skip
+            "SCORE": score,
+            "NORMALIZE": True,
+            "HAS_BIAS": bias,
+            "HAS_VALID": True,
+            "HAS_RATIO": False,
+            "BLOCK_T": bt,
+            "BLOCK_E": be,
+            "BLOCK_K": bk,
+        }
         out.append((_replay_fwd_kernel, fwd_sig, const, LAUNCH))
         bconst = {"SCORE": score, "NORMALIZE": True, "BLOCK_T": bt, "BLOCK_E": be, "BLOCK_K": bk}
         out.append((_replay_bwd_kernel, bwd_sig, bconst, LAUNCH))

@@ -50,8 +50,11 @@ def test_layout_matches_vllm_block_fp8(bf16_weights):
         assert s.dtype == torch.float32 and s.is_contiguous()
         assert s.shape == (-(-w.shape[0] // 128), -(-w.shape[1] // 128))
     kept = [k for k in bf16_weights if not is_block_fp8_weight(k)]
-    assert {"model.embed_tokens.weight", "model.layers.0.mlp.gate.weight",
-            "model.norm.weight"} <= set(kept)  # fmt: skip
+    assert {
+        "model.embed_tokens.weight",
+        "model.layers.0.mlp.gate.weight",
+        "model.norm.weight",
+    } <= set(kept)
     for name in kept:
         assert out[name] is bf16_weights[name]
     assert len(out) == len(bf16_weights) + len(fp8)
@@ -119,8 +122,11 @@ def test_streams_one_tensor_at_a_time(bf16_weights):
             assert pulled[-1] == first
             break
     list(stream)
-    sizes = [v.numel() + 4 * (-(-v.shape[0] // 128)) * (-(-v.shape[1] // 128))
-             for k, v in bf16_weights.items() if is_block_fp8_weight(k)]  # fmt: skip
+    sizes = [
+        v.numel() + 4 * (-(-v.shape[0] // 128)) * (-(-v.shape[1] // 128))
+        for k, v in bf16_weights.items()
+        if is_block_fp8_weight(k)
+    ]
     assert sync.report.peak_extra_bytes == max(sizes)
     assert sync.report.fp8_bytes == sum(sizes)
     layer0 = sum(v.numel() for k, v in bf16_weights.items() if ".layers.0." in k)
@@ -179,14 +185,23 @@ def test_quality_gate_fp8_forward_vs_bf16(tiny_moe_path, bf16_weights, tmp_path)
     torch.manual_seed(0)
     prompts = torch.randint(0, 1000, (4, 1))
     with torch.no_grad():
-        tokens = models["bf16"].generate(prompts, do_sample=True, max_new_tokens=64, top_k=0,
-                                         top_p=1.0, temperature=1.0, min_new_tokens=64)  # fmt: skip
+        tokens = models["bf16"].generate(
+            prompts,
+            do_sample=True,
+            max_new_tokens=64,
+            top_k=0,
+            top_p=1.0,
+            temperature=1.0,
+            min_new_tokens=64,
+        )
         ref = models["bf16"](tokens[:, :-1]).logits.reshape(-1, 1024)
         new = models["fp8"](tokens[:, :-1]).logits.reshape(-1, 1024)
     m = logprob_agreement(ref, new, tokens[:, 1:].reshape(-1))
-    print(f"\nFP8 quality gate (tiny Qwen3-MoE, {m['tokens']} sampled tokens): ratio error max "
-          f"{m['ratio_err_max']:.5f} mean {m['ratio_err_mean']:.6f}, KL mean "
-          f"{m['kl_mean']:.3e} max {m['kl_max']:.3e}")  # fmt: skip
+    print(
+        f"\nFP8 quality gate (tiny Qwen3-MoE, {m['tokens']} sampled tokens): ratio error max "
+        f"{m['ratio_err_max']:.5f} mean {m['ratio_err_mean']:.6f}, KL mean "
+        f"{m['kl_mean']:.3e} max {m['kl_max']:.3e}"
+    )
     # Measured here (not a bar we chose): see docs/design.md, FP8 quality gate.
     # The random-weight model sits above the 1.03-1.05 others report for trained
     # models: MoE routing flips and its near-uniform next-token distribution,

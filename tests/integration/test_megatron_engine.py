@@ -162,8 +162,11 @@ def test_shim_refuses_an_upstream_source_it_was_not_pinned_against(monkeypatch):
         # A 0.16.x release nobody reviewed: refused before anything is patched.
         monkeypatch.setattr(megatron.core, "__version__", "0.16.9")
         pins = re.escape(str(sorted(shim.UPSTREAM_SOURCE_SHA256)))
-        with pytest.raises(shim.ShimError, match=r"no upstream source hashes pinned for "
-                           rf"megatron-core 0\.16\.9 \(pinned: {pins}\)"):  # fmt: skip
+        with pytest.raises(
+            shim.ShimError,
+            match=r"no upstream source hashes pinned for "
+            rf"megatron-core 0\.16\.9 \(pinned: {pins}\)",
+        ):
             shim.apply()
         assert shim.applied() == []
         monkeypatch.undo()

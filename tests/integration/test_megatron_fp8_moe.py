@@ -34,12 +34,21 @@ def experts():
 
     init_single_process_gloo(seed=0)
     cfg = TransformerConfig(
-        num_layers=1, hidden_size=H, num_attention_heads=4, ffn_hidden_size=512,
-        moe_ffn_hidden_size=INTER, num_moe_experts=E, moe_router_topk=2,
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-        use_cpu_initialization=True, bias_activation_fusion=False, params_dtype=torch.bfloat16,
+        num_layers=1,
+        hidden_size=H,
+        num_attention_heads=4,
+        ffn_hidden_size=512,
+        moe_ffn_hidden_size=INTER,
+        num_moe_experts=E,
+        moe_router_topk=2,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        use_cpu_initialization=True,
+        bias_activation_fusion=False,
+        params_dtype=torch.bfloat16,
         bf16=True,
-    )  # fmt: skip
+    )
     spec = get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False)
     pgs = ProcessGroupCollection.use_mpu_process_groups()
     mlp = spec.submodules.mlp  # a ModuleSpec (0.16) or a functools.partial (0.19) of MoELayer

@@ -451,9 +451,11 @@ def test_bad_traces_are_rejected_before_replay(model, replay):
         with torch.no_grad(), replay.micro_batch(_trace(dup)):
             model(ids, pos, attention_mask=None)
     wide = RoutingTrace(
-        _random_sets(9, _LAYERS, seed=25).to(torch.int16), torch.tensor([0, 9]), 300,
+        _random_sets(9, _LAYERS, seed=25).to(torch.int16),
+        torch.tensor([0, 9]),
+        300,
         layer_ids=_LAYERS,
-    )  # fmt: skip
+    )
     with pytest.raises(TraceError, match="num_experts: the model has 8 experts, the trace 300"):
         with torch.no_grad(), replay.micro_batch(wide):
             model(ids, pos, attention_mask=None)
@@ -542,8 +544,9 @@ def _pipeline_stage(rank, world_size, path):
     full = _random_sets(seq, range(4), seed=29)  # the whole model's trace, on both ranks
     # seq tokens, seq - 1 rows (the last token is never an engine input: NO_ROW, native)
     rows = seq - 1
-    trace = RoutingTrace(full[:rows].to(torch.uint8), torch.tensor([0, rows]), _E,
-                         layer_ids=range(4))  # fmt: skip
+    trace = RoutingTrace(
+        full[:rows].to(torch.uint8), torch.tensor([0, rows]), _E, layer_ids=range(4)
+    )
     local = trace.slice(layers=replay.layers, token_lens=[seq])  # this stage's columns only
     ids, pos = _tokens(seq, seed=30)
     if rank == 0:
@@ -675,8 +678,9 @@ def _cp_rank(rank, world_size, path):
     seq = 16
     full = _random_sets(seq, _LAYERS, seed=31)  # the rollout's routing of the 16 tokens
     # rows for the 15 input tokens; the last token's (position 15) is NO_ROW, native
-    trace = RoutingTrace(full[: seq - 1].to(torch.uint8), torch.tensor([0, seq - 1]), _E,
-                         layer_ids=_LAYERS)  # fmt: skip
+    trace = RoutingTrace(
+        full[: seq - 1].to(torch.uint8), torch.tensor([0, seq - 1]), _E, layer_ids=_LAYERS
+    )
     ids, pos = _tokens(seq, seed=32)
     batch = _megatron_cp_split({"tokens": ids.clone(), "position_ids": pos.clone()})
     mine = batch["position_ids"][0]  # the global token positions Megatron gave this rank
@@ -709,9 +713,12 @@ def test_context_parallel_ranks_replay_exactly_their_zigzag_slice(tiny_moe_path)
     from compass_kernels.integration.cpu import megatron as shim
 
     results = shim.run_distributed(
-        _cp_rank, 2, args=(str(tiny_moe_path),), megatron={"context_parallel_size": 2},
+        _cp_rank,
+        2,
+        args=(str(tiny_moe_path),),
+        megatron={"context_parallel_size": 2},
         timeout=280,
-    )  # fmt: skip
+    )
     by_rank = {r[0]: r for r in results}
     assert sorted(by_rank) == [0, 1]
     assert by_rank[0][1] == [0, 1, 2, 3, 12, 13, 14, 15]  # chunks 0 and 3 of 4

@@ -70,15 +70,24 @@ def test_layout_step_equals_one_process(setup, name):
     from compass_kernels.integration.rl.layout_check import compare, run_step
 
     path, _, batch, adv, ref = setup
-    got = run_step(path, LAYOUTS[name], batch, adv, old=(ref.logprobs, ref.entropy),
-                   max_tokens=64)  # fmt: skip
+    got = run_step(path, LAYOUTS[name], batch, adv, old=(ref.logprobs, ref.entropy), max_tokens=64)
     d = compare(ref, got)
     report = os.environ.get("COMPASS_RANKS_REPORT")  # docs/perf/ranks.md's table
     if report:
         with open(report, "a") as f:
-            f.write(json.dumps({"layout": name, **d, "bytes_per_rank": got.bytes_per_rank,
-                                "bytes_full": got.bytes_full, "sync": got.sync,
-                                "seconds": got.seconds}) + "\n")  # fmt: skip
+            f.write(
+                json.dumps(
+                    {
+                        "layout": name,
+                        **d,
+                        "bytes_per_rank": got.bytes_per_rank,
+                        "bytes_full": got.bytes_full,
+                        "sync": got.sync,
+                        "seconds": got.seconds,
+                    }
+                )
+                + "\n"
+            )
     assert d["loss_rel"] < TOL and d["grad_norm_rel"] < TOL, d
     assert d["logprobs_max_abs"] < 1e-4, d
     assert d["weights_rel"] < TOL, d
@@ -132,8 +141,9 @@ def test_each_rank_receives_its_share_only(name):
             assert (mb.advantages is not None) == info.last_stage
             assert [int(x) for x in mb.trace.layer_ids] == layers[info.rank]
             src, _, pos = local_tokens(batch.lengths[idx], layout.pad_multiple, layout.cp, info.cp)
-            gidx = torch.from_numpy(np.concatenate([np.arange(offsets[i], offsets[i + 1])
-                                                    for i in idx]))  # fmt: skip
+            gidx = torch.from_numpy(
+                np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in idx])
+            )
             real = src >= 0
             if info.last_stage:
                 assert torch.equal(mb.targets[real], batch.targets[gidx[src[real]]])
@@ -163,8 +173,9 @@ def test_cp_split_is_megatrons_zigzag():
     trace = RoutingTrace(ids, cu, 8)
     for r in range(2):
         src, seq, pos = local_tokens(lengths, 4, 2, r)
-        want, kind, _ = trace.slice_plan(token_lens=lengths, pad_multiple=4, cp_size=2,
-                                         cp_rank=r, cp_layout="zigzag")  # fmt: skip
+        want, kind, _ = trace.slice_plan(
+            token_lens=lengths, pad_multiple=4, cp_size=2, cp_rank=r, cp_layout="zigzag"
+        )
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
         rows_of = torch.where(src >= 0, src - torch.from_numpy(starts)[seq] + cu[seq], -1)
         has_row = (src >= 0) & (pos < torch.from_numpy(lengths - 1)[seq])
@@ -203,8 +214,9 @@ def test_replayed_ids_per_micro_batch_under_1f1b(setup, name):
     tokens (the ids recorded by a hook on each router, not by the replay)."""
     from compass_kernels.integration.rl.distributed_trainer import DistributedTrainer
 
-    layout = {"pp2": Layout(pp=2), "pp2xcp2": Layout(pp=2, cp=2),
-              "pp2xtp2": Layout(pp=2, tp=2)}[name]  # fmt: skip
+    layout = {"pp2": Layout(pp=2), "pp2xcp2": Layout(pp=2, cp=2), "pp2xtp2": Layout(pp=2, tp=2)}[
+        name
+    ]
     path, _, batch, adv, ref = setup
     trainer = DistributedTrainer(path, layout, timeout=300)
     try:
@@ -246,10 +258,12 @@ def test_distributed_quantiles_equal_the_gathered_ones():
 
     g = torch.Generator().manual_seed(0)
     levels = (0.2, 0.5, 0.8)
-    cases = [torch.rand(997, generator=g) * 5,
-             torch.randint(0, 4, (301,), generator=g).float() / 3,  # many ties
-             torch.tensor([0.0, -0.0, -1e-7, 3.0, 2.5, 2.5]),
-             torch.tensor([1.25])]  # fmt: skip
+    cases = [
+        torch.rand(997, generator=g) * 5,
+        torch.randint(0, 4, (301,), generator=g).float() / 3,  # many ties
+        torch.tensor([0.0, -0.0, -1e-7, 3.0, 2.5, 2.5]),
+        torch.tensor([1.25]),
+    ]
     for vals in cases:
         vals = vals.float()
         parts = torch.tensor_split(vals, 3)  # three "ranks"
@@ -290,16 +304,25 @@ def test_padding_micro_batch_share():
     got = sorted(int(i) for r in range(2) for j in range(2) for i in plan.micro_batch(r, j))
     assert got == [0, 1, 2]  # every sequence once
     # its statistics count the empty micro-batch as 0 (np.add.reduceat gave the next one's)
-    tokens = [[plan.micro_batch(r, j).numel() and int(batch.lengths[plan.micro_batch(r, j)].sum())
-               for j in range(2)] for r in range(2)]  # fmt: skip
+    tokens = [
+        [
+            plan.micro_batch(r, j).numel() and int(batch.lengths[plan.micro_batch(r, j)].sum())
+            for j in range(2)
+        ]
+        for r in range(2)
+    ]
     assert plan.stats["mb_tokens"].tolist() == tokens and 0 in sum(tokens, [])
     assert plan.stats["rank_tokens"].sum() == batch.lengths.sum()
     layout = Layout(cp=2, tp=2, dp=2)
     data = StepData(batch, plan, torch.randn(batch.num_tokens), torch.rand(batch.num_tokens), adv)
     infos = layout_rank_infos(layout)
     shares = make_shares(data, layout, infos, [[0, 1, 2, 3]] * len(infos), what="train")
-    empty = [(info, mbs[j]) for info, mbs in zip(infos, shares, strict=True)
-             for j in range(2) if plan.micro_batch(info.dp, j).numel() == 0]  # fmt: skip
+    empty = [
+        (info, mbs[j])
+        for info, mbs in zip(infos, shares, strict=True)
+        for j in range(2)
+        if plan.micro_batch(info.dp, j).numel() == 0
+    ]
     assert len(empty) == layout.tp * layout.cp  # the ranks of the short DP replica
     for _, mb in empty:
         assert mb.lengths.tolist() == [0]
@@ -321,8 +344,9 @@ def test_empty_micro_batch_step_equals_one_process(setup):
     path, cfg, _, _, _ = setup
     batch, adv = synthetic_batch(cfg, num_sequences=3, seed=5, min_len=20, max_len=24)
     ref = run_step(path, Layout(), batch, adv, max_tokens=30)
-    got = run_step(path, Layout(ep=2, dp=2), batch, adv, old=(ref.logprobs, ref.entropy),
-                   max_tokens=30)  # fmt: skip
+    got = run_step(
+        path, Layout(ep=2, dp=2), batch, adv, old=(ref.logprobs, ref.entropy), max_tokens=30
+    )
     d = compare(ref, got)
     assert d["loss_rel"] < TOL and d["grad_norm_rel"] < TOL and d["weights_rel"] < TOL, d
     assert d["logprobs_max_abs"] < 1e-4, d

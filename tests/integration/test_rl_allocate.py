@@ -35,8 +35,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _sample(index: int, correct: bool, length: int):
     prompt = SimpleNamespace(index=index)
-    return SimpleNamespace(prompt=prompt, score=SimpleNamespace(correct=correct),
-                           response=tuple(range(length)))  # fmt: skip
+    return SimpleNamespace(
+        prompt=prompt, score=SimpleNamespace(correct=correct), response=tuple(range(length))
+    )
 
 
 def _args(mode: str, n: int = 4) -> argparse.Namespace:
@@ -99,8 +100,11 @@ def test_stage0_on_recorded_samples(mode):
 def test_stage0_explores_a_starved_prompt():
     """A prompt skipped explore_after allocations in a row is requested again."""
     ra = ck.advantages.RolloutAllocator(min_n=2, max_n=8, explore_after=2)
-    loop._informative([_sample(0, True, 4) for _ in range(32)]
-                      + [_sample(1, j % 2 == 0, 4) for j in range(32)], {}, ra)  # fmt: skip
+    loop._informative(
+        [_sample(0, True, 4) for _ in range(32)] + [_sample(1, j % 2 == 0, 4) for j in range(32)],
+        {},
+        ra,
+    )
     chosen = [SimpleNamespace(index=0), SimpleNamespace(index=1)]
     args = _args("samples", n=2)
     got = []
@@ -117,12 +121,38 @@ def run(tiny_moe_path, tmp_path_factory):
     pytest.importorskip("megatron.core")
     out = tmp_path_factory.mktemp("rl_allocate")
     cmd = [
-        sys.executable, "-m", "compass_kernels.integration.rl.loop",
-        "--steps", "2", "--out", str(out), "--model-dir", str(tiny_moe_path),
-        "--pool", "4", "--prompts", "4", "--n", "4", "--allocate", "tokens",
-        "--resample-budget", "0", "--max-new-tokens", "16", "--max-tokens", "256",
-        "--dp", "1", "--reward-latency-ms", "1", "--seed", "2", "--no-plot", "--quiet",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "compass_kernels.integration.rl.loop",
+        "--steps",
+        "2",
+        "--out",
+        str(out),
+        "--model-dir",
+        str(tiny_moe_path),
+        "--pool",
+        "4",
+        "--prompts",
+        "4",
+        "--n",
+        "4",
+        "--allocate",
+        "tokens",
+        "--resample-budget",
+        "0",
+        "--max-new-tokens",
+        "16",
+        "--max-tokens",
+        "256",
+        "--dp",
+        "1",
+        "--reward-latency-ms",
+        "1",
+        "--seed",
+        "2",
+        "--no-plot",
+        "--quiet",
+    ]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -132,9 +162,15 @@ def run(tiny_moe_path, tmp_path_factory):
 def test_allocate_tokens_run(run):
     rows, csv_text = run
     header = csv_text.splitlines()[0].split(",")
-    stage0 = ("allocate", "alloc_samples", "skipped_prompts", "explored_prompts",
-              "expected_informative", "informative_groups",
-              "informative_per_1k_tokens")  # fmt: skip
+    stage0 = (
+        "allocate",
+        "alloc_samples",
+        "skipped_prompts",
+        "explored_prompts",
+        "expected_informative",
+        "informative_groups",
+        "informative_per_1k_tokens",
+    )
     assert set(stage0) <= set(header)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:

@@ -59,8 +59,10 @@ def test_zvp_token_advantages_over_a_split_equal_the_whole(seed):
     want = ck.advantages.rl_zvp(ent[mask], cu, rewards, zero_var, alpha=0.1, advantages=adv)
     whole, nz_whole = zvp_token_advantages(ent, seq, mask, rewards, zero_var, adv, alpha=0.1)
     assert torch.equal(whole[mask], want) and not whole[~mask].any()
-    assert torch.equal(nz_whole, torch.zeros(n, dtype=torch.bool).index_put_(
-        (seq[mask],), want != 0, accumulate=True))  # fmt: skip
+    assert torch.equal(
+        nz_whole,
+        torch.zeros(n, dtype=torch.bool).index_put_((seq[mask],), want != 0, accumulate=True),
+    )
     emax = torch.full((n,), -math.inf, dtype=torch.float64)
     emax.scatter_reduce_(0, seq[mask], ent[mask].double(), "amax")
     owner = torch.randint(0, 3, (seq.numel(),), generator=g)
@@ -69,8 +71,9 @@ def test_zvp_token_advantages_over_a_split_equal_the_whole(seed):
     for r in range(3):
         mine = (owner == r).nonzero().reshape(-1)
         mine = mine[torch.randperm(mine.numel(), generator=g)]  # any local order
-        t, f = zvp_token_advantages(ent[mine], seq[mine], mask[mine], rewards, zero_var, adv,
-                                    alpha=0.1, entropy_max=emax)  # fmt: skip
+        t, f = zvp_token_advantages(
+            ent[mine], seq[mine], mask[mine], rewards, zero_var, adv, alpha=0.1, entropy_max=emax
+        )
         got[mine] = t
         nz |= f
     assert torch.equal(got, whole)
@@ -82,8 +85,9 @@ def test_zvp_token_advantages_over_a_split_equal_the_whole(seed):
 def test_zvp_token_advantages_checks_its_arguments():
     _, seq, ent, mask, rewards, zero_var, adv = _zvp_case(0)
     with pytest.raises(ValueError, match="entropy_max"):
-        zvp_token_advantages(ent, seq, mask, rewards, zero_var, adv, alpha=0.1,
-                             entropy_max=torch.zeros(3))  # fmt: skip
+        zvp_token_advantages(
+            ent, seq, mask, rewards, zero_var, adv, alpha=0.1, entropy_max=torch.zeros(3)
+        )
     with pytest.raises(ValueError, match="seq"):
         zvp_token_advantages(ent, seq, mask, rewards[:-1], zero_var[:-1], adv[:-1], alpha=0.1)
     emax = torch.zeros(rewards.numel())
@@ -97,8 +101,9 @@ def test_gap_sums_over_a_split_equal_gap_stats():
     train = -torch.rand(1001, generator=g) * 4
     infer = train + torch.randn(1001, generator=g)
     want = gap_stats(train, infer)
-    parts = [GapSums.of(a, b) for a, b in zip(train.tensor_split(4), infer.tensor_split(4),
-                                              strict=True)]  # fmt: skip
+    parts = [
+        GapSums.of(a, b) for a, b in zip(train.tensor_split(4), infer.tensor_split(4), strict=True)
+    ]
     got = sum(parts, GapSums()).stats()
     assert got.tokens == want.tokens == 1001 and 0 < got.frac_gt_ln2 < 1
     assert got.max_abs == want.max_abs and got.frac_gt_ln2 == want.frac_gt_ln2
@@ -252,8 +257,9 @@ def test_kept_advantages_with_a_padding_micro_batch():
     from compass_kernels.integration.rl.loop_adapter import LoopAdapter
 
     path = cached_tiny_qwen3_moe(num_hidden_layers=4)
-    batch, _ = synthetic_batch(AutoConfig.from_pretrained(path), num_sequences=3, seed=5,
-                               min_len=20, max_len=24)  # fmt: skip
+    batch, _ = synthetic_batch(
+        AutoConfig.from_pretrained(path), num_sequences=3, seed=5, min_len=20, max_len=24
+    )
     rewards = torch.tensor([-1.0, 0.5, 0.25])
     zero_var = torch.tensor([True, True, False])
     adv = torch.tensor([0.0, 0.0, 0.7])
@@ -273,8 +279,9 @@ def test_kept_advantages_with_a_padding_micro_batch():
     lens = torch.bincount(batch.seq_index[mask], minlength=3)
     cu = torch.zeros(4, dtype=torch.int64)
     cu[1:] = torch.cumsum(lens, 0)
-    want = ck.advantages.rl_zvp(kept["entropy"][mask], cu, rewards, zero_var, alpha=0.1,
-                                advantages=adv)  # fmt: skip
+    want = ck.advantages.rl_zvp(
+        kept["entropy"][mask], cu, rewards, zero_var, alpha=0.1, advantages=adv
+    )
     assert torch.equal(kept["advantages"][mask], want)
     assert nonzero.tolist() == [True, True, True]
     assert math.isfinite(m["loss"]) and m["loss"] != 0.0 and m["grad_norm"] > 0

@@ -40,12 +40,34 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _compass_rl(out, tiny_moe_path, steps):
     cmd = [
-        sys.executable, "-m", "compass_kernels.integration.rl.loop",
-        "--steps", str(steps), "--out", str(out),
-        "--model-dir", str(tiny_moe_path), "--rollout-dtype", "float32", "--prompts", "4",
-        "--n", "4", "--resample-n", "4", "--resample-budget", "8", "--max-new-tokens", "24",
-        "--max-tokens", "256", "--reward-latency-ms", "5", "--seed", "1",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "compass_kernels.integration.rl.loop",
+        "--steps",
+        str(steps),
+        "--out",
+        str(out),
+        "--model-dir",
+        str(tiny_moe_path),
+        "--rollout-dtype",
+        "float32",
+        "--prompts",
+        "4",
+        "--n",
+        "4",
+        "--resample-n",
+        "4",
+        "--resample-budget",
+        "8",
+        "--max-new-tokens",
+        "24",
+        "--max-tokens",
+        "256",
+        "--reward-latency-ms",
+        "5",
+        "--seed",
+        "1",
+    ]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -58,14 +58,19 @@ def _attention_rank(rank, world_size, path, lengths, seed):
     hf = AutoConfig.from_pretrained(path)
     hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim = HEADS, GROUPS, DIM
     config = megatron_config_from_hf(hf, context_parallel_size=world_size)
-    attn = ThdDotProductAttention(config=config, layer_number=1,
-                                  attn_mask_type=AttnMaskType.causal,
-                                  attention_type="self")  # fmt: skip
+    attn = ThdDotProductAttention(
+        config=config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self"
+    )
     q, k, v, dout = _inputs(lengths, seed)
     lengths = np.asarray(lengths)
-    pb = ck.packing.pack({"q": q, "k": k, "v": v, "d": dout}, lengths, np.arange(lengths.size),
-                         pad_multiple=2 * world_size if world_size > 1 else 1,
-                         cp_size=world_size, cp_rank=rank)  # fmt: skip
+    pb = ck.packing.pack(
+        {"q": q, "k": k, "v": v, "d": dout},
+        lengths,
+        np.arange(lengths.size),
+        pad_multiple=2 * world_size if world_size > 1 else 1,
+        cp_size=world_size,
+        cp_rank=rank,
+    )
     ql, kl, vl = (pb.tensors[n].clone().requires_grad_(True) for n in "qkv")
     out = attn(ql, kl, vl, None, packed_seq_params=pb.packed_seq_params())
     out.reshape(out.shape[0], -1).backward(pb.tensors["d"])
@@ -81,23 +86,32 @@ def test_thd_attention_equals_per_sequence_reference(tiny_moe_path, cp):
 
     lengths = [8, 4, 12] if cp == 2 else [5, 1, 9, 3]  # cp 2: multiples of 2 cp (no padding)
     seed = 11 + cp
-    results = shim.run_distributed(_attention_rank, cp, args=(str(tiny_moe_path), lengths, seed),
-                                   megatron={"context_parallel_size": cp},
-                                   timeout=280)  # fmt: skip
+    results = shim.run_distributed(
+        _attention_rank,
+        cp,
+        args=(str(tiny_moe_path), lengths, seed),
+        megatron={"context_parallel_size": cp},
+        timeout=280,
+    )
     results = sorted(results, key=lambda r: r[0])
     q, k, v, dout = _inputs(lengths, seed)
     qd, kd, vd = (x.double().requires_grad_(True) for x in (q, k, v))
     want = _reference(qd, kd, vd, lengths)
     want.backward(dout.double())
     n = np.asarray(lengths)
-    pb = ck.packing.pack(q, n, np.arange(n.size), pad_multiple=2 * cp if cp > 1 else 1,
-                         cp_size=cp, cp_rank=0)  # fmt: skip
+    pb = ck.packing.pack(
+        q, n, np.arange(n.size), pad_multiple=2 * cp if cp > 1 else 1, cp_size=cp, cp_rank=0
+    )
 
     def gathered(i):  # every rank's local rows, back in sequence order
         return ck.packing.unpack([torch.from_numpy(r[i]) for r in results], pb)
 
-    for i, ref, name in ((1, want, "out"), (2, qd.grad, "dq"), (3, kd.grad, "dk"),
-                         (4, vd.grad, "dv")):  # fmt: skip
+    for i, ref, name in (
+        (1, want, "out"),
+        (2, qd.grad, "dq"),
+        (3, kd.grad, "dk"),
+        (4, vd.grad, "dv"),
+    ):
         got = gathered(i).double().reshape(ref.shape)
         assert torch.isfinite(got).all(), name
         torch.testing.assert_close(got, ref.detach(), rtol=1e-5, atol=1e-5, msg=name)
@@ -107,8 +121,13 @@ def test_thd_attention_refuses_unpacked_input(tiny_moe_path):
     from compass_kernels.integration.cpu import megatron as shim
 
     with pytest.raises(Exception, match="qkv_format='thd'"):
-        shim.run_distributed(_refuse_rank, 1, args=(str(tiny_moe_path),),
-                             megatron={"context_parallel_size": 1}, timeout=120)  # fmt: skip
+        shim.run_distributed(
+            _refuse_rank,
+            1,
+            args=(str(tiny_moe_path),),
+            megatron={"context_parallel_size": 1},
+            timeout=120,
+        )
 
 
 def _refuse_rank(rank, world_size, path):
@@ -119,8 +138,8 @@ def _refuse_rank(rank, world_size, path):
     from compass_kernels.integration.megatron.thd_attention import ThdDotProductAttention
 
     config = megatron_config_from_hf(AutoConfig.from_pretrained(path))
-    attn = ThdDotProductAttention(config=config, layer_number=1,
-                                  attn_mask_type=AttnMaskType.causal,
-                                  attention_type="self")  # fmt: skip
+    attn = ThdDotProductAttention(
+        config=config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self"
+    )
     x = torch.zeros(4, config.num_attention_heads, config.kv_channels)
     attn(x, x, x, None)

@@ -51,8 +51,14 @@ STEPS = 2
 KL_MAX = 1e-3
 
 # the run's sizes: 4 prompts x 4 samples, 32 response tokens, micro-batches of <= 256 tokens
-SIZES = {"BATCH": "4", "N": "4", "PROMPT_LEN": "64", "RESPONSE_LEN": "32", "MINI_BATCH": "4",
-         "MAX_TOKENS": "256"}  # fmt: skip
+SIZES = {
+    "BATCH": "4",
+    "N": "4",
+    "PROMPT_LEN": "64",
+    "RESPONSE_LEN": "32",
+    "MINI_BATCH": "4",
+    "MAX_TOKENS": "256",
+}
 
 
 def _overrides(tmp: Path, ray_dir: str) -> list[str]:
@@ -175,8 +181,14 @@ def _run(tmp: Path, data: dict[str, str], env_extra: dict[str, str]) -> dict:
     for line in metrics_path.read_text().splitlines():
         rec = json.loads(line)
         steps[rec["step"]] = rec["data"]
-    return {"steps": steps, "probes": probe.read(probe_dir), "left": left, "wall_s": wall,
-            "pid": proc.pid, "log": log_path}  # fmt: skip
+    return {
+        "steps": steps,
+        "probes": probe.read(probe_dir),
+        "left": left,
+        "wall_s": wall,
+        "pid": proc.pid,
+        "log": log_path,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -189,12 +201,14 @@ def runs(tmp_path_factory):
         "compass": _run(base / "compass", data, {"LOSS": "compass_espo", "ADV": "compass_grpo"}),
         "verl": _run(
             base / "verl", data, {"LOSS": "vanilla", "ADV": "grpo", "COMPASS_VERL_PATCHES": ""}
-        ),  # fmt: skip
+        ),
     }
     for name, r in out.items():
         kl = [r["steps"][s].get("rollout_corr/kl") for s in sorted(r["steps"])]
-        corr = [r["steps"][s].get("training/rollout_actor_probs_pearson_corr")
-                for s in sorted(r["steps"])]  # fmt: skip
+        corr = [
+            r["steps"][s].get("training/rollout_actor_probs_pearson_corr")
+            for s in sorted(r["steps"])
+        ]
         times = [r["steps"][s].get("timing_s/step") for s in sorted(r["steps"])]
         print(f"\n{name}: wall {r['wall_s']:.0f} s, step s {times}, KL {kl}, pearson {corr}")
     return out
@@ -224,8 +238,14 @@ def test_rollouts_agree_with_the_actor_after_every_sync(runs, name):
 def test_compass_pieces_ran_in_the_workers(runs):
     r = runs["compass"]
     p = r["probes"]
-    for name in ("loss_espo", "advantage", "old_entropy", "old_entropy_loss", "micro_batches",
-                 "partitions"):  # fmt: skip
+    for name in (
+        "loss_espo",
+        "advantage",
+        "old_entropy",
+        "old_entropy_loss",
+        "micro_batches",
+        "partitions",
+    ):
         assert name in p, (name, sorted(p))
     # the loss ran in the actor workers, not where the advantages were computed (the driver)
     assert set(p["loss_espo"]).isdisjoint(p["advantage"])

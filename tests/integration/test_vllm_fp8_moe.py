@@ -27,11 +27,18 @@ def _moe_config():
     )
 
     return FusedMoEConfig(
-        num_experts=E, experts_per_token=TOP_K, hidden_dim=H, intermediate_size=INTER,
-        num_local_experts=E, num_logical_experts=E, activation=MoEActivation.SILU,
-        device="cpu", routing_method=RoutingMethodType.Renormalize,
-        moe_parallel_config=FusedMoEParallelConfig.make_no_parallel(), in_dtype=torch.bfloat16,
-    )  # fmt: skip
+        num_experts=E,
+        experts_per_token=TOP_K,
+        hidden_dim=H,
+        intermediate_size=INTER,
+        num_local_experts=E,
+        num_logical_experts=E,
+        activation=MoEActivation.SILU,
+        device="cpu",
+        routing_method=RoutingMethodType.Renormalize,
+        moe_parallel_config=FusedMoEParallelConfig.make_no_parallel(),
+        in_dtype=torch.bfloat16,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +61,18 @@ def _vllm_cpu_moe(x, ids, weights, w13, w2):
     from vllm._custom_ops import cpu_fused_moe, cpu_prepack_moe_weight
 
     out = torch.empty_like(x)
-    cpu_fused_moe(out, x, cpu_prepack_moe_weight(w13, "vec"), cpu_prepack_moe_weight(w2, "vec"),
-                  None, None, weights, ids, "silu", "vec")  # fmt: skip
+    cpu_fused_moe(
+        out,
+        x,
+        cpu_prepack_moe_weight(w13, "vec"),
+        cpu_prepack_moe_weight(w2, "vec"),
+        None,
+        None,
+        weights,
+        ids,
+        "silu",
+        "vec",
+    )
     return out
 
 
@@ -66,8 +83,17 @@ def _ours(layer):
 
     x, ids, weights, w13_q, w13_s, w2_q, w2_s = layer
     kernel = make_kernel(CompassFp8Experts.for_layer(_moe_config(), w13_s, w2_s))
-    return kernel.apply(x, w13_q, w2_q, weights, ids, MoEActivation.SILU, global_num_experts=E,
-                        expert_map=None, apply_router_weight_on_input=False)  # fmt: skip
+    return kernel.apply(
+        x,
+        w13_q,
+        w2_q,
+        weights,
+        ids,
+        MoEActivation.SILU,
+        global_num_experts=E,
+        expert_map=None,
+        apply_router_weight_on_input=False,
+    )
 
 
 def _rel(a, b):
@@ -99,20 +125,44 @@ def test_unsupported_configurations_raise(layer):
     x, ids, weights, w13_q, w13_s, w2_q, w2_s = layer
     experts = CompassFp8Experts.for_layer(_moe_config(), w13_s, w2_s)
     out = torch.empty_like(x)
-    common = dict(output=out, hidden_states=x, w1=w13_q, w2=w2_q, topk_weights=weights,
-                  topk_ids=ids, global_num_experts=E, a1q_scale=None, a2_scale=None,
-                  workspace13=None, workspace2=None, expert_tokens_meta=None)  # fmt: skip
+    common = dict(
+        output=out,
+        hidden_states=x,
+        w1=w13_q,
+        w2=w2_q,
+        topk_weights=weights,
+        topk_ids=ids,
+        global_num_experts=E,
+        a1q_scale=None,
+        a2_scale=None,
+        workspace13=None,
+        workspace2=None,
+        expert_tokens_meta=None,
+    )
     with pytest.raises(NotImplementedError, match="expert_map"):
-        experts.apply(**common, activation=MoEActivation.SILU, expert_map=torch.arange(E),
-                      apply_router_weight_on_input=False)  # fmt: skip
+        experts.apply(
+            **common,
+            activation=MoEActivation.SILU,
+            expert_map=torch.arange(E),
+            apply_router_weight_on_input=False,
+        )
     with pytest.raises(NotImplementedError, match="apply_router_weight_on_input"):
-        experts.apply(**common, activation=MoEActivation.SILU, expert_map=None,
-                      apply_router_weight_on_input=True)  # fmt: skip
+        experts.apply(
+            **common,
+            activation=MoEActivation.SILU,
+            expert_map=None,
+            apply_router_weight_on_input=True,
+        )
     with pytest.raises(NotImplementedError, match="SiLU"):
-        experts.apply(**common, activation=MoEActivation.GELU, expert_map=None,
-                      apply_router_weight_on_input=False)  # fmt: skip
+        experts.apply(
+            **common,
+            activation=MoEActivation.GELU,
+            expert_map=None,
+            apply_router_weight_on_input=False,
+        )
     with pytest.raises(ValueError, match="block_shape"):
         quant = fp8_w8a8_moe_quant_config(w13_s, w2_s, block_shape=[64, 64])
         CompassFp8Experts(_moe_config(), quant)
-    assert experts.workspace_shapes(TOKENS, 2 * INTER, H, TOP_K, E, E, None,
-                                    MoEActivation.SILU)[2] == (TOKENS, H)  # fmt: skip
+    assert experts.workspace_shapes(TOKENS, 2 * INTER, H, TOP_K, E, E, None, MoEActivation.SILU)[
+        2
+    ] == (TOKENS, H)

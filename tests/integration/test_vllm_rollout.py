@@ -41,8 +41,10 @@ def engine(tiny_moe_path):
 def _params():
     from vllm import SamplingParams
 
-    return [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, detokenize=False)
-            for m in _NOW]  # fmt: skip
+    return [
+        SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, detokenize=False)
+        for m in _NOW
+    ]
 
 
 def _predictor():
@@ -70,8 +72,15 @@ def test_priority_mode_runs_longest_predicted_first(engine):
 
     assert engine_policy(engine) == "priority"
     pred = _predictor()
-    res = generate_length_aware(engine, _PROMPTS, _params(), prompt_keys=_KEYS, predictor=pred,
-                                mode="priority", use_tqdm=False)  # fmt: skip
+    res = generate_length_aware(
+        engine,
+        _PROMPTS,
+        _params(),
+        prompt_keys=_KEYS,
+        predictor=pred,
+        mode="priority",
+        use_tqdm=False,
+    )
     assert res.plan.order.tolist() == [7, 3, 5, 6, 1, 4, 2, 0]
     assert res.lengths == _NOW  # outputs in the caller's order
     _assert_ran_in(res.outputs, res.plan.order.tolist())
@@ -85,8 +94,16 @@ def test_order_mode_on_first_come_first_served(engine):
     from compass_kernels.integration.vllm.rollout import generate_length_aware
 
     pred = _predictor()
-    res = generate_length_aware(engine, _PROMPTS, _params(), prompt_keys=_KEYS, predictor=pred,
-                                mode="order", update=False, use_tqdm=False)  # fmt: skip
+    res = generate_length_aware(
+        engine,
+        _PROMPTS,
+        _params(),
+        prompt_keys=_KEYS,
+        predictor=pred,
+        mode="order",
+        update=False,
+        use_tqdm=False,
+    )
     assert res.lengths == _NOW
     _assert_ran_in(res.outputs, res.plan.order.tolist())
     assert pred.predict("prompt0") == pytest.approx(10.0)  # update=False: unchanged

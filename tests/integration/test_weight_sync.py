@@ -227,14 +227,23 @@ def test_parts_sync_checks_each_part_before_it_loads(engine, trained, tiny_moe_p
 
     sync_to_vllm(llm, load_hf_state_dict(tiny_moe_path))  # the fresh weights
     cases = [
-        (with_bad({**parts[layer1], "extra.weight": layout[name]}), ValueError,
-         r"'extra.weight' is not a tensor of the engine's checkpoint"),
-        (with_bad({**parts[layer1], **{k: v for k, v in parts[0].items()}}), ValueError,
-         r"sent twice"),
-        (with_bad({**parts[layer1], name: layout[name][:, :-1]}), ValueError,
-         rf"\['{name}'\] has shape \(64, 127\)"),
+        (
+            with_bad({**parts[layer1], "extra.weight": layout[name]}),
+            ValueError,
+            r"'extra.weight' is not a tensor of the engine's checkpoint",
+        ),
+        (
+            with_bad({**parts[layer1], **{k: v for k, v in parts[0].items()}}),
+            ValueError,
+            r"sent twice",
+        ),
+        (
+            with_bad({**parts[layer1], name: layout[name][:, :-1]}),
+            ValueError,
+            rf"\['{name}'\] has shape \(64, 127\)",
+        ),
         (with_bad(list(parts[layer1].items())), TypeError, r"parts must yield mappings, got list"),
-    ]  # fmt: skip
+    ]
     for stream, error, match in cases:
         with pytest.raises(error, match=match):
             sync_parts_to_vllm(llm, iter(stream))
@@ -300,8 +309,10 @@ def test_fp8_dequantized_sync_and_swallowed_report(engine, trained, tiny_moe_pat
         swallowed += int((moved & (q0 == q1) & (s0 == s1)).sum())
     r = report.fp8_report
     assert (r.changed, r.swallowed) == (changed, swallowed) and 0 < swallowed < changed
-    print(f"\nFP8 rounding swallowed {r.swallowed_fraction:.1%} of the changed weights "
-          f"({r.swallowed_update_fraction:.1%} of sum |dw|) of the Adam step")  # fmt: skip
+    print(
+        f"\nFP8 rounding swallowed {r.swallowed_fraction:.1%} of the changed weights "
+        f"({r.swallowed_update_fraction:.1%} of sum |dw|) of the Adam step"
+    )
 
     cfg = trained[2].config
     ref = AutoModelForCausalLM.from_pretrained(tiny_moe_path, dtype=torch.float32).eval()
@@ -309,8 +320,10 @@ def test_fp8_dequantized_sync_and_swallowed_report(engine, trained, tiny_moe_pat
     want = _hf_logprobs(ref, probe)
     err = (_vllm_logprobs(llm, probe) - want).abs().max()
     fp8_effect = (want - _hf_logprobs(trained[2], probe)).abs().max()
-    print(f"FP8-dequantized sync: max |dlogp| vs transformers {float(err):.3e} "
-          f"(FP8 vs bf16 weights: {float(fp8_effect):.3e})")  # fmt: skip
+    print(
+        f"FP8-dequantized sync: max |dlogp| vs transformers {float(err):.3e} "
+        f"(FP8 vs bf16 weights: {float(fp8_effect):.3e})"
+    )
     assert err <= TOL and fp8_effect > 100 * TOL
 
     with pytest.raises(ValueError, match=r"is torch.float32; the FP8 sync quantizes the bf16"):

@@ -448,8 +448,9 @@ def megatron_part_to_hf(
     return out
 
 
-def _to_hf_part(take: _Reader, hf_config: Any, part: str | int,
-                fused_experts: bool) -> dict[str, torch.Tensor]:  # fmt: skip
+def _to_hf_part(
+    take: _Reader, hf_config: Any, part: str | int, fused_experts: bool
+) -> dict[str, torch.Tensor]:
     d = _dims(hf_config)
     h, hd, ng, nh, ne, ffn = (d[k] for k in _DIM_NAMES)
     vocab = int(hf_config.vocab_size)
@@ -463,8 +464,9 @@ def _to_hf_part(take: _Reader, hf_config: Any, part: str | int,
             out["lm_head.weight"] = take("output_layer.weight", (vocab, h))
         return out
     if not isinstance(part, int) or not 0 <= part < d["layers"]:
-        raise ValueError(f"part must be 'embedding', 'final' or a layer in [0, {d['layers']}), "
-                         f"got {part!r}")  # fmt: skip
+        raise ValueError(
+            f"part must be 'embedding', 'final' or a layer in [0, {d['layers']}), got {part!r}"
+        )
     per_group = nh // ng
     qkv_rows = (per_group + 2) * hd
     i = part

@@ -35,8 +35,16 @@ import torch
 from compass_kernels.espo import espo_loss
 
 #: metrics reported to Megatron's logging (0-d device tensors; no host sync)
-REPORTED = ("loss", "clip_frac", "dual_clip_frac", "ratio_mean", "ratio_max", "kl_k3",
-            "log_ratio_gt_ln2_frac", "entropy_mean")  # fmt: skip
+REPORTED = (
+    "loss",
+    "clip_frac",
+    "dual_clip_frac",
+    "ratio_mean",
+    "ratio_max",
+    "kl_k3",
+    "log_ratio_gt_ln2_frac",
+    "entropy_mean",
+)
 
 
 @dataclass
@@ -83,9 +91,16 @@ def espo_loss_func(
     dp_size, cp_group = _parallel_sizes(dp_size, cp_group)
     logprobs = -output_tensor.reshape(-1)
     loss, metrics = espo_loss(
-        logprobs, batch.old_logprobs, batch.old_entropy, batch.advantages, batch.cu_seqlens,
-        batch.loss_mask, num_sequences=batch.num_sequences, cp_group=cp_group, **espo_kwargs,
-    )  # fmt: skip
+        logprobs,
+        batch.old_logprobs,
+        batch.old_entropy,
+        batch.advantages,
+        batch.cu_seqlens,
+        batch.loss_mask,
+        num_sequences=batch.num_sequences,
+        cp_group=cp_group,
+        **espo_kwargs,
+    )
     report = {f"espo/{key}": metrics[key].detach() for key in REPORTED}
     return loss * (num_microbatches * dp_size), report
 

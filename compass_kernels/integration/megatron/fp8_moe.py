@@ -40,8 +40,10 @@ def _expert_weights(module) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(m.linear_fc1.weight, m.linear_fc2.weight) for m in module.local_experts]
     if hasattr(module, "linear_fc1") and hasattr(module.linear_fc1, "weight0"):  # TEGroupedMLP
         n = module.num_local_experts
-        return [(getattr(module.linear_fc1, f"weight{i}"), getattr(module.linear_fc2, f"weight{i}"))
-                for i in range(n)]  # fmt: skip
+        return [
+            (getattr(module.linear_fc1, f"weight{i}"), getattr(module.linear_fc2, f"weight{i}"))
+            for i in range(n)
+        ]
     raise TypeError(
         f"module: expected a Megatron SequentialMLP or TEGroupedMLP, got {type(module).__name__}"
     )
@@ -50,8 +52,10 @@ def _expert_weights(module) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def _check_config(module) -> None:
     cfg = module.config
     if not cfg.gated_linear_unit or cfg.activation_func is not torch.nn.functional.silu:
-        raise ValueError("module.config: expected gated SiLU experts (gated_linear_unit=True, "
-                         f"activation_func=F.silu), got {cfg.activation_func}")  # fmt: skip
+        raise ValueError(
+            "module.config: expected gated SiLU experts (gated_linear_unit=True, "
+            f"activation_func=F.silu), got {cfg.activation_func}"
+        )
     if cfg.add_bias_linear:
         raise ValueError("module.config: expected experts without bias (add_bias_linear=False)")
 

@@ -294,9 +294,11 @@ def build_rank_model(
     overrides.update(config_overrides)
     config = megatron_config_from_hf(hf_config, **overrides)
     spec = get_gpt_layer_local_spec(
-        num_experts=d["experts"], moe_grouped_gemm=False, qk_layernorm=True,
+        num_experts=d["experts"],
+        moe_grouped_gemm=False,
+        qk_layernorm=True,
         normalization="RMSNorm",
-    )  # fmt: skip
+    )
     # THD-packed micro-batches, CP or not (the local attention takes neither)
     spec.submodules.self_attention.submodules.core_attention = ThdDotProductAttention
     if layout.tp > 1:
@@ -441,8 +443,9 @@ def model_part(name: str) -> str | int:
     raise ValueError(f"{name!r}: not a GPTModel parameter of a known part")
 
 
-def gathered_megatron_params(model: torch.nn.Module, part: str | int | None = None
-                             ) -> dict[str, torch.Tensor]:  # fmt: skip
+def gathered_megatron_params(
+    model: torch.nn.Module, part: str | int | None = None
+) -> dict[str, torch.Tensor]:
     """This rank's share of the full model's Megatron parameters, TP shards
     all-gathered (a collective: every rank of the TP group must call it), under
     full-model names. Only the owner of each parameter returns it (dense: dp

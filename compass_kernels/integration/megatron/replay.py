@@ -523,8 +523,12 @@ class TraceReplay:
                 "(slice the trace for this pipeline stage; dense layers have no rows)"
             )
         if self.validate:
-            trace.validate(moe_layer_ids=layers, top_k=self.top_k, num_experts=self.num_experts,
-                           max_missing_fraction=self.max_missing_fraction)  # fmt: skip
+            trace.validate(
+                moe_layer_ids=layers,
+                top_k=self.top_k,
+                num_experts=self.num_experts,
+                max_missing_fraction=self.max_missing_fraction,
+            )
         elif trace.top_k != self.top_k or trace.num_experts != self.num_experts:
             raise ReplayError(
                 f"trace (top_k {trace.top_k}, {trace.num_experts} experts) does not match the "

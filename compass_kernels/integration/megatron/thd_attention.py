@@ -66,8 +66,14 @@ def _cp_layout(cu_padded: tuple[int, ...], cp: int, rank: int):
 
     padded = np.diff(np.asarray(cu_padded, dtype=np.int64))
     n = padded.size
-    pb = ck.packing.pack(torch.empty(int(padded.sum()), 0), padded, np.arange(n),
-                         pad_multiple=2 * cp, cp_size=cp, cp_rank=rank)  # fmt: skip
+    pb = ck.packing.pack(
+        torch.empty(int(padded.sum()), 0),
+        padded,
+        np.arange(n),
+        pad_multiple=2 * cp,
+        cp_size=cp,
+        cp_rank=rank,
+    )
     order = ck.packing.unpack(torch.arange(cp * pb.local_tokens), pb)
     local = np.concatenate([[0], np.cumsum(padded // cp)])
     masks = []
@@ -107,8 +113,16 @@ class ThdDotProductAttention(torch.nn.Module):
 
         return dist.get_world_size(self.cp_group)
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
-                attention_bias=None, packed_seq_params=None):  # fmt: skip
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ):
         import torch.distributed as dist
 
         if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
@@ -118,8 +132,10 @@ class ThdDotProductAttention(torch.nn.Module):
                 f"{None if packed_seq_params is None else packed_seq_params.qkv_format!r}"
             )
         if attention_mask is not None or attention_bias is not None:
-            raise ValueError("ThdDotProductAttention: the sequences come from cu_seqlens; "
-                             "expected no attention_mask / attention_bias")  # fmt: skip
+            raise ValueError(
+                "ThdDotProductAttention: the sequences come from cu_seqlens; "
+                "expected no attention_mask / attention_bias"
+            )
         cu_t = packed_seq_params.cu_seqlens_q_padded
         if cu_t is None:
             cu_t = packed_seq_params.cu_seqlens_q

@@ -107,8 +107,7 @@ def print_tail(log_path: Path, stream: IO[str], lines: int = TAIL_LINES) -> None
         text = log_path.read_text(errors="replace").splitlines()
     except OSError:
         return
-    print(f"compass-rl failed; the last {min(lines, len(text))} lines of {log_path}:",
-          file=stream)  # fmt: skip
+    print(f"compass-rl failed; the last {min(lines, len(text))} lines of {log_path}:", file=stream)
     for line in text[-lines:]:
         print(f"  {line}", file=stream)
     stream.flush()
@@ -177,9 +176,13 @@ MARKDOWN_COLUMNS: tuple[tuple[str, Any], ...] = (
     ("step", _f("step", "{:d}")),
     ("reward", _f("reward_mean", "{:.3f}")),
     ("acc", _f("accuracy", "{:.2f}")),
-    ("zero-var: initial / resample / penalties / RL-ZVP",
-     lambda r: " / ".join(f"{r[k]:.2f}" if r[k] else "0"
-                          for k in ("zv_initial", "zv_resample", "zv_penalty", "zv_rlzvp"))),
+    (
+        "zero-var: initial / resample / penalties / RL-ZVP",
+        lambda r: " / ".join(
+            f"{r[k]:.2f}" if r[k] else "0"
+            for k in ("zv_initial", "zv_resample", "zv_penalty", "zv_rlzvp")
+        ),
+    ),
     ("inversions naive / guard", _pair("{:d}", "inversions_naive", "inversions_guard")),
     ("tokens", _f("tokens", "{:d}")),
     ("pack util", _f("pack_utilization", "{:.2f}")),
@@ -187,10 +190,14 @@ MARKDOWN_COLUMNS: tuple[tuple[str, Any], ...] = (
     ("mean \\|d\\| replay / native", _pair(_e, "gap_replay", "gap_native")),
     ("k3 replay / native", _pair(_e, "k3_replay", "k3_native")),
     ("probe \\|d\\| before / after sync", _pair(_small, "probe_gap_before", "probe_gap")),
-    ("rollout / old pass / train / sync (s)",
-     lambda r: f"{r['t_rollout']:.1f} / {r['t_old']:.1f} / {r['t_train']:.1f} / {r['t_sync']:.2f}"),
+    (
+        "rollout / old pass / train / sync (s)",
+        lambda r: (
+            f"{r['t_rollout']:.1f} / {r['t_old']:.1f} / {r['t_train']:.1f} / {r['t_sync']:.2f}"
+        ),
+    ),
     ("reward overlap (s)", lambda r: f"{r['overlap_s']:.2f} of {r['t_score_busy']:.2f}"),
-)  # fmt: skip
+)
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:

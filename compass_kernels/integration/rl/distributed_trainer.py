@@ -52,9 +52,17 @@ class DistributedTrainer:
     device : where the ranks run (``rank_processes.DEVICES``).
     """
 
-    def __init__(self, model_dir: str | os.PathLike, layout: Layout, *, lr: float = 1e-3,
-                 replay: bool = True, seed: int = 0, timeout: float = 600.0,
-                 device: str = "cpu") -> None:  # fmt: skip
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        layout: Layout,
+        *,
+        lr: float = 1e-3,
+        replay: bool = True,
+        seed: int = 0,
+        timeout: float = 600.0,
+        device: str = "cpu",
+    ) -> None:
         from transformers import AutoConfig
 
         self.model_dir = str(Path(model_dir))
@@ -62,8 +70,15 @@ class DistributedTrainer:
         self.layout = layout.check(self.hf_config)
         self.use_replay = replay
         self.vocab_size = int(self.hf_config.vocab_size)
-        self.ranks = RankProcesses(self.model_dir, self.layout, lr=lr, replay=replay, seed=seed,
-                                   timeout=timeout, device=device)  # fmt: skip
+        self.ranks = RankProcesses(
+            self.model_dir,
+            self.layout,
+            lr=lr,
+            replay=replay,
+            seed=seed,
+            timeout=timeout,
+            device=device,
+        )
         self.infos: list[RankInfo] = [v[0] for v in self.ranks.ready]
         self.stage_layers: list[list[int]] = [v[1] for v in self.ranks.ready]
         self.last_bytes: dict[str, Any] = {}
@@ -101,12 +116,14 @@ class DistributedTrainer:
         dp ranks, the ranks short of micro-batches running zero-token padding ones
         (they keep the schedule's collectives in step and add 0 to loss and
         gradients); "error" re-raises the planner's error."""
-        return StepData(batch=batch, plan=plan_or_pad(batch.lengths, self.layout.dp,
-                                                      max_tokens, empty=empty))  # fmt: skip
+        return StepData(
+            batch=batch, plan=plan_or_pad(batch.lengths, self.layout.dp, max_tokens, empty=empty)
+        )
 
     def _scatter(self, data: StepData, what: str, replay: bool) -> list[list[RankMicroBatch]]:
-        shares = make_shares(data, self.layout, self.infos, self.stage_layers, what=what,
-                             replay=replay)  # fmt: skip
+        shares = make_shares(
+            data, self.layout, self.infos, self.stage_layers, what=what, replay=replay
+        )
         sent = share_bytes(shares)
         self.last_bytes[what] = {"per_rank": sent, "full": full_broadcast_bytes(data, what)}
         return shares
@@ -148,8 +165,7 @@ class DistributedTrainer:
             shares = self._scatter(data, "forward", replay)
             results = self._command("forward", [(s, replay) for s in shares])
             lp, ent = self._assemble(data, results)
-            return {"logprobs": lp, "entropy": ent,
-                    "replay": self._replay_dicts(results)}  # fmt: skip
+            return {"logprobs": lp, "entropy": ent, "replay": self._replay_dicts(results)}
         shares = self._scatter(data, "forward_stats", replay)
         results = self._command("forward", [(s, replay, keep) for s in shares])
         self._kept[keep] = data.plan
@@ -158,8 +174,9 @@ class DistributedTrainer:
         self._kept_seq_max[keep] = out["seq_entropy_max"]
         return {**out, "replay": self._replay_dicts(results)}
 
-    def _reduce_stats(self, data: StepData, shares: list[list[RankMicroBatch]],
-                      results: list[dict]) -> dict:  # fmt: skip
+    def _reduce_stats(
+        self, data: StepData, shares: list[list[RankMicroBatch]], results: list[dict]
+    ) -> dict:
         import math
 
         from compass_kernels.integration.rl.batch import GapSums
@@ -180,9 +197,16 @@ class DistributedTrainer:
                 emin[idx] = torch.minimum(emin[idx], lo)
         return {"gap": total.stats(), "seq_entropy_max": emax, "seq_entropy_min": emin}
 
-    def token_advantages(self, data: StepData, keep: str, rewards: torch.Tensor,
-                         zero_var: torch.Tensor, advantages: torch.Tensor, *,
-                         alpha: float) -> torch.Tensor:  # fmt: skip
+    def token_advantages(
+        self,
+        data: StepData,
+        keep: str,
+        rewards: torch.Tensor,
+        zero_var: torch.Tensor,
+        advantages: torch.Tensor,
+        *,
+        alpha: float,
+    ) -> torch.Tensor:
         """RL-ZVP token advantages computed on the last-stage ranks from the entropy
         of ``forward(data, keep=keep)`` and kept there for ``train(use_kept=keep)``
         (the driver builds no per-token advantages).
@@ -201,11 +225,9 @@ class DistributedTrainer:
             raise ValueError(f"token_advantages: keep={keep!r} names no forward of this plan")
         assert plan is not None  # a kept forward's plan
         n = data.batch.num_sequences
-        for name, t in (("rewards", rewards), ("zero_var", zero_var),
-                        ("advantages", advantages)):  # fmt: skip
+        for name, t in (("rewards", rewards), ("zero_var", zero_var), ("advantages", advantages)):
             if t.shape != (n,):
-                raise ValueError(f"{name}: expected [{n}] (one per sequence), got "
-                                 f"{tuple(t.shape)}")  # fmt: skip
+                raise ValueError(f"{name}: expected [{n}] (one per sequence), got {tuple(t.shape)}")
         emax = self._kept_seq_max[keep]
         args, sent = [], []
         for info in self.infos:
@@ -215,14 +237,23 @@ class DistributedTrainer:
                 for j in range(plan.num_micro_batches):
                     idx = plan.micro_batch(info.dp, j)
                     if idx.numel() == 0:  # a padding micro-batch: one empty sequence
-                        per_mb.append({"rewards": rewards.new_zeros(1),
-                                       "zero_var": torch.zeros(1, dtype=torch.bool),
-                                       "advantages": advantages.new_zeros(1),
-                                       "entropy_max": emax.new_zeros(1)})  # fmt: skip
+                        per_mb.append(
+                            {
+                                "rewards": rewards.new_zeros(1),
+                                "zero_var": torch.zeros(1, dtype=torch.bool),
+                                "advantages": advantages.new_zeros(1),
+                                "entropy_max": emax.new_zeros(1),
+                            }
+                        )
                         continue
-                    per_mb.append({"rewards": rewards[idx], "zero_var": zero_var[idx],
-                                   "advantages": advantages[idx],
-                                   "entropy_max": emax[idx]})  # fmt: skip
+                    per_mb.append(
+                        {
+                            "rewards": rewards[idx],
+                            "zero_var": zero_var[idx],
+                            "advantages": advantages[idx],
+                            "entropy_max": emax[idx],
+                        }
+                    )
             args.append((keep, per_mb, float(alpha)))
             sent.append(sum(t.numel() * t.element_size() for d in per_mb or [] for t in d.values()))
         self.last_bytes["token_advantages"] = {"per_rank": sent}
@@ -277,21 +308,26 @@ class DistributedTrainer:
         from compass_kernels.espo import loss_config
         from compass_kernels.espo.loss import entropy_thresholds
 
-        cfg = loss_config.resolve(**{k: v for k, v in espo_kwargs.items()
-                                     if k not in ("entropy_threshold", "use_kept")},
-                                  vocab_size=self.vocab_size)  # fmt: skip
+        cfg = loss_config.resolve(
+            **{k: v for k, v in espo_kwargs.items() if k not in ("entropy_threshold", "use_kept")},
+            vocab_size=self.vocab_size,
+        )
         thr = espo_kwargs.pop("entropy_threshold", None)
         use = espo_kwargs.get("use_kept")
         if (data.old_logprobs is None) != (data.old_entropy is None) or (
             data.old_logprobs is None and use is None
         ):
-            raise ValueError("train: give data.old_logprobs and old_entropy, or use_kept=<name> "
-                             "of a forward(keep=<name>) of this batch")  # fmt: skip
+            raise ValueError(
+                "train: give data.old_logprobs and old_entropy, or use_kept=<name> "
+                "of a forward(keep=<name>) of this batch"
+            )
         if use is not None and self._kept.get(use) is not data.plan:
             raise ValueError(f"train: use_kept={use!r} names no forward of this step's plan")
         if data.advantages is None and use not in self._kept_adv:
-            raise ValueError("train: give data.advantages, or use_kept=<name> after "
-                             "token_advantages(data, <name>, ...)")  # fmt: skip
+            raise ValueError(
+                "train: give data.advantages, or use_kept=<name> after "
+                "token_advantages(data, <name>, ...)"
+            )
         kept_q = None
         if thr is None and cfg.num_groups > 1 and not cfg.per_sequence and not cfg.token_groups:
             m = data.batch.mask
@@ -302,8 +338,9 @@ class DistributedTrainer:
                 cu = torch.tensor([0, ent.numel()], dtype=torch.int64)
                 thr = entropy_thresholds(ent, cu, levels=cfg.levels).reshape(-1)
         shares = self._scatter(data, "train", self.use_replay)
-        results = self._command("train", [(s, num_sequences, thr, espo_kwargs, kept_q)
-                                          for s in shares])  # fmt: skip
+        results = self._command(
+            "train", [(s, num_sequences, thr, espo_kwargs, kept_q) for s in shares]
+        )
         return self._reduce_train(data, results)
 
     def _reduce_train(self, data: StepData, results: list[dict]) -> dict:
@@ -327,8 +364,9 @@ class DistributedTrainer:
         out["loss"] = loss
         out["grad_norm"] = results[0]["grad_norm"]
         # the entropy-group boundaries the loss used ([Q]; None: one group)
-        thr = next((r["entropy_threshold"] for r in results
-                    if r["entropy_threshold"] is not None), None)  # fmt: skip
+        thr = next(
+            (r["entropy_threshold"] for r in results if r["entropy_threshold"] is not None), None
+        )
         out["entropy_threshold"] = None if thr is None else torch.tensor(thr, dtype=torch.float64)
         out["replay"] = self._replay_dicts(results)
         return out

@@ -25,8 +25,9 @@ from compass_kernels.integration.megatron.parallel import Layout
 __all__ = ["StepResult", "compare", "driver_bytes", "run_step", "synthetic_batch"]
 
 
-def synthetic_batch(hf_config: Any, *, num_sequences: int = 8, seed: int = 0,
-                    min_len: int = 6, max_len: int = 24):  # fmt: skip
+def synthetic_batch(
+    hf_config: Any, *, num_sequences: int = 8, seed: int = 0, min_len: int = 6, max_len: int = 24
+):
     """(Batch, per-token advantages): ``num_sequences`` sequences of random
     length in [min_len, max_len] (prompt 3..5 tokens), uniform random expert
     sets per MoE layer, advantages of both signs per prompt group of 2."""
@@ -51,17 +52,23 @@ def synthetic_batch(hf_config: Any, *, num_sequences: int = 8, seed: int = 0,
         masks.append(m)
         seq.append(torch.full((int(n),), i, dtype=torch.int64))
     rows = int((lengths - 1).sum())
-    ids = torch.stack([torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(L)])
-                       for _ in range(rows)]).to(torch.uint8)  # fmt: skip
+    ids = torch.stack(
+        [torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(L)]) for _ in range(rows)]
+    ).to(torch.uint8)
     cu = torch.zeros(num_sequences + 1, dtype=torch.int64)
     cu[1:] = torch.cumsum(torch.from_numpy(lengths - 1), 0)
     trace = RoutingTrace(ids, cu, E, layer_ids=range(L))
     mask = torch.cat(masks)
     batch = Batch(
-        lengths=lengths, prompt_lens=prompts, tokens=torch.cat(toks), targets=torch.cat(tgts),
-        mask=mask, infer_logprobs=torch.zeros(mask.shape[0]), seq_index=torch.cat(seq),
+        lengths=lengths,
+        prompt_lens=prompts,
+        tokens=torch.cat(toks),
+        targets=torch.cat(tgts),
+        mask=mask,
+        infer_logprobs=torch.zeros(mask.shape[0]),
+        seq_index=torch.cat(seq),
         trace=trace,
-    )  # fmt: skip
+    )
     seq_adv = torch.randn(num_sequences, generator=g)
     adv = torch.where(mask, seq_adv[batch.seq_index], 0.0)
     return batch, adv
@@ -83,9 +90,18 @@ class StepResult:
     sync: dict | None = None  # DistributedTrainer.last_sync of that gather
 
 
-def run_step(model_dir: Any, layout: Layout, batch: Any, advantages: torch.Tensor, *,
-             old: tuple[torch.Tensor, torch.Tensor] | None = None, max_tokens: int = 64,
-             lr: float = 1e-3, seed: int = 0, timeout: float = 300.0) -> StepResult:  # fmt: skip
+def run_step(
+    model_dir: Any,
+    layout: Layout,
+    batch: Any,
+    advantages: torch.Tensor,
+    *,
+    old: tuple[torch.Tensor, torch.Tensor] | None = None,
+    max_tokens: int = 64,
+    lr: float = 1e-3,
+    seed: int = 0,
+    timeout: float = 300.0,
+) -> StepResult:
     """Forward, then one step on ``layout`` (old log-probs / entropy: ``old``, else
     the forward's own). ``max_tokens`` caps a micro-batch (several per rank)."""
     import time
@@ -112,9 +128,20 @@ def run_step(model_dir: Any, layout: Layout, batch: Any, advantages: torch.Tenso
         sync = dict(trainer.last_sync)
     finally:
         trainer.close()
-    return StepResult(layout, fwd["logprobs"], fwd["entropy"], m["loss"], m["grad_norm"],
-                      weights, m["replay"], sent["per_rank"], sent["full"],
-                      time.perf_counter() - t0, parts_equal, sync)  # fmt: skip
+    return StepResult(
+        layout,
+        fwd["logprobs"],
+        fwd["entropy"],
+        m["loss"],
+        m["grad_norm"],
+        weights,
+        m["replay"],
+        sent["per_rank"],
+        sent["full"],
+        time.perf_counter() - t0,
+        parts_equal,
+        sync,
+    )
 
 
 def compare(a: StepResult, b: StepResult) -> dict[str, float]:
@@ -132,8 +159,9 @@ def compare(a: StepResult, b: StepResult) -> dict[str, float]:
     }
 
 
-def driver_bytes(model_dir: Any, layout: Layout, batch: Any, *, max_tokens: int = 512,
-                 seed: int = 0) -> dict:  # fmt: skip
+def driver_bytes(
+    model_dir: Any, layout: Layout, batch: Any, *, max_tokens: int = 512, seed: int = 0
+) -> dict:
     """Bytes the driver receives from the ranks (pickled replies) in one step of
     ``compass-rl`` on ``batch``: "kept" (``LoopAdapter``: the old-policy passes
     kept on the ranks, RL-ZVP there, train on the kept values) and "gathered"
@@ -163,15 +191,22 @@ def driver_bytes(model_dir: Any, layout: Layout, batch: Any, *, max_tokens: int 
         data.old_logprobs, data.old_entropy = rep["logprobs"], rep["entropy"]
         data.advantages = torch.where(batch.mask, adv[batch.seq_index], 0.0)
         r.train(data, num_sequences=n)
-        gathered = {k: v - start.get(k, 0) for k, v in r.reply_bytes_total.items()
-                    if v > start.get(k, 0)}  # fmt: skip
+        gathered = {
+            k: v - start.get(k, 0) for k, v in r.reply_bytes_total.items() if v > start.get(k, 0)
+        }
     finally:
         trainer.close()
-    return {"layout": layout.as_dict(), "sequences": n, "tokens": batch.num_tokens,
-            "response_tokens": int(batch.mask.sum()),
-            "micro_batches": pack.stats["micro_batches"], "kept": kept,
-            "kept_total": sum(kept.values()), "gathered": gathered,
-            "gathered_total": sum(gathered.values())}  # fmt: skip
+    return {
+        "layout": layout.as_dict(),
+        "sequences": n,
+        "tokens": batch.num_tokens,
+        "response_tokens": int(batch.mask.sum()),
+        "micro_batches": pack.stats["micro_batches"],
+        "kept": kept,
+        "kept_total": sum(kept.values()),
+        "gathered": gathered,
+        "gathered_total": sum(gathered.values()),
+    }
 
 
 def _main(argv: list[str] | None = None) -> None:
@@ -182,8 +217,10 @@ def _main(argv: list[str] | None = None) -> None:
 
     from compass_kernels.integration.cpu.tiny_moe import cached_tiny_qwen3_moe
 
-    p = argparse.ArgumentParser(description="Bytes the driver receives per compass-rl step "
-                                "(the tiny default model, a synthetic batch).")  # fmt: skip
+    p = argparse.ArgumentParser(
+        description="Bytes the driver receives per compass-rl step "
+        "(the tiny default model, a synthetic batch)."
+    )
     p.add_argument("--seqs", type=int, default=48, help="sequences")
     p.add_argument("--len", type=int, nargs=2, default=(15, 44), help="min / max tokens")
     p.add_argument("--max-tokens", type=int, default=512, help="token cap of a micro-batch")
@@ -191,8 +228,12 @@ def _main(argv: list[str] | None = None) -> None:
         p.add_argument(f"--{name}", type=int, default=1)
     args = p.parse_args(argv)
     path = cached_tiny_qwen3_moe()
-    batch, _ = synthetic_batch(AutoConfig.from_pretrained(path), num_sequences=args.seqs,
-                               min_len=args.len[0], max_len=args.len[1])  # fmt: skip
+    batch, _ = synthetic_batch(
+        AutoConfig.from_pretrained(path),
+        num_sequences=args.seqs,
+        min_len=args.len[0],
+        max_len=args.len[1],
+    )
     layout = Layout(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp, dp=args.dp)
     print(json.dumps(driver_bytes(path, layout, batch, max_tokens=args.max_tokens)))
 

@@ -51,21 +51,81 @@ __all__ = ["COLUMNS", "build_parser", "main", "run"]
 #: Every column of steps.csv, in order (each defined in docs/rl_columns.md; the terminal
 #: table and steps.md show some of them: console.TERMINAL_COLUMNS, MARKDOWN_COLUMNS).
 COLUMNS: tuple[str, ...] = (
-    "step", "prompts", "samples", "resampled_prompts", "resampled_samples", "reward_mean",
-    "reward_naive_mean", "accuracy", "zv_initial", "zv_resample", "zv_penalty", "zv_rlzvp",
-    "guard_capped", "inversions_naive", "inversions_guard", "tokens", "response_tokens",
-    "truncated_frac", "dp_size", "micro_batches", "pack_utilization", "pack_imbalance",
-    "pack_lost", "pack_duplicated", "pack_mismatch", "routing_agreement", "routing_exact",
-    "replayed_rows", "fallback_rows", "replay_layers", "gap_replay", "gap_native", "k3_replay",
-    "k3_native", "ln2_replay", "ln2_native", "maxgap_replay", "maxgap_native", "train_replay",
-    "loss", "grad_norm", "clip_frac", "ratio_mean", "entropy_mean", "probe_gap", "probe_k3",
-    "probe_tokens", "probe_gap_before", "weights_checked", "weights_max_diff", "sync_bytes",
+    "step",
+    "prompts",
+    "samples",
+    "resampled_prompts",
+    "resampled_samples",
+    "reward_mean",
+    "reward_naive_mean",
+    "accuracy",
+    "zv_initial",
+    "zv_resample",
+    "zv_penalty",
+    "zv_rlzvp",
+    "guard_capped",
+    "inversions_naive",
+    "inversions_guard",
+    "tokens",
+    "response_tokens",
+    "truncated_frac",
+    "dp_size",
+    "micro_batches",
+    "pack_utilization",
+    "pack_imbalance",
+    "pack_lost",
+    "pack_duplicated",
+    "pack_mismatch",
+    "routing_agreement",
+    "routing_exact",
+    "replayed_rows",
+    "fallback_rows",
+    "replay_layers",
+    "gap_replay",
+    "gap_native",
+    "k3_replay",
+    "k3_native",
+    "ln2_replay",
+    "ln2_native",
+    "maxgap_replay",
+    "maxgap_native",
+    "train_replay",
+    "loss",
+    "grad_norm",
+    "clip_frac",
+    "ratio_mean",
+    "entropy_mean",
+    "probe_gap",
+    "probe_k3",
+    "probe_tokens",
+    "probe_gap_before",
+    "weights_checked",
+    "weights_max_diff",
+    "sync_bytes",
     "fp8_swallowed_frac",
-    "t_rollout", "t_generate", "t_score_busy", "t_reward_tail", "overlap_s", "overlap_frac",
-    "t_collect", "length_pred_corr", "t_pack", "t_old", "t_train", "t_sync", "t_probe", "t_step",
-    "allocate", "alloc_samples", "skipped_prompts", "explored_prompts", "expected_informative",
-    "informative_groups", "generated_tokens", "informative_per_1k_tokens",
-)  # fmt: skip
+    "t_rollout",
+    "t_generate",
+    "t_score_busy",
+    "t_reward_tail",
+    "overlap_s",
+    "overlap_frac",
+    "t_collect",
+    "length_pred_corr",
+    "t_pack",
+    "t_old",
+    "t_train",
+    "t_sync",
+    "t_probe",
+    "t_step",
+    "allocate",
+    "alloc_samples",
+    "skipped_prompts",
+    "explored_prompts",
+    "expected_informative",
+    "informative_groups",
+    "generated_tokens",
+    "informative_per_1k_tokens",
+)
 
 #: the trainer's parallel layout (one process per rank) and the bytes of the
 #: step's largest per-rank share against a full broadcast of the batch.
@@ -117,13 +177,16 @@ def build_parser() -> argparse.ArgumentParser:
         "each size must divide the model's (the tiny default: 3 layers, 8 experts, 2 KV "
         "heads; --num-layers / --num-experts change it)"
     )
-    par.add_argument("--dp", type=int, default=2,
-                     help="data-parallel ranks (the packing plan's ranks)")  # fmt: skip
+    par.add_argument(
+        "--dp", type=int, default=2, help="data-parallel ranks (the packing plan's ranks)"
+    )
     par.add_argument("--tp", type=int, default=1, help="tensor-parallel size (sequence parallel)")
-    par.add_argument("--pp", type=int, default=1,
-                     help="pipeline stages (Megatron's 1F1B); divides the layers")  # fmt: skip
-    par.add_argument("--ep", type=int, default=1,
-                     help="expert-parallel size, cut from the tp*cp*dp ranks")  # fmt: skip
+    par.add_argument(
+        "--pp", type=int, default=1, help="pipeline stages (Megatron's 1F1B); divides the layers"
+    )
+    par.add_argument(
+        "--ep", type=int, default=1, help="expert-parallel size, cut from the tp*cp*dp ranks"
+    )
     par.add_argument("--cp", type=int, default=1, help="context-parallel size (zigzag)")
     p.add_argument("--max-tokens", type=int, default=512, help="token cap of one micro-batch")
     p.add_argument("--lr", type=float, default=2e-3, help="learning rate (AdamW)")
@@ -179,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="the engines' logs and warnings on the terminal instead of <out>/engines.log",
     )
-    return p  # fmt: skip
+    return p
 
 
 def _model_dir(args: argparse.Namespace) -> Path:
@@ -221,8 +284,21 @@ def _size_hint(args: argparse.Namespace, hf_config: Any) -> str:
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    for name in ("steps", "prompts", "n", "resample_n", "pool", "max_new_tokens", "dp",
-                 "max_tokens", "reward_workers", "tp", "pp", "ep", "cp"):  # fmt: skip
+    for name in (
+        "steps",
+        "prompts",
+        "n",
+        "resample_n",
+        "pool",
+        "max_new_tokens",
+        "dp",
+        "max_tokens",
+        "reward_workers",
+        "tp",
+        "pp",
+        "ep",
+        "cp",
+    ):
         v = getattr(args, name)
         if v < 1:
             raise SystemExit(f"compass-rl: --{name.replace('_', '-')} must be >= 1, got {v}")
@@ -266,8 +342,10 @@ def _probe(rollout: Any, trainer: Any, probe_prompts: list[Any]) -> dict[str, fl
         comp = out.outputs[0]
         tok = int(comp.token_ids[0])
         lp_gen = float(comp.logprobs[0][tok].logprob)
-        plp = [float(d[t].logprob) for d, t in zip(out.prompt_logprobs[1:], p.token_ids[1:],
-                                                       strict=True)]  # fmt: skip
+        plp = [
+            float(d[t].logprob)
+            for d, t in zip(out.prompt_logprobs[1:], p.token_ids[1:], strict=True)
+        ]
         samples.append(Sample(p, 9, (tok,), np.array([lp_gen], dtype=np.float32), "probe", trace))
         infer.append(torch.tensor(plp + [lp_gen], dtype=torch.float32))
     batch = Batch.from_samples(samples)
@@ -280,8 +358,12 @@ def _probe(rollout: Any, trainer: Any, probe_prompts: list[Any]) -> dict[str, fl
         batch.infer_logprobs[off : off + n - 1] = lp
         off += n
     g = gap_stats(trainer.probe_logprobs(batch), batch.infer_logprobs[batch.mask])
-    return {"probe_gap": g.mean_abs, "probe_k3": g.k3, "probe_tokens": g.tokens,
-            "probe_max": g.max_abs}  # fmt: skip
+    return {
+        "probe_gap": g.mean_abs,
+        "probe_k3": g.k3,
+        "probe_tokens": g.tokens,
+        "probe_max": g.max_abs,
+    }
 
 
 def _cast_parts(trainer: Any, dtype: torch.dtype):
@@ -311,8 +393,9 @@ def engine_weight_check(llm: Any, parts: Any, *, skip: Any = None) -> dict[str, 
     return {"checked": checked, "max_diff": max_diff}
 
 
-def _compare_params(params: dict[str, torch.Tensor], hf_sd: dict[str, torch.Tensor],
-                    skip: Any) -> dict[str, float]:  # fmt: skip
+def _compare_params(
+    params: dict[str, torch.Tensor], hf_sd: dict[str, torch.Tensor], skip: Any
+) -> dict[str, float]:
     """:func:`engine_weight_check` for the engine params that ``hf_sd`` (one part) covers."""
     checked, max_diff = 0, 0.0
     for name, value in params.items():
@@ -363,8 +446,11 @@ def run(args: argparse.Namespace, terminal: Any = None) -> list[dict[str, Any]]:
         layout.check(hf_config)
     except ValueError as exc:
         raise SystemExit(f"compass-rl: {exc}{_size_hint(args, hf_config)}") from None
-    cfg = T.TaskConfig(vocab_size=int(hf_config.vocab_size), max_new_tokens=args.max_new_tokens,
-                       overlong_cache=max(1, args.max_new_tokens // 4))  # fmt: skip
+    cfg = T.TaskConfig(
+        vocab_size=int(hf_config.vocab_size),
+        max_new_tokens=args.max_new_tokens,
+        overlong_cache=max(1, args.max_new_tokens // 4),
+    )
     pool = T.make_prompts(cfg, args.pool, seed=args.seed)
     stops = T.stop_tokens(cfg, seed=args.seed)
     stop_set = frozenset(stops)
@@ -389,21 +475,33 @@ def run(args: argparse.Namespace, terminal: Any = None) -> list[dict[str, Any]]:
     rollout = trainer = None
     rows: list[dict[str, Any]] = []
     try:
-        rollout = Rollout(llm, score, max_new_tokens=cfg.max_new_tokens, stop_token_ids=stops,
-                          workers=args.reward_workers, schedule=args.schedule)  # fmt: skip
-        trainer = LoopAdapter(model_dir, layout, lr=args.lr, replay=not args.no_replay,
-                              seed=args.seed)  # fmt: skip
+        rollout = Rollout(
+            llm,
+            score,
+            max_new_tokens=cfg.max_new_tokens,
+            stop_token_ids=stops,
+            workers=args.reward_workers,
+            schedule=args.schedule,
+        )
+        trainer = LoopAdapter(
+            model_dir, layout, lr=args.lr, replay=not args.no_replay, seed=args.seed
+        )
         probe_prompts = pool[:4]
         allocator = None
         if args.allocate != "off":
-            allocator = ck.advantages.RolloutAllocator(min_n=2, max_n=max(args.max_alloc_n, 2),
-                                                       explore_after=4)  # fmt: skip
+            allocator = ck.advantages.RolloutAllocator(
+                min_n=2, max_n=max(args.max_alloc_n, 2), explore_after=4
+            )
         state = LoopState(args, rng, pool, cfg, rollout, trainer, llm, probe_prompts, allocator)
         # The table is written above the bar (tqdm.write on the bar's own stream).
         out_stream = terminal if terminal is not None else sys.stdout
-        bar = tqdm(range(1, args.steps + 1), desc="compass-rl", unit="step",
-                   file=terminal if terminal is not None else sys.stderr,
-                   dynamic_ncols=True)  # fmt: skip
+        bar = tqdm(
+            range(1, args.steps + 1),
+            desc="compass-rl",
+            unit="step",
+            file=terminal if terminal is not None else sys.stderr,
+            dynamic_ncols=True,
+        )
         header_printed = False
         for step in bar:
             row = _step(step, state)
@@ -434,8 +532,12 @@ def _stage0_allocation(args, chosen, rollout, allocator, row) -> list[tuple[Any,
     """Stage 0: (prompt, N) requests; with an allocator, N from each prompt's history
     under the budget uniform N would spend (samples, or predicted tokens)."""
     if allocator is None:
-        row.update(allocate="off", alloc_samples=args.n * len(chosen), skipped_prompts=0,
-                   explored_prompts=0)  # fmt: skip
+        row.update(
+            allocate="off",
+            alloc_samples=args.n * len(chosen),
+            skipped_prompts=0,
+            explored_prompts=0,
+        )
         return [(p, args.n) for p in chosen]
     import compass_kernels as ck
 
@@ -447,9 +549,13 @@ def _stage0_allocation(args, chosen, rollout, allocator, row) -> list[tuple[Any,
         budget = args.n * int(cost.sum())
     due = sum(allocator._skipped.get(k, 0) >= (allocator.explore_after or 1 << 30) for k in keys)
     n = allocator.allocate(keys, budget, cost=cost)
-    row.update(allocate=args.allocate, alloc_samples=int(n.sum()),
-               skipped_prompts=int((n == 0).sum()), explored_prompts=int(due),
-               expected_informative=allocator.last.expected)  # fmt: skip
+    row.update(
+        allocate=args.allocate,
+        alloc_samples=int(n.sum()),
+        skipped_prompts=int((n == 0).sum()),
+        explored_prompts=int(due),
+        expected_informative=allocator.last.expected,
+    )
     return [(p, int(k)) for p, k in zip(chosen, n.tolist(), strict=True) if k > 0]
 
 
@@ -464,8 +570,11 @@ def _informative(samples, row, allocator) -> None:
     sizes = torch.bincount(inv, minlength=hits.numel())
     informative = int(((hits > 0) & (hits < sizes)).sum())
     tokens = sum(len(s.response) for s in samples)
-    row.update(informative_groups=informative, generated_tokens=tokens,
-               informative_per_1k_tokens=1000.0 * informative / max(tokens, 1))  # fmt: skip
+    row.update(
+        informative_groups=informative,
+        generated_tokens=tokens,
+        informative_per_1k_tokens=1000.0 * informative / max(tokens, 1),
+    )
     if allocator is not None:
         allocator.observe(gid.tolist(), correct)
 
@@ -527,20 +636,26 @@ def _step(step: int, state: LoopState) -> dict[str, Any]:
     r1, gid = stage0(samples)
     row["zv_resample"] = float(_zero_var_groups(r1, gid)[1].double().mean())
     row["t_rollout"] = time.perf_counter() - t0
-    row.update(t_generate=timing.generate_s, t_score_busy=timing.score_busy_s,
-               t_reward_tail=timing.tail_s, overlap_s=timing.overlap_s,
-               overlap_frac=timing.overlap_s / timing.score_busy_s if timing.score_busy_s else 0.0,
-               t_collect=timing.collect_s,
-               length_pred_corr=timing.prediction_corr)  # fmt: skip
+    row.update(
+        t_generate=timing.generate_s,
+        t_score_busy=timing.score_busy_s,
+        t_reward_tail=timing.tail_s,
+        overlap_s=timing.overlap_s,
+        overlap_frac=timing.overlap_s / timing.score_busy_s if timing.score_busy_s else 0.0,
+        t_collect=timing.collect_s,
+        length_pred_corr=timing.prediction_corr,
+    )
     # 3b. stage 2: overlong + repetition penalties, guarded composition
     correct = torch.tensor([s.score.correct for s in samples])
     grade = torch.tensor([s.score.grade for s in samples], dtype=torch.float64)
     rep = torch.tensor([s.score.rep_penalty for s in samples], dtype=torch.float64)
     resp_len = torch.tensor([len(s.response) for s in samples], dtype=torch.int64)
-    len_pen = ck.advantages.overlong_penalty(resp_len, max_len=cfg.max_new_tokens,
-                                             cache_len=cfg.overlong_cache).double()  # fmt: skip
-    rewards, capped = T.guard(T.compose(cfg, correct, grade, len_pen, rep), correct, gid,
-                              margin=cfg.guard_margin)  # fmt: skip
+    len_pen = ck.advantages.overlong_penalty(
+        resp_len, max_len=cfg.max_new_tokens, cache_len=cfg.overlong_cache
+    ).double()
+    rewards, capped = T.guard(
+        T.compose(cfg, correct, grade, len_pen, rep), correct, gid, margin=cfg.guard_margin
+    )
     adv, zero_var, stats = ck.advantages.group_advantages(rewards, gid)
     row["zv_penalty"] = float(stats.group_zero_var.double().mean())
     naive = T.naive_compose(cfg, correct, grade, len_pen, rep)
@@ -554,18 +669,30 @@ def _step(step: int, state: LoopState) -> dict[str, Any]:
         "advantage": adv.tolist(),
         "advantage_naive": adv_naive.tolist(),
     }
-    row.update(prompts=len(chosen), samples=len(samples), guard_capped=capped,
-               reward_mean=float(rewards.mean()), reward_naive_mean=float(naive.mean()),
-               accuracy=float(correct.double().mean()),
-               truncated_frac=float((resp_len >= cfg.max_new_tokens).double().mean()))  # fmt: skip
+    row.update(
+        prompts=len(chosen),
+        samples=len(samples),
+        guard_capped=capped,
+        reward_mean=float(rewards.mean()),
+        reward_naive_mean=float(naive.mean()),
+        accuracy=float(correct.double().mean()),
+        truncated_frac=float((resp_len >= cfg.max_new_tokens).double().mean()),
+    )
     # 4. pack: plan ranks x micro-batches, traces and per-token tensors re-laid out
     batch = Batch.from_samples(samples)
     pack = trainer.pack(batch, dp_size=args.dp, max_tokens=args.max_tokens)
-    row.update(tokens=batch.num_tokens, response_tokens=int(batch.mask.sum()),
-               dp_size=pack.stats["dp_size"], micro_batches=pack.stats["micro_batches"],
-               pack_utilization=pack.stats["utilization"], pack_imbalance=pack.stats["imbalance"],
-               pack_lost=pack.lost, pack_duplicated=pack.duplicated,
-               pack_mismatch=pack.token_mismatch, t_pack=pack.seconds)  # fmt: skip
+    row.update(
+        tokens=batch.num_tokens,
+        response_tokens=int(batch.mask.sum()),
+        dp_size=pack.stats["dp_size"],
+        micro_batches=pack.stats["micro_batches"],
+        pack_utilization=pack.stats["utilization"],
+        pack_imbalance=pack.stats["imbalance"],
+        pack_lost=pack.lost,
+        pack_duplicated=pack.duplicated,
+        pack_mismatch=pack.token_mismatch,
+        t_pack=pack.seconds,
+    )
     # 5a. old policy: no-grad passes (replayed and native routing)
     t0 = time.perf_counter()
     old = trainer.old_policy_pass(pack)
@@ -582,10 +709,17 @@ def _step(step: int, state: LoopState) -> dict[str, Any]:
     row["replay_old"] = {str(k): v for k, v in replay_stats.items()}
     # the gap of each pass against the engine's log-probs (the ranks' sums, reduced)
     g_rep, g_nat = old["gap_replay"], old["gap_native"]
-    row.update(gap_replay=g_rep.mean_abs, gap_native=g_nat.mean_abs, k3_replay=g_rep.k3,
-               k3_native=g_nat.k3, ln2_replay=g_rep.frac_gt_ln2, ln2_native=g_nat.frac_gt_ln2,
-               maxgap_replay=g_rep.max_abs, maxgap_native=g_nat.max_abs,
-               train_replay=int(trainer.use_replay))  # fmt: skip
+    row.update(
+        gap_replay=g_rep.mean_abs,
+        gap_native=g_nat.mean_abs,
+        k3_replay=g_rep.k3,
+        k3_native=g_nat.k3,
+        ln2_replay=g_rep.frac_gt_ln2,
+        ln2_native=g_nat.frac_gt_ln2,
+        maxgap_replay=g_rep.max_abs,
+        maxgap_native=g_nat.max_abs,
+        train_replay=int(trainer.use_replay),
+    )
     # 3c. stage 3: RL-ZVP token advantages for groups still at zero variance, from the
     # old policy's entropy where it is (the ranks); per-sequence flags come back
     signal = trainer.token_advantages(pack, rewards.float(), zero_var, adv.float(), alpha=0.1)
@@ -598,13 +732,20 @@ def _step(step: int, state: LoopState) -> dict[str, Any]:
     m = trainer.train_step(pack, num_sequences=batch.num_sequences)
     row["t_train"] = time.perf_counter() - t0
     row["replay_train"] = {str(k): v for k, v in m["replay"].items()}
-    row.update({k: v for k, v in trainer.layout.as_dict().items()},
-               world_size=trainer.layout.world_size, bytes_rank_max=m.get("bytes_rank_max"),
-               bytes_full=m.get("bytes_full"),
-               bytes_driver_rx=m.get("bytes_driver_rx"))  # fmt: skip
-    row.update(loss=m["loss"], grad_norm=m["grad_norm"], clip_frac=m.get("clip_frac", 0.0),
-               ratio_mean=m.get("ratio_mean", 1.0),
-               entropy_mean=m.get("entropy_mean", 0.0))  # fmt: skip
+    row.update(
+        {k: v for k, v in trainer.layout.as_dict().items()},
+        world_size=trainer.layout.world_size,
+        bytes_rank_max=m.get("bytes_rank_max"),
+        bytes_full=m.get("bytes_full"),
+        bytes_driver_rx=m.get("bytes_driver_rx"),
+    )
+    row.update(
+        loss=m["loss"],
+        grad_norm=m["grad_norm"],
+        clip_frac=m.get("clip_frac", 0.0),
+        ratio_mean=m.get("ratio_mean", 1.0),
+        entropy_mean=m.get("entropy_mean", 0.0),
+    )
     # 6. weight sync, verified on the probe batch (before: the engine still has the
     # old weights; after: it must agree with the trainer to numerics)
     row["probe_gap_before"] = _probe(rollout, trainer, probe_prompts)["probe_gap"]
@@ -669,8 +810,12 @@ def plot(rows: list[dict[str, Any]], path: Path, *, title: str = "") -> None:
     a.set_xlabel("step")
     a.legend()
     a = ax[0, 1]
-    stages = (("zv_initial", "initial"), ("zv_resample", "after resample"),
-              ("zv_penalty", "after penalties"), ("zv_rlzvp", "after RL-ZVP"))  # fmt: skip
+    stages = (
+        ("zv_initial", "initial"),
+        ("zv_resample", "after resample"),
+        ("zv_penalty", "after penalties"),
+        ("zv_rlzvp", "after RL-ZVP"),
+    )
     for key, label in stages:
         a.plot(steps, [r[key] for r in rows], "o-", label=label)
     a.set_title("zero-variance groups (fraction)")
@@ -685,9 +830,15 @@ def plot(rows: list[dict[str, Any]], path: Path, *, title: str = "") -> None:
     a.set_xlabel("step")
     a.legend()
     a = ax[1, 1]
-    phases = (("t_generate", "generate"), ("t_reward_tail", "reward tail"),
-              ("t_pack", "pack"), ("t_old", "old-policy pass"), ("t_train", "train"),
-              ("t_sync", "sync"), ("t_probe", "probe"))  # fmt: skip
+    phases = (
+        ("t_generate", "generate"),
+        ("t_reward_tail", "reward tail"),
+        ("t_pack", "pack"),
+        ("t_old", "old-policy pass"),
+        ("t_train", "train"),
+        ("t_sync", "sync"),
+        ("t_probe", "probe"),
+    )
     bottom = np.zeros(len(rows))
     for key, label in phases:
         v = np.array([r[key] for r in rows])

@@ -30,8 +30,15 @@ class LoopAdapter:
     scalars and [sequences] tensors only; :attr:`rx_bytes` counts what it
     received (pickled replies) per command since ``pack``."""
 
-    def __init__(self, model_dir: str | os.PathLike, layout: Layout, *, lr: float,
-                 replay: bool = True, seed: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        layout: Layout,
+        *,
+        lr: float,
+        replay: bool = True,
+        seed: int = 0,
+    ) -> None:
         self.distributed = DistributedTrainer(model_dir, layout, lr=lr, replay=replay, seed=seed)
         self.layout = layout
         self.use_replay = replay
@@ -47,8 +54,9 @@ class LoopAdapter:
     def rx_bytes(self) -> dict[str, int]:
         """Bytes the driver received from the ranks since ``pack``, per command."""
         now = self.distributed.reply_bytes_total
-        return {k: v - self._rx_start.get(k, 0) for k, v in now.items()
-                if v > self._rx_start.get(k, 0)}  # fmt: skip
+        return {
+            k: v - self._rx_start.get(k, 0) for k, v in now.items() if v > self._rx_start.get(k, 0)
+        }
 
     def pack(self, batch: Any, *, dp_size: int, max_tokens: int):
         from compass_kernels.integration.rl.batch import pack_batch
@@ -72,20 +80,29 @@ class LoopAdapter:
         self.bytes_forward = self.distributed.last_bytes["forward_stats"]
         return {"replay": rep["replay"], "gap_replay": rep["gap"], "gap_native": nat["gap"]}
 
-    def token_advantages(self, pack: Any, rewards: torch.Tensor, zero_var: torch.Tensor,
-                         advantages: torch.Tensor, *, alpha: float) -> torch.Tensor:  # fmt: skip
+    def token_advantages(
+        self,
+        pack: Any,
+        rewards: torch.Tensor,
+        zero_var: torch.Tensor,
+        advantages: torch.Tensor,
+        *,
+        alpha: float,
+    ) -> torch.Tensor:
         """RL-ZVP token advantages on the ranks from the old policy's kept entropy
         (:meth:`DistributedTrainer.token_advantages`); returns [n] bool per sequence."""
         assert self._data is not None, "pack() first"
-        return self.distributed.token_advantages(self._data, self._old, rewards, zero_var,
-                                            advantages, alpha=alpha)  # fmt: skip
+        return self.distributed.token_advantages(
+            self._data, self._old, rewards, zero_var, advantages, alpha=alpha
+        )
 
     def train_step(self, pack: Any, *, num_sequences: int, **espo_kwargs: Any) -> dict:
         """One optimizer step on the old policy's kept log-probs, entropy and token
         advantages (nothing per-token is sent)."""
         assert self._data is not None, "pack() first"
-        out = self.distributed.train(self._data, num_sequences=num_sequences, use_kept=self._old,
-                                **espo_kwargs)  # fmt: skip
+        out = self.distributed.train(
+            self._data, num_sequences=num_sequences, use_kept=self._old, **espo_kwargs
+        )
         sent = self.distributed.last_bytes["train"]
         out["bytes_rank_max"] = max(sent["per_rank"])
         out["bytes_full"] = sent["full"]
@@ -96,8 +113,9 @@ class LoopAdapter:
         """Replayed log-probs of ``batch``'s masked tokens (sample order)."""
         import compass_kernels as ck
 
-        plan = ck.packing.plan(batch.lengths, dp_size=self.layout.dp,
-                               max_tokens=max(int(batch.lengths.max()), 1))  # fmt: skip
+        plan = ck.packing.plan(
+            batch.lengths, dp_size=self.layout.dp, max_tokens=max(int(batch.lengths.max()), 1)
+        )
         fwd = self.distributed.forward(StepData(batch=batch, plan=plan), replay=True)
         return fwd["logprobs"][batch.mask]
 

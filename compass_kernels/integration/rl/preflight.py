@@ -37,8 +37,11 @@ def problems(args: argparse.Namespace, hf_config: Any, task: Any = None) -> list
 
     out: list[str] = []
     if task is None:
-        task = TaskConfig(vocab_size=int(hf_config.vocab_size), max_new_tokens=args.max_new_tokens,
-                          overlong_cache=max(1, args.max_new_tokens // 4))  # fmt: skip
+        task = TaskConfig(
+            vocab_size=int(hf_config.vocab_size),
+            max_new_tokens=args.max_new_tokens,
+            overlong_cache=max(1, args.max_new_tokens // 4),
+        )
     layout = Layout(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp, dp=args.dp)
     # the longest sequence the trainer packs: prompt + response, padded for CP / SP
     longest = task.max_prompt + task.max_new_tokens
@@ -94,8 +97,10 @@ def problems(args: argparse.Namespace, hf_config: Any, task: Any = None) -> list
     if getattr(args, "model_dir", None):
         given = [_flag(n) for n in SIZE_FLAGS if getattr(args, n, None) is not None]
         if given:
-            out.append(f"{', '.join(given)}: size flags of the generated model, ignored with "
-                       "--model-dir (drop them)")  # fmt: skip
+            out.append(
+                f"{', '.join(given)}: size flags of the generated model, ignored with "
+                "--model-dir (drop them)"
+            )
     return out
 
 

@@ -40,8 +40,9 @@ def key_to_float(k: int) -> float:
     return float(torch.tensor([b], dtype=torch.int32).view(torch.float32)[0])
 
 
-def radix_histogram(values: torch.Tensor, prefixes: torch.Tensor, shift: int,
-                    bits: int) -> torch.Tensor:  # fmt: skip
+def radix_histogram(
+    values: torch.Tensor, prefixes: torch.Tensor, shift: int, bits: int
+) -> torch.Tensor:
     """One radix-select round over ``values`` (float, any shape): for each prefix p,
     counts [2**bits] int64 of the keys k (:func:`float_keys`) with
     k >> (shift + bits) == p, by (k >> shift) & (2**bits - 1)."""

@@ -34,8 +34,18 @@ class RankError(RuntimeError):
     """A rank failed (the message holds its traceback) or did not answer in time."""
 
 
-def rank_main(rank: int, world: int, port: int, layout: Layout, model_dir: str, lr: float,
-              replay: bool, seed: int, cmd_q: Any, res_q: Any) -> None:  # fmt: skip
+def rank_main(
+    rank: int,
+    world: int,
+    port: int,
+    layout: Layout,
+    model_dir: str,
+    lr: float,
+    replay: bool,
+    seed: int,
+    cmd_q: Any,
+    res_q: Any,
+) -> None:
     """One rank process: a gloo (CPU) rank of ``world``, the CPU shim applied,
     Megatron's parallel state from ``layout``, a ``RankWorker`` of the checkpoint
     in ``model_dir``; then the commands of ``cmd_q`` until "stop"."""
@@ -51,13 +61,13 @@ def rank_main(rank: int, world: int, port: int, layout: Layout, model_dir: str, 
     torch.manual_seed(seed)
     worker = None
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world)  # fmt: skip
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+        )
         megatron_cpu.apply()  # a CPU rank: megatron-core's CUDA-only calls, on the CPU
         init_parallel_state(seed, **layout.megatron_sizes())
         hf_config = AutoConfig.from_pretrained(model_dir)
-        worker = RankWorker(hf_config, load_hf_state_dict(model_dir), layout, lr=lr,
-                            replay=replay)  # fmt: skip
+        worker = RankWorker(hf_config, load_hf_state_dict(model_dir), layout, lr=lr, replay=replay)
         res_q.put((rank, "ready", (worker.info, worker.layers)))
         while True:
             cmd, args = cmd_q.get()
@@ -101,8 +111,17 @@ class RankProcesses:
     last command of each name / in total per command (pickled, as the queue
     carries it)."""
 
-    def __init__(self, model_dir: str | Path, layout: Layout, *, lr: float, replay: bool,
-                 seed: int, timeout: float, device: str = "cpu") -> None:  # fmt: skip
+    def __init__(
+        self,
+        model_dir: str | Path,
+        layout: Layout,
+        *,
+        lr: float,
+        replay: bool,
+        seed: int,
+        timeout: float,
+        device: str = "cpu",
+    ) -> None:
         import torch.multiprocessing as mp
 
         from compass_kernels.integration.cpu.process_groups import find_free_port
@@ -158,10 +177,12 @@ class RankProcesses:
                 raise RankError(f"rank {rank} answered {what!r} to {cmd!r}")
             out[rank] = value
         values = [out[r] for r in range(len(self._procs))]
-        self.last_reply_bytes[cmd] = [len(pickle.dumps(v[0])) if cmd != "ready" else 0
-                                      for v in values]  # fmt: skip
-        self.reply_bytes_total[cmd] = (self.reply_bytes_total.get(cmd, 0)
-                                       + sum(self.last_reply_bytes[cmd]))  # fmt: skip
+        self.last_reply_bytes[cmd] = [
+            len(pickle.dumps(v[0])) if cmd != "ready" else 0 for v in values
+        ]
+        self.reply_bytes_total[cmd] = self.reply_bytes_total.get(cmd, 0) + sum(
+            self.last_reply_bytes[cmd]
+        )
         return Replies(values, time.perf_counter() - t0)
 
     def command(self, cmd: str, per_rank_args: list[tuple]) -> list[Any]:

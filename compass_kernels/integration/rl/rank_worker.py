@@ -48,8 +48,15 @@ class RankWorker:
     state are initialized with ``layout``
     (:func:`~compass_kernels.integration.rl.rank_processes.rank_main`)."""
 
-    def __init__(self, hf_config: Any, hf_state_dict: dict[str, torch.Tensor], layout: Layout,
-                 *, lr: float, replay: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        hf_config: Any,
+        hf_state_dict: dict[str, torch.Tensor],
+        layout: Layout,
+        *,
+        lr: float,
+        replay: bool = True,
+    ) -> None:
         from megatron.core import parallel_state as ps
 
         from compass_kernels.integration.megatron.parallel import build_rank_model, rank_info
@@ -89,8 +96,12 @@ class RankWorker:
             model.post_process = False  # hidden states: the fused path computes log-probs
             try:
                 with route:
-                    out = model(tokens, lay.pos[None], attention_mask=None,
-                                packed_seq_params=lay.packed.packed_seq_params())  # fmt: skip
+                    out = model(
+                        tokens,
+                        lay.pos[None],
+                        attention_mask=None,
+                        packed_seq_params=lay.packed.packed_seq_params(),
+                    )
             finally:
                 model.post_process = prev
             return out, functools.partial(loss_fn, mb, lay.cu, lay.real)
@@ -138,8 +149,9 @@ class RankWorker:
 
     # -- commands ----------------------------------------------------------------
 
-    def forward(self, shares: list[RankMicroBatch], replay: bool = True,
-                keep: str | None = None) -> dict:  # fmt: skip
+    def forward(
+        self, shares: list[RankMicroBatch], replay: bool = True, keep: str | None = None
+    ) -> dict:
         """No-grad passes (replayed or native routing): per micro-batch, the last
         stage's log-probs and entropy of its tokens (tp rank 0 returns them).
 
@@ -163,8 +175,12 @@ class RankWorker:
         last = self.info.last_stage
         counts = self._replay_counts(shares, replay) if replay else {}
         if keep is None:  # the driver gathers every token's log-prob and entropy
-            return {"per_mb": [(d["logprobs"], d["entropy"]) for d in out]
-                    if last and self.info.tp == 0 else None, "replay": counts}  # fmt: skip
+            return {
+                "per_mb": [(d["logprobs"], d["entropy"]) for d in out]
+                if last and self.info.tp == 0
+                else None,
+                "replay": counts,
+            }
         # the results stay here (the train step reads them); the driver gets sums
         self._kept_shares[keep] = shares
         self.kept_advantages.pop(keep, None)
@@ -173,17 +189,21 @@ class RankWorker:
             return {"per_mb": None, "replay": counts}
         from compass_kernels.integration.rl.batch import GapSums
 
-        stats = [_forward_stats(mb, d["logprobs"], d["entropy"], self._local(mb).real,
-                                self._local(mb).seq)
-                 for mb, d in zip(shares, out, strict=True)]  # fmt: skip
+        stats = [
+            _forward_stats(
+                mb, d["logprobs"], d["entropy"], self._local(mb).real, self._local(mb).seq
+            )
+            for mb, d in zip(shares, out, strict=True)
+        ]
         # one reply for all micro-batches: the summed gap, the per-sequence values
         # concatenated in micro-batch order (numpy: a smaller pickle than tensors)
         per_seq = {k: torch.cat([st[k] for st in stats]).numpy() for k in ("ent_max", "ent_min")}
         gap = sum((st["gap"] for st in stats), GapSums())
         return {"per_mb": None, "replay": counts, "stats": {"gap": gap, **per_seq}}
 
-    def entropy_histogram(self, keep: str, prefixes: torch.Tensor, shift: int,
-                          bits: int) -> torch.Tensor:  # fmt: skip
+    def entropy_histogram(
+        self, keep: str, prefixes: torch.Tensor, shift: int, bits: int
+    ) -> torch.Tensor:
         """Radix-select round (:func:`~compass_kernels.integration.rl.quantile.radix_histogram`)
         over the response-token entropies this rank kept (``keep``). Every rank of a
         last stage counts its copy (tensor-parallel ranks hold the same values);
@@ -197,8 +217,9 @@ class RankWorker:
         vals = torch.cat([ent[mb.mask & self._local(mb).real].float() for (_, ent), mb in parts])
         return radix_histogram(vals, prefixes, shift, bits)
 
-    def kept_entropy_quantiles(self, keep: str, levels: tuple[float, ...],
-                               num_tokens: int) -> torch.Tensor:  # fmt: skip
+    def kept_entropy_quantiles(
+        self, keep: str, levels: tuple[float, ...], num_tokens: int
+    ) -> torch.Tensor:
         """Exact quantiles (torch.quantile's linear rule, as
         ``espo.loss.entropy_thresholds``) at ``levels`` of the ``num_tokens``
         response-token entropies the last stage kept under ``keep``, by a radix
@@ -236,15 +257,23 @@ class RankWorker:
         if not self.info.last_stage:
             return {"nonzero": None}
         if kept is None or per_mb is None or len(per_mb) != len(kept):
-            raise RuntimeError(f"token_advantages: no kept forward {keep!r} of "
-                               f"{0 if per_mb is None else len(per_mb)} micro-batches")  # fmt: skip
+            raise RuntimeError(
+                f"token_advantages: no kept forward {keep!r} of "
+                f"{0 if per_mb is None else len(per_mb)} micro-batches"
+            )
         advs, flags = [], []
         for (_, ent), mb, sc in zip(kept, self._kept_shares[keep], per_mb, strict=True):
             lay = self._local(mb)
             adv, nz = zvp_token_advantages(
-                ent, lay.seq, mb.mask & lay.real, sc["rewards"], sc["zero_var"], sc["advantages"],
-                alpha=alpha, entropy_max=sc["entropy_max"],
-            )  # fmt: skip
+                ent,
+                lay.seq,
+                mb.mask & lay.real,
+                sc["rewards"],
+                sc["zero_var"],
+                sc["advantages"],
+                alpha=alpha,
+                entropy_max=sc["entropy_max"],
+            )
             advs.append(adv)
             flags.append(nz)
         self.kept_advantages[keep] = advs
@@ -260,9 +289,14 @@ class RankWorker:
         adv = self.kept_advantages.get(keep) or [None] * len(kept)
         return {"per_mb": [(lp, ent, a) for (lp, ent), a in zip(kept, adv, strict=True)]}
 
-    def train(self, shares: list[RankMicroBatch], num_sequences: int,
-              entropy_threshold: torch.Tensor | None, espo_kwargs: dict,
-              kept_quantiles: tuple | None = None) -> dict:  # fmt: skip
+    def train(
+        self,
+        shares: list[RankMicroBatch],
+        num_sequences: int,
+        entropy_threshold: torch.Tensor | None,
+        espo_kwargs: dict,
+        kept_quantiles: tuple | None = None,
+    ) -> dict:
         """One optimizer step over this rank's micro-batches (ESPO). With
         ``kept_quantiles`` = (levels, response tokens of the batch), the last
         stage's ranks first compute the entropy-group boundaries from the
@@ -279,8 +313,9 @@ class RankWorker:
             if kept is None or len(kept) != nmb:
                 raise RuntimeError(f"train: no kept forward {use!r} of {nmb} micro-batches")
             advs = self.kept_advantages.get(use) or [None] * nmb
-            for mb, (lp, ent), kmb, adv in zip(shares, kept, self._kept_shares[use], advs,
-                                               strict=True):  # fmt: skip
+            for mb, (lp, ent), kmb, adv in zip(
+                shares, kept, self._kept_shares[use], advs, strict=True
+            ):
                 if not torch.equal(mb.lengths, kmb.lengths):
                     raise RuntimeError(f"train: kept forward {use!r} is of another batch")
                 mb.old_logprobs, mb.old_entropy = lp, ent
@@ -296,11 +331,20 @@ class RankWorker:
         def loss_fn(mb, cu, real, hidden):
             h = self._hidden_rows(hidden)
             loss, metrics, _, _ = ck.espo.fused_linear_espo_loss(
-                h, self.model.output_layer.weight, mb.targets, mb.old_logprobs,
-                mb.old_entropy, mb.advantages, cu, mb.mask & real, num_sequences=num_sequences,
-                advantages_per_token=True, tp_group=self.tp_group, cp_group=self.cp_group,
+                h,
+                self.model.output_layer.weight,
+                mb.targets,
+                mb.old_logprobs,
+                mb.old_entropy,
+                mb.advantages,
+                cu,
+                mb.mask & real,
+                num_sequences=num_sequences,
+                advantages_per_token=True,
+                tp_group=self.tp_group,
+                cp_group=self.cp_group,
                 **kwargs,
-            )  # fmt: skip
+            )
             report = {"loss": metrics["loss"].detach()}
             report.update({k: metrics[k].detach() for k in METRICS})
             return loss * (nmb * dp), report
@@ -322,7 +366,7 @@ class RankWorker:
             # a list: a smaller pickle than a tensor
             "entropy_threshold": (
                 entropy_threshold.tolist() if keep and entropy_threshold is not None else None
-            ),  # fmt: skip
+            ),
         }
 
     # -- route recording (tests: the ids each MoE layer used, per forward) ----------
@@ -346,12 +390,16 @@ class RankWorker:
             routing_map = output[1]
             k = int(module.topk)
             ids = routing_map.nonzero()[:, 1].reshape(-1, k)  # row-major: sorted per token
-            self._routes.append({"layer": layer, "ids": ids.to(torch.int16).clone(),
-                                 "in_flight": len(self.replay._pending) + 1})  # fmt: skip
+            self._routes.append(
+                {
+                    "layer": layer,
+                    "ids": ids.to(torch.int16).clone(),
+                    "in_flight": len(self.replay._pending) + 1,
+                }
+            )
 
         for layer, router in find_moe_routers(self.model).items():
-            self._route_hooks.append(
-                router.register_forward_hook(functools.partial(hook, layer)))  # fmt: skip
+            self._route_hooks.append(router.register_forward_hook(functools.partial(hook, layer)))
         return len(self._route_hooks)
 
     def recorded_routes(self) -> list[dict]:
@@ -367,8 +415,9 @@ class RankWorker:
         return gathered_megatron_params(self.model, part)
 
 
-def _forward_stats(mb: RankMicroBatch, lp: torch.Tensor, ent: torch.Tensor,
-                   real: torch.Tensor, seq: torch.Tensor) -> dict:  # fmt: skip
+def _forward_stats(
+    mb: RankMicroBatch, lp: torch.Tensor, ent: torch.Tensor, real: torch.Tensor, seq: torch.Tensor
+) -> dict:
     """What the driver needs of one micro-batch's forward on this rank: the gap
     sums (:class:`~compass_kernels.integration.rl.batch.GapSums`) of d = lp -
     infer over its response tokens and, per sequence of the micro-batch, the

@@ -79,14 +79,25 @@ def local_layout(lengths: np.ndarray, pad_multiple: int, cp: int, cp_rank: int) 
     within = np.arange(int(slots.sum())) - np.repeat(np.cumsum(slots) - slots, slots)
     start = np.cumsum(lengths) - lengths
     src = np.where(within < lengths[seq], start[seq] + within, -1)
-    pb = ck.packing.pack({"src": torch.from_numpy(src)}, slots, np.arange(n),
-                         pad_multiple=pad_multiple, cp_size=cp, cp_rank=cp_rank,
-                         pad_values={"src": -1})  # fmt: skip
+    pb = ck.packing.pack(
+        {"src": torch.from_numpy(src)},
+        slots,
+        np.arange(n),
+        pad_multiple=pad_multiple,
+        cp_size=cp,
+        cp_rank=cp_rank,
+        pad_values={"src": -1},
+    )
     per_rank = torch.from_numpy(pb.padded // cp)
     cu = torch.zeros(n + 1, dtype=torch.int64)
     cu[1:] = torch.cumsum(per_rank, 0)
-    return LocalLayout(pb, pb.tensors["src"], torch.repeat_interleave(torch.arange(n), per_rank),
-                       pb.position_ids, cu)  # fmt: skip
+    return LocalLayout(
+        pb,
+        pb.tensors["src"],
+        torch.repeat_interleave(torch.arange(n), per_rank),
+        pb.position_ids,
+        cu,
+    )
 
 
 def local_tokens(lengths: np.ndarray, m: int, cp: int, cp_rank: int):
@@ -172,9 +183,15 @@ def global_rows(batch: Any, idx: np.ndarray, layout: Layout, cp_rank: int) -> to
     padding."""
     import compass_kernels as ck
 
-    pb = ck.packing.pack({"row": torch.arange(batch.num_tokens)}, batch.lengths, idx,
-                         pad_multiple=layout.pad_multiple, cp_size=layout.cp, cp_rank=cp_rank,
-                         pad_values={"row": -1})  # fmt: skip
+    pb = ck.packing.pack(
+        {"row": torch.arange(batch.num_tokens)},
+        batch.lengths,
+        idx,
+        pad_multiple=layout.pad_multiple,
+        cp_size=layout.cp,
+        cp_rank=cp_rank,
+        pad_values={"row": -1},
+    )
     return pb.tensors["row"]
 
 
@@ -203,9 +220,18 @@ def make_shares(
                 # (one sequence of length 0, padded to the layout's minimum) keeps
                 # the schedule's collectives in step and adds 0 to loss and grads
                 has_old, has_adv = data.old_logprobs is not None, data.advantages is not None
-                mbs.append(_padding_micro_batch(batch, layout, info, layers, what=what,
-                                                replay=replay, data_has_old=has_old,
-                                                data_has_adv=has_adv))  # fmt: skip
+                mbs.append(
+                    _padding_micro_batch(
+                        batch,
+                        layout,
+                        info,
+                        layers,
+                        what=what,
+                        replay=replay,
+                        data_has_old=has_old,
+                        data_has_adv=has_adv,
+                    )
+                )
                 continue
             lens = batch.lengths[idx]
             wanted: dict[str, torch.Tensor] = {}
@@ -221,17 +247,23 @@ def make_shares(
                     wanted["infer_logprobs"] = batch.infer_logprobs
             mb = RankMicroBatch(lengths=torch.from_numpy(lens.astype(np.int64)))
             if wanted:  # the THD pack of this CP rank's tokens, 0 (False) at padding
-                pb = ck.packing.pack(wanted, batch.lengths, idx, pad_multiple=m,
-                                     cp_size=layout.cp, cp_rank=info.cp)  # fmt: skip
+                pb = ck.packing.pack(
+                    wanted, batch.lengths, idx, pad_multiple=m, cp_size=layout.cp, cp_rank=info.cp
+                )
                 for name, t in pb.tensors.items():
                     setattr(mb, name, t)
             if replay:
                 mb.trace = batch.trace.slice(
-                    layers=layers, sequences=idx.tolist(), token_lens=lens, pad_multiple=m,
-                    cp_size=layout.cp, cp_rank=info.cp,
+                    layers=layers,
+                    sequences=idx.tolist(),
+                    token_lens=lens,
+                    pad_multiple=m,
+                    cp_size=layout.cp,
+                    cp_rank=info.cp,
                     cp_layout="zigzag" if layout.cp > 1 else None,
-                    sp_size=layout.tp, sp_rank=info.tp,
-                )  # fmt: skip
+                    sp_size=layout.tp,
+                    sp_rank=info.tp,
+                )
             mbs.append(mb)
         shares.append(mbs)
     return shares
@@ -275,10 +307,13 @@ def _padding_micro_batch(
         k = int(tr.top_k)
         ids = torch.arange(k, dtype=tr.expert_ids.dtype).expand(rows, len(layers), k).clone()
         mb.trace = RoutingTrace(
-            ids, torch.tensor([0, rows], dtype=torch.int64), int(tr.num_experts),
-            layer_ids=layers, missing=torch.ones(rows, dtype=torch.bool),
+            ids,
+            torch.tensor([0, rows], dtype=torch.int64),
+            int(tr.num_experts),
+            layer_ids=layers,
+            missing=torch.ones(rows, dtype=torch.bool),
             missing_reason=torch.full((rows,), int(MissingReason.PADDING), dtype=torch.uint8),
-        )  # fmt: skip
+        )
     return mb
 
 
@@ -313,9 +348,17 @@ def plan_or_pad(lengths: np.ndarray, dp: int, max_tokens: int, *, empty: str = "
             if src < m_one:
                 order.append(parts[src])
             offsets.append(offsets[-1] + (parts[src].size if src < m_one else 0))
-    plan = Plan(np.concatenate(order).astype(np.int64), np.asarray(offsets, dtype=np.int64),
-                dp, m, one._lengths, one._pad, one._cost_ab, max_tokens,
-                one._lower_bound)  # fmt: skip
+    plan = Plan(
+        np.concatenate(order).astype(np.int64),
+        np.asarray(offsets, dtype=np.int64),
+        dp,
+        m,
+        one._lengths,
+        one._pad,
+        one._cost_ab,
+        max_tokens,
+        one._lower_bound,
+    )
     plan.empty_micro_batches = dp * m - m_one
     return plan
 
@@ -336,8 +379,9 @@ def full_broadcast_bytes(data: StepData, what: str) -> int:
     return n
 
 
-def per_micro_batch(plan: Any, dp_rank: int, values: np.ndarray,
-                    sizes: list[int]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
+def per_micro_batch(
+    plan: Any, dp_rank: int, values: np.ndarray, sizes: list[int]
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """(sequence indices, values) of each non-padding micro-batch of rank ``dp_rank``
     from one rank reply's per-sequence ``values``, concatenated over its micro-batches
     in order (``sizes``: each micro-batch's count there; a padding one has 1)."""

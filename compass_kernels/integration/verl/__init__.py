@@ -126,7 +126,7 @@ def register(
             if flags["old_entropy" if p == "entropy" else p]
         ),
     ):
-        _pin.check(piece)  # fmt: skip
+        _pin.check(piece)
     from verl.trainer.ppo import core_algos
 
     from . import advantages as adv_mod
@@ -189,14 +189,29 @@ def _checked_espo(espo: EspoOptions | dict) -> EspoOptions:
     extra = o.extra if isinstance(o.extra, dict) else {}
     try:
         rho, alpha, clip, vocab, ng, q, drop, dual = loss_config.normalize(
-            o.rho, o.alpha, o.clip, o.vocab_size, o.num_groups, o.quantiles, o.drop_low,
+            o.rho,
+            o.alpha,
+            o.clip,
+            o.vocab_size,
+            o.num_groups,
+            o.quantiles,
+            o.drop_low,
             o.dual_clip,
-        )  # fmt: skip
+        )
         # vocab_size None: read from the model's config at the loss; 2 stands in here
-        loss_config.resolve(mode="espo", rho=rho, alpha=alpha, clip=clip,
-                            vocab_size=2 if vocab is None else vocab, num_groups=ng,
-                            quantiles=q, drop_low=drop, ratio_form=o.ratio_form,
-                            dual_clip=dual, grouping=extra.get("grouping", "global"))  # fmt: skip
+        loss_config.resolve(
+            mode="espo",
+            rho=rho,
+            alpha=alpha,
+            clip=clip,
+            vocab_size=2 if vocab is None else vocab,
+            num_groups=ng,
+            quantiles=q,
+            drop_low=drop,
+            ratio_form=o.ratio_form,
+            dual_clip=dual,
+            grouping=extra.get("grouping", "global"),
+        )
     except (ValueError, TypeError) as err:
         raise type(err)(f"espo.{err}") from None
     if not isinstance(o.extra, dict):
@@ -206,11 +221,21 @@ def _checked_espo(espo: EspoOptions | dict) -> EspoOptions:
     allowed = {n for n, p in params.items() if p.kind is p.KEYWORD_ONLY} - set(fields) - fixed
     bad = sorted(set(o.extra) - allowed)
     if bad:
-        raise ValueError(f"espo.extra: {bad} are not espo_loss options here (allowed: "
-                         f"{sorted(allowed)})")  # fmt: skip
-    return EspoOptions(rho=rho, alpha=alpha, clip=clip, vocab_size=vocab, num_groups=ng,
-                       quantiles=q, drop_low=drop, ratio_form=o.ratio_form, dual_clip=dual,
-                       extra=dict(o.extra))  # fmt: skip
+        raise ValueError(
+            f"espo.extra: {bad} are not espo_loss options here (allowed: {sorted(allowed)})"
+        )
+    return EspoOptions(
+        rho=rho,
+        alpha=alpha,
+        clip=clip,
+        vocab_size=vocab,
+        num_groups=ng,
+        quantiles=q,
+        drop_low=drop,
+        ratio_form=o.ratio_form,
+        dual_clip=dual,
+        extra=dict(o.extra),
+    )
 
 
 def _checked_advantages(advantages: dict):
@@ -229,8 +254,9 @@ def _checked_advantages(advantages: dict):
         raise ValueError(f"advantages: unknown option(s) {unknown} (expected some of {fields})")
     o = dataclasses.replace(ADV_OPTIONS, **advantages)
     if o.mode not in ck.advantages.MODES:
-        raise ValueError(f"advantages.mode: expected one of {tuple(ck.advantages.MODES)}, "
-                         f"got {o.mode!r}")  # fmt: skip
+        raise ValueError(
+            f"advantages.mode: expected one of {tuple(ck.advantages.MODES)}, got {o.mode!r}"
+        )
     o.rl_zvp = as_bool("advantages.rl_zvp", o.rl_zvp)
     for name in ("alpha", "zero_var_tol"):
         v = as_float(f"advantages.{name}", getattr(o, name))

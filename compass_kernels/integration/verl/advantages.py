@@ -138,13 +138,15 @@ def compute_compass_grpo_advantage(
         if ADV_OPTIONS.rl_zvp:
             out, zvp_tokens = _rl_zvp(out, scores, zero_var, adv, mask)
     _LAST.clear()
-    _LAST.update({
-        "zero_var": zero_var,
-        "compass/adv/num_groups": stats.num_groups,
-        "compass/adv/num_zero_var_groups": int(stats.num_zero_var),
-        "compass/adv/zero_var_frac": float(stats.zero_var_fraction),
-        "compass/adv/rl_zvp_tokens": zvp_tokens,
-    })  # fmt: skip
+    _LAST.update(
+        {
+            "zero_var": zero_var,
+            "compass/adv/num_groups": stats.num_groups,
+            "compass/adv/num_zero_var_groups": int(stats.num_zero_var),
+            "compass/adv/zero_var_frac": float(stats.zero_var_fraction),
+            "compass/adv/rl_zvp_tokens": zvp_tokens,
+        }
+    )
     return out, out
 
 
@@ -160,8 +162,9 @@ def _rl_zvp(out, scores, zero_var, adv, mask):
     cu = torch.zeros(mask.shape[0] + 1, dtype=torch.int64, device=mask.device)
     torch.cumsum(n, 0, out=cu[1:])
     packed = ent.to(mask.device)[mask]  # valid tokens, row after row
-    token_adv = ck.advantages.rl_zvp(packed, cu, scores, zero_var, alpha=ADV_OPTIONS.alpha,
-                                     advantages=adv)  # fmt: skip
+    token_adv = ck.advantages.rl_zvp(
+        packed, cu, scores, zero_var, alpha=ADV_OPTIONS.alpha, advantages=adv
+    )
     out = torch.zeros_like(out)
     out[mask] = token_adv.to(out.dtype)
     return out, int(n[zero_var].sum())

@@ -72,8 +72,9 @@ def get_seqlen_balanced_partitions(seqlen_list, k_partitions: int, equal_size: b
         raise ValueError(f"seqlen_list: expected lengths >= 1, got {int(values.min())}")
     values = values.astype(np.int64)
     k = int(k_partitions)
-    plan = ck.packing.plan(values, dp_size=k, max_tokens=int(values.sum()),
-                           equal_samples=bool(equal_size))  # fmt: skip
+    plan = ck.packing.plan(
+        values, dp_size=k, max_tokens=int(values.sum()), equal_samples=bool(equal_size)
+    )
     parts = [sorted(plan.rank_indices(r).tolist()) for r in range(k)]
     if equal_size:  # the planner's own equal-size Karmarkar-Karp candidate covers this mode
         return parts
@@ -167,8 +168,9 @@ def rearrange_micro_batches(
     floor = -(-int(min_num_micro_batch) // vpp) * vpp if min_num_micro_batch else 0
     multiple = vpp
     while True:
-        plan = ck.packing.plan(items, dp_size=1, max_tokens=int(max_token_len),
-                               micro_batch_multiple=multiple)  # fmt: skip
+        plan = ck.packing.plan(
+            items, dp_size=1, max_tokens=int(max_token_len), micro_batch_multiple=multiple
+        )
         want = max(plan.num_micro_batches, floor)
         if sync:
             want = _all_reduce(want, dist.ReduceOp.MAX, dp_group)
@@ -217,8 +219,10 @@ def patch_seqlen_balancing() -> bool:
     with _LOCK:
         if _PATCHED:
             return False
-        ours = {"get_seqlen_balanced_partitions": get_seqlen_balanced_partitions,
-                "rearrange_micro_batches": rearrange_micro_batches}  # fmt: skip
+        ours = {
+            "get_seqlen_balanced_partitions": get_seqlen_balanced_partitions,
+            "rearrange_micro_batches": rearrange_micro_batches,
+        }
         originals = {name: getattr(sb, name) for name in ours}
         for name, orig in originals.items():
             _pin.ORIGINALS[f"verl.utils.seqlen_balancing:{name}"] = orig

@@ -52,10 +52,15 @@ def _levels() -> tuple[float, ...]:
 
     from .losses import ESPO_OPTIONS as o
 
-    cfg = loss_config.resolve(mode="espo", rho=o.rho, num_groups=o.num_groups,
-                              quantiles=o.quantiles, drop_low=o.drop_low,
-                              # the levels only: a placeholder clip spares the vocab check
-                              clip=o.clip if o.clip is not None else 0.2)  # fmt: skip
+    cfg = loss_config.resolve(
+        mode="espo",
+        rho=o.rho,
+        num_groups=o.num_groups,
+        quantiles=o.quantiles,
+        drop_low=o.drop_low,
+        # the levels only: a placeholder clip spares the vocab check
+        clip=o.clip if o.clip is not None else 0.2,
+    )
     return cfg.levels
 
 
@@ -95,9 +100,11 @@ def warn_low_precision_entropy(config: Any) -> bool:
     if low is None:
         return False
     if low[0].endswith("megatron.dtype"):  # verl/workers/config/engine.py:218
-        fix = ("verl's Megatron engine accepts only bfloat16 / float16; the FSDP engine with "
-               "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32 computes "
-               "it in float32")  # fmt: skip
+        fix = (
+            "verl's Megatron engine accepts only bfloat16 / float16; the FSDP engine with "
+            "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32 computes "
+            "it in float32"
+        )
     else:
         fix = f"set {low[0]}=fp32 (and reduce_dtype / buffer_dtype fp32)"
     warnings.warn(
@@ -120,8 +127,9 @@ def add_old_entropy(batch: Any, entropy: torch.Tensor, response_mask: torch.Tens
     levels = _levels()
     if levels:
         cu = torch.arange(0, B * L + 1, max(L, 1), device=entropy.device)[: B + 1]
-        thr = ck.espo.entropy_thresholds(entropy.reshape(-1), cu, response_mask.bool().reshape(-1),
-                                         levels=levels)  # fmt: skip
+        thr = ck.espo.entropy_thresholds(
+            entropy.reshape(-1), cu, response_mask.bool().reshape(-1), levels=levels
+        )
         batch[THRESHOLD_KEY] = thr.reshape(1, -1).expand(B, -1).contiguous()
     set_old_entropy(entropy, response_mask)
 
@@ -153,8 +161,9 @@ def patch_old_entropy() -> bool:
                 warn_low_precision_entropy(self.config)
             old_log_prob, mfu = orig_old(self, batch)
             probe.hit("old_entropy", str(old_log_prob.batch["entropys"].dtype))
-            add_old_entropy(old_log_prob.batch, old_log_prob.batch["entropys"],
-                            batch.batch["response_mask"])  # fmt: skip
+            add_old_entropy(
+                old_log_prob.batch, old_log_prob.batch["entropys"], batch.batch["response_mask"]
+            )
             return old_log_prob, mfu
 
         def ppo_loss(config, model_output, data, dp_group=None):

@@ -134,12 +134,19 @@ def _check_padded(old_log_prob, log_prob, advantages, response_mask, rollout_is_
     if not isinstance(log_prob, torch.Tensor) or log_prob.dim() != 2:
         raise ValueError(
             "log_prob: expected a [B, L] tensor (verl's padded layout), got "
-            + (describe(log_prob) if isinstance(log_prob, torch.Tensor)
-               else type(log_prob).__name__)
-        )  # fmt: skip
+            + (
+                describe(log_prob)
+                if isinstance(log_prob, torch.Tensor)
+                else type(log_prob).__name__
+            )
+        )
     shape, dev = tuple(log_prob.shape), log_prob.device
-    named = [("old_log_prob", old_log_prob), ("advantages", advantages),
-             ("response_mask", response_mask), *extra]  # fmt: skip
+    named = [
+        ("old_log_prob", old_log_prob),
+        ("advantages", advantages),
+        ("response_mask", response_mask),
+        *extra,
+    ]
     if rollout_is_weights is not None:
         named.append(("rollout_is_weights", rollout_is_weights))
     for name, t in named:
@@ -201,8 +208,15 @@ def _check_weights(rw: torch.Tensor) -> None:
 
 def _metrics(m, mode: str, K: int, counts: torch.Tensor | None) -> dict[str, float]:
     """verl's metric names plus ours, from EspoMetrics, in one host transfer."""
-    names = ["clip_frac", "ppo_kl", "dual_clip_frac", "ratio_mean", "ratio_max", "kl_k3",
-             "log_ratio_gt_ln2_frac"]  # fmt: skip
+    names = [
+        "clip_frac",
+        "ppo_kl",
+        "dual_clip_frac",
+        "ratio_mean",
+        "ratio_max",
+        "kl_k3",
+        "log_ratio_gt_ln2_frac",
+    ]
     vals = [m[k].reshape(1).to(F64) for k in names]
     per_group = ["group_token_frac", "clip_frac_low", "clip_frac_high", "group_entropy_mean"]
     vals += [m[k].reshape(-1).to(F64) for k in per_group]
@@ -229,9 +243,20 @@ def _metrics(m, mode: str, K: int, counts: torch.Tensor | None) -> dict[str, flo
     return out
 
 
-def _run(mode, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
-         rollout_is_weights, old_entropy=None, espo: EspoOptions | None = None,
-         entropy_threshold=None, vocab_size=None):  # fmt: skip
+def _run(
+    mode,
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    loss_agg_mode,
+    config,
+    rollout_is_weights,
+    old_entropy=None,
+    espo: EspoOptions | None = None,
+    entropy_threshold=None,
+    vocab_size=None,
+):
     probe.hit(f"loss_{mode}")
     extra = () if old_entropy is None else (("old_entropy", old_entropy),)
     _check_padded(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights, extra)
@@ -247,10 +272,18 @@ def _run(mode, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
     counts = None
     if mode == "espo":
         o = espo or ESPO_OPTIONS
-        cfg = loss_config.resolve(mode="espo", rho=o.rho, alpha=o.alpha, clip=o.clip,
-                                  vocab_size=vocab_size, num_groups=o.num_groups,
-                                  quantiles=o.quantiles, drop_low=o.drop_low,
-                                  ratio_form=o.ratio_form, dual_clip=o.dual_clip)  # fmt: skip
+        cfg = loss_config.resolve(
+            mode="espo",
+            rho=o.rho,
+            alpha=o.alpha,
+            clip=o.clip,
+            vocab_size=vocab_size,
+            num_groups=o.num_groups,
+            quantiles=o.quantiles,
+            drop_low=o.drop_low,
+            ratio_form=o.ratio_form,
+            dual_clip=o.dual_clip,
+        )
         ent = old_entropy.detach().reshape(-1)
         K = cfg.num_groups
         if K > 1:
@@ -276,10 +309,20 @@ def _run(mode, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
                 in_loss[:, 0] = False
             k_i = in_loss.sum(-1, keepdim=True)
             scale = scale * (k_i * counts.gather(1, bucket)).to(F64)
-        kwargs = dict(mode="espo", rho=o.rho, alpha=o.alpha, clip=o.clip, vocab_size=vocab_size,
-                      num_groups=o.num_groups, quantiles=o.quantiles, drop_low=o.drop_low,
-                      ratio_form=o.ratio_form, dual_clip=o.dual_clip, entropy_threshold=thr,
-                      **o.extra)  # fmt: skip
+        kwargs = dict(
+            mode="espo",
+            rho=o.rho,
+            alpha=o.alpha,
+            clip=o.clip,
+            vocab_size=vocab_size,
+            num_groups=o.num_groups,
+            quantiles=o.quantiles,
+            drop_low=o.drop_low,
+            ratio_form=o.ratio_form,
+            dual_clip=o.dual_clip,
+            entropy_threshold=thr,
+            **o.extra,
+        )
     else:
         K = 1
         ent = torch.zeros(B * L, dtype=R, device=dev)  # fixed clip: entropy only feeds metrics
@@ -296,18 +339,31 @@ def _run(mode, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
         scale = scale * rw
     adv = (advantages.detach().to(F64) * scale).to(R).reshape(-1)
     loss, m = ck.espo.espo_loss(
-        log_prob.reshape(-1), old_log_prob.reshape(-1), ent, adv, cu, flat_mask,
-        num_sequences=1, advantages_per_token=True, **kwargs,
-    )  # fmt: skip
+        log_prob.reshape(-1),
+        old_log_prob.reshape(-1),
+        ent,
+        adv,
+        cu,
+        flat_mask,
+        num_sequences=1,
+        advantages_per_token=True,
+        **kwargs,
+    )
     return loss, _metrics(m, mode, K, counts if mode != "grpo" else None)
 
 
 # ------------------------------------------------------------ public losses
 
 
-def compass_grpo_loss(old_log_prob, log_prob, advantages, response_mask,
-                      loss_agg_mode: str = "token-mean", config=None,
-                      rollout_is_weights=None):  # fmt: skip
+def compass_grpo_loss(
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    loss_agg_mode: str = "token-mean",
+    config=None,
+    rollout_is_weights=None,
+):
     """verl's ``vanilla`` PPO/GRPO clipped loss (clip_ratio_low / _high, dual clip
     clip_ratio_c, ratio log clamped to [-20, 20]) by ``ck.espo`` (mode "grpo").
 
@@ -323,18 +379,40 @@ def compass_grpo_loss(old_log_prob, log_prob, advantages, response_mask,
     -------
     (loss 0-d float32 (float64 for float64 log_prob), metrics dict of floats)
     """
-    return _run("grpo", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
-                rollout_is_weights)  # fmt: skip
+    return _run(
+        "grpo",
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        loss_agg_mode,
+        config,
+        rollout_is_weights,
+    )
 
 
-def compass_gspo_loss(old_log_prob, log_prob, advantages, response_mask,
-                      loss_agg_mode: str = "seq-mean-token-mean", config=None,
-                      rollout_is_weights=None):  # fmt: skip
+def compass_gspo_loss(
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    config=None,
+    rollout_is_weights=None,
+):
     """verl's ``gspo`` loss (GSPO-token: sequence ratio, token gradient, log
     ratio clamped to <= 10, clip_ratio_low / _high) by ``ck.espo`` (mode
     "gspo"). Arguments and returns as :func:`compass_grpo_loss`."""
-    return _run("gspo", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
-                rollout_is_weights)  # fmt: skip
+    return _run(
+        "gspo",
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        loss_agg_mode,
+        config,
+        rollout_is_weights,
+    )
 
 
 def _vocab_size(config: Any, given: int | None) -> int | None:
@@ -384,16 +462,33 @@ def espo_policy_loss(
     -------
     (loss 0-d tensor, metrics dict of floats)
     """
-    return _run("espo", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
-                rollout_is_weights, old_entropy=old_entropy, espo=options,
-                entropy_threshold=entropy_threshold,
-                vocab_size=_vocab_size(config, vocab_size if vocab_size is not None
-                                       else (options or ESPO_OPTIONS).vocab_size))  # fmt: skip
+    return _run(
+        "espo",
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        loss_agg_mode,
+        config,
+        rollout_is_weights,
+        old_entropy=old_entropy,
+        espo=options,
+        entropy_threshold=entropy_threshold,
+        vocab_size=_vocab_size(
+            config, vocab_size if vocab_size is not None else (options or ESPO_OPTIONS).vocab_size
+        ),
+    )
 
 
-def compass_espo_loss(old_log_prob, log_prob, advantages, response_mask,
-                      loss_agg_mode: str = "seq-mean-token-mean", config=None,
-                      rollout_is_weights=None):  # fmt: skip
+def compass_espo_loss(
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    config=None,
+    rollout_is_weights=None,
+):
     """The registered ``compass_espo``: :func:`espo_policy_loss` with the old
     entropy (and the global batch's group boundaries) of the micro-batch set by
     :class:`old_entropy_context`, which the ppo_loss wrapper of
@@ -407,7 +502,14 @@ def compass_espo_loss(old_log_prob, log_prob, advantages, response_mask,
             "old_entropy_context(old_entropy)"
         )
     old_entropy, threshold = ctx
-    return espo_policy_loss(old_log_prob, log_prob, advantages, response_mask, old_entropy,
-                            loss_agg_mode=loss_agg_mode, config=config,
-                            rollout_is_weights=rollout_is_weights,
-                            entropy_threshold=threshold)  # fmt: skip
+    return espo_policy_loss(
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        old_entropy,
+        loss_agg_mode=loss_agg_mode,
+        config=config,
+        rollout_is_weights=rollout_is_weights,
+        entropy_threshold=threshold,
+    )

@@ -147,10 +147,15 @@ def routed_experts_to_trace(
     torch.cumsum(rows_kept, 0, out=cu_kept[1:])
     ids, reason = ids[keep], reason[keep]
     missing = reason != 0
-    trace = RoutingTrace(ids, cu_kept.to(dev), num_experts, layer_ids=moe_layer_ids,
-                         missing=missing if bool(missing.any()) else None,
-                         missing_reason=reason if bool(missing.any()) else None,
-                         token_lens=lens)  # fmt: skip
+    trace = RoutingTrace(
+        ids,
+        cu_kept.to(dev),
+        num_experts,
+        layer_ids=moe_layer_ids,
+        missing=missing if bool(missing.any()) else None,
+        missing_reason=reason if bool(missing.any()) else None,
+        token_lens=lens,
+    )
     if validate:
         trace.validate(num_experts=num_experts, top_k=K)
     return trace
@@ -180,10 +185,16 @@ def micro_batch_trace(
     align = tp_size * cp_size * factor
     lens = trace.token_lens if sequences is None else [trace.token_lens[i] for i in sequences]
     return trace.slice(
-        layers=layers, sequences=sequences, token_lens=lens, pad_multiple=align,
-        cp_size=cp_size, cp_rank=cp_rank, cp_layout=cp_layout if cp_size > 1 else None,
-        sp_size=tp_size if sequence_parallel else 1, sp_rank=tp_rank if sequence_parallel else 0,
-    )  # fmt: skip
+        layers=layers,
+        sequences=sequences,
+        token_lens=lens,
+        pad_multiple=align,
+        cp_size=cp_size,
+        cp_rank=cp_rank,
+        cp_layout=cp_layout if cp_size > 1 else None,
+        sp_size=tp_size if sequence_parallel else 1,
+        sp_rank=tp_rank if sequence_parallel else 0,
+    )
 
 
 # ------------------------------------------------------------ engine patch
@@ -238,18 +249,21 @@ def patch_megatron_engine(*, num_experts: int | None = None, moe_layer_ids=None)
             batch = next(batch_iter)
             routes = batch.get("routed_experts", None)
             if routes is None:
-                return orig(self, iter([batch]), model, logits_processor_func,
-                            postprocess_micro_batch_func)  # fmt: skip
+                return orig(
+                    self, iter([batch]), model, logits_processor_func, postprocess_micro_batch_func
+                )
             replay = _REPLAYS.get(model)
             if replay is None:
                 replay = _REPLAYS[model] = megatron_replay.TraceReplay(model)
             experts = num_experts or int(self.tf_config.num_moe_experts)
-            trace = routed_experts_to_trace(routes, num_experts=experts,
-                                            moe_layer_ids=moe_layer_ids)  # fmt: skip
+            trace = routed_experts_to_trace(
+                routes, num_experts=experts, moe_layer_ids=moe_layer_ids
+            )
             local = micro_batch_trace(trace, layers=replay.layers, **_rank_layout(self))
             with replay.micro_batch(local):
-                return orig(self, iter([batch]), model, logits_processor_func,
-                            postprocess_micro_batch_func)  # fmt: skip
+                return orig(
+                    self, iter([batch]), model, logits_processor_func, postprocess_micro_batch_func
+                )
 
         cast(Any, forward_step).__wrapped_by_compass__ = orig
         _ORIGINAL["forward_step"] = orig

@@ -550,9 +550,14 @@ def routed_experts_max_bytes(
     for later prefix-cache hits beyond one batch may be evicted; a hit on an evicted
     block is vLLM's error ("Increase aux_output_config.max_bytes"), never a silent gap.
     """
-    for name, v in (("num_hidden_layers", num_hidden_layers), ("top_k", top_k),
-                    ("num_experts", num_experts), ("max_num_seqs", max_num_seqs),
-                    ("max_model_len", max_model_len), ("block_size", block_size)):  # fmt: skip
+    for name, v in (
+        ("num_hidden_layers", num_hidden_layers),
+        ("top_k", top_k),
+        ("num_experts", num_experts),
+        ("max_num_seqs", max_num_seqs),
+        ("max_model_len", max_model_len),
+        ("block_size", block_size),
+    ):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
             raise ValueError(f"{name}: expected a positive int, got {v!r}")
     if num_experts > 65536:
@@ -606,9 +611,10 @@ def check_routed_experts_config(engine_kwargs: dict[str, Any]) -> None:
             "block hash and requires prefix caching"
         )
     refused = [
-        n for n in _connector_names(engine_kwargs.get("kv_transfer_config"))
+        n
+        for n in _connector_names(engine_kwargs.get("kv_transfer_config"))
         if n in REFUSED_KV_CONNECTORS
-    ]  # fmt: skip
+    ]
     if refused:
         raise ValueError(
             f"kv_transfer_config: the KV connector {refused[0]} is refused by vLLM's "
@@ -654,23 +660,28 @@ def routed_experts_engine_kwargs(
     would refuse at start-up is refused here, naming the argument.
     """
     kwargs = dict(engine_kwargs)
-    kwargs.update(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                  block_size=block_size)  # fmt: skip
+    kwargs.update(max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size)
     if kwargs.get("enable_prefix_caching") is None:
         kwargs["enable_prefix_caching"] = True
     check_routed_experts_config(kwargs)
     if max_bytes is None:
         max_bytes = routed_experts_max_bytes(
-            num_hidden_layers=num_hidden_layers, top_k=top_k, num_experts=num_experts,
-            max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size,
-        )  # fmt: skip
+            num_hidden_layers=num_hidden_layers,
+            top_k=top_k,
+            num_experts=num_experts,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            block_size=block_size,
+        )
     elif isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
         raise ValueError(f"max_bytes: expected a positive int, got {max_bytes!r}")
     if aux_output_config is None:
         aux_output_config = _has_aux_output_config()
     if aux_output_config:
-        kwargs["aux_output_config"] = {"enable_return_routed_experts": True,
-                                       "max_bytes": int(max_bytes)}  # fmt: skip
+        kwargs["aux_output_config"] = {
+            "enable_return_routed_experts": True,
+            "max_bytes": int(max_bytes),
+        }
     else:
         kwargs["enable_return_routed_experts"] = True
     return kwargs
@@ -892,8 +903,9 @@ def trace_from_routed_experts(routed: Any, **kwargs: Any) -> Any:
     ``compass_kernels.routing.RoutingTrace`` (e.g. from an OpenAI-style response)."""
     seq = sequence_from_routed_experts(routed, **kwargs)
     trace = seq.to_trace()
-    trace.validate(moe_layer_ids=seq.layers, top_k=seq.expert_ids.shape[2],
-                   num_experts=seq.num_experts)  # fmt: skip
+    trace.validate(
+        moe_layer_ids=seq.layers, top_k=seq.expert_ids.shape[2], num_experts=seq.num_experts
+    )
     return trace
 
 
@@ -991,10 +1003,14 @@ class RoutingCapture:
                 "enable_return_routed_experts=True?)"
             )
         seq = sequence_from_routed_experts(
-            routed, layers=self.layers, top_k=self.top_k, num_experts=self.num_experts,
-            num_prompt_tokens=len(out.prompt_token_ids), num_output_tokens=len(comp.token_ids),
+            routed,
+            layers=self.layers,
+            top_k=self.top_k,
+            num_experts=self.num_experts,
+            num_prompt_tokens=len(out.prompt_token_ids),
+            num_output_tokens=len(comp.token_ids),
             prompt_start=self.prompt_start,
-        )  # fmt: skip
+        )
         seq.request_id = str(out.request_id)
         return seq
 

@@ -73,8 +73,9 @@ class CompassFp8Experts(mk.FusedMoEExpertsModular):
             )
 
     @classmethod
-    def for_layer(cls, moe_config: FusedMoEConfig, w13_scale: torch.Tensor,
-                  w2_scale: torch.Tensor) -> CompassFp8Experts:  # fmt: skip
+    def for_layer(
+        cls, moe_config: FusedMoEConfig, w13_scale: torch.Tensor, w2_scale: torch.Tensor
+    ) -> CompassFp8Experts:
         """Experts for one layer from its ``w13_weight_scale_inv`` / ``w2_weight_scale_inv``."""
         quant = fp8_w8a8_moe_quant_config(w13_scale, w2_scale, block_shape=BLOCK_SHAPE)
         return cls(moe_config, quant)
@@ -117,16 +118,32 @@ class CompassFp8Experts(mk.FusedMoEExpertsModular):
     def _supports_router_logits_dtype(router_logits_dtype, routing_method) -> bool:
         return True
 
-    def workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts,
-                         expert_tokens_meta, activation):  # fmt: skip
+    def workspace_shapes(
+        self, M, N, K, topk, global_num_experts, local_num_experts, expert_tokens_meta, activation
+    ):
         return (0,), (0,), (M, K)  # moe_mlp allocates its own intermediates
 
     def finalize_weight_and_reduce_impl(self) -> mk.TopKWeightAndReduce:
         return TopKWeightAndReduceNoOP()  # moe_mlp's unpermute weights and reduces
 
-    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
-              global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
-              expert_tokens_meta, apply_router_weight_on_input):  # fmt: skip
+    def apply(
+        self,
+        output,
+        hidden_states,
+        w1,
+        w2,
+        topk_weights,
+        topk_ids,
+        activation,
+        global_num_experts,
+        expert_map,
+        a1q_scale,
+        a2_scale,
+        workspace13,
+        workspace2,
+        expert_tokens_meta,
+        apply_router_weight_on_input,
+    ):
         if activation != MoEActivation.SILU:
             raise NotImplementedError(f"CompassFp8Experts: SiLU-and-mul only, got {activation}")
         if expert_map is not None:
@@ -138,8 +155,9 @@ class CompassFp8Experts(mk.FusedMoEExpertsModular):
             )
         if a1q_scale is not None:
             raise ValueError("a1q_scale: CompassFp8Experts quantizes its own inputs (got scales)")
-        ck.fp8.moe_mlp(hidden_states, topk_ids, topk_weights, w1, self.w1_scale, w2,
-                       self.w2_scale, out=output)  # fmt: skip
+        ck.fp8.moe_mlp(
+            hidden_states, topk_ids, topk_weights, w1, self.w1_scale, w2, self.w2_scale, out=output
+        )
 
 
 def make_kernel(experts: CompassFp8Experts) -> mk.FusedMoEKernel:

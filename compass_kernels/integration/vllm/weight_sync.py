@@ -418,8 +418,13 @@ def sync_parts_to_vllm(
     return report
 
 
-def _load_stream(llm: Any, stream: Iterator[tuple[str, torch.Tensor]], fp8: bool | str,
-                 track_changes: bool, t0: float) -> WeightSyncReport:  # fmt: skip
+def _load_stream(
+    llm: Any,
+    stream: Iterator[tuple[str, torch.Tensor]],
+    fp8: bool | str,
+    track_changes: bool,
+    t0: float,
+) -> WeightSyncReport:
     report = WeightSyncReport(fp8=fp8)
     groups: set[str] = set()
     tracker = None
