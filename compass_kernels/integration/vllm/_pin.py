@@ -54,7 +54,7 @@ INTERNALS: dict[str, tuple[str, str | None]] = {
     # -- capture.py, "vllm" path: vLLM's own routed-experts capture --------------------
     # the aux-output config: fields enable_return_routed_experts, max_bytes (bytes, > 0)
     "AuxOutputConfig": ("config/aux_output.py", "AuxOutputConfig"),
-    # its start-up refusals (mirrored by capture.check_routed_experts_config)
+    # its start-up refusals (mirrored by routed_experts.check_routed_experts_config)
     "VllmConfig._verify_aux_output_compatibility": (
         "config/vllm.py",
         "VllmConfig._verify_aux_output_compatibility",
@@ -71,7 +71,7 @@ INTERNALS: dict[str, tuple[str, str | None]] = {
         "model_executor/layers/fused_moe/routed_experts_capturer.py",
         "_get_routed_experts_shape",
     ),
-    # max_bytes -> object store of hash-block rows (capture.routed_experts_max_bytes)
+    # max_bytes -> object store of hash-block rows (routed_experts.routed_experts_max_bytes)
     "AuxOutputWorkerConnector.storage": (
         "distributed/aux_output_connector/worker.py",
         "AuxOutputWorkerConnector.__init__",
@@ -223,7 +223,7 @@ FEATURES: dict[str, tuple[str, ...]] = {
 #: max_bytes (int > 0 or None) in all three; 0.33 documents max_bytes as the *initial*
 #: capacity (BlockObjectStore._evict_to_fit no longer raises "cannot retain the requested
 #: batch": the store grows, with a warning, when every object is referenced; 0.32 fails
-#: the step instead, which capture.routed_experts_max_bytes sizes against); 0.34 replaces
+#: the step instead, which routed_experts.routed_experts_max_bytes sizes against); 0.34 replaces
 #: compute_hash by compile_factors (max_bytes ignored). _verify_aux_output_compatibility:
 #: same refusals in all three (generate runner, MoE model, prefix caching on, no adaptive
 #: speculative verification, PP = 1, DCP = PCP = 1, none of the Nixl / NixlPull /
