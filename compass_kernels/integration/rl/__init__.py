@@ -20,4 +20,6 @@ megatron-core training with router replay and ESPO, weight sync.
 - :mod:`compass_kernels.integration.rl.loop_adapter`: the trainer interface the loop calls
   (``LoopAdapter``).
 - :mod:`compass_kernels.integration.rl.loop`: the driver and CLI (``compass-rl``).
+- :mod:`compass_kernels.integration.rl.report`: what a run writes after its steps
+  (steps.csv, steps.png, the gap summary); the per-step table is ``console``'s.
 """
