@@ -29,7 +29,9 @@ BUDGET = {
     "espo.triton_logprobs": 96,
     "routing.triton": 128,
     "fp8.triton_gemm": 255,
-    "fp8.triton": 160,
+    # the permute rank kernel: 168 under Triton 3.8 (torch 2.14, make test-py312), <= 160 under
+    # 3.6 / 3.9; spill-free under all three
+    "fp8.triton": 168,
     "espo.triton_loss": 160,
     "advantages.triton": 96,
     "packing.triton": 128,
