@@ -504,15 +504,7 @@ def espo_loss(
     if K == 1:
         thr = _empty_f64(dev)
     elif entropy_threshold is not None:
-        check_tensor(
-            "entropy_threshold",
-            entropy_threshold,
-            ndim=1,
-            dtypes=FLOAT_DTYPES,
-            size=K - 1,
-            size_what="num_groups - 1 boundaries",
-            device=dev,
-        )
+        _check_threshold(entropy_threshold, K, dev)
         thr = entropy_threshold.detach().to(F64).contiguous()
     else:
         thr = entropy_thresholds(
@@ -715,15 +707,20 @@ def check_loss_inputs(
     )[0]
     K = 1 if cfg.token_groups else cfg.num_groups
     if K > 1 and entropy_threshold is not None:
-        check_tensor(
-            "entropy_threshold",
-            entropy_threshold,
-            ndim=1,
-            dtypes=FLOAT_DTYPES,
-            size=K - 1,
-            size_what="num_groups - 1 boundaries",
-            device=device,
-        )
+        _check_threshold(entropy_threshold, K, device)
+
+
+def _check_threshold(entropy_threshold: torch.Tensor, K: int, device: torch.device) -> None:
+    """A given entropy_threshold: the K - 1 group boundaries (espo_loss, check_loss_inputs)."""
+    check_tensor(
+        "entropy_threshold",
+        entropy_threshold,
+        ndim=1,
+        dtypes=FLOAT_DTYPES,
+        size=K - 1,
+        size_what="num_groups - 1 boundaries",
+        device=device,
+    )
 
 
 def _advantages_layout(size: int, n: int, total: int, per_token: bool | None) -> bool:
