@@ -272,7 +272,7 @@ def _run(
     counts = None
     if mode == "espo":
         o = espo or ESPO_OPTIONS
-        cfg = loss_config.resolve(
+        options = dict(
             mode="espo",
             rho=o.rho,
             alpha=o.alpha,
@@ -284,6 +284,7 @@ def _run(
             ratio_form=o.ratio_form,
             dual_clip=o.dual_clip,
         )
+        cfg = loss_config.resolve(**options)
         ent = old_entropy.detach().reshape(-1)
         K = cfg.num_groups
         if K > 1:
@@ -309,20 +310,7 @@ def _run(
                 in_loss[:, 0] = False
             k_i = in_loss.sum(-1, keepdim=True)
             scale = scale * (k_i * counts.gather(1, bucket)).to(F64)
-        kwargs = dict(
-            mode="espo",
-            rho=o.rho,
-            alpha=o.alpha,
-            clip=o.clip,
-            vocab_size=vocab_size,
-            num_groups=o.num_groups,
-            quantiles=o.quantiles,
-            drop_low=o.drop_low,
-            ratio_form=o.ratio_form,
-            dual_clip=o.dual_clip,
-            entropy_threshold=thr,
-            **o.extra,
-        )
+        kwargs = dict(**options, entropy_threshold=thr, **o.extra)
     else:
         K = 1
         ent = torch.zeros(B * L, dtype=R, device=dev)  # fixed clip: entropy only feeds metrics
