@@ -134,6 +134,8 @@ COLUMNS = COLUMNS + ("sync_peak_part_bytes",)
 #: what the driver received from the ranks in the step's old-policy passes, RL-ZVP
 #: and train step (pickled replies: scalars and per-sequence tensors only).
 COLUMNS = COLUMNS + ("bytes_driver_rx",)
+#: stage 0 on a rollout-budget policy (--budget-policy; empty otherwise)
+COLUMNS = COLUMNS + ("budget", "budget_spent", "rounds", "spare_prompts")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -225,6 +227,43 @@ def build_parser() -> argparse.ArgumentParser:
         "prompt (tokens); off: N for every prompt",
     )
     p.add_argument("--max-alloc-n", type=int, default=16, help="most samples per prompt (stage 0)")
+    bud = p.add_argument_group(
+        "stage 0 on a rollout-budget policy (ck.advantages.policies; unset: --allocate and "
+        "stage 1's --resample-* as before)"
+    )
+    bud.add_argument(
+        "--budget-policy",
+        default=None,
+        choices=("uniform", "dapo", "greso", "knapsack", "pilot", "ours"),
+        help="run the policy's rounds (begin, more, observe) under a budget of --n x "
+        "--prompts samples per step; replaces stage 1 (--resample-n / --resample-budget are "
+        "not used) and cannot be combined with --allocate",
+    )
+    bud.add_argument(
+        "--budget-unit",
+        default="samples",
+        choices=("samples", "tokens"),
+        help="the policy's budget in samples, or in predicted tokens (--n x the predicted "
+        "tokens of the step's prompts; a sample's cost is its prompt's predicted length)",
+    )
+    bud.add_argument(
+        "--max-rounds", type=int, default=3, help="rounds per step at most (the policy's more)"
+    )
+    bud.add_argument(
+        "--spare",
+        type=int,
+        default=None,
+        help="spare prompts per step the policy may draw (refilling policies; unset: "
+        "min(--prompts, --pool - --prompts))",
+    )
+    p.add_argument(
+        "--task",
+        default="majority",
+        choices=("majority", "graded"),
+        help="the prompt pool: majority (one rule for every prompt) or graded (each prompt "
+        "its own class count, required fraction and shortest answer: pass rates from near "
+        "0 to near 1; task.GRADED_LEVELS)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the task, sampling and training")
     sizes = p.add_argument_group("model sizes (generated model only; None: the tiny default)")
     sizes.add_argument("--model-seed", type=int, default=0, help="seed of the generated weights")
@@ -313,6 +352,20 @@ def _check_args(args: argparse.Namespace) -> None:
         )
     if args.resample_budget < 0:
         raise SystemExit(f"compass-rl: --resample-budget must be >= 0, got {args.resample_budget}")
+    policy = getattr(args, "budget_policy", None)
+    if policy is not None and args.allocate != "off":
+        raise SystemExit(
+            f"compass-rl: --budget-policy {policy} and --allocate {args.allocate} are two "
+            "stage-0 drivers: give one"
+        )
+    if policy is not None and args.max_rounds < 1:
+        raise SystemExit(f"compass-rl: --max-rounds must be >= 1, got {args.max_rounds}")
+    spare = getattr(args, "spare", None)
+    if spare is not None and not 0 <= spare <= args.pool - args.prompts:
+        raise SystemExit(
+            f"compass-rl: --spare must be in [0, --pool - --prompts = {args.pool - args.prompts}]"
+            f", got {spare}"
+        )
 
 
 def _zero_var_groups(values: torch.Tensor, gids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -451,7 +504,7 @@ def run(args: argparse.Namespace, terminal: Any = None) -> list[dict[str, Any]]:
         max_new_tokens=args.max_new_tokens,
         overlong_cache=max(1, args.max_new_tokens // 4),
     )
-    pool = T.make_prompts(cfg, args.pool, seed=args.seed)
+    pool = T.make_prompts(cfg, args.pool, seed=args.seed, task=args.task)
     stops = T.stop_tokens(cfg, seed=args.seed)
     stop_set = frozenset(stops)
     rm = T.RewardModel(cfg.vocab_size, seed=args.seed, latency_s=args.reward_latency_ms / 1e3)
@@ -492,7 +545,12 @@ def run(args: argparse.Namespace, terminal: Any = None) -> list[dict[str, Any]]:
             allocator = ck.advantages.RolloutAllocator(
                 min_n=2, max_n=max(args.max_alloc_n, 2), explore_after=4
             )
-        state = LoopState(args, rng, pool, cfg, rollout, trainer, llm, probe_prompts, allocator)
+        policy = None
+        if args.budget_policy is not None:
+            policy = ck.advantages.policies.make_policy(args.budget_policy)
+        state = LoopState(
+            args, rng, pool, cfg, rollout, trainer, llm, probe_prompts, allocator, policy
+        )
         # The table is written above the bar (tqdm.write on the bar's own stream).
         out_stream = terminal if terminal is not None else sys.stdout
         bar = tqdm(
@@ -515,6 +573,7 @@ def run(args: argparse.Namespace, terminal: Any = None) -> list[dict[str, Any]]:
             write_csv(out_dir / "steps.csv", rows, COLUMNS)
             (out_dir / "steps.md").write_text(markdown_table(rows))
             (out_dir / "steps.json").write_text(json.dumps(rows, indent=1, default=float))
+            write_prompt_outcomes(out_dir / "prompts.csv", rows)
         bar.close()
     finally:
         if rollout is not None:
@@ -559,6 +618,92 @@ def _stage0_allocation(args, chosen, rollout, allocator, row) -> list[tuple[Any,
     return [(p, int(k)) for p, k in zip(chosen, n.tolist(), strict=True) if k > 0]
 
 
+def _spare_prompts(state: LoopState, chosen: list[Any]) -> list[Any]:
+    """This step's spare prompts: drawn from the rest of the pool by their own stream, so
+    the step's prompts (``state.rng``) are the same whatever the policy draws."""
+    args = state.args
+    count = args.spare if args.spare is not None else min(args.prompts, args.pool - args.prompts)
+    taken = {p.index for p in chosen}
+    rest = [p for p in state.pool if p.index not in taken]
+    pick = state.spare_rng.choice(len(rest), count, replace=False)
+    return [rest[int(i)] for i in pick]
+
+
+def _stage0_policy(state: LoopState, chosen: list[Any], row: dict[str, Any]):
+    """Stage 0 on ``state.policy``: its rounds (:func:`budget_stage.run_budget_rounds`)
+    under --n x --prompts samples (or predicted tokens); returns (samples, timing)."""
+    import compass_kernels as ck
+    from compass_kernels.integration.rl.budget_stage import run_budget_rounds
+    from compass_kernels.integration.rl.rollout import RoundTiming
+
+    args, rollout = state.args, state.rollout
+    spare = _spare_prompts(state, chosen)
+    by_key = {p.index: p for p in chosen + spare}
+    keys = [p.index for p in chosen]
+    spare_keys = [p.index for p in spare]
+    cost = None
+    budget: float = args.n * len(chosen)
+    if args.budget_unit == "tokens":
+        cost = (
+            ck.advantages.token_costs(rollout.predictor, keys + spare_keys)
+            .numpy()
+            .astype(np.float64)
+        )
+        budget = float(args.n * cost[: len(keys)].sum())
+    timing = RoundTiming()
+
+    def generate(requests: dict[int, int], round_: int) -> list[tuple[int, bool, Any]]:
+        got, t = rollout.run_round([(by_key[k], n) for k, n in requests.items()], round=round_)
+        timing.add(t)
+        return [(s.prompt.index, bool(s.score.correct), s) for s in got]
+
+    res = run_budget_rounds(
+        state.policy,
+        keys,
+        budget,
+        generate,
+        cost=cost,
+        spare=spare_keys,
+        max_rounds=args.max_rounds,
+    )
+    first = res.requested[0] if res.requested else {}
+    row.update(
+        allocate=f"policy:{args.budget_policy}",
+        alloc_samples=sum(first.values()),
+        skipped_prompts=sum(1 for k in keys if k not in res.outcomes),
+        explored_prompts=0,
+        expected_informative=float("nan"),
+        budget=budget,
+        budget_spent=res.spent,
+        rounds=res.rounds,
+        spare_prompts=sum(1 for k in spare_keys if k in res.outcomes),
+        prompt_outcomes={str(k): [len(v), int(sum(v))] for k, v in res.outcomes.items()},
+    )
+    return list(res.payloads), timing
+
+
+def write_prompt_outcomes(path: Path, rows: list[dict[str, Any]]) -> None:
+    """``step,prompt,attempts,correct`` of every sampled prompt of every step (the
+    simulator's calibration input, ``bench/bench_budget.py --calibrate``)."""
+    lines = ["step,prompt,attempts,correct"]
+    for r in rows:
+        for key, (attempts, correct) in sorted(
+            r.get("prompt_outcomes", {}).items(), key=lambda kv: int(kv[0])
+        ):
+            lines.append(f"{r['step']},{key},{attempts},{correct}")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _prompt_outcomes(samples) -> dict[str, list[int]]:
+    """{prompt key: [attempts, correct]} of the step's samples (rounds merged)."""
+    out: dict[str, list[int]] = {}
+    for s in samples:
+        got = out.setdefault(str(s.prompt.index), [0, 0])
+        got[0] += 1
+        got[1] += int(bool(s.score.correct))
+    return out
+
+
 def _informative(samples, row, allocator) -> None:
     """Groups with both a correct and an incorrect sample (the verifiable part: the graded
     RM score and the penalties are shaping), per 1,000 generated tokens; feeds the history."""
@@ -592,6 +737,12 @@ class LoopState:
     llm: Any  # the vLLM engine (weight sync and checks)
     probe_prompts: list[Any]  # the fixed prompts of the sync check
     allocator: Any = None  # ck.advantages.RolloutAllocator (stage 0), or None
+    policy: Any = None  # ck.advantages.policies.BudgetPolicy (--budget-policy), or None
+    spare_rng: np.random.Generator | None = None  # spare prompts (--budget-policy)
+
+    def __post_init__(self) -> None:
+        if self.spare_rng is None:
+            self.spare_rng = np.random.default_rng([int(self.args.seed), 5])
 
 
 def _step(step: int, state: LoopState) -> dict[str, Any]:
@@ -609,8 +760,12 @@ def _step(step: int, state: LoopState) -> dict[str, Any]:
     # 1-2. rollout with capture, rewards scored as requests finish
     t0 = time.perf_counter()
     chosen = [pool[i] for i in rng.choice(len(pool), args.prompts, replace=False)]
-    requests = _stage0_allocation(args, chosen, rollout, allocator, row)
-    samples, timing = rollout.run_round(requests, round=0)
+    if state.policy is not None:
+        samples, timing = _stage0_policy(state, chosen, row)
+    else:
+        requests = _stage0_allocation(args, chosen, rollout, allocator, row)
+        samples, timing = rollout.run_round(requests, round=0)
+        row["prompt_outcomes"] = _prompt_outcomes(samples)
 
     def stage0(ss):
         c = torch.tensor([s.score.correct for s in ss])
@@ -624,6 +779,8 @@ def _step(step: int, state: LoopState) -> dict[str, Any]:
     row["zv_initial"] = float(zv_groups.double().mean())
     # 3a. stage 1: resample zero-variance prompts with a larger N, within the budget
     k = min(len(zv_ids), args.resample_budget // args.resample_n)
+    if state.policy is not None:
+        k = 0  # the policy's rounds were stage 1
     by_index = {p.index: p for p in chosen}
     again = [by_index[int(i)] for i in zv_ids[:k]]
     if again:
@@ -632,6 +789,8 @@ def _step(step: int, state: LoopState) -> dict[str, Any]:
         timing.add(t_more)
     rollout.end_step()
     row["resampled_prompts"], row["resampled_samples"] = len(again), len(again) * args.resample_n
+    if again:
+        row["prompt_outcomes"] = _prompt_outcomes(samples)
     _informative(samples, row, allocator)
     r1, gid = stage0(samples)
     row["zv_resample"] = float(_zero_var_groups(r1, gid)[1].double().mean())

@@ -31,6 +31,14 @@ advantages are an increasing affine map of the rewards within a group, so
 ordered rewards give ordered advantages: no incorrect response gets a higher
 advantage than a correct one of the same group. :func:`count_inversions`
 counts the pairs that break this, for any advantages.
+
+The graded pool (``make_prompts(..., task="graded")``, ``compass-rl --task
+graded``): the same prompts, each given one of :data:`GRADED_LEVELS` (its own
+class count, required fraction and shortest answer), so that a uniformly random
+policy's pass probability spans ~0.02-0.93 across the pool instead of being
+alike on every prompt; :func:`pass_probability` gives it exactly (what the
+unit tests compare sampled pass rates with). Learning moves every level the
+same way (more mass on the key's class), the hard levels the slowest.
 """
 
 from __future__ import annotations
@@ -43,15 +51,19 @@ import numpy as np
 import torch
 
 __all__ = [
+    "GRADED_LEVELS",
+    "Level",
     "Prompt",
     "RewardModel",
     "Scored",
+    "TASKS",
     "TaskConfig",
     "compose",
     "count_inversions",
     "guard",
     "make_prompts",
     "naive_compose",
+    "pass_probability",
     "repetition_penalty",
     "stop_tokens",
     "verify",
@@ -104,26 +116,80 @@ class TaskConfig:
             )
 
 
+#: the prompt pools :func:`make_prompts` builds (``compass-rl --task``)
+TASKS = ("majority", "graded")
+
+
+@dataclass(frozen=True)
+class Level:
+    """One difficulty of the graded pool: a correct answer has at least ``min_answer``
+    tokens, at least ``ceil(pass_fraction * len)`` of them in the key's class, the key
+    being ``prompt[-1] % num_classes``."""
+
+    min_answer: int
+    pass_fraction: float
+    num_classes: int
+
+
+#: The graded pool's levels, easiest first. A uniformly random policy over the tiny
+#: model's 1,024 ids (85 of them stop tokens) passes them with probability ~0.93,
+#: 0.78, 0.53, 0.32, 0.16, 0.12, 0.05, 0.02 (answers of at most 16 or 32 tokens; exact
+#: values: :func:`pass_probability`); answers that run to the length cap (what the
+#: tiny model mostly writes) pass them with ~1.0, 0.96, 0.60, 0.37, 0.19, 0.13, 0.04,
+#: 0.002 at 16 tokens.
+GRADED_LEVELS: tuple[Level, ...] = (
+    Level(0, 0.10, 2),
+    Level(1, 0.30, 2),
+    Level(1, 0.20, 4),
+    Level(2, 0.30, 4),
+    Level(4, 0.34, 4),
+    Level(4, 0.25, 8),
+    Level(4, 0.30, 8),
+    Level(4, 0.40, 8),
+)
+
+
 @dataclass(frozen=True)
 class Prompt:
-    """One prompt of the pool: its index (the length predictor's key) and token ids."""
+    """One prompt of the pool: its index (the length predictor's key) and token ids;
+    ``level`` (graded pool only) overrides the task's class count, pass fraction and
+    shortest answer for this prompt."""
 
     index: int
     token_ids: tuple[int, ...]
+    level: Level | None = None
 
     @property
     def key(self) -> int:
         return self.token_ids[-1]
 
+    def rule(self, cfg: TaskConfig) -> Level:
+        """(min_answer, pass_fraction, num_classes) this prompt is verified with."""
+        if self.level is not None:
+            return self.level
+        return Level(cfg.min_answer, cfg.pass_fraction, cfg.num_classes)
 
-def make_prompts(cfg: TaskConfig, count: int, *, seed: int, special: int = 3) -> list[Prompt]:
-    """A deterministic pool of ``count`` prompts (ids in [special, vocab), random lengths)."""
+
+def make_prompts(
+    cfg: TaskConfig, count: int, *, seed: int, special: int = 3, task: str = "majority"
+) -> list[Prompt]:
+    """A deterministic pool of ``count`` prompts (ids in [special, vocab), random lengths).
+
+    ``task="graded"``: the same token ids, each prompt given a level of
+    :data:`GRADED_LEVELS` (every level ``count // len(GRADED_LEVELS)`` or one more
+    times, in a seeded random order)."""
+    if task not in TASKS:
+        raise ValueError(f"task: expected one of {TASKS}, got {task!r}")
     rng = np.random.default_rng([seed, 1])
+    levels: list[Level | None] = [None] * count
+    if task == "graded":
+        order = np.random.default_rng([seed, 3]).permutation(count)
+        levels = [GRADED_LEVELS[int(j) % len(GRADED_LEVELS)] for j in order]
     out = []
     for i in range(count):
         n = int(rng.integers(cfg.min_prompt, cfg.max_prompt + 1))
         ids = rng.integers(special, cfg.vocab_size, size=n)
-        out.append(Prompt(i, tuple(int(x) for x in ids)))
+        out.append(Prompt(i, tuple(int(x) for x in ids), levels[i]))
     return out
 
 
@@ -146,11 +212,43 @@ def _answer(response: tuple[int, ...] | list[int], stops: frozenset[int]) -> lis
 def verify(cfg: TaskConfig, prompt: Prompt, response, stops: frozenset[int]) -> tuple[bool, int]:
     """(correct, answer length) of one response (the verifiable signal)."""
     ans = _answer(response, stops)
-    if len(ans) < cfg.min_answer:
+    rule = prompt.rule(cfg)
+    if len(ans) < rule.min_answer:
         return False, len(ans)
-    key = prompt.key % cfg.num_classes
-    hits = sum(1 for t in ans if t % cfg.num_classes == key)
-    return hits >= math.ceil(cfg.pass_fraction * len(ans)), len(ans)
+    key = prompt.key % rule.num_classes
+    hits = sum(1 for t in ans if t % rule.num_classes == key)
+    return hits >= math.ceil(rule.pass_fraction * len(ans)), len(ans)
+
+
+def pass_probability(cfg: TaskConfig, prompt: Prompt, stops: frozenset[int] | set[int]) -> float:
+    """Exact probability that :func:`verify` passes a response of the uniformly random
+    policy: every token uniform over ``[0, cfg.vocab_size)``, the response ending at the
+    first token of ``stops`` (kept, then stripped from the answer) or after
+    ``cfg.max_new_tokens`` tokens.
+
+    The answer has length L < max_new_tokens with probability q^L (1 - q) (q: the
+    non-stop share of the vocabulary), max_new_tokens with q^max_new_tokens; given L,
+    its key-class hits are Binomial(L, h) (h: the key class's share of the non-stop
+    ids)."""
+    stop = [t for t in stops if 0 <= t < cfg.vocab_size]
+    if len(set(stop)) >= cfg.vocab_size:
+        raise ValueError("stops: expected some non-stop token ids, got the whole vocabulary")
+    rule = prompt.rule(cfg)
+    key = prompt.key % rule.num_classes
+    ids = np.arange(cfg.vocab_size)
+    non_stop = np.ones(cfg.vocab_size, dtype=bool)
+    non_stop[list(set(stop))] = False
+    q = float(non_stop.mean())
+    h = float(((ids % rule.num_classes == key) & non_stop).sum() / non_stop.sum())
+    total = 0.0
+    for length in range(rule.min_answer, cfg.max_new_tokens + 1):
+        p_len = q**length * (1.0 - q) if length < cfg.max_new_tokens else q**length
+        need = math.ceil(rule.pass_fraction * length)
+        p_hits = sum(
+            math.comb(length, k) * h**k * (1.0 - h) ** (length - k) for k in range(need, length + 1)
+        )
+        total += p_len * p_hits
+    return total
 
 
 def repetition_penalty(cfg: TaskConfig, response, stops: frozenset[int]) -> float:
