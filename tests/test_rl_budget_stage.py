@@ -1,7 +1,8 @@
-"""compass-rl's stage 0 on a rollout-budget policy (``rl/budget_stage.py``,
-``--budget-policy``): the rounds driver on fake outcomes (no engines): the budget is
-enforced, a policy's bad request names it, rounds merge into one group per prompt,
-the loop's per-step columns and prompts.csv."""
+"""compass-rl's stage 0 on a rollout-budget policy (``--budget-policy``; the loop's
+``_stage0_policy`` on ``ck.advantages.policies.run_step``) on fake rollouts (no engines):
+the budget is enforced, a policy's bad request names it, rounds merge into one group per
+prompt, spare prompts, the per-step columns and prompts.csv, every policy of the
+interface within the budget."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+import compass_kernels as ck
 from compass_kernels.integration.rl import loop
-from compass_kernels.integration.rl.budget_stage import count_informative, run_budget_rounds
 
 
 class Scripted:
@@ -36,121 +37,7 @@ class Scripted:
         return self.rounds.pop(0) if self.rounds else {}
 
     def observe(self, outcomes):
-        self.observed = outcomes
-
-
-def _env(rates: dict[int, float], seed: int = 0):
-    """generate(): Bernoulli outcomes per prompt; records every request."""
-    rng = np.random.default_rng(seed)
-    calls: list = []
-
-    def generate(requests, round_):
-        calls.append((dict(requests), round_))
-        return [
-            (k, bool(rng.random() < rates[k]), (k, round_, j))
-            for k, n in requests.items()
-            for j in range(n)
-        ]
-
-    return generate, calls
-
-
-def test_rounds_merge_into_one_group_per_prompt():
-    gen, calls = _env({0: 1.0, 1: 0.0, 2: 0.5, 7: 1.0})
-    pol = Scripted([{0: 2, 1: 2}, {1: 3, 7: 1}, {0: 1}])
-    res = run_budget_rounds(pol, [0, 1, 2], 12, gen, spare=[7], max_rounds=3)
-    assert calls == [({0: 2, 1: 2}, 0), ({1: 3, 7: 1}, 1), ({0: 1}, 2)]
-    assert res.outcomes == {0: [True] * 3, 1: [False] * 5, 7: [True]}
-    assert res.rounds == 3 and res.samples == 9 and res.spent == 9
-    assert pol.remaining == [8, 4]  # the budget left after each round
-    assert pol.seen[0] == ("begin", [0, 1, 2], 12, None, [7])
-    assert pol.seen[2][1] == {0: [True, True], 1: [False] * 5, 7: [True]}  # all so far
-    assert pol.observed == res.outcomes
-    assert [p[:2] for p in res.payloads] == [(0, 0)] * 2 + [(1, 0)] * 2 + [(1, 1)] * 3 + [
-        (7, 1),
-        (0, 2),
-    ]
-    assert res.informative == 0
-
-
-def test_max_rounds_and_an_empty_request_end_the_step():
-    gen, calls = _env({0: 0.5, 1: 0.5})
-    pol = Scripted([{0: 1}, {0: 1}, {0: 1}, {0: 1}])
-    res = run_budget_rounds(pol, [0, 1], 10, gen, max_rounds=2)
-    assert len(calls) == 2 and res.rounds == 2 and len(pol.remaining) == 1
-    gen, calls = _env({0: 0.5, 1: 0.5})
-    pol = Scripted([{0: 2, 1: 0}, {}, {0: 5}])
-    res = run_budget_rounds(pol, [0, 1], 10, gen)
-    assert calls == [({0: 2}, 0)] and res.rounds == 1  # zero counts are no request
-    assert pol.observed == res.outcomes and set(res.outcomes) == {0}
-
-
-def test_informative_counts_merged_groups():
-    assert count_informative({0: [True, False], 1: [True], 2: [False, False], 3: []}) == 1
-    gen, _ = _env({0: 1.0, 1: 0.0})
-    # prompt 0 then gets a failure from a second environment draw: merged, it is informative
-    outs = iter([True, True, False])
-
-    def generate(requests, round_):
-        return [(k, next(outs), None) for k, n in requests.items() for _ in range(n)]
-
-    res = run_budget_rounds(Scripted([{0: 2}, {0: 1}]), [0, 1], 4, generate)
-    assert res.outcomes == {0: [True, True, False]} and res.informative == 1
-
-
-def test_budget_is_enforced_in_samples_and_cost_units():
-    gen, calls = _env({0: 0.5, 1: 0.5, 5: 0.5})
-    with pytest.raises(ValueError, match="budget policy 'scripted': round 0 asked for 9"):
-        run_budget_rounds(Scripted([{0: 5, 1: 4}]), [0, 1], 8, gen)
-    with pytest.raises(ValueError, match="round 1 asked for 3 .* with 2 of the budget left"):
-        run_budget_rounds(Scripted([{0: 3, 1: 3}, {1: 3}]), [0, 1], 8, gen)
-    assert calls == [({0: 3, 1: 3}, 0)]  # nothing over budget was generated
-    cost = np.array([10.0, 2.0, 5.0])  # keys 0, 1 then spare 5
-    res = run_budget_rounds(Scripted([{0: 1, 1: 5}, {5: 2}]), [0, 1], 30, gen, cost=cost, spare=[5])
-    assert res.spent == 30 and res.samples == 8
-    with pytest.raises(ValueError, match=r"round 1 asked for 12 \(3 samples\) with 10 of"):
-        run_budget_rounds(
-            Scripted([{0: 1, 1: 5}, {5: 2, 1: 1}]), [0, 1], 30, gen, cost=cost, spare=[5]
-        )
-
-
-@pytest.mark.parametrize(
-    ("request_", "match"),
-    [
-        ({9: 1}, "asked for prompt 9, which is neither"),
-        ({0: -1}, "asked -1 samples of prompt 0"),
-        ({0: 1.5}, "asked 1.5 samples"),
-        ({0: True}, "asked True samples"),
-        ([(0, 2)], "returned list, expected a dict"),
-    ],
-)
-def test_bad_requests_name_the_policy(request_, match):
-    gen, calls = _env({0: 0.5, 1: 0.5})
-    with pytest.raises(ValueError, match=match) as err:
-        run_budget_rounds(Scripted([request_]), [0, 1], 8, gen)
-    assert "'scripted'" in str(err.value) and calls == []
-
-
-def test_driver_rejects_bad_arguments():
-    gen, _ = _env({0: 0.5})
-    for kwargs, match in (
-        (dict(spare=[0]), "distinct"),
-        (dict(max_rounds=0), "max_rounds"),
-        (dict(cost=np.array([1.0, 2.0])), "cost: expected 1"),
-        (dict(cost=np.array([0.0])), "cost: expected 1"),
-    ):
-        with pytest.raises(ValueError, match=match):
-            run_budget_rounds(Scripted([{0: 1}]), [0], 4, gen, **kwargs)
-    with pytest.raises(ValueError, match="budget"):
-        run_budget_rounds(Scripted([{0: 1}]), [0], float("nan"), gen)
-
-
-def test_generate_must_return_every_sample():
-    def short(requests, round_):
-        return []
-
-    with pytest.raises(RuntimeError, match="returned 0 samples for 2"):
-        run_budget_rounds(Scripted([{0: 2}]), [0], 4, short)
+        self.observed = {k: list(v) for k, v in outcomes.items()}
 
 
 def _args(*extra: str) -> argparse.Namespace:
@@ -253,3 +140,111 @@ def test_cli_budget_policy_arguments():
     loop._check_args(_args("--budget-policy", "dapo", "--task", "graded"))
     defaults = loop.build_parser().parse_args([])
     assert defaults.budget_policy is None and defaults.task == "majority"  # unchanged default
+
+
+def _run(policy, rates=None, *extra):
+    """_stage0_policy on pool[:4] (keys 0-3 of a 12-prompt pool), 3 spare prompts."""
+    args = _args("--budget-policy", "uniform", "--spare", "3", *extra)
+    state, pool = _fake_state(policy, args, rates or dict.fromkeys(range(12), 0.5))
+    calls: list = []
+    inner = state.rollout.run_round
+
+    def run_round(requests, *, round):
+        calls.append(([(p.index, n) for p, n in requests], round))
+        return inner(requests, round=round)
+
+    state.rollout.run_round = run_round
+    spare = [p.index for p in loop._spare_prompts(_fake_state(None, args, {})[0], pool[:4])]
+    row: dict = {"step": 1}
+    samples, _ = loop._stage0_policy(state, pool[:4], row)
+    return row, samples, calls, spare
+
+
+def test_rounds_merge_into_one_group_per_prompt():
+    rates = {k: 1.0 if k % 2 == 0 else 0.0 for k in range(12)}
+    spare = _run(Scripted([{}]))[3]
+    sp = spare[0]
+    pol = Scripted([{0: 2, 1: 2}, {1: 2, sp: 1}, {0: 1}])
+    row, samples, calls, _ = _run(pol, rates)  # budget 2 x 4 = 8: 4, 3, then 1 left
+    assert calls == [([(0, 2), (1, 2)], 0), ([(1, 2), (sp, 1)], 1), ([(0, 1)], 2)]
+    assert [s.round for s in samples] == [0] * 4 + [1] * 3 + [2]
+    assert pol.remaining == [4, 1]
+    assert pol.seen[0][:4] == ("begin", [0, 1, 2, 3], 8, None)
+    assert pol.seen[0][4] == spare
+    assert pol.seen[2][1] == {0: [True, True], 1: [False] * 4, sp: [sp % 2 == 0]}
+    want = {0: [True] * 3, 1: [False] * 4, sp: [sp % 2 == 0]}
+    assert pol.observed == want
+    assert row["rounds"] == 3 and row["budget_spent"] == 8 and row["budget"] == 8
+    assert row["alloc_samples"] == 4 and row["skipped_prompts"] == 2 and row["spare_prompts"] == 1
+    assert row["prompt_outcomes"] == {str(k): [len(v), sum(v)] for k, v in want.items()}
+
+
+def test_max_rounds_and_an_empty_request_end_the_step():
+    pol = Scripted([{0: 1}, {0: 1}, {0: 1}, {0: 1}])
+    row, _, calls, _ = _run(pol, None, "--max-rounds", "2")
+    assert len(calls) == 2 and row["rounds"] == 2 and len(pol.remaining) == 1
+    pol = Scripted([{0: 2}, {}, {0: 5}])
+    row, _, calls, _ = _run(pol)
+    assert len(calls) == 1 and row["rounds"] == 1 and set(pol.observed) == {0}
+    assert row["skipped_prompts"] == 3 and row["spare_prompts"] == 0
+
+
+@pytest.mark.parametrize(
+    ("rounds", "match"),
+    [
+        ([{0: 5, 1: 4}], "policy 'scripted': asked for 9 of the 8 budget left"),
+        ([{0: 3, 1: 3}, {1: 3}], "policy 'scripted': asked for 3 of the 2 budget left"),
+        ([{99: 1}], "policy 'scripted': asked for key 99, not in keys or spare"),
+        ([{0: -1}], "policy 'scripted': asked for -1 samples of key 0"),
+    ],
+)
+def test_bad_requests_name_the_policy(rounds, match):
+    with pytest.raises(ValueError, match=match):
+        _run(Scripted(rounds))
+
+
+def test_nothing_over_budget_is_generated():
+    pol = Scripted([{0: 3, 1: 3}, {1: 3}])
+    args = _args("--budget-policy", "uniform", "--spare", "3")
+    state, pool = _fake_state(pol, args, dict.fromkeys(range(12), 0.5))
+    calls: list = []
+    inner = state.rollout.run_round
+
+    def run_round(requests, *, round):
+        calls.append(round)
+        return inner(requests, round=round)
+
+    state.rollout.run_round = run_round
+    with pytest.raises(ValueError, match="budget left"):
+        loop._stage0_policy(state, pool[:4], {})
+    assert calls == [0]
+
+
+@pytest.mark.parametrize("name", ck.advantages.policies.POLICIES)
+@pytest.mark.parametrize("unit", ["samples", "tokens"])
+def test_every_policy_stays_within_the_budget(name, unit):
+    """Each policy of the interface for 6 steps on prompts of pass rates 0-1: its
+    rounds never spend more than the step's budget, the columns recount, and every
+    sampled prompt's attempts are what was generated."""
+    args = _args("--budget-policy", name, "--spare", "4", "--budget-unit", unit)
+    rates = {k: k / 11 for k in range(12)}
+    policy = ck.advantages.policies.make_policy(name)
+    state, pool = _fake_state(policy, args, rates)
+    rng = np.random.default_rng(3)
+    for step in range(6):
+        chosen = [pool[int(i)] for i in rng.choice(12, 4, replace=False)]
+        row: dict = {"step": step}
+        samples, timing = loop._stage0_policy(state, chosen, row)
+        assert row["budget_spent"] <= row["budget"] + 1e-6
+        if unit == "samples":
+            assert row["budget"] == 8 and len(samples) == row["budget_spent"]
+        counts: dict[str, list[int]] = {}
+        for s in samples:
+            c = counts.setdefault(str(s.prompt.index), [0, 0])
+            c[0] += 1
+            c[1] += int(s.score.correct)
+        assert counts == row["prompt_outcomes"] and timing.requests == len(samples)
+        assert 1 <= row["rounds"] <= args.max_rounds
+        for s in samples:  # the token budget's predictor learns the lengths
+            state.rollout.predictor.observe(s.prompt.index, len(s.response))
+        state.rollout.predictor.end_step()

@@ -630,10 +630,11 @@ def _spare_prompts(state: LoopState, chosen: list[Any]) -> list[Any]:
 
 
 def _stage0_policy(state: LoopState, chosen: list[Any], row: dict[str, Any]):
-    """Stage 0 on ``state.policy``: its rounds (:func:`budget_stage.run_budget_rounds`)
-    under --n x --prompts samples (or predicted tokens); returns (samples, timing)."""
+    """Stage 0 on ``state.policy``: its rounds (``ck.advantages.policies.run_step``: the
+    budget checked every round, a policy that overspends or asks for an unknown prompt
+    raises ValueError naming it) under --n x --prompts samples (or their predicted
+    tokens); returns (samples of every round, their timing)."""
     import compass_kernels as ck
-    from compass_kernels.integration.rl.budget_stage import run_budget_rounds
     from compass_kernels.integration.rl.rollout import RoundTiming
 
     args, rollout = state.args, state.rollout
@@ -644,42 +645,42 @@ def _stage0_policy(state: LoopState, chosen: list[Any], row: dict[str, Any]):
     cost = None
     budget: float = args.n * len(chosen)
     if args.budget_unit == "tokens":
-        cost = (
-            ck.advantages.token_costs(rollout.predictor, keys + spare_keys)
-            .numpy()
-            .astype(np.float64)
-        )
+        cost = ck.advantages.token_costs(rollout.predictor, keys + spare_keys).numpy()
+        cost = cost.astype(np.float64)
         budget = float(args.n * cost[: len(keys)].sum())
     timing = RoundTiming()
+    samples: list[Any] = []
+    first: dict[int, int] = {}
 
-    def generate(requests: dict[int, int], round_: int) -> list[tuple[int, bool, Any]]:
-        got, t = rollout.run_round([(by_key[k], n) for k, n in requests.items()], round=round_)
+    def draw(requests: dict[int, int]) -> dict[int, list[bool]]:
+        if not samples:
+            first.update(requests)
+        # round: 0, 1, ... (run_step has checked the keys and the budget)
+        rnd = 1 + max((s.round for s in samples), default=-1)
+        got, t = rollout.run_round([(by_key[k], int(n)) for k, n in requests.items()], round=rnd)
         timing.add(t)
-        return [(s.prompt.index, bool(s.score.correct), s) for s in got]
+        samples.extend(got)
+        out: dict[int, list[bool]] = {k: [] for k in requests}
+        for s in got:
+            out[s.prompt.index].append(bool(s.score.correct))
+        return out
 
-    res = run_budget_rounds(
-        state.policy,
-        keys,
-        budget,
-        generate,
-        cost=cost,
-        spare=spare_keys,
-        max_rounds=args.max_rounds,
+    res = ck.advantages.policies.run_step(
+        state.policy, keys, budget, draw, cost=cost, spare=spare_keys, max_rounds=args.max_rounds
     )
-    first = res.requested[0] if res.requested else {}
     row.update(
         allocate=f"policy:{args.budget_policy}",
         alloc_samples=sum(first.values()),
-        skipped_prompts=sum(1 for k in keys if k not in res.outcomes),
+        skipped_prompts=sum(1 for k in keys if not res.outcomes.get(k)),
         explored_prompts=0,
         expected_informative=float("nan"),
         budget=budget,
         budget_spent=res.spent,
         rounds=res.rounds,
-        spare_prompts=sum(1 for k in spare_keys if k in res.outcomes),
-        prompt_outcomes={str(k): [len(v), int(sum(v))] for k, v in res.outcomes.items()},
+        spare_prompts=sum(1 for k in spare_keys if res.outcomes.get(k)),
+        prompt_outcomes={str(k): [len(v), int(sum(v))] for k, v in res.outcomes.items() if v},
     )
-    return list(res.payloads), timing
+    return samples, timing
 
 
 def write_prompt_outcomes(path: Path, rows: list[dict[str, Any]]) -> None:
