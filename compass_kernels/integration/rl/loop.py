@@ -625,7 +625,9 @@ def _spare_prompts(state: LoopState, chosen: list[Any]) -> list[Any]:
     count = args.spare if args.spare is not None else min(args.prompts, args.pool - args.prompts)
     taken = {p.index for p in chosen}
     rest = [p for p in state.pool if p.index not in taken]
-    pick = state.spare_rng.choice(len(rest), count, replace=False)
+    rng = state.spare_rng
+    assert rng is not None  # set by LoopState.__post_init__
+    pick = rng.choice(len(rest), count, replace=False)
     return [rest[int(i)] for i in pick]
 
 
