@@ -547,7 +547,7 @@ def run(args: argparse.Namespace, terminal: Any = None) -> list[dict[str, Any]]:
             )
         policy = None
         if args.budget_policy is not None:
-            policy = ck.advantages.policies.make_policy(args.budget_policy)
+            policy = ck.advantages.policies.make_policy(args.budget_policy, seed=args.seed)
         state = LoopState(
             args, rng, pool, cfg, rollout, trainer, llm, probe_prompts, allocator, policy
         )
