@@ -240,6 +240,100 @@ def write_doc(doc: Path, section: str) -> None:
     doc.write_text(text)
 
 
+def calibrate(runs: Path, rows: list[dict], seeds, steps: int, sim_seeds=(0, 1, 2)) -> list[dict]:
+    """The simulator (``bench.bench_budget``) fitted to each seed's uniform run and asked
+    for every policy's ratio to uniform at the loop's sizes (the pool, prompts, spare and
+    N of ``LOOP_ARGS``, ``steps`` steps), against the ratio the loop measured.
+
+    The fit is ``bench_budget.calibrate`` on the run's ``prompts.csv`` (per-prompt
+    difficulty, one drift); the simulated lengths are set to the run's mean tokens per
+    sample (the loop's lengths do not depend on a prompt's level; the simulator's default
+    makes hard prompts longer). One row per policy x loop seed: the predicted ratio
+    (mean over ``sim_seeds`` simulated worlds), per sample and per token, and the
+    measured one."""
+    import numpy as np
+
+    from bench import bench_budget as BB
+
+    opts = dict(zip(LOOP_ARGS.split()[::2], LOOP_ARGS.split()[1::2], strict=False))
+    pool, batch, spare, n = (int(opts[k]) for k in ("--pool", "--prompts", "--spare", "--n"))
+    measured = {(r["policy"], r["seed"]): r for r in rows}
+    out = []
+    for s in seeds:
+        run = runs / "uniform" / f"s{s}"
+        if not (run / "prompts.csv").is_file():
+            continue
+        st = json.loads((run / "steps.json").read_text())[:steps]
+        mean_len = sum(r["generated_tokens"] for r in st) / max(sum(r["samples"] for r in st), 1)
+        diff, gain = BB.calibrate(run / "prompts.csv")
+        BB.add_calibrated(run / "prompts.csv")
+        sims: dict[str, list[dict]] = {}
+        for pol in POLICIES:
+            for g in sim_seeds:
+                world = BB._World("calibrated", g, pool, batch, spare)
+                world.typical = np.full(pool, mean_len)
+                r = BB.simulate(
+                    "calibrated",
+                    pol,
+                    seed=g,
+                    prompts=pool,
+                    batch=batch,
+                    spare=spare,
+                    n=n,
+                    steps=steps,
+                    world=world,
+                )
+                sims.setdefault(pol, []).append(r)
+        base = sims["uniform"]
+        for pol in POLICIES:
+            pred_s = _mean(
+                [a["informative"] / b["informative"] for a, b in zip(sims[pol], base, strict=True)]
+            )
+            pred_t = _mean(
+                [
+                    a["per_1k_tokens"] / b["per_1k_tokens"]
+                    for a, b in zip(sims[pol], base, strict=True)
+                ]
+            )
+            m = measured.get((pol, s))
+            mu = measured.get(("uniform", s))
+            meas_s = (
+                m["informative_per_sample"] / mu["informative_per_sample"] if m and mu else None
+            )
+            out.append(
+                dict(
+                    policy=pol,
+                    seed=s,
+                    fit_gain=gain,
+                    fit_diff_sd=float(np.std(diff)),
+                    predicted_per_sample=pred_s,
+                    predicted_per_token=pred_t,
+                    measured_per_sample=meas_s,
+                    measured_per_token=m["ratio_vs_uniform"] if m else None,
+                )
+            )
+    return out
+
+
+def calibration_markdown(cal: list[dict]) -> str:
+    head = (
+        "| policy | predicted / token (seeds) | measured / token (seeds) | error (mean) "
+        "| predicted / sample | measured / sample |\n|---|---|---|---|---|---|\n"
+    )
+    lines = []
+    for p in POLICIES:
+        mine = [c for c in cal if c["policy"] == p and c["measured_per_token"] is not None]
+        if not mine:
+            continue
+        pt = " / ".join(f"{c['predicted_per_token']:.2f}" for c in mine)
+        mt = " / ".join(f"{c['measured_per_token']:.2f}" for c in mine)
+        err = _mean([c["predicted_per_token"] - c["measured_per_token"] for c in mine])
+        ps = _mean([c["predicted_per_sample"] for c in mine])
+        ms = _mean([c["measured_per_sample"] for c in mine])
+        lines.append(f"| {p} | {pt} | {mt} | {err:+.3f} | {ps:.3f} | {ms:.3f} |")
+    return head + "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
@@ -254,6 +348,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--doc", type=Path, default=None, help="docs/perf/budget.md to update")
     ap.add_argument("--section", type=Path, default=None, help="text of the doc section")
     ap.add_argument("--plot", type=Path, default=None, help="copy the PNG here too")
+    ap.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="fit the simulator to the uniform runs and compare its predicted ratios",
+    )
     args = ap.parse_args(argv)
     if args.steps < 1 or args.jobs < 1:
         raise SystemExit("budget_loop: --steps and --jobs must be >= 1")
@@ -276,9 +375,19 @@ def main(argv: list[str] | None = None) -> int:
         if args.plot:
             args.plot.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(png, args.plot)
+    cal_table = ""
+    if args.calibrate:
+        cal = calibrate(args.runs, rows, args.seeds, args.steps)
+        with (args.results / "budget_loop_calibration.csv").open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(cal[0]) if cal else ["policy"])
+            w.writeheader()
+            w.writerows(cal)
+        cal_table = calibration_markdown(cal)
+        (args.results / "budget_loop_calibration.md").write_text(cal_table)
+        print(cal_table)
     if args.doc:
         intro = args.section.read_text() if args.section else ""
-        write_doc(args.doc, intro.replace("{table}", table))
+        write_doc(args.doc, intro.replace("{table}", table).replace("{calibration}", cal_table))
     return 0
 
 
