@@ -498,3 +498,16 @@ def test_calibrate_bad_file_names_the_problem(tmp_path):
     bad.write_text("step,prompt,attempts,correct\n0,a,4,5\n")
     with pytest.raises(ValueError, match="row 0"):
         B.calibrate(bad)
+
+
+@pytest.mark.parametrize("budget", ["samples", "tokens"])
+def test_simulator_runs_every_policy_within_budget(budget):
+    from bench import bench_budget as B
+
+    rows = [
+        B.simulate("mid", p, budget=budget, steps=3, prompts=64, batch=16, spare=16)
+        for p in POLICIES
+    ]
+    for r in rows:
+        assert 0 < r["samples"] <= 3 * 8 * 16 or budget == "tokens"
+        assert 0 <= r["informative"] <= r["groups"] and r["tokens"] > 0
