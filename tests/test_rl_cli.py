@@ -148,7 +148,8 @@ def test_every_column_is_defined_in_the_columns_doc():
     csv_section = doc.split("## steps.csv: every column", 1)[1]
     defined = set(re.findall(r"^\| `([^`]+)` \|", csv_section, re.M))
     assert set(loop.COLUMNS) <= defined, sorted(set(loop.COLUMNS) - defined)
-    json_only = {"sample_detail", "replay_old", "replay_train", "probe_max", "prompt_outcomes"}  # steps.json
+    # steps.json only
+    json_only = {"sample_detail", "replay_old", "replay_train", "probe_max", "prompt_outcomes"}
     assert not defined - set(loop.COLUMNS) - json_only, sorted(defined - set(loop.COLUMNS))
     for header, _, _ in console.TERMINAL_COLUMNS:
         assert f"`{header}`" in doc, header
