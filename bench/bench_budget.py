@@ -27,7 +27,8 @@ attempts]); one row per prompt and step it was sampled (compass-rl's real-loop b
 writes it). The fit: logit p = gain * step / (last step) - difficulty_prompt, maximum
 likelihood with a N(0, 3^2) prior on each difficulty (prompts always or never solved
 stay finite); the simulated population bootstraps the fitted difficulties (+ N(0, 0.25)
-jitter) and spans the recorded drift over its steps.
+jitter) and spans the recorded drift over its steps. ``--ablation``: ``ours`` without the
+spare prompts, with min_n = 4, in one round (:data:`ABLATIONS`).
 
 Timed cases (``python -m bench --only budget``): allocate_rollouts on P prompts against
 the reference (torch gain table, sorted items, the greedy in Python): the same
@@ -180,21 +181,27 @@ def simulate(
     n: int = 8,
     steps: int = STEPS,
     world: _World | None = None,
+    use_spare: bool = True,
+    options: dict | None = None,
 ) -> dict[str, float]:
-    """One run: totals of samples, tokens, groups and informative groups over ``steps``."""
+    """One run: totals of samples, tokens, groups and informative groups over ``steps``
+    (``use_spare`` False: the policy sees no spare prompts; ``options``: the policy's,
+    else :data:`OPTIONS`)."""
     import compass_kernels as ck
     from compass_kernels.packing.schedule import LengthPredictor
 
     if budget not in BUDGETS:
         raise ValueError(f"budget: expected one of {BUDGETS}, got {budget!r}")
     w = world or _World(population, seed, prompts, batch, spare)
-    pol = ck.advantages.make_policy(policy, seed=seed, **OPTIONS.get(policy, {}))
+    opts = OPTIONS.get(policy, {}) if options is None else options
+    pol = ck.advantages.make_policy(policy, seed=seed, **opts)
     pred = LengthPredictor(default=float(np.median(w.typical)))
     tot = dict(samples=0, tokens=0.0, informative=0, groups=0, inf_samples=0)
     for t in range(steps):
         skill = w.skill0 + w.gain * t / max(steps - 1, 1)
         pick = w.picks[t % len(w.picks)]
         keys, spare_keys = pick[: w.batch].tolist(), pick[w.batch :].tolist()
+        spare_keys = spare_keys if use_spare else []
         pool = keys + spare_keys
         u, z = w.step_draws(t)
         pos: dict[int, int] = {}
@@ -296,6 +303,50 @@ NUMERIC = (
     "vs_uniform",
     "per_token_vs_uniform",
 )
+
+
+#: ``--ablation``: ours without what it borrows (name: (use_spare, options))
+ABLATIONS = {
+    "ours": (True, {}),
+    "ours, keys only (no spare)": (False, {}),
+    "ours, min_n = 4": (True, {"min_n": 4}),
+    "ours, 1 round (knapsack on keys + spare)": (True, {"rounds": 1}),
+}
+
+
+def ablation(seeds=SEEDS, steps: int = STEPS, budget: str = "samples", populations=None) -> str:
+    """Per population, ours and its ablations: informative groups per generated token
+    relative to uniform N (mean of seeds, the lowest seed), and their group size."""
+    lines = [
+        "| population | variant | per token vs uniform | lowest seed | informative group size |",
+        "|---|---|---|---|---|",
+    ]
+    for pop in populations or list(POPULATIONS):
+        worlds = {s: _World(pop, s, 512, 128, 128) for s in seeds}
+        base = {
+            s: simulate(pop, "uniform", budget=budget, seed=s, steps=steps, world=w)
+            for s, w in worlds.items()
+        }
+        for name, (use_spare, opts) in ABLATIONS.items():
+            ratios, sizes = [], []
+            for s, w in worlds.items():
+                r = simulate(
+                    pop,
+                    "ours",
+                    budget=budget,
+                    seed=s,
+                    steps=steps,
+                    world=w,
+                    use_spare=use_spare,
+                    options=opts,
+                )
+                ratios.append(r["per_1k_tokens"] / base[s]["per_1k_tokens"])
+                sizes.append(r["inf_group_size"])
+            lines.append(
+                f"| {pop} | {name} | {np.mean(ratios):.3f} | {min(ratios):.3f} "
+                f"| {np.mean(sizes):.2f} |"
+            )
+    return "\n".join(lines)
 
 
 def markdown(summary: list[dict]) -> str:
@@ -481,6 +532,7 @@ def main() -> None:
     ap.add_argument("--csv", type=Path, default=Path(__file__).parent / "results" / "budget.csv")
     ap.add_argument("--plot", type=Path, default=Path(__file__).parent / "results" / "budget.png")
     ap.add_argument("--no-plot", action="store_true", help="skip the PNG chart")
+    ap.add_argument("--ablation", action="store_true", help="ours without spare / rounds")
     ap.add_argument(
         "--speed",
         action="store_true",
@@ -496,6 +548,9 @@ def main() -> None:
         ap.error(f"--steps: at most {STEPS}")
     plot_path = None if args.no_plot else args.plot
     seeds = tuple(range(args.seeds))
+    if args.ablation:
+        print(ablation(seeds, args.steps, populations=args.only))
+        return
     print(table(seeds, args.steps, args.csv, plot_path, args.only))
     print(f"csv: {args.csv}" + ("" if plot_path is None else f"\nplot: {plot_path}"))
 
