@@ -287,7 +287,7 @@ def calibrate(runs: Path, rows: list[dict], seeds, steps: int, sim_seeds=(0, 1, 
         base = sims["uniform"]
         for pol in POLICIES:
             pred_s = _mean(
-                [a["informative"] / b["informative"] for a, b in zip(sims[pol], base, strict=True)]
+                [a["per_sample"] / b["per_sample"] for a, b in zip(sims[pol], base, strict=True)]
             )
             pred_t = _mean(
                 [
