@@ -340,7 +340,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--jobs", type=int, default=2, help="runs at once")
-    ap.add_argument("--runs", type=Path, default=Path("/tmp/budgetloop/runs"))
+    ap.add_argument(
+        "--runs",
+        type=Path,
+        default=ROOT / "bench" / "results" / "budget_loop_runs",
+        help="one folder per policy and seed (the loop's --out)",
+    )
     ap.add_argument("--loop-args", default=LOOP_ARGS, help="compass-rl options of every run")
     ap.add_argument("--force", action="store_true", help="rerun finished runs")
     ap.add_argument("--report-only", action="store_true", help="no runs: the report only")
