@@ -432,7 +432,9 @@ def _quantize_128x128():
 
 def _unpermute():
     M, k, K = 131_072, 8, 2048
-    ins, src = _warp_instructions("unpermute", M * (K // 512), 4, k)
+    # one program per token and 2048 columns, the k slots unrolled (k a constexpr):
+    # the static count is the executed count
+    ins, src = _warp_instructions("unpermute", M * (K // 2048), 4, 1)
     return Model(bytes=M * k * K * 2 + M * K * 2 + M * k * 12, instructions=ins), src
 
 
