@@ -145,7 +145,7 @@ def test_launched_record_names_the_launch_and_tracks_the_source(monkeypatch):
 
     def edited(obj):
         src = real(obj)
-        return src + "\n# edited\n" if "def _chunk_stats" in src else src
+        return src + "\n# edited\n" if "def _aligned_split" in src else src
 
     monkeypatch.setattr(inspect, "getsource", edited)
     assert roofline.kernel_source_hash("espo.triton_logprobs", "_fwd_kernel") != base
