@@ -25,7 +25,7 @@ build: $(STAMP)
 
 # every tier must run: a missing dependency fails instead of skipping
 test: build
-	COMPASS_REQUIRE_ALL_TIERS=1 $(PY) -m pytest tests
+	COMPASS_REQUIRE_ALL_TIERS=1 $(PY) -m pytest tests --durations=25
 
 # unit + triton-interpreter + sm90 compile checks, no engines
 test-fast: build

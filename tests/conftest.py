@@ -78,6 +78,47 @@ def _triton_interpreter_fixed():
     yield
 
 
+# ------------------------------------------------------ process-wide state a test leaks
+
+# What an engine start, compass-rl's loop or an import hook changes for the whole
+# process: a unit test that leaves one changed turns later tests' torch.compile off or
+# runs them on an activated platform (CI once failed three tests far from the cause).
+_PROCESS_ENV = (
+    "TORCHDYNAMO_DISABLE",
+    "TORCH_COMPILE_DISABLE",
+    "VLLM_ENABLE_V1_MULTIPROCESSING",
+    "VLLM_CPU_KVCACHE_SPACE",
+    "VLLM_TARGET_DEVICE",
+    "VERL_ENGINE_DEVICE",
+    "VERL_USE_EXTERNAL_MODULES",
+)
+
+
+def _process_state() -> dict[str, object]:
+    import sys
+
+    state: dict[str, object] = {k: os.environ.get(k) for k in _PROCESS_ENV}
+    dynamo = sys.modules.get("torch._dynamo")
+    state["torch._dynamo.config.disable"] = dynamo is not None and dynamo.config.disable
+    platform = sys.modules.get("compass_kernels.integration.cpu.verl_platform")
+    state["verl CPU platform active"] = platform is not None and platform.active()
+    return state
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_process_state(request):
+    """Fail the unit test that leaves process-wide state changed (engines are exempt:
+    the integration tier runs last and shares module-scoped engines)."""
+    before = _process_state()
+    yield
+    if "integration" in request.keywords:
+        return
+    after = _process_state()
+    changed = {k: (before[k], after[k]) for k in before if before[k] != after[k]}
+    if changed:
+        pytest.fail(f"left process-wide state changed (before, after): {changed}", pytrace=False)
+
+
 # ------------------------------------------------------ skips that cannot pass silently
 
 

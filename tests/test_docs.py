@@ -106,6 +106,14 @@ def _resolves(dotted: str) -> bool:
     if parts[0] == "ck":
         parts[0] = "compass_kernels"
     i = max(k for k in range(1, len(parts) + 1) if k == 1 or _is_module(parts[:k]))
+    if parts[i - 1].endswith("plugin"):
+        # an import hook (verl's VERL_USE_EXTERNAL_MODULES): importing it registers
+        # or activates for the rest of the process, so its source is read instead
+        src = _module_path(parts[:i]).read_text()
+        return (
+            i == len(parts)
+            or re.search(rf"^(?:def|class) {parts[i]}\b|^{parts[i]}\b.*=", src, re.M) is not None
+        )
     try:
         obj = importlib.import_module(".".join(parts[:i]))
     except ImportError:  # an engine module without its engine: read its top-level names

@@ -18,7 +18,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import compass_kernels as ck
@@ -440,6 +440,8 @@ def test_plan_large(n, dp, seed):
     bad=st.none() | st.integers(0, 1000),
     seed=SEEDS,
 )
+# one row sliced with a step: contiguous() keeps its stride 2, which a byte view refused
+@example(lens=[1], pick=[0], cp=1, pad_k=1, width=(), dtype=torch.float32, step=2, bad=None, seed=0)
 def test_pack_unpack(lens, pick, cp, pad_k, width, dtype, step, bad, seed):
     g = _gen(seed)
     total = sum(lens)

@@ -5,6 +5,7 @@ No engine is started here (fast): the checks read the model's config only."""
 from __future__ import annotations
 
 import json
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -77,7 +78,10 @@ def test_run_fails_before_any_engine_starts(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ve, "start_vllm", lambda *a, **k: started.append("vllm"))
     monkeypatch.setattr(ranks, "LoopAdapter", lambda *a, **k: started.append("ranks"))
+    for key in ve.FAST_ENV:  # the loop's fast settings must not outlive it
+        monkeypatch.delenv(key, raising=False)
     with pytest.raises(SystemExit, match="--max-tokens 20"):
         loop.run(_args("--max-tokens", "20", "--out", str(tmp_path / "out")))
     assert started == []
     assert not (tmp_path / "out").exists()
+    assert [k for k in ve.FAST_ENV if k in os.environ] == []

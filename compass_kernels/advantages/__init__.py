@@ -42,6 +42,13 @@ __all__ = [
     "allocate_rollouts",
     "informative_probability",
     "token_costs",
+    # rollout-budget policies behind one interface (policies.py)
+    "policies",
+    "BudgetPolicy",
+    "POLICIES",
+    "StepResult",
+    "make_policy",
+    "run_step",
 ]
 
 MODES = {"grpo": 0, "dr_grpo": 1, "rloo": 2}
@@ -474,12 +481,20 @@ def overlong_penalty(lengths: torch.Tensor, *, max_len: int, cache_len: int) -> 
     return penalty.to(torch.float32)
 
 
+from compass_kernels.advantages import policies  # noqa: E402
 from compass_kernels.advantages.budget import (  # noqa: E402  (after the ops it sits beside)
     AllocationStats,
     RolloutAllocator,
     allocate_rollouts,
     informative_probability,
     token_costs,
+)
+from compass_kernels.advantages.policies import (  # noqa: E402
+    POLICIES,
+    BudgetPolicy,
+    StepResult,
+    make_policy,
+    run_step,
 )
 
 

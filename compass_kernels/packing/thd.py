@@ -176,8 +176,12 @@ def _fill_byte(name: str, t: torch.Tensor, value) -> int:
 
 
 def _as_rows(t: torch.Tensor) -> torch.Tensor:
-    t = t.contiguous()
-    return t.reshape(t.shape[0], -1).view(torch.uint8)
+    t = t.reshape(t.shape[0], -1)
+    # contiguous() keeps any stride on a size-1 dim ([1] sliced with a step of 2 has
+    # stride 2), which a dtype view refuses: a fresh copy has the canonical strides
+    if t.stride(-1) != 1 or not t.is_contiguous():
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t.view(torch.uint8)
 
 
 def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -232,7 +232,10 @@ def _encode_set_on_device(t: RoutingTrace, backend: str | None) -> bytes:
     ids = t.expert_ids.reshape(-1, k)
     missing = t.missing.reshape(-1) if t.missing is not None else None
     payload, status = _setcode.encode_device(ids, t.num_experts, missing=missing, backend=backend)
-    parts = [status.view(torch.uint8), t.cu_seqlens.to(torch.int64).contiguous().view(torch.uint8)]
+    cu = t.cu_seqlens.to(torch.int64)
+    if cu.stride(-1) != 1:  # a size-1 tensor keeps any stride through contiguous()
+        cu = cu.clone(memory_format=torch.contiguous_format)
+    parts = [status.view(torch.uint8), cu.view(torch.uint8)]
     if missing is not None:
         assert t.missing_reason is not None  # set whenever missing is
         parts += [missing.contiguous().view(torch.uint8), t.missing_reason.contiguous()]

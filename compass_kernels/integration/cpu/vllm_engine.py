@@ -27,7 +27,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FAST_ENV", "apply_fast_env", "shutdown_vllm", "start_vllm"]
+__all__ = ["FAST_ENV", "apply_fast_env", "restore_env", "shutdown_vllm", "start_vllm"]
 
 #: Environment variables set (if unset) before vLLM is imported.
 FAST_ENV: dict[str, str] = {
@@ -181,7 +181,7 @@ def start_vllm(
         llm = LLM(**kwargs)
     except BaseException:
         torch._dynamo.config.disable = previous_dynamo
-        _restore_env(previous_env)
+        restore_env(previous_env)
         raise
     _STATE[id(llm)] = {
         "env": previous_env,
@@ -191,7 +191,8 @@ def start_vllm(
     return llm
 
 
-def _restore_env(previous: dict[str, str | None]) -> None:
+def restore_env(previous: dict[str, str | None]) -> None:
+    """Undo :func:`apply_fast_env`: ``previous`` is what it returned."""
     for key, value in previous.items():
         if value is None:
             os.environ.pop(key, None)
@@ -242,7 +243,7 @@ def shutdown_vllm(llm: Any) -> None:
             vps.destroy_distributed_environment()
     gc.collect()
     torch._dynamo.config.disable = state["dynamo"]
-    _restore_env(state["env"])
+    restore_env(state["env"])
 
 
 def _main() -> None:

@@ -422,9 +422,19 @@ def run(args: argparse.Namespace, terminal: Any = None) -> list[dict[str, Any]]:
     for the progress bar, the per-step table and the summary (default: stderr for the
     bar, stdout for the rest)."""
     _check_args(args)
-    from compass_kernels.integration.cpu.vllm_engine import apply_fast_env
+    from compass_kernels.integration.cpu import vllm_engine
 
-    apply_fast_env()
+    # The fast settings hold while the loop runs and are undone after it: a
+    # caller's process keeps its own environment (TORCHDYNAMO_DISABLE=1 left
+    # behind would turn its torch.compile off).
+    previous_env = vllm_engine.apply_fast_env()
+    try:
+        return _run(args, terminal)
+    finally:
+        vllm_engine.restore_env(previous_env)
+
+
+def _run(args: argparse.Namespace, terminal: Any) -> list[dict[str, Any]]:
     from tqdm import tqdm
     from transformers import AutoConfig
 
