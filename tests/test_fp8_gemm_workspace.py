@@ -171,6 +171,7 @@ def test_cutlass_call_with_workspace_and_out_allocates_nothing(monkeypatch):
 
     call()  # the views for E = 5 are made once and kept in the workspace
     calls.clear()
+    monkeypatch.setattr(gg, "_BUFFERS", {})  # a path using the backend's caches would allocate
     assert _allocated_bytes(call) == []
     assert [c[0] for c in calls] == ["args", "gemm"]
     shapes, ptrs, gemm = ws.views(5)

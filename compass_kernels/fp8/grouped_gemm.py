@@ -214,11 +214,14 @@ class GroupedGemmWorkspace:
 
     @property
     def device(self) -> torch.device:
+        """The device of ``buffer`` (a call's operands must be on it)."""
         return self.buffer.device
 
     @staticmethod
+    @functools.cache
     def nbytes_for(num_experts: int, gemm_bytes: int) -> int:
-        """Bytes of the buffer: pointer arrays, shapes, CUTLASS's region."""
+        """Bytes of the buffer: pointer arrays, shapes, CUTLASS's region (cached:
+        the per-call check reads it)."""
         ptrs, shapes = _round_up(8 * len(PTR_ROWS) * num_experts), _round_up(12 * num_experts)
         return ptrs + shapes + _round_up(gemm_bytes)
 
