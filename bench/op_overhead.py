@@ -7,9 +7,13 @@ itself is a few microseconds), the median wall time of one eager call of:
   the data checks on (the default on CPU) and off (``validate=False``);
 - the registered op called eagerly (``op(name=value, ...)``: allocation,
   backend lookup, the kernel);
-- the same call through the torch dispatcher (``torch.ops.compass.<name>``).
+- the same call through the torch dispatcher (``torch.ops.compass.<name>``);
+- ``ck.fp8.grouped_gemm``'s GPU call paths on CPU tensors, the launches
+  stubbed (:func:`_grouped_gemm_rows`): the Python host time of a decode call
+  with a caller's workspace and ``out=`` (the CUDA-graph path), and without.
 
-Medians of ``--reps`` blocks of 200 calls each; one line per row. The numbers
+Medians of ``--reps`` blocks of 200 calls each; one line per row (``--only TEXT``,
+repeatable: the rows whose name contains one). The numbers
 before / after a change of the op layer go to docs/perf/op_overhead.md.
 """
 
@@ -76,6 +80,7 @@ def rows() -> dict[str, Callable[[], object]]:
     eager = _eager_call
     noop, noop_kw = _noop_op(rewards)
     return {
+        **_grouped_gemm_rows(),
         "no-op kernel op, 4 args 2 outputs (eager)": lambda: eager(noop, noop_kw),
         "group_advantages (public)": lambda: ck.advantages.group_advantages(rewards, group_size=gs),
         "group_advantages (public, validate=False)": lambda: ck.advantages.group_advantages(
@@ -96,6 +101,68 @@ def rows() -> dict[str, Callable[[], object]]:
         "token_logprobs_entropy (public)": lambda: ck.espo.token_logprobs_entropy(logits, ids),
         "replay_topk (public)": lambda: ck.routing.replay_topk(logits, top),
         "fp8.quantize_token_groups (public)": lambda: ck.fp8.quantize_token_groups(x8),
+    }
+
+
+_GG_STUBS: list = []
+
+
+def _grouped_gemm_rows() -> dict[str, Callable[[], object]]:
+    """ck.fp8.grouped_gemm's CUTLASS (``cuda``) and Triton call paths on CPU tensors:
+    the public checks, the op, the backend's Python up to its launches, which are
+    stubbed (the Triton argument builder and the C++ GEMM entry; the Triton GEMM
+    kernel), as are the SM count (132) and the stream handle. Decode-sized: 64
+    rows over E = 8 experts, N = 4096, K = 7168 (only shapes are read). The stubs
+    stay for the process (this bench only; nothing else here calls the GEMM)."""
+    import importlib
+
+    from compass_kernels import _C, _op
+    from compass_kernels.fp8.grouped_gemm import grouped_gemm_op
+
+    gg = importlib.import_module("compass_kernels.fp8.grouped_gemm")
+    tg = importlib.import_module("compass_kernels.fp8.triton_gemm")
+    if not hasattr(_C.fp8, "grouped_gemm_sm90_workspace"):
+        return {}  # a build without CUTLASS: no tile heuristic / workspace size
+    if not _GG_STUBS:
+
+        def nothing(*args, **kwargs):
+            return None
+
+        class Launch:  # kernel[grid](...) of a Triton kernel
+            def __getitem__(self, grid):
+                return nothing
+
+        tile = _C.fp8.choose_sm90_tile
+        gg._cutlass_entry_points = lambda: (nothing, nothing, tile)
+        gg._sm_count = lambda index: 132
+        tg._grouped_gemm_kernel = Launch()
+        _op.cuda_stream = lambda t: 0
+        for backend in ("cuda", "triton"):  # the GPU backends' Python, on CPU tensors
+            grouped_gemm_op._chosen[(torch.device("cpu"), backend)] = backend
+        _GG_STUBS.append(True)
+    e, n, k, m = 8, 4096, 7168, 64
+    a_q = torch.empty(m, k, dtype=torch.float8_e4m3fn)
+    a_s = torch.ones(m, -(-k // 128))
+    b_q = torch.empty(e, n, k, dtype=torch.float8_e4m3fn)
+    b_s = torch.ones(e, -(-n // 128), -(-k // 128))
+    off = torch.arange(0, m + 1, m // e)
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    ws = ck.fp8.grouped_gemm_workspace(e, device="cpu")
+    ws.gemm_bytes = gg._gemm_region_bytes(e, 132)  # a 132-SM GPU's CUTLASS region
+    ws.buffer = torch.empty(gg.GroupedGemmWorkspace.nbytes_for(e, ws.gemm_bytes), dtype=torch.uint8)
+    ops = (a_q, a_s, b_q, b_s, off)
+
+    def gemm(backend, **kw):
+        return lambda: ck.fp8.grouped_gemm(*ops, backend=backend, validate=False, out=out, **kw)
+
+    return {
+        "fp8.grouped_gemm cuda path, workspace= out= (launches stubbed)": gemm(
+            "cuda", workspace=ws
+        ),
+        "fp8.grouped_gemm cuda path, own caches, out= (launches stubbed)": gemm("cuda"),
+        "fp8.grouped_gemm triton path, workspace= out= (launch stubbed)": gemm(
+            "triton", workspace=ws
+        ),
     }
 
 
@@ -156,10 +223,14 @@ def _no_grad(fn):
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.op_overhead", description=__doc__)
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument(
+        "--only", action="append", default=[], help="time the rows whose name contains it"
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    width = max(len(k) for k in rows())
-    for name, fn in rows().items():
+    table = {k: v for k, v in rows().items() if not args.only or any(t in k for t in args.only)}
+    width = max(len(k) for k in table)
+    for name, fn in table.items():
         us = _time(fn, args.reps)
         assert math.isfinite(us)
         print(f"{name:<{width}}  {us:8.1f} us")

@@ -15,8 +15,9 @@ by the device's name, :func:`device_by_name`, and reports measured / model).
 ``python -m bench.roofline`` prints the per-kernel model (:data:`KERNELS`, one
 row per Triton kernel at a realistic shape, both devices); ``--json`` the same
 as JSON; ``--sass`` recompiles the kernels whose model counts instructions and
-rewrites bench/sass_counts.json (see :func:`sass_profile` and
-:func:`launched_artifacts`).
+rewrites bench/sass_counts.json (see :func:`sass_profile`; each count is of the
+variant the op launches at the modelled shape: :data:`SASS_SPECS`,
+:func:`launched_record`).
 """
 
 from __future__ import annotations
@@ -203,62 +204,93 @@ def sass_profile(sass: str) -> dict:
     return {"main": len(main), "loops": sorted(loops, key=lambda x: x[2]), "ops": ops}
 
 
-_LAUNCHED: dict[str, list] = {}
-
-
-def launched_artifacts(module: str, kernel: str, constexprs: dict):
-    """HOOK (issue 32 item 2): the compiled code of the specialization a real launch
-    gets (ints divisible by 16 marked, ints equal to 1 constant, i32 below 2^31),
-    from ``tests.aot.launched_variants(module)`` where tests/aot.py has it: the
-    variant of ``kernel`` whose launch passed these constexprs. Returns
-    (CompiledArtifacts or None, what it is or why there is none); with None,
-    :func:`_compile` compiles the ``aot_variants()`` entry instead (i64 strides
-    unspecialized), and each count's ``source`` says which it is."""
-    from tests import aot
-
-    variants = getattr(aot, "launched_variants", None)
-    if variants is None:
-        return None, "tests/aot.py has no launched_variants yet"
-    if module not in _LAUNCHED:
-        try:
-            _LAUNCHED[module] = variants(module)
-        except KeyError:  # no launch plan for this module
-            _LAUNCHED[module] = []
-    for v in _LAUNCHED[module]:
-        kw = v.launch.kwargs
-        if v.launch.name == kernel and all(kw[k] == c for k, c in constexprs.items() if k in kw):
-            return v.artifacts, f"launched variant ({v.case}: {v.specialization})"
-    return None, f"no launched variant of {kernel} with constexprs {constexprs}"
-
-
-def _compile(module: str, kernel: str, overrides: dict) -> tuple[dict, str]:
-    """(sass_profile, source) of ``kernel`` at the modelled shape's constexprs: the
-    launched variant where the hook has it, else ``module``'s aot_variants() entry
-    whose constexprs match the ``=KEY`` selectors, the other overrides applied."""
+def kernel_source_hash(module: str, kernel: str) -> str:
+    """sha256 (16 hex digits) of ``kernel``'s source in compass_kernels.``module`` and
+    of every @triton.jit helper it calls (recursively, by name in the module's
+    globals): what the compiled code depends on besides the specialization; a count
+    recorded with another hash is stale."""
+    import hashlib
     import importlib
+    import inspect
+    import textwrap
 
-    import triton
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
 
+    jitted = (JITFunction, InterpretedFunction)  # compiled, or under TRITON_INTERPRET=1
+    mod = importlib.import_module(f"compass_kernels.{module}")
+    seen: dict[str, str] = {}
+
+    def visit(name: str, obj) -> None:
+        py = getattr(obj, "fn", obj)
+        src = textwrap.dedent(inspect.getsource(py))
+        seen[name] = src
+        for ident in sorted(set(re.findall(r"\b[A-Za-z_]\w*\b", src))):
+            g = py.__globals__.get(ident)
+            if ident not in seen and isinstance(g, jitted):
+                visit(ident, g)
+
+    visit(kernel, getattr(mod, kernel))
+    text = "\n".join(f"{k}\n{v}" for k, v in sorted(seen.items()))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def launched_launch(module: str, kernel: str, case: str):
+    """The recorded launch (tests.aot.Launch) of ``kernel`` in the launch-plan case
+    ``case`` of ``module`` (tests/launch_plans.py: the op's Triton backend called as
+    a training step calls it, on meta tensors, nothing run). Exactly one launch of
+    ``kernel`` in that case, else ValueError."""
+    from tests import aot, launch_plans
+
+    for name, call in launch_plans.PLANS[module]():
+        if name != case:
+            continue
+        with aot.record_launches(execute=False) as launches:
+            call()
+        mine = [x for x in launches if x.name == kernel]
+        if len(mine) != 1:
+            raise ValueError(
+                f"case: {module} {case!r} launches {kernel} {len(mine)} times, expected once"
+            )
+        return mine[0]
+    raise ValueError(f"case: tests/launch_plans.py has no {case!r} for {module}")
+
+
+def launched_record(module: str, kernel: str, case: str) -> dict:
+    """What identifies the launched variant of a SASS_SPECS entry, without compiling:
+    the case, Triton's specialization of the launch (``V:i32/16``, ``ss1:1``), its
+    constexpr / launch keywords and the kernel's source hash. Stored beside each
+    count in SASS_COUNTS; tests/test_roofline.py recomputes it and fails on a
+    difference (a count from another variant, or from older code)."""
     from tests import aot
 
-    mod = importlib.import_module(f"compass_kernels.{module}")
-    for fn, sig, const, launch in mod.aot_variants():
-        if getattr(fn, "__name__", "") != kernel:
+    launch = launched_launch(module, kernel, case)
+    signature, constexprs, attrs, _ = aot.specialization_of(launch)
+    jit = aot._as_jit_function(launch.fn)
+    spec = []
+    for i, (p, ty) in enumerate(signature.items()):
+        if ty == "constexpr":
+            if p in jit.arg_names and not jit.params[i].is_constexpr:
+                spec.append(f"{p}:{constexprs.get((i,))}")
             continue
-        if any(const.get(k[1:]) != v for k, v in overrides.items() if k.startswith("=")):
-            continue
-        const = dict(const) | {k.lstrip("="): v for k, v in overrides.items()}
-        art, why = launched_artifacts(module, kernel, const)
-        if art is not None:
-            src = f"{why}, Triton {triton.__version__}, sm_90a"
-        else:
-            art = aot.compile_triton(fn, sig, const, **launch)
-            src = (
-                f"aot_variants() entry, constexprs {const}, i64 strides unspecialized "
-                f"(not the launched variant: {why}), Triton {triton.__version__}, sm_90a"
-            )
-        return sass_profile(art.sass), src
-    raise LookupError(f"{module}.aot_variants() has no {kernel} matching {overrides}")
+        div = any(a == ["tt.divisibility", 16] for a in attrs.get((i,), []))
+        spec.append(f"{p}:{ty}{'/16' if div else ''}")
+    return {
+        "case": case,
+        "specialization": " ".join(spec),
+        "keywords": {k: launch.kwargs[k] for k in sorted(launch.kwargs)},
+        "kernel_hash": kernel_source_hash(module, kernel),
+    }
+
+
+def _compile(module: str, kernel: str, case: str) -> tuple[dict, dict]:
+    """(sass_profile, launched_record) of ``kernel`` compiled for sm_90a exactly as
+    the launch-plan case ``case`` launches it (tests.aot.compile_launch: Triton's
+    own binder gives the specialization)."""
+    from tests import aot
+
+    art = aot.compile_launch(launched_launch(module, kernel, case))
+    return sass_profile(art.sass), launched_record(module, kernel, case)
 
 
 def _sass_counts() -> dict:
@@ -309,26 +341,57 @@ def _no_issue(model: Model) -> Callable[[], tuple[Model, str]]:
     return lambda: (model, "")
 
 
-# SASS specs: key -> (module, kernel, constexpr overrides; "=KEY" selects the entry)
-SASS_SPECS: dict[str, tuple[str, str, dict]] = {
-    "permute_scatter": ("fp8.triton", "_permute_scatter_kernel", {"GB": 16}),
-    "permute_rank": ("fp8.triton", "_permute_rank_kernel", {}),
-    "quantize_groups": ("fp8.triton", "_quantize_groups_kernel", {"=UE8M0": False}),
-    "quantize_block": ("fp8.triton", "_quantize_block_kernel", {"=UE8M0": False}),
-    "unpermute": ("fp8.triton", "_unpermute_kernel", {}),
-    "logprobs_fwd": ("espo.triton_logprobs", "_fwd_kernel", {"=ENT": True, "=VEC": 8}),
-    "logprobs_tile": ("espo.triton_logprobs", "_tile_kernel", {"=ENT": True, "=VEC": 8}),
+# SASS specs: key -> (module, kernel, the tests/launch_plans.py case at the kernel's
+# modelled shape): each count is of the variant that case launches (Triton's own
+# specialization of its arguments, tests.aot.compile_launch), never a hand-written
+# signature; tests/test_roofline.py checks SASS_COUNTS against these.
+SASS_SPECS: dict[str, tuple[str, str, str]] = {
+    "permute_scatter": (
+        "fp8.triton",
+        "_permute_scatter_kernel",
+        "permute + quantize 131072 x top-8, E=256, K=2048",
+    ),
+    "permute_rank": (
+        "fp8.triton",
+        "_permute_rank_kernel",
+        "permute + quantize 131072 x top-8, E=256, K=2048",
+    ),
+    "quantize_groups": (
+        "fp8.triton",
+        "_quantize_groups_kernel",
+        "quantize activations 16384x7168 ue8m0=False",
+    ),
+    "quantize_block": (
+        "fp8.triton",
+        "_quantize_block_kernel",
+        "quantize weight 7168x2048 ue8m0=False",
+    ),
+    "unpermute": ("fp8.triton", "_unpermute_kernel", "unpermute 131072 x top-8 x 2048"),
+    "logprobs_fwd": (
+        "espo.triton_logprobs",
+        "_fwd_kernel",
+        "forward T=4096 V=151936 bfloat16 entropy=True",
+    ),
+    "logprobs_tile": (
+        "espo.triton_logprobs",
+        "_tile_kernel",
+        "tile stats 1766x151936 fp32 entropy=True",
+    ),
     "logprobs_bwd": (
         "espo.triton_logprobs",
         "_bwd_kernel",
-        {"=HAS_GL": True, "=HAS_GH": True, "=VEC": 8},
+        "backward T=4096 V=151936 bfloat16 grad_logprob=True grad_entropy=True",
     ),
-    "replay_fwd": ("routing.triton", "_replay_fwd_kernel", {"=SCORE": 1}),
-    "replay_bwd": ("routing.triton", "_replay_bwd_kernel", {"=SCORE": 1}),
-    "pack": ("packing.triton", "_pack_kernel", {"=ROWS": 1}),
-    "unpack": ("packing.triton", "_unpack_kernel", {"=ROWS": 1}),
-    "group_advantages": ("advantages.triton", "_group_advantages_kernel", {"=MODE": 0}),
-    "loss_forward": ("espo.triton_loss", "_forward_kernel", {"=FLAGS": 8}),
+    "replay_fwd": ("routing.triton", "_replay_fwd_kernel", "replay E=256 K=8 T=65536"),
+    "replay_bwd": ("routing.triton", "_replay_bwd_kernel", "replay backward E=256 K=8 T=65536"),
+    "pack": ("packing.triton", "_pack_kernel", "pack 131072 x 8192 B cp=1"),
+    "unpack": ("packing.triton", "_unpack_kernel", "unpack 131072 x 8192 B cp=1"),
+    "group_advantages": (
+        "advantages.triton",
+        "_group_advantages_kernel",
+        "group advantages mode=0 torch.float32 8192 groups x 16",
+    ),
+    "loss_forward": ("espo.triton_loss", "_forward_kernel", "espo forward n=8 T=65536"),
 }
 
 
@@ -369,7 +432,9 @@ def _quantize_128x128():
 
 def _unpermute():
     M, k, K = 131_072, 8, 2048
-    ins, src = _warp_instructions("unpermute", M * (K // 512), 4, k)
+    # one program per token and 2048 columns, the k slots unrolled (k a constexpr):
+    # the static count is the executed count
+    ins, src = _warp_instructions("unpermute", M * (K // 2048), 4, 1)
     return Model(bytes=M * k * K * 2 + M * K * 2 + M * k * 12, instructions=ins), src
 
 
@@ -698,11 +763,15 @@ def _write_sass_counts(keys: list[str] | None = None) -> None:
             f"--sass-only: unknown keys {unknown}; expected some of {sorted(SASS_SPECS)}"
         )
     kernels = _sass_counts() if keys else {}
-    for key, (module, kernel, over) in SASS_SPECS.items():
+    for key, (module, kernel, case) in SASS_SPECS.items():
         if keys and key not in keys:
             continue
-        prof, src = _compile(module, kernel, over)
-        kernels[key] = {"module": module, "kernel": kernel, "profile": prof, "source": src}
+        prof, rec = _compile(module, kernel, case)
+        src = (
+            f"launched variant ({case}: {rec['specialization']}), "
+            f"Triton {triton.__version__}, sm_90a"
+        )
+        kernels[key] = {"module": module, "kernel": kernel, "profile": prof, "source": src} | rec
         print(
             f"{key}: main {prof['main']}, loops {[b for *_, b in prof['loops']]}, {prof['ops']}",
             file=sys.stderr,
@@ -741,19 +810,36 @@ def _table(rows: list[dict]) -> str:
             cells += [f"{d['model_us']:,.1f}", share, d["bound"]]
         lines.append("| " + " | ".join(cells) + " |")
     counted = [r for r in rows if r["warp_instructions"]]
-    launched = sum(r["instruction_source"].startswith("launched") for r in counted)
     lines += [
         "",
-        f"instruction counts (SASS, sm_90a; {SASS_COUNTS.name}): {launched} of "
-        f"{len(counted)} from launched variants, the rest from aot_variants() entries "
-        "(i64 strides unspecialized); each row's source: --json",
+        f"instruction counts (SASS, sm_90a; {SASS_COUNTS.name}): the variant each op "
+        f"launches at the modelled shape, {len(counted)} kernels (SASS_SPECS: the "
+        "tests/launch_plans.py case); each row's source: --json",
     ]
+    return "\n".join(lines)
+
+
+def _markdown(rows: list[dict]) -> str:
+    """The per-kernel table of docs/perf/gpu_kernels.md (``--markdown``)."""
+    names = list(DEVICES)
+    head = ["kernel @ shape"]
+    for n in names:
+        head += [f"{n} model", f"{n} share", f"{n} binds"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [f"{r['kernel']} @ {r['shape']}"]
+        for n in names:
+            d = r["devices"][n]
+            share = f"{d['over_floor']:.2f}x floor" if "over_floor" in d else f"{d['share']:.0%}"
+            cells += [f"{d['model_us']:,.0f} us", share, d["bound"]]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    p.add_argument("--markdown", action="store_true", help="print docs/perf/gpu_kernels.md's table")
     p.add_argument(
         "--sass",
         action="store_true",
@@ -789,6 +875,8 @@ def main(argv=None) -> int:
                 indent=1,
             )
         )
+    elif a.markdown:
+        print(_markdown(rows))
     else:
         print(_table(rows))
     return 0

@@ -79,6 +79,16 @@ def espo_logprobs() -> Plan:
             f"tile stats {TOKEN_CHUNK}x{VOCAB_CHUNK} fp32 entropy={ent}",
             (lambda e=ent: _run(lp.logprobs_tile_stats_op, tile, y, VOCAB_CHUNK, 1.0, e, st)),
         )
+    # the fused lm_head path's GPU chunk (fused_loss.default_rows: 1 GiB of fp32
+    # logits, 1766 rows at V = 151,936; the roofline's logprobs_tile_stats shape)
+    r, v = 1766, 151936
+    big = torch.empty(r, v, dtype=torch.float32, device=META)
+    yb = torch.empty(r, dtype=torch.int64, device=META)
+    sb = torch.empty(4, r, dtype=torch.float32, device=META)
+    yield (
+        f"tile stats {r}x{v} fp32 entropy=True",
+        lambda: _run(lp.logprobs_tile_stats_op, big, yb, 0, 1.0, True, sb),
+    )
     yield (
         f"fused backward tile {TOKEN_CHUNK}x{VOCAB_CHUNK} fp32",
         lambda: _run(
@@ -119,6 +129,22 @@ def routing() -> Plan:
             f"replay backward E={e} K=8 T={t}",
             lambda g=g, z=z, u=used, s=score: _run(replay_topk_backward_op, g, z, u, s, True, 2.5),
         )
+    # the roofline's shape (bench/roofline.py): 64k tokens, DeepSeek-V3's routing
+    t = 65536
+    z = torch.empty(t, 256, dtype=torch.float32, device=META)
+    ids = torch.empty(t, 8, dtype=torch.uint8, device=META)
+    b = torch.empty(256, dtype=torch.float32, device=META)
+    valid = torch.empty(t, dtype=torch.bool, device=META)
+    yield (
+        f"replay E=256 K=8 T={t}",
+        lambda: _run(replay_topk_op, z, ids, b, valid, 1, True, 2.5, -1.0),
+    )
+    g = torch.empty(t, 8, dtype=torch.float32, device=META)
+    used = torch.empty(t, 8, dtype=torch.int64, device=META)
+    yield (
+        f"replay backward E=256 K=8 T={t}",
+        lambda: _run(replay_topk_backward_op, g, z, used, 1, True, 2.5),
+    )
 
 
 def fp8_gemm() -> Plan:
@@ -198,11 +224,51 @@ def espo_loss() -> Plan:
         )
     g = torch.empty((), **f32)
     yield f"backward T={t}", lambda: _run(lo.espo_loss_backward_op, g, lp)
+    # the roofline's shape (bench/roofline.py): 64k tokens in 8 sequences, ESPO
+    n, t = 8, 65536
+    lp, old, ent = (torch.empty(t, **f32) for _ in range(3))
+    adv = torch.empty(n, **f32)
+    cu = torch.empty(n + 1, dtype=torch.int64, device=META)
+    mask = torch.empty(t, dtype=torch.bool, device=META)
+    thr = torch.empty(1, dtype=torch.float64, device=META)
+    sums = torch.empty(n * 2 * 3, dtype=torch.float64, device=META)
+    yield (
+        f"espo forward n={n} T={t}",
+        lambda: _run(
+            lo.espo_loss_forward_op,
+            lp,
+            old,
+            ent,
+            adv,
+            cu,
+            mask,
+            thr,
+            sums,
+            2,
+            tk._FLAG_ADAPTIVE,
+            0.2,
+            0.28,
+            1.0,
+            0.0,
+            -20.0,
+            20.0,
+            1.0 / n,
+            1,
+        ),
+    )
 
 
 def advantages() -> Plan:
     from compass_kernels.advantages import group_advantages_op, rl_zvp_op
 
+    # the roofline's shape (bench/roofline.py): 8192 groups x 16 rewards
+    r = torch.empty(8192 * 16, dtype=torch.float32, device=META)
+    order = torch.empty(8192 * 16, dtype=torch.int64, device=META)
+    offsets = torch.empty(8192 + 1, dtype=torch.int64, device=META)
+    yield (
+        "group advantages mode=0 torch.float32 8192 groups x 16",
+        lambda: _run(group_advantages_op, r, order, offsets, 0, 1e-6, 1e-6),
+    )
     # 512 prompts x 16 rollouts; RL-ZVP over their 8M response tokens
     n, g, t = 8192, 512, 8_000_000
     for dt in (torch.float32, torch.float64):
@@ -246,15 +312,22 @@ def fp8_quant() -> Plan:
             f"quantize activations 16384x7168 ue8m0={ue8m0}",
             lambda u=ue8m0: _run(quantize_op, x, 1, 128, 1e-10, u, True, 0),
         )
-    ids = torch.empty(16384, 8, dtype=torch.int32, device=META)
-    yield (
-        "permute + quantize 16384 x top-8, E=256",
-        lambda: _run(permute_op, x, ids, 256, 1e-10, False, 0),
-    )
-    y = torch.empty(16384 * 8, 2048, **bf16)
-    dst = torch.empty(16384 * 8, dtype=torch.int64, device=META)
-    tw = torch.empty(16384, 8, dtype=torch.float32, device=META)
-    yield "unpermute 16384 x top-8 x 2048", lambda: _run(unpermute_op, y, dst, tw)
+    # and at the roofline's shape (bench/roofline.py): 128k tokens of 2048 columns
+    for m, kc in ((16384, 7168), (131072, 2048)):
+        xm = x if kc == 7168 else torch.empty(m, kc, **bf16)
+        ids = torch.empty(m, 8, dtype=torch.int32, device=META)
+        yield (
+            f"permute + quantize {m} x top-8, E=256" + ("" if kc == 7168 else f", K={kc}"),
+            lambda xm=xm, ids=ids: _run(permute_op, xm, ids, 256, 1e-10, False, 0),
+        )
+    for m in (16384, 131072):
+        y = torch.empty(m * 8, 2048, **bf16)
+        dst = torch.empty(m * 8, dtype=torch.int64, device=META)
+        tw = torch.empty(m, 8, dtype=torch.float32, device=META)
+        yield (
+            f"unpermute {m} x top-8 x 2048",
+            lambda y=y, dst=dst, tw=tw: _run(unpermute_op, y, dst, tw),
+        )
 
 
 def packing() -> Plan:
@@ -281,6 +354,14 @@ def packing() -> Plan:
                 lambda src=src, cp=cp: _run(thd_unpack_op, src, sl, cu, oo, cp, t),
             )
     yield f"positions {t} cp=2", lambda: _run(thd_positions_op, oo, 2, 1, t // 2)
+    # the roofline's shape (bench/roofline.py): 1 GiB of 4096-wide bf16 rows
+    rows = 1 << 17
+    src = torch.empty(rows, 8192, dtype=torch.uint8, device=META)
+    yield (
+        f"pack {rows} x 8192 B cp=1",
+        lambda: _run(thd_pack_op, src, ss, sl, oo, 1, 0, 0, rows),
+    )
+    yield f"unpack {rows} x 8192 B cp=1", lambda: _run(thd_unpack_op, src, sl, cu, oo, 1, rows)
 
 
 def routing_setcode() -> Plan:

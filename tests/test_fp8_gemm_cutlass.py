@@ -73,16 +73,18 @@ def test_cutlass_path_is_sync_free_and_replays_in_a_cuda_graph():
     a, b = make_problem((5, 64, 3), 256, 512, seed=4), make_problem((0, 70, 2), 256, 512, seed=4)
     dev = [t.cuda() for t in a]
     out = torch.empty(a[0].shape[0], 256, dtype=torch.bfloat16, device="cuda")
-    grouped_gemm_op.run((*dev, 0), "cuda", (out,))  # warm: compile, caches
+    names = ("a_q", "a_scales", "b_q", "b_scales", "expert_offsets")
+    kw = dict(zip(names, dev, strict=True), out_dtype=0, backend="cuda", out=out)
+    grouped_gemm_op.run(**kw)  # warm: compile, caches
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        grouped_gemm_op.run((*dev, 0), "cuda", (out,))
+        grouped_gemm_op.run(**kw)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        grouped_gemm_op.run((*dev, 0), "cuda", (out,))
+        grouped_gemm_op.run(**kw)
     for args in (b, a):
         for t, src in zip(dev, args, strict=True):
             t.copy_(src)

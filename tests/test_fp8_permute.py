@@ -119,15 +119,20 @@ def test_permute_empty_batch(backend, backend_device):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_unpermute_matches_reference(backend, dtype, backend_device):
-    m, k, experts = 70, 3, 9
-    ids = make_routing(m, k, experts, seed=3)
+@pytest.mark.parametrize("m,k,cols", [(70, 3, 333), (37, 8, 256), (5, 1, 4096 + 16)])
+def test_unpermute_matches_reference(backend, dtype, m, k, cols, backend_device):
+    """Odd widths (masked columns), whole column blocks (the unmasked EVEN path:
+    256 = one block, 4096 + 16 = masked past two), k = 1 / 3 / 8 (unrolled), a
+    dropped slot whose weight is NaN (skipped, not multiplied by a zero row)."""
+    experts = 9
+    ids = make_routing(m, k, experts, seed=3 + k)
     p = ck.fp8.permute_quantize(torch.randn(m, 128), ids, experts)
-    g = make_generator(4)
-    y = (torch.randn(m * k, 333, generator=g) * 5).to(dtype)
-    w = torch.rand(m, k, generator=g)
+    g = make_generator(4 + k)
+    y = (torch.randn(m * k, cols, generator=g) * 5).to(dtype)
+    w = torch.rand(m, k, generator=g) * 2 - 0.5
     dst = p.dst_index.clone()
-    dst[5] = -1  # a dropped slot (expert parallelism: not on this rank)
+    dst[min(5, m * k - 1)] = -1  # a dropped slot (expert parallelism: not on this rank)
+    w.view(-1)[min(5, m * k - 1)] = float("nan")
     out = unpermute_op.outputs(y=y, dst_index=dst, topk_weights=w)
     poison_(out)
     dev = backend_device

@@ -103,3 +103,57 @@ def test_timing_rows_use_the_detected_device():
         gpu_timing.DEVICE = None
     r = gpu_timing.row("logprobs_fwd", "triton", 1e-3, bytes_=4.8e9)
     assert "of_peak" not in r and "ceiling" in r
+
+
+def test_sass_counts_are_of_the_launched_variants():
+    """Every count in bench/sass_counts.json was compiled from the variant its op
+    launches at the modelled shape: the launch-plan case of SASS_SPECS, with the
+    specialization and keywords Triton's binder gives that call now, from today's
+    kernel source. A count from a hand-written aot_variants() signature, another
+    case, or a kernel edited since (stale), fails here: rerun
+    ``python -m bench.roofline --sass``."""
+    pytest.importorskip("triton")
+    counts = json.loads(roofline.SASS_COUNTS.read_text())["kernels"]
+    assert set(counts) == set(roofline.SASS_SPECS)
+    bad = []
+    for key, (module, kernel, case) in roofline.SASS_SPECS.items():
+        row = counts[key]
+        assert (row["module"], row["kernel"]) == (module, kernel), key
+        assert row["source"].startswith(f"launched variant ({case}: "), key
+        now = roofline.launched_record(module, kernel, case)
+        for field in ("case", "specialization", "keywords", "kernel_hash"):
+            if row.get(field) != now[field]:
+                bad.append(f"{key}.{field}: recorded {row.get(field)!r}, launched {now[field]!r}")
+    assert not bad, "stale bench/sass_counts.json (python -m bench.roofline --sass):\n" + "\n".join(
+        bad
+    )
+
+
+def test_launched_record_names_the_launch_and_tracks_the_source(monkeypatch):
+    pytest.importorskip("triton")
+    rec = roofline.launched_record(*roofline.SASS_SPECS["unpermute"])
+    assert rec["keywords"]["BLOCK"] > 0 and "y_ptr:*bf16/16" in rec["specialization"]
+    with pytest.raises(ValueError, match="case"):
+        roofline.launched_record("fp8.triton", "_unpermute_kernel", "no such case")
+    with pytest.raises(ValueError, match="case"):  # that case does not launch this kernel
+        roofline.launched_record("fp8.triton", "_quantize_block_kernel", rec["case"])
+    # an edit to a helper the kernel calls changes the hash (the count is then stale)
+    import inspect
+
+    base = roofline.kernel_source_hash("espo.triton_logprobs", "_fwd_kernel")
+    real = inspect.getsource
+
+    def edited(obj):
+        src = real(obj)
+        return src + "\n# edited\n" if "def _aligned_split" in src else src
+
+    monkeypatch.setattr(inspect, "getsource", edited)
+    assert roofline.kernel_source_hash("espo.triton_logprobs", "_fwd_kernel") != base
+
+
+def test_gpu_kernels_doc_has_the_generated_table():
+    """docs/perf/gpu_kernels.md's per-kernel table is ``python -m bench.roofline
+    --markdown`` of today's model and counts (regenerate it after --sass)."""
+    doc = (ROOT / "docs" / "perf" / "gpu_kernels.md").read_text()
+    table = roofline._markdown(roofline.kernel_rows())
+    assert table in doc, "docs/perf/gpu_kernels.md: paste python -m bench.roofline --markdown"

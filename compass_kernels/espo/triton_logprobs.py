@@ -44,25 +44,62 @@ LAUNCH = {"num_warps": 4}
 _MIN_EXP = -200.0  # reference_logprobs._MIN_EXP
 
 
+_LOG2E = tl.constexpr(1.4426950408889634)
+_LN2 = tl.constexpr(0.6931471805599453)
+#: _MIN_EXP in base-2 units (exp(-200) = 2^(-200 log2 e): 0 in float32 either way).
+_MIN_EXP2 = tl.constexpr(_MIN_EXP * 1.4426950408889634)
+
+
 @triton.jit
-def _chunk_stats(x, m, s, a, inv_t, ENT: tl.constexpr):
-    """Fold one chunk x [BLOCK] float32 (-inf in masked lanes) into the state."""
-    m_new = tl.maximum(m, tl.max(x, axis=0))
-    # Only -inf so far: shift by 0 instead (every term is then exp(-200) = 0).
+def _lane_stats(x, m, s, a, scale, ENT: tl.constexpr):
+    """Fold one chunk x [LANES, VEC] float32 (-inf in masked elements) into the
+    per-lane state m, s, a [LANES]: each lane (a row of x, all in one thread) keeps
+    its own online max, so the loop has no cross-thread reduction (no shuffle, no
+    barrier); the lanes are merged once per row (_merge_lanes). Base 2: with
+    dd = (x - m) scale (scale = log2 e / T), s = sum 2^dd and a = sum 2^dd dd
+    (exp2 is one MUFU.EX2, flush-to-zero: terms below 2^-126 of the lane max are 0)."""
+    m_new = tl.maximum(m, tl.max(x, axis=1))
+    # Only -inf so far: shift by 0 instead (every term is then 2^-288 = 0).
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     # NaN-propagating clamps (the default tl.maximum is PTX max.f32, which drops
     # NaN): a NaN logit, or a +inf one (inf - inf), makes s NaN, hence NaN
     # log-prob and entropy for the row, as the torch backend gives.
-    d = tl.maximum((m - m_safe) * inv_t, -200.0, propagate_nan=tl.PropagateNan.ALL)
-    c = tl.exp(d)
-    a = c * (a + s * d)
-    s = c * s
-    dd = tl.maximum((x - m_safe) * inv_t, -200.0, propagate_nan=tl.PropagateNan.ALL)
-    e = tl.exp(dd)
-    s += tl.sum(e, axis=0)
+    d = tl.maximum((m - m_safe) * scale, _MIN_EXP2, propagate_nan=tl.PropagateNan.ALL)
+    c = tl.exp2(d)
     if ENT:
-        a += tl.sum(e * dd, axis=0)
+        a = c * (a + s * d)
+    s = c * s
+    dd = tl.maximum(
+        (x - m_safe[:, None]) * scale, _MIN_EXP2, propagate_nan=tl.PropagateNan.ALL
+    )  # x - m exact near the max
+    e = tl.exp2(dd)
+    s += tl.sum(e, axis=1)
+    if ENT:
+        a += tl.sum(e * dd, axis=1)
     return m_new, s, a
+
+
+@triton.jit
+def _merge_lanes(m, s, a, scale):
+    """The row's (max, sum, entropy sum) from the per-lane state of _lane_stats:
+    one cross-thread reduction per row; a in natural-log units (sum e^d d)."""
+    mx = tl.max(m, axis=0)
+    m_safe = tl.where(mx == float("-inf"), 0.0, mx)
+    d = tl.maximum((m - m_safe) * scale, _MIN_EXP2, propagate_nan=tl.PropagateNan.ALL)
+    c = tl.exp2(d)
+    return mx, tl.sum(c * s, axis=0), tl.sum(c * (a + s * d), axis=0) * _LN2
+
+
+@triton.jit
+def _merge_state(m0, s0, a0, m1, s1, a1, inv_t):
+    """Two online states (m, s = sum e^d, a = sum e^d d, d = (x - m) / T) as one."""
+    mx = tl.maximum(m0, m1)
+    m_safe = tl.where(mx == float("-inf"), 0.0, mx)
+    d0 = tl.maximum((m0 - m_safe) * inv_t, -200.0, propagate_nan=tl.PropagateNan.ALL)
+    d1 = tl.maximum((m1 - m_safe) * inv_t, -200.0, propagate_nan=tl.PropagateNan.ALL)
+    c0 = tl.exp(d0)
+    c1 = tl.exp(d1)
+    return mx, c0 * s0 + c1 * s1, c0 * (a0 + s0 * d0) + c1 * (a1 + s1 * d1)
 
 
 @triton.jit
@@ -78,25 +115,31 @@ def _aligned_split(base, V, VEC: tl.constexpr, BLOCK: tl.constexpr):
 
 @triton.jit
 def _row_stats(
-    logits_ptr, base, V, inv_t, m, s, a, ENT: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr
+    logits_ptr, base, V, inv_t, ENT: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr
 ):
-    """Online (m, s, a) over the row at ``logits_ptr + base``, V elements. The body
-    loads are unmasked and 16-byte aligned (ld.global.v4 when the tensor starts on
-    16 bytes, as every torch allocation does); the < VEC head and < BLOCK tail are
-    masked."""
-    cols = tl.arange(0, BLOCK)
+    """(m, s, a) of the row at ``logits_ptr + base``, V elements (a in natural-log
+    units). Each step is a [BLOCK / VEC, VEC] tile, a lane of VEC contiguous
+    elements per tile row: the body loads are unmasked and 16-byte aligned
+    (ld.global.v4 when the tensor starts on 16 bytes, as every torch allocation
+    does); the < VEC head and < BLOCK tail are masked."""
+    LANES: tl.constexpr = BLOCK // VEC
+    cols = tl.arange(0, LANES)[:, None] * VEC + tl.arange(0, VEC)[None, :]
+    scale = inv_t * _LOG2E
+    m = tl.full([LANES], float("-inf"), tl.float32)
+    s = tl.zeros([LANES], tl.float32)
+    a = tl.zeros([LANES], tl.float32)
     h, body, n_full = _aligned_split(base, V, VEC, BLOCK)
     if h > 0:
         x = tl.load(logits_ptr + base + cols, mask=cols < h, other=float("-inf"))
-        m, s, a = _chunk_stats(x.to(tl.float32), m, s, a, inv_t, ENT)
+        m, s, a = _lane_stats(x.to(tl.float32), m, s, a, scale, ENT)
     for v0 in range(0, n_full, BLOCK):
         x = tl.load(logits_ptr + body + v0 + cols).to(tl.float32)
-        m, s, a = _chunk_stats(x, m, s, a, inv_t, ENT)
+        m, s, a = _lane_stats(x, m, s, a, scale, ENT)
     rest = V - h - n_full
     if rest > 0:
         x = tl.load(logits_ptr + body + n_full + cols, mask=cols < rest, other=float("-inf"))
-        m, s, a = _chunk_stats(x.to(tl.float32), m, s, a, inv_t, ENT)
-    return m, s, a
+        m, s, a = _lane_stats(x.to(tl.float32), m, s, a, scale, ENT)
+    return _merge_lanes(m, s, a, scale)
 
 
 @triton.jit
@@ -117,10 +160,7 @@ def _fwd_kernel(
     row = tl.program_id(0).to(tl.int64)
     base = row * stride_row
     row_ptr = logits_ptr + base
-    m = tl.full((), float("-inf"), tl.float32)
-    s = tl.zeros((), tl.float32)
-    a = tl.zeros((), tl.float32)
-    m, s, a = _row_stats(logits_ptr, base, V, inv_t, m, s, a, ENT, BLOCK, VEC)
+    m, s, a = _row_stats(logits_ptr, base, V, inv_t, ENT, BLOCK, VEC)
     log_s = tl.log(s)
     y = tl.load(targets_ptr + row)
     ok = (y >= 0) & (y < V)
@@ -167,7 +207,8 @@ def _tile_kernel(
     mine = (y >= 0) & (y < V)
     xt_here = tl.load(row_ptr + tl.where(mine, y, 0)).to(tl.float32)
     xt = tl.where(mine, xt_here, xt)
-    m, s, a = _row_stats(logits_ptr, base, V, inv_t, m, s, a, ENT, BLOCK, VEC)
+    m1, s1, a1 = _row_stats(logits_ptr, base, V, inv_t, ENT, BLOCK, VEC)
+    m, s, a = _merge_state(m, s, a, m1, s1, a1, inv_t)
     tl.store(state_out_ptr + row, m)
     tl.store(state_out_ptr + T + row, s)
     tl.store(state_out_ptr + 2 * T + row, a)

@@ -33,13 +33,19 @@ from compass_kernels._validate import (
     describe,
     should_check,
 )
-from compass_kernels.fp8.grouped_gemm import grouped_gemm  # noqa: F401  (ck.fp8.grouped_gemm)
+from compass_kernels.fp8.grouped_gemm import (  # noqa: F401  (ck.fp8.grouped_gemm)
+    GroupedGemmWorkspace,
+    grouped_gemm,
+    grouped_gemm_workspace,
+)
 
 __all__ = [
     "quantize_blockwise",
     "quantize_token_groups",
     "dequantize",
     "grouped_gemm",
+    "grouped_gemm_workspace",
+    "GroupedGemmWorkspace",
     "moe_mlp",
     "grouped_mlp",
     "permute_quantize",

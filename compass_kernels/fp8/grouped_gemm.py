@@ -26,7 +26,15 @@ from compass_kernels._validate import (
     should_check,
 )
 
-__all__ = ["grouped_gemm", "grouped_gemm_op", "grouped_args_op", "OUT_DTYPES", "PTR_ROWS"]
+__all__ = [
+    "grouped_gemm",
+    "grouped_gemm_workspace",
+    "GroupedGemmWorkspace",
+    "grouped_gemm_op",
+    "grouped_args_op",
+    "OUT_DTYPES",
+    "PTR_ROWS",
+]
 
 #: Output dtypes and their codes at the kernel boundary.
 OUT_DTYPES = {torch.bfloat16: 0, torch.float32: 1}
@@ -95,7 +103,20 @@ def cutlass_launch_args(a_q, b_q, stream, sms):
     return (*bufs, tile)
 
 
-def grouped_gemm_cutlass(*, a_q, a_scales, b_q, b_scales, expert_offsets, out_dtype, out, stream):
+def grouped_gemm_cutlass(
+    *,
+    a_q,
+    a_scales,
+    b_q,
+    b_scales,
+    expert_offsets,
+    out_dtype,
+    workspace=None,
+    workspace_shapes=None,
+    workspace_ptrs=None,
+    out,
+    stream,
+):
     """The ``cuda`` backend: CUTLASS sm_90a (csrc/fp8/grouped_gemm_sm90.cuh).
 
     Two launches on ``stream``, no host sync: the argument builder (Triton,
@@ -107,11 +128,25 @@ def grouped_gemm_cutlass(*, a_q, a_scales, b_q, b_scales, expert_offsets, out_dt
     and K-major contiguous scales (checked, with a clear error, at the C++
     boundary). Host side per call: one Triton launch and one C++ entry; the
     builder's outputs, the workspace and the tile choice come from per-shape
-    caches. The Triton launch goes to torch's current stream: ``stream`` is
+    caches, or, with ``workspace`` / ``workspace_shapes`` / ``workspace_ptrs``
+    (views of a :class:`GroupedGemmWorkspace`), from the caller: nothing is
+    allocated. The Triton launch goes to torch's current stream: ``stream`` is
     that stream's handle (``_op`` passes ``cuda_stream``)."""
     build_args, gemm, _ = _cutlass_entry_points()
     sms = _sm_count(a_q.device.index or 0)
-    shapes, ptrs, ws, tile = cutlass_launch_args(a_q, b_q, stream, sms)
+    if workspace is None:
+        shapes, ptrs, ws, tile = cutlass_launch_args(a_q, b_q, stream, sms)
+    else:
+        e = b_q.shape[0]
+        tile = _tile(a_q.shape[0], e, b_q.shape[1], sms)
+        shapes, ptrs, ws = workspace_shapes, workspace_ptrs, workspace
+        need = _workspace_bytes(tile, e, sms)
+        if ws.numel() < need:
+            raise ValueError(
+                f"workspace: the CUTLASS tile configuration {tile} needs {need} bytes for "
+                f"{e} experts on {sms} SMs, the workspace holds {ws.numel()}: make it with "
+                "ck.fp8.grouped_gemm_workspace(num_experts, device=...) on this device"
+            )
     build_args(a_q, a_scales, b_q, b_scales, expert_offsets, out, shapes, ptrs)
     gemm(
         a_q,
@@ -135,6 +170,151 @@ def _workspace_bytes(tile: int, experts: int, sms: int) -> int:
     return load().fp8.grouped_gemm_sm90_workspace(tile, experts, sms)
 
 
+#: Alignment of each region of a GroupedGemmWorkspace (CUTLASS's TMA descriptors
+#: need 128 bytes, csrc/fp8/sm90_workspace.h).
+_ALIGN = 128
+#: CUTLASS tile configurations (csrc/fp8/sm90_tiles.h: kNumSm90Tiles).
+_NUM_TILES = 2
+
+
+def _round_up(x: int) -> int:
+    return -(-x // _ALIGN) * _ALIGN
+
+
+def _gemm_region_bytes(num_experts: int, sms: int) -> int:
+    """Bytes of CUTLASS workspace that serve every tile configuration for up to
+    ``num_experts`` experts on ``sms`` SMs (the largest over tiles; the per-call
+    check in :func:`grouped_gemm_cutlass` holds the rest of the contract)."""
+    return max(_workspace_bytes(tile, num_experts, sms) for tile in range(_NUM_TILES))
+
+
+class GroupedGemmWorkspace:
+    """Every buffer a :func:`grouped_gemm` call with up to ``num_experts`` experts
+    needs beyond its operands and output, on one device: made by
+    :func:`grouped_gemm_workspace`, passed as ``grouped_gemm(..., workspace=)``.
+
+    One uint8 ``buffer``: the argument builder's pointer arrays ([5, E] int64)
+    at offset 0, its problem shapes ([E, 3] int32), then CUTLASS's region
+    (``gemm_bytes``: the largest any tile configuration needs at ``num_experts``
+    on this device's SM count; 0 on CPU, where CUTLASS does not run), each at a
+    128-byte boundary. The Triton and torch backends need no scratch. A call
+    with E <= ``num_experts`` experts uses views of it (made once per E and
+    kept here), so it allocates nothing but its output (nothing with ``out=``)
+    and can be captured in a CUDA graph. Calls sharing a workspace must be
+    ordered (one stream, or a graph's order), as calls sharing an output are.
+    """
+
+    __slots__ = ("buffer", "num_experts", "gemm_bytes", "_views")
+
+    def __init__(self, buffer: torch.Tensor, num_experts: int, gemm_bytes: int) -> None:
+        self.buffer = buffer
+        self.num_experts = num_experts
+        self.gemm_bytes = gemm_bytes
+        self._views: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def device(self) -> torch.device:
+        """The device of ``buffer`` (a call's operands must be on it)."""
+        return self.buffer.device
+
+    @staticmethod
+    @functools.cache
+    def nbytes_for(num_experts: int, gemm_bytes: int) -> int:
+        """Bytes of the buffer: pointer arrays, shapes, CUTLASS's region (cached:
+        the per-call check reads it)."""
+        ptrs, shapes = _round_up(8 * len(PTR_ROWS) * num_experts), _round_up(12 * num_experts)
+        return ptrs + shapes + _round_up(gemm_bytes)
+
+    def views(self, experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(shapes [E, 3] int32, ptrs [5, E] int64, CUTLASS region uint8) for a call
+        with ``experts`` experts (1 <= E <= num_experts; views, kept per E)."""
+        v = self._views.get(experts)
+        if v is None:
+            cap, buf = self.num_experts, self.buffer
+            at = _round_up(8 * len(PTR_ROWS) * cap)
+            ptrs = buf[: 8 * len(PTR_ROWS) * experts].view(torch.int64)
+            shapes = buf[at : at + 12 * experts].view(torch.int32).view(experts, 3)
+            gemm = buf[at + _round_up(12 * cap) :]
+            v = self._views[experts] = (shapes, ptrs.view(len(PTR_ROWS), experts), gemm)
+        return v
+
+    def __repr__(self) -> str:
+        return (
+            f"GroupedGemmWorkspace(num_experts={self.num_experts}, device={self.device}, "
+            f"{self.buffer.numel()} bytes, CUTLASS region {self.gemm_bytes} bytes)"
+        )
+
+
+def grouped_gemm_workspace(
+    num_experts: int, *, device: torch.device | str | int | None = None
+) -> GroupedGemmWorkspace:
+    """The buffers of :func:`grouped_gemm` calls with up to ``num_experts`` experts.
+
+    Parameters
+    ----------
+    num_experts : E >= 1, the largest expert count of the calls it serves
+        (``b_q.shape[0]``).
+    device : the operands' device (default: the current CUDA device). On CUDA
+        the CUTLASS region is sized for this device's SM count and every tile
+        configuration, so any token count fits (the rows do not enter its size);
+        on CPU it is empty (no backend there needs scratch).
+
+    Returns
+    -------
+    :class:`GroupedGemmWorkspace`, one allocation (67 KiB at E = 8, 95 KiB at
+    E = 256 on an H100's 132 SMs, most of it CUTLASS's per-SM state; 512 bytes
+    at E = 8 on CPU). Pass it as ``grouped_gemm(..., workspace=ws, out=out)``: the
+    call then allocates nothing and reads nothing back to the host.
+    """
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts: expected a positive int, got {num_experts!r}")
+    dev = torch.device("cuda") if device is None else torch.device(device)
+    if dev.type == "cuda":
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        ext = load().fp8
+        gemm_bytes = 0
+        if hasattr(ext, "grouped_gemm_sm90_workspace"):  # a build with CUTLASS
+            gemm_bytes = _gemm_region_bytes(num_experts, _sm_count(dev.index))
+    elif dev.type == "cpu":
+        gemm_bytes = 0
+    else:
+        raise ValueError(f"device: expected a cpu or cuda device, got {dev}")
+    nbytes = GroupedGemmWorkspace.nbytes_for(num_experts, gemm_bytes)
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    if dev.type == "cuda" and buf.data_ptr() % _ALIGN:
+        raise ValueError(
+            f"device: the allocator returned a workspace at {buf.data_ptr():#x}, not on "
+            f"{_ALIGN} bytes (CUTLASS's TMA descriptors need it)"
+        )
+    return GroupedGemmWorkspace(buf, num_experts, gemm_bytes)
+
+
+def _check_workspace(workspace, dev: torch.device, experts: int) -> None:
+    """Metadata only (no sync): always checked, ``validate`` does not turn it off."""
+    if not isinstance(workspace, GroupedGemmWorkspace):
+        raise ValueError(
+            "workspace: expected a ck.fp8.GroupedGemmWorkspace (from "
+            f"ck.fp8.grouped_gemm_workspace), got {type(workspace).__name__}"
+        )
+    buf = workspace.buffer
+    if buf.device != dev:
+        raise ValueError(
+            f"workspace: expected a workspace on {dev} (a_q's device), got one on {buf.device}"
+        )
+    if experts > workspace.num_experts:
+        raise ValueError(
+            f"workspace: holds buffers for up to {workspace.num_experts} experts, the call has "
+            f"{experts} (b_q.shape[0]): make one with grouped_gemm_workspace({experts}, ...)"
+        )
+    want = GroupedGemmWorkspace.nbytes_for(workspace.num_experts, workspace.gemm_bytes)
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous() or buf.numel() < want:
+        raise ValueError(
+            f"workspace: expected its buffer to be a contiguous 1-d uint8 tensor of >= {want} "
+            f"bytes, got {describe(buf)}"
+        )
+
+
 @op(
     kernels={
         "torch": "compass_kernels.fp8.reference_gemm:grouped_gemm_torch",
@@ -150,9 +330,16 @@ def grouped_gemm_op(
     b_scales: torch.Tensor,
     expert_offsets: torch.Tensor,
     out_dtype: int,
+    workspace: torch.Tensor | None = None,
+    workspace_shapes: torch.Tensor | None = None,
+    workspace_ptrs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out [M, N] (OUT_DTYPES code) = per expert e, rows o[e]..o[e+1] of a_q [M, K]
-    times b_q[e] [N, K] transposed, blockwise scales (see :func:`grouped_gemm`)."""
+    times b_q[e] [N, K] transposed, blockwise scales (see :func:`grouped_gemm`).
+    ``workspace`` (uint8, CUTLASS's region), ``workspace_shapes`` [E, 3] int32 and
+    ``workspace_ptrs`` [5, E] int64: the caller's buffers of the ``cuda`` backend
+    (views of a :class:`GroupedGemmWorkspace`, all or none); None: its own caches.
+    The other backends need no scratch and ignore them."""
     return a_q.new_empty((a_q.shape[0], b_q.shape[1]), dtype=_FROM_CODE[out_dtype])
 
 
@@ -248,6 +435,7 @@ def grouped_gemm(
     validate: bool | None = None,
     backend: str | None = None,
     out: torch.Tensor | None = None,
+    workspace: GroupedGemmWorkspace | None = None,
 ) -> torch.Tensor:
     """``out[m] = dequant(a_q[m]) @ dequant(b_q[e]).T`` for the rows m of each expert e.
 
@@ -275,6 +463,12 @@ def grouped_gemm(
         "cuda" or "triton". The CUTLASS kernel needs bf16 output, K % 16 == 0,
         N % 8 == 0 and K-major contiguous scales; the Triton kernel takes any.
     out : [M, N] output to write (tests pass poisoned buffers).
+    workspace : a :class:`GroupedGemmWorkspace` (:func:`grouped_gemm_workspace`)
+        on a_q's device for >= E experts: the call takes every scratch buffer
+        from it, so with ``out`` too it allocates nothing (decode under CUDA
+        graphs). Checked always (metadata, no sync): device, expert capacity,
+        buffer dtype and size, and (backend ``cuda``) the CUTLASS region's size
+        for the chosen tile. None (default): the backend's own caches.
 
     K and N need not be multiples of 128 (partial last blocks use their own
     scales, as the quantizer's ragged blocks do).
@@ -302,6 +496,11 @@ def grouped_gemm(
             )
     if backend == "cuda" or (backend is None and dev.type == "cuda"):
         _check_tma_alignment(a_q=a_q, b_q=b_q, out=out)
+    ws = shapes = ptrs = None
+    if workspace is not None:
+        e = b_q.shape[0]
+        _check_workspace(workspace, dev, e)
+        shapes, ptrs, ws = workspace.views(e)
     return grouped_gemm_op(
         a_q=a_q,
         a_scales=a_scales,
@@ -309,6 +508,9 @@ def grouped_gemm(
         b_scales=b_scales,
         expert_offsets=expert_offsets,
         out_dtype=code,
+        workspace=ws,
+        workspace_shapes=shapes,
+        workspace_ptrs=ptrs,
         backend=backend,
         out=out,
     )

@@ -84,12 +84,26 @@ def grouped_gemm_abs_reference(
     )
 
 
-def grouped_gemm_torch(*, a_q, a_scales, b_q, b_scales, expert_offsets, out_dtype, out) -> None:
+def grouped_gemm_torch(
+    *,
+    a_q,
+    a_scales,
+    b_q,
+    b_scales,
+    expert_offsets,
+    out_dtype,
+    out,
+    workspace=None,
+    workspace_shapes=None,
+    workspace_ptrs=None,
+) -> None:
     """``fp8_grouped_gemm`` op on CPU tensors (the ``torch`` backend): dequantise
     in float32 (activations once, each expert's weight when it has rows), one
     float32 matmul per expert, written to ``out`` [M, N] (``out_dtype`` 0
-    bfloat16, 1 float32). Offsets are read on the host (checked by the public
-    function unless validate=False)."""
+    bfloat16, 1 float32). The workspace arguments are the CUTLASS backend's
+    (ignored: this backend's float32 temporaries are torch's, CPU only).
+    Offsets are read on the host (checked by the public function unless
+    validate=False)."""
     m, k = a_q.shape
     e, n, _ = b_q.shape
     if m == 0 or n == 0:

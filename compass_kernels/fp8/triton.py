@@ -53,8 +53,11 @@ SCAN_EXPERTS = 8
 TILE = 128
 #: Rows per step of the 128x128 weight-block kernel.
 BLOCK_ROWS_PER_STEP = 32
-#: Columns per program of the unpermute kernel.
-UNPERMUTE_BLOCK = 512
+#: Columns per program of the unpermute kernel (at most; 16 per thread: 2 x 128-bit
+#: loads of bf16 per slot row).
+UNPERMUTE_BLOCK = 2048
+#: top-k up to which the unpermute kernel unrolls its slot loop (k a constexpr).
+UNPERMUTE_MAX_K = 64
 #: Rows per program of the 1 x 128 kernel (one group wide: 32 x 128 = 32 per thread).
 GROUP_ROWS = 32
 #: Groups of 128 per step of the permute scatter (2048 columns: 16 per thread).
@@ -372,26 +375,49 @@ def _permute_scatter_kernel(
 
 @triton.jit
 def _unpermute_kernel(
-    y_ptr, ys, cols, dst_ptr, w_ptr, k, out_ptr, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr
+    y_ptr,
+    ys,
+    cols,
+    dst_ptr,
+    w_ptr,
+    out_ptr,
+    K: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    EVEN: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
+    """out[t, c-block] = sum_j w[t, j] y[dst[t k + j], c-block], j in order. One
+    program per token and BLOCK columns; the K slots unrolled (K constexpr): their
+    2 x K scalar index / weight loads and every row's masked loads are independent,
+    issued together. EVEN (cols % BLOCK == 0): the column mask is dropped, the row
+    loads are predicated only on the slot being kept (dst >= 0)."""
     t = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     cm = c < cols
     acc = tl.zeros([BLOCK], tl.float32)
-    for j in range(k):
-        p = tl.load(dst_ptr + t * k + j) + tl.zeros([BLOCK], tl.int64)
-        w = tl.load(w_ptr + t * k + j)
-        keep = p >= 0
-        y = tl.load(y_ptr + p * ys + c, mask=cm & keep, other=0.0).to(tl.float32)
+    for j in tl.static_range(K):
+        p = tl.load(dst_ptr + t * K + j)
+        w = tl.load(w_ptr + t * K + j)
+        keep = (p + tl.zeros([BLOCK], tl.int64)) >= 0  # one value: one predicate
+        row = y_ptr + tl.maximum(p, 0) * ys
+        if EVEN:
+            m = keep
+        else:
+            m = cm & keep
+        y = tl.load(row + c, mask=m, other=0.0).to(tl.float32)
         acc = tl.where(keep, acc + w * y, acc)
+    out = out_ptr + t * cols + c
     if OUT_BF16:
         u = acc.to(tl.int32, bitcast=True)
         rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
         nan = (u & 0x7FFFFFFF) > 0x7F800000
-        bits = tl.where(nan, (u >> 16) | 0x40, rounded)
-        tl.store(out_ptr + t * cols + c, bits.to(tl.int16), mask=cm)
+        bits = tl.where(nan, (u >> 16) | 0x40, rounded).to(tl.int16)
     else:
-        tl.store(out_ptr + t * cols + c, acc, mask=cm)
+        bits = acc
+    if EVEN:
+        tl.store(out, bits)
+    else:
+        tl.store(out, bits, mask=cm)
 
 
 # ------------------------------------------------------------------ wrappers
@@ -576,18 +602,22 @@ def unpermute_triton(*, y, dst_index, topk_weights, out) -> None:
     cols = y.shape[1]
     if m == 0 or cols == 0:
         return
+    if k > UNPERMUTE_MAX_K:
+        raise ValueError(f"topk_weights: expected at most {UNPERMUTE_MAX_K} columns (k), got {k}")
     bf16 = out.dtype == torch.bfloat16
-    grid = (m, triton.cdiv(cols, UNPERMUTE_BLOCK))
+    block = min(UNPERMUTE_BLOCK, max(TILE, triton.next_power_of_2(cols)))
+    grid = (m, triton.cdiv(cols, block))
     _unpermute_kernel[grid](
         y,
         y.stride(0),
         cols,
         dst_index,
         topk_weights,
-        k,
         out.view(torch.int16) if bf16 else out,
+        K=k,
         OUT_BF16=bf16,
-        BLOCK=UNPERMUTE_BLOCK,
+        EVEN=cols % block == 0,
+        BLOCK=block,
         **LAUNCH,
     )
 
@@ -703,10 +733,18 @@ def aot_variants() -> Sequence[
         "cols": "i64",
         "dst_ptr": "*i64",
         "w_ptr": "*fp32",
-        "k": "i64",
         "out_ptr": "*i16",
+        "K": "constexpr",
         "OUT_BF16": "constexpr",
+        "EVEN": "constexpr",
         "BLOCK": "constexpr",
     }
-    out.append((_unpermute_kernel, unperm, {"OUT_BF16": True, "BLOCK": UNPERMUTE_BLOCK}, LAUNCH))
+    out.append(
+        (
+            _unpermute_kernel,
+            unperm,
+            {"K": 8, "OUT_BF16": True, "EVEN": True, "BLOCK": UNPERMUTE_BLOCK},
+            LAUNCH,
+        )
+    )
     return out

@@ -197,6 +197,9 @@ def grouped_gemm_triton(
     expert_offsets: torch.Tensor,
     out_dtype: int,
     out: torch.Tensor,
+    workspace: torch.Tensor | None = None,
+    workspace_shapes: torch.Tensor | None = None,
+    workspace_ptrs: torch.Tensor | None = None,
     block_m: int | None = None,
     num_programs: int | None = None,
     promote: bool = True,
@@ -207,7 +210,9 @@ def grouped_gemm_triton(
     tile (64 | 128; default :func:`choose_block_m`). ``num_programs``: grid size
     (default: SM count on CUDA, :data:`INTERPRETER_PROGRAMS` in the interpreter;
     never more than the tile bound). ``promote=False`` is the test-only variant
-    without fp32 promotion (scales must then be constant along K).
+    without fp32 promotion (scales must then be constant along K). The
+    ``workspace*`` arguments are the CUTLASS backend's: this kernel needs no
+    scratch (its schedule is computed per program), so a call allocates nothing.
     """
     m, k = a_q.shape
     e, n, _ = b_q.shape
