@@ -21,8 +21,24 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from setuptools import build_meta as _setuptools
-from setuptools.build_meta import *  # noqa: F403  (the PEP 517 hooks we do not change)
+try:
+    from setuptools import build_meta as _setuptools
+    from setuptools.build_meta import *  # noqa: F403  (the PEP 517 hooks we do not change)
+except ModuleNotFoundError:
+    # scripts/setup_env.sh imports the helpers below (CUTLASS_REQUIREMENT, cuda_mode,
+    # usable_nvcc) before anything is installed: a fresh Python 3.12 venv has no
+    # setuptools. A build frontend installs it (build-system.requires) before any hook.
+    _setuptools = None
+
+
+def _backend():
+    if _setuptools is None:
+        raise RuntimeError(
+            "scripts/build_backend.py: setuptools is not installed; a PEP 517 frontend "
+            "installs pyproject.toml's build-system.requires first (pip install setuptools)"
+        )
+    return _setuptools
+
 
 #: The CUTLASS release the sm_90a kernels are built and tested with (headers only;
 #: the wheel's Python dependencies come along into the isolated build environment
@@ -103,8 +119,8 @@ def _cutlass_requirements() -> list[str]:
 
 
 def get_requires_for_build_wheel(config_settings=None):
-    return _setuptools.get_requires_for_build_wheel(config_settings) + _cutlass_requirements()
+    return _backend().get_requires_for_build_wheel(config_settings) + _cutlass_requirements()
 
 
 def get_requires_for_build_editable(config_settings=None):
-    return _setuptools.get_requires_for_build_editable(config_settings) + _cutlass_requirements()
+    return _backend().get_requires_for_build_editable(config_settings) + _cutlass_requirements()

@@ -145,3 +145,19 @@ def test_everything_resolves_from_the_package_index_alone(tmp_path):
     assert all(u.startswith("https://") for u in others), [
         u for u in others if not u.startswith("https:")
     ]
+
+
+def test_the_requirements_step_imports_the_build_helpers_without_setuptools():
+    """A fresh Python 3.12 venv has no setuptools, and setup_env.sh reads the CUTLASS
+    requirement from scripts/build_backend.py before installing anything (CI's 3.12
+    set-up failed there): the helpers import, the hooks say what is missing."""
+    code = (
+        "import sys; sys.modules['setuptools'] = None; sys.path.insert(0, 'scripts')\n"
+        "from build_backend import CUTLASS_REQUIREMENT, cuda_mode, usable_nvcc, "
+        "get_requires_for_build_wheel\n"
+        "assert CUTLASS_REQUIREMENT.startswith('nvidia-cutlass==') and cuda_mode()\n"
+        "try:\n    get_requires_for_build_wheel()\nexcept RuntimeError as e:\n"
+        "    assert 'setuptools is not installed' in str(e), e\nelse:\n    raise SystemExit(1)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
