@@ -247,6 +247,9 @@ def check_pilot_round_one(mod) -> None:
     # Pilot-Commit: the rest to the two mixed prompts, more to the higher variance
     assert set(commit) == {0, 1} and commit[1] > commit[0], commit
     assert sum(commit.values()) <= 24 and first == {i: 4 for i in keys}
+    # the default pilot: half the uniform share (N = 8 -> 4, N = 4 -> 2, N = 2 -> min_n)
+    for budget, want in ((48, 4), (24, 2), (12, 2)):
+        assert mod.make_policy("pilot").begin(keys, budget) == {i: want for i in keys}
     pol = mod.make_policy("pilot", pilot=2, commit="unsolved")
     pol.begin(keys, 20)
     commit = pol.more({0: [True, True], 1: [True, False], 2: [False, False]}, 8)
@@ -428,7 +431,7 @@ PLANTS = [
     ),
     (
         "pilot",
-        ("[(k, self.pilot) for k in self.keys]", "[(k, self.pilot + 1) for k in self.keys]"),
+        ("pilots = [(k, n) for k in self.keys]", "pilots = [(k, n + 1) for k in self.keys]"),
         check_pilot_round_one,
     ),
     (

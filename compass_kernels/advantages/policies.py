@@ -541,7 +541,9 @@ class PilotPolicy(BudgetPolicy):
 
     Parameters
     ----------
-    pilot : samples per key in round 1, >= min_n.
+    pilot : samples per key in round 1, >= min_n; None (default): half the uniform
+        share of the budget (``N // 2`` for a budget of N per prompt), at least min_n, so
+        the commit round always has budget to spend (a pilot of N spends it all).
     commit : "variance" | "unsolved" | "zero_variance".
     rounds : the rounds the policy plans for, >= 2 (2: the pilot and one commit).
     max_n : most samples of one prompt in a step, >= pilot.
@@ -553,7 +555,7 @@ class PilotPolicy(BudgetPolicy):
     def __init__(
         self,
         *,
-        pilot: int = 4,
+        pilot: int | None = None,
         commit: str = "variance",
         rounds: int = 2,
         max_n: int = 32,
@@ -561,17 +563,21 @@ class PilotPolicy(BudgetPolicy):
         seed: int = 0,
     ) -> None:
         super().__init__(min_n=min_n, seed=seed)
-        self.pilot = as_int("pilot", pilot, lo=self.min_n)
+        self.pilot = None if pilot is None else as_int("pilot", pilot, lo=self.min_n)
         if commit not in ("variance", "unsolved", "zero_variance"):
             raise ValueError(
                 f"commit: expected 'variance', 'unsolved' or 'zero_variance', got {commit!r}"
             )
         self.commit = commit
         self.rounds = as_int("rounds", rounds, lo=2)
-        self.max_n = as_int("max_n", max_n, lo=self.pilot)
+        self.max_n = as_int("max_n", max_n, lo=self.pilot or self.min_n)
 
     def _begin(self) -> dict[int, int]:
-        return _fit_order([(k, self.pilot) for k in self.keys], self.cost, self.budget)
+        n = self.pilot
+        if n is None:
+            n = max(self.min_n, self._uniform_n(self.keys, self.budget) // 2)
+        pilots = [(k, n) for k in self.keys]
+        return _fit_order(pilots, self.cost, self.budget)
 
     def _more(self, outcomes: Outcomes, remaining: float) -> dict[int, int]:
         if self.round > self.rounds:
