@@ -4,13 +4,13 @@ failure, the per-step markdown table."""
 
 from __future__ import annotations
 
-import pytest
-
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from compass_kernels.integration.rl import console, loop
 
