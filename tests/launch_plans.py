@@ -177,6 +177,15 @@ def espo_loss() -> Plan:
     from compass_kernels.espo import loss as lo
     from compass_kernels.espo import triton_loss as tk
 
+    def forward(lp, old, ent, adv, cu, mask, thr, sums, k, flags, n) -> None:
+        # the op's scalars after the flags: the default ESPO's clip / ratio constants,
+        # then the 1 / n sequence weight
+        _run(
+            lo.espo_loss_forward_op,
+            *(lp, old, ent, adv, cu, mask, thr, sums, k, flags),
+            *(0.2, 0.28, 1.0, 0.0, -20.0, 20.0, 1.0 / n, 1),
+        )
+
     # 512 sequences x ~4k tokens (2M tokens), fp32 log-probs, a mask; the default
     # ESPO (2 entropy groups, adaptive eps), GSPO-token and GRPO configurations
     n, t = 512, 2_000_000
@@ -200,26 +209,8 @@ def espo_loss() -> Plan:
         )
         yield (
             f"{name} forward n={n} T={t}",
-            lambda k=k, f=flags, thr=thr, sums=sums: _run(
-                lo.espo_loss_forward_op,
-                lp,
-                old,
-                ent,
-                adv,
-                cu,
-                mask,
-                thr,
-                sums,
-                k,
-                f,
-                0.2,
-                0.28,
-                1.0,
-                0.0,
-                -20.0,
-                20.0,
-                1.0 / n,
-                1,
+            lambda k=k, f=flags, thr=thr, sums=sums, n=n: forward(
+                lp, old, ent, adv, cu, mask, thr, sums, k, f, n
             ),
         )
     g = torch.empty((), **f32)
@@ -234,27 +225,7 @@ def espo_loss() -> Plan:
     sums = torch.empty(n * 2 * 3, dtype=torch.float64, device=META)
     yield (
         f"espo forward n={n} T={t}",
-        lambda: _run(
-            lo.espo_loss_forward_op,
-            lp,
-            old,
-            ent,
-            adv,
-            cu,
-            mask,
-            thr,
-            sums,
-            2,
-            tk._FLAG_ADAPTIVE,
-            0.2,
-            0.28,
-            1.0,
-            0.0,
-            -20.0,
-            20.0,
-            1.0 / n,
-            1,
-        ),
+        lambda: forward(lp, old, ent, adv, cu, mask, thr, sums, 2, tk._FLAG_ADAPTIVE, n),
     )
 
 
